@@ -1,0 +1,72 @@
+"""The model hyperparameters: one dataclass shared by the builder, the config file and HF mapping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BertConfig:
+    """Shape and behaviour of a BERT graph (the `model` section of a popbert config).
+
+    Defaults are BERT-Base. Names follow Google's `bert_config.json` where one exists.
+    """
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    intermediate_size: int = 3072
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    sequence_length: int = 128
+    max_predictions_per_seq: int = 20
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    layer_norm_eps: float = 1e-12
+    initializer_range: float = 0.02
+    # Placement: layers per device, e.g. [3, 7, 7, 7] for Large; None = no placement annotations.
+    # A leading 0 ([0, 4, 4, 4]) puts the embeddings alone on device 0 (Graphcore's Base layout).
+    layers_per_ipu: list[int] | None = None
+    # Checkpoint each layer output (except each device's last) for recomputation.
+    recompute: bool = False
+    # "onnx" (standard opset 23) or "popart" (ai.onnx 11 + ai.graphcore).
+    dialect: str = "onnx"
+    architecture: str = "bert"
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending key when the shape is impossible."""
+        positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
+                    "max_position_embeddings", "type_vocab_size", "sequence_length",
+                    "max_predictions_per_seq")
+        for key in positive:
+            if int(getattr(self, key)) <= 0:
+                raise ValueError(f"model.{key} must be a positive integer, got {getattr(self, key)}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by "
+                f"model.num_heads ({self.num_heads})")
+        if self.sequence_length > self.max_position_embeddings:
+            raise ValueError(
+                f"model.sequence_length ({self.sequence_length}) exceeds "
+                f"model.max_position_embeddings ({self.max_position_embeddings})")
+        if self.max_predictions_per_seq > self.sequence_length:
+            raise ValueError(
+                f"model.max_predictions_per_seq ({self.max_predictions_per_seq}) exceeds "
+                f"model.sequence_length ({self.sequence_length})")
+        for key in ("hidden_dropout", "attention_dropout"):
+            p = float(getattr(self, key))
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"model.{key} must be in [0, 1), got {p}")
+        if self.dialect not in ("onnx", "popart"):
+            raise ValueError(f"model.dialect must be 'onnx' or 'popart', got {self.dialect!r}")
+        if self.layers_per_ipu is not None:
+            if any(int(n) < 0 for n in self.layers_per_ipu) or not self.layers_per_ipu:
+                raise ValueError(
+                    f"model.layers_per_ipu must be a non-empty list of counts >= 0, "
+                    f"got {self.layers_per_ipu}")
+            if sum(self.layers_per_ipu) != self.num_layers:
+                raise ValueError(
+                    f"model.layers_per_ipu {self.layers_per_ipu} places "
+                    f"{sum(self.layers_per_ipu)} layers but model.num_layers is {self.num_layers}")

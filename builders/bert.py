@@ -1,0 +1,198 @@
+"""BERT (post-norm, Google's shapes and names) emitted op by op through the Builder.
+
+One function per block; the data path reads top to bottom: embeddings → encoder layers →
+MLM head on the masked positions only + NSP head → losses and accuracies. Weights are created
+under name scopes that map one-to-one to Hugging Face names (see `popbert.hf`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from popbert.builder import Builder, TensorInfo
+from popbert.builders import layers
+from popbert.builders.bert_config import BertConfig
+from popbert.builders.placement import PlacementPlan
+
+TASKS = ("pretraining", "encoder")
+BATCH = "batch_size"
+
+
+@dataclass
+class BertGraph:
+    """A built graph: the builder plus the names of its inputs and outputs by role."""
+
+    builder: Builder
+    config: BertConfig
+    task: str
+    inputs: dict[str, str] = field(default_factory=dict)
+    outputs: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def loss(self) -> str | None:
+        return self.outputs.get("loss")
+
+    def model(self) -> onnx.ModelProto:
+        return self.builder.getModel()
+
+
+def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = True,
+               seed: int = 0, zeros: bool = False, batch_size: int | str = BATCH) -> BertGraph:
+    """Emit the BERT graph for `task`.
+
+    task="pretraining" with_loss=True is the training graph (labels in, losses and accuracies
+    out); with_loss=False gives MLM/NSP logits for inference. task="encoder" outputs the last
+    hidden state and the pooled [CLS] output like `transformers.BertModel`.
+    `zeros=True` skips random initialisation (fast structural builds of Base/Large).
+    """
+    config.validate()
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+    b = Builder(dialect=config.dialect, graph_name=f"bert_{task}")
+    init = layers.WeightInit(config.initializer_range, seed=seed, zeros=zeros)
+    plan = PlacementPlan(config)
+    graph = BertGraph(b, config, task)
+    seq = config.sequence_length
+
+    def add_input(name: str, shape: list) -> str:
+        graph.inputs[name] = b.addInputTensor(TensorInfo("INT64", shape), name)
+        return graph.inputs[name]
+
+    input_ids = add_input("input_ids", [batch_size, seq])
+    segment_ids = add_input("segment_ids", [batch_size, seq])
+    input_mask = add_input("input_mask", [batch_size, seq])
+    if task == "pretraining":
+        preds = config.max_predictions_per_seq
+        positions = add_input("masked_lm_positions", [batch_size, preds])
+        if with_loss:
+            mlm_labels = add_input("masked_lm_ids", [batch_size, preds])
+            nsp_labels = add_input("next_sentence_labels", [batch_size])
+
+    with plan.scope(b, plan.embeddings):
+        hidden, word_embedding = embeddings(b, config, init, input_ids, segment_ids)
+        mask = layers.attention_mask(b, input_mask, seq)
+
+    for index, where in enumerate(plan.layers):
+        with plan.scope(b, where):
+            hidden = encoder_layer(b, config, init, hidden, mask, index)
+            if config.recompute and plan.enabled and plan.checkpoint_layer(index):
+                hidden = b.checkpointOutput([hidden])[0]
+
+    with plan.scope(b, plan.heads):
+        pooled = pooler(b, config, init, hidden)
+        if task == "encoder":
+            graph.outputs["last_hidden_state"] = hidden
+            graph.outputs["pooler_output"] = pooled
+        else:
+            mlm_logits = mlm_head(b, config, init, hidden, positions, word_embedding)
+            nsp_logits = nsp_head(b, config, init, pooled)
+            graph.outputs["mlm_logits"] = mlm_logits
+            graph.outputs["nsp_logits"] = nsp_logits
+            if with_loss:
+                graph.outputs.update(losses(b, config, mlm_logits, nsp_logits, mlm_labels,
+                                            nsp_labels))
+        # Outputs get plain names ("loss", "mlm_accuracy", ...) users can ask for.
+        for role, tensor in graph.outputs.items():
+            graph.outputs[role] = b.aiOnnx.identity([tensor], role)
+            b.addOutputTensor(graph.outputs[role])
+    return graph
+
+
+def embeddings(b: Builder, config: BertConfig, init: layers.WeightInit, input_ids: str,
+               segment_ids: str) -> tuple[str, str]:
+    """Word + position + segment embeddings, LayerNorm, dropout. Returns (hidden, word table)."""
+    h = config.hidden_size
+    with b.nameScope("Embedding"):
+        word_table = b.addInitializedInputTensor(init.normal([config.vocab_size, h]),
+                                                 "Embedding_Dict")
+        position_table = b.addInitializedInputTensor(
+            init.normal([config.max_position_embeddings, h]), "Positional_Dict")
+        segment_table = b.addInitializedInputTensor(init.normal([config.type_vocab_size, h]),
+                                                    "Segment_Dict")
+        words = b.aiOnnx.gather([word_table, input_ids], "Words", axis=0)
+        position_ids = b.addConstant(np.arange(config.sequence_length, dtype=np.int64),
+                                     "position_ids")
+        positions = b.aiOnnx.gather([position_table, position_ids], "Positions", axis=0)
+        segments = b.aiOnnx.gather([segment_table, segment_ids], "Segments", axis=0)
+        x = b.aiOnnx.add([b.aiOnnx.add([words, positions], "AddPositions"), segments],
+                         "AddSegments")
+        x = layers.layer_norm(b, x, h, config.layer_norm_eps, init)
+        x = layers.dropout(b, x, config.hidden_dropout)
+    return x, word_table
+
+
+def encoder_layer(b: Builder, config: BertConfig, init: layers.WeightInit, x: str, mask: str,
+                  index: int) -> str:
+    """Post-norm transformer layer: attention → add & norm → FFN → add & norm."""
+    h, heads = config.hidden_size, config.num_heads
+    with b.nameScope(f"Layer{index}"):
+        with b.nameScope("Attention"):
+            qkv = layers.dense(b, x, h, 3 * h, init, "QKV")
+            q, k, v = b.aiOnnx.split([qkv], "Split", axis=-1, num_outputs=3)
+            context = layers.multi_head_attention(b, q, k, v, mask, h, heads,
+                                                  config.sequence_length,
+                                                  config.attention_dropout)
+            out = layers.dense(b, context, h, h, init, "Out")
+            out = layers.dropout(b, out, config.hidden_dropout)
+            x = layers.layer_norm(b, b.aiOnnx.add([x, out], "Residual"), h,
+                                  config.layer_norm_eps, init)
+        with b.nameScope("FF"):
+            inner = layers.gelu(b, layers.dense(b, x, h, config.intermediate_size, init, "1"))
+            out = layers.dense(b, inner, config.intermediate_size, h, init, "2")
+            out = layers.dropout(b, out, config.hidden_dropout)
+            x = layers.layer_norm(b, b.aiOnnx.add([x, out], "Residual"), h,
+                                  config.layer_norm_eps, init)
+    return x
+
+
+def pooler(b: Builder, config: BertConfig, init: layers.WeightInit, hidden: str) -> str:
+    """tanh(W · h[CLS] + B): the pooled output NSP and classification heads use."""
+    with b.nameScope("NSP"):
+        cls = b.aiOnnx.gather([hidden, b.addConstant(np.array(0, np.int64), "cls_index")],
+                              "CLS", axis=1)
+        return b.aiOnnx.tanh([layers.dense(b, cls, config.hidden_size, config.hidden_size,
+                                           init, "Pool")], "Pooled")
+
+
+def mlm_head(b: Builder, config: BertConfig, init: layers.WeightInit, hidden: str,
+             positions: str, word_table: str) -> str:
+    """Logits [B, P, V] at the masked positions only; projection tied to the word embedding."""
+    h = config.hidden_size
+    with b.nameScope("CLS"):
+        index = b.aiOnnx.unsqueeze([positions, b.addConstant(np.array([2], np.int64), "axis")],
+                                   "Index")
+        masked = b.aiOnnx.gathernd([hidden, index], "Gather", batch_dims=1)  # [B, P, H]
+        with b.nameScope("LMPrediction"):
+            x = layers.gelu(b, layers.dense(b, masked, h, h, init, "Dense"))
+            x = layers.layer_norm(b, x, h, config.layer_norm_eps, init)
+        projection = b.aiOnnx.transpose([word_table], "TiedProjection", perm=[1, 0])
+        logits = b.aiOnnx.matmul([x, projection], "MLM/MatMul")
+        with b.nameScope("MLM"):
+            bias = b.addInitializedInputTensor(init.constant([config.vocab_size], 0.0), "Bias")
+        return b.aiOnnx.add([logits, bias], "mlm_logits")
+
+
+def nsp_head(b: Builder, config: BertConfig, init: layers.WeightInit, pooled: str) -> str:
+    with b.nameScope("NSP"):
+        return layers.dense(b, pooled, config.hidden_size, 2, init, "Cls")
+
+
+def losses(b: Builder, config: BertConfig, mlm_logits: str, nsp_logits: str, mlm_labels: str,
+           nsp_labels: str) -> dict[str, str]:
+    """MLM loss (label 0 = padding, ignored) + NSP loss, their sum, and both accuracies."""
+    with b.nameScope("Loss"):
+        flat_logits = b.aiOnnx.reshape(
+            [mlm_logits, b.addConstant(np.array([-1, config.vocab_size], np.int64), "shape")],
+            "MLMLogitsFlat")
+        flat_labels = b.aiOnnx.reshape(
+            [mlm_labels, b.addConstant(np.array([-1], np.int64), "flat")], "MLMLabelsFlat")
+        mlm_loss = layers.softmax_cross_entropy(b, flat_logits, flat_labels, 0, "mlm_loss")
+        nsp_loss = layers.softmax_cross_entropy(b, nsp_logits, nsp_labels, None, "nsp_loss")
+        loss = b.aiOnnx.add([mlm_loss, nsp_loss], "loss")
+        mlm_accuracy = layers.accuracy(b, flat_logits, flat_labels, 0, "mlm_accuracy")
+        nsp_accuracy = layers.accuracy(b, nsp_logits, nsp_labels, None, "nsp_accuracy")
+    return {"loss": loss, "mlm_loss": mlm_loss, "nsp_loss": nsp_loss,
+            "mlm_accuracy": mlm_accuracy, "nsp_accuracy": nsp_accuracy}

@@ -1,0 +1,172 @@
+"""Layer helpers written once against the Builder API, choosing ops per dialect.
+
+`onnx` dialect: standard opset 23 ops (LayerNormalization, Gelu, Attention,
+SoftmaxCrossEntropyLoss) that ONNX Runtime and the torch lowering run fused. `popart` dialect:
+ai.onnx opset 11 plus ai.graphcore ops (GroupNormalization as LayerNorm, Gelu, Nll), which is
+what PopART accepts. Model code calls these helpers and never branches on the dialect itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from popbert.builder import Builder
+
+# Large negative logit for masked-out keys: exp() underflows to exactly 0 in FP32 and FP16, and
+# unlike finfo.min it cannot overflow when added to a score in half precision.
+MASK_VALUE = -10000.0
+
+
+class WeightInit:
+    """Draws initial weights: BERT's N(0, 0.02) (or zeros, for fast structural builds)."""
+
+    def __init__(self, std: float = 0.02, seed: int = 0, zeros: bool = False,
+                 dtype: type = np.float32):
+        self.std = std
+        self.zeros = zeros
+        self.dtype = dtype
+        self.rng = np.random.default_rng(seed)
+
+    def normal(self, shape: Sequence[int]) -> np.ndarray:
+        if self.zeros:
+            return np.zeros(shape, self.dtype)
+        return (self.rng.standard_normal(shape) * self.std).astype(self.dtype)
+
+    def constant(self, shape: Sequence[int], value: float) -> np.ndarray:
+        return np.full(shape, value, self.dtype)
+
+
+def scalar(b: Builder, value: float | int, dtype: type, name: str) -> str:
+    return b.addConstant(np.array(value, dtype), name)
+
+
+def dense(b: Builder, x: str, in_features: int, out_features: int, init: WeightInit,
+          name: str, bias: bool = True) -> str:
+    """x @ W + B with W stored [in, out] (Google BERT's layout)."""
+    with b.nameScope(name):
+        weight = b.addInitializedInputTensor(init.normal([in_features, out_features]), "W")
+        y = b.aiOnnx.matmul([x, weight], "MatMul")
+        if bias:
+            b_ = b.addInitializedInputTensor(init.constant([out_features], 0.0), "B")
+            y = b.aiOnnx.add([y, b_], "Add")
+    return y
+
+
+def layer_norm(b: Builder, x: str, hidden: int, eps: float, init: WeightInit,
+               name: str = "Norm") -> str:
+    """LayerNorm over the last axis with `Gamma`/`Beta` weights."""
+    with b.nameScope(name):
+        gamma = b.addInitializedInputTensor(init.constant([hidden], 1.0), "Gamma")
+        beta = b.addInitializedInputTensor(init.constant([hidden], 0.0), "Beta")
+        if b.dialect == "onnx":
+            return b.aiOnnx.layernormalization([x, gamma, beta], "LayerNorm", axis=-1,
+                                               epsilon=float(eps))
+        # PopART: GroupNormalization with one group on a [N, H] tensor, reshaped back.
+        shape = b.getTensorShape(x)
+        flat = b.aiOnnx.reshape([x, b.addConstant(np.array([-1, hidden], np.int64), "flat")])
+        normed = b.aiGraphcore.groupnormalization([flat, gamma, beta], "GroupNorm", num_groups=1,
+                                                  epsilon=float(eps))[0]
+        return b.aiOnnx.reshape([normed, b.addConstant(np.array(_static(shape, x), np.int64),
+                                                       "shape")])
+
+
+def gelu(b: Builder, x: str) -> str:
+    if b.dialect == "onnx":
+        return b.aiOnnx.gelu([x], "Gelu")
+    return b.aiGraphcore.gelu([x], "Gelu")
+
+
+def dropout(b: Builder, x: str, probability: float, name: str = "Dropout") -> str:
+    """Dropout that the sessions switch off for evaluation; p = 0 emits nothing."""
+    if probability <= 0.0:
+        return x
+    if b.dialect == "onnx":
+        ratio = scalar(b, probability, np.float32, f"{name}/ratio")
+        return b.aiOnnx.dropout([x, ratio], name)
+    return b.aiOnnx.dropout([x], name, ratio=float(probability))
+
+
+def attention_mask(b: Builder, input_mask: str, seq_len: int) -> str:
+    """[B, S] 1/0 mask → additive [B, 1, S, S] float mask (0 keep, -10000 drop).
+
+    Expanded over the query axis because ONNX Runtime's Attention kernel does not broadcast it.
+    """
+    with b.nameScope("AttentionMask"):
+        as_float = b.aiOnnx.cast([input_mask], "Cast", to=1)
+        one = scalar(b, 1.0, np.float32, "one")
+        inverted = b.aiOnnx.sub([one, as_float], "Invert")
+        additive = b.aiOnnx.mul([inverted, scalar(b, MASK_VALUE, np.float32, "big")], "Scale")
+        axes = b.addConstant(np.array([1, 2], np.int64), "axes")
+        mask = b.aiOnnx.unsqueeze([additive, axes], "Unsqueeze")
+        shape = b.addConstant(np.array([1, 1, seq_len, seq_len], np.int64), "shape")
+        return b.aiOnnx.expand([mask, shape], "Expand")
+
+
+def multi_head_attention(b: Builder, q: str, k: str, v: str, mask: str, hidden: int,
+                         heads: int, seq_len: int, attention_dropout: float) -> str:
+    """Scaled dot-product attention over [B, S, H] tensors, returning [B, S, H].
+
+    With no attention-probability dropout the `onnx` dialect emits the fused opset-23
+    `Attention` op; otherwise (and in the `popart` dialect) the explicit
+    MatMul/Softmax/Dropout/MatMul chain, since `Attention` has no dropout.
+    """
+    if b.dialect == "onnx" and attention_dropout <= 0.0:
+        return b.aiOnnx.attention([q, k, v, mask], "Attention", q_num_heads=heads,
+                                  kv_num_heads=heads)
+    head_dim = hidden // heads
+    split_shape = b.addConstant(np.array([0, seq_len, heads, head_dim], np.int64), "heads_shape")
+
+    def heads_first(t: str, perm: list[int], name: str) -> str:
+        return b.aiOnnx.transpose([b.aiOnnx.reshape([t, split_shape], f"{name}/Reshape")],
+                                  f"{name}/Transpose", perm=perm)
+
+    qh = heads_first(q, [0, 2, 1, 3], "Q")
+    kh = heads_first(k, [0, 2, 3, 1], "K")  # [B, heads, d, S]
+    vh = heads_first(v, [0, 2, 1, 3], "V")
+    scores = b.aiOnnx.matmul([qh, kh], "Scores")
+    scores = b.aiOnnx.mul([scores, scalar(b, 1.0 / np.sqrt(head_dim), np.float32, "scale")],
+                          "Scale")
+    scores = b.aiOnnx.add([scores, mask], "Mask")
+    probs = b.aiOnnx.softmax([scores], "Softmax", axis=-1)
+    probs = dropout(b, probs, attention_dropout, "ProbsDropout")
+    context = b.aiOnnx.matmul([probs, vh], "Context")
+    context = b.aiOnnx.transpose([context], "Context/Transpose", perm=[0, 2, 1, 3])
+    merge = b.addConstant(np.array([0, seq_len, hidden], np.int64), "merge_shape")
+    return b.aiOnnx.reshape([context, merge], "Context/Reshape")
+
+
+def softmax_cross_entropy(b: Builder, logits: str, labels: str, ignore_index: int | None,
+                          name: str) -> str:
+    """Mean cross-entropy of [N, C] logits against [N] labels, skipping `ignore_index`."""
+    if b.dialect == "onnx":
+        return b.aiOnnx.softmaxcrossentropyloss([logits, labels], name, reduction="mean",
+                                                ignore_index=ignore_index)
+    probs = b.aiOnnx.softmax([logits], f"{name}/Softmax", axis=-1)
+    return b.aiGraphcore.nllloss([probs, labels], name, reduction=1,  # popart.ReductionType.Mean
+                                 ignoreIndex=ignore_index)
+
+
+def accuracy(b: Builder, logits: str, labels: str, ignore_index: int | None, name: str) -> str:
+    """Fraction of argmax predictions equal to the labels, over labels != ignore_index."""
+    with b.nameScope(name):
+        predictions = b.aiOnnx.argmax([logits], "ArgMax", axis=-1, keepdims=0)
+        correct = b.aiOnnx.cast([b.aiOnnx.equal([predictions, labels], "Equal")], "Correct",
+                                to=1)
+        if ignore_index is None:
+            return b.aiOnnx.reducemean([correct], "Mean", keepdims=0)
+        ignored = b.aiOnnx.equal([labels, b.addConstant(np.array(ignore_index, np.int64),
+                                                        "ignore")], "Ignored")
+        weight = b.aiOnnx.cast([b.aiOnnx.Not([ignored], "Valid")], "Weight", to=1)
+        hits = b.aiOnnx.reducesum([b.aiOnnx.mul([correct, weight], "Hits")], "HitSum",
+                                  keepdims=0)
+        count = b.aiOnnx.reducesum([weight], "Count", keepdims=0)
+        count = b.aiOnnx.max([count, scalar(b, 1.0, np.float32, "one")], "AtLeastOne")
+        return b.aiOnnx.div([hits, count], "Accuracy")
+
+
+def _static(shape: list, tensor: str) -> list[int]:
+    if any(not isinstance(d, int) or d <= 0 for d in shape):
+        raise ValueError(f"popart dialect needs static shapes; {tensor!r} has shape {shape}")
+    return shape

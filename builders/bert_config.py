@@ -1,4 +1,4 @@
-"""The model hyperparameters: one dataclass shared by the builder, the config file and HF mapping."""
+"""Model hyperparameters: one dataclass shared by the builder, the config file and HF mapping."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ class BertConfig:
                     "max_predictions_per_seq")
         for key in positive:
             if int(getattr(self, key)) <= 0:
-                raise ValueError(f"model.{key} must be a positive integer, got {getattr(self, key)}")
+                raise ValueError(
+                    f"model.{key} must be a positive integer, got {getattr(self, key)}")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.hidden_size ({self.hidden_size}) must be divisible by "

@@ -20,7 +20,6 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper, shape_inference
 
-
 # PopART's node attribute names (REFERENCE.md).
 IPU_NUMBER = "__ipu_number"
 PIPELINE_STAGE = "__pipeline_stage"
@@ -163,7 +162,8 @@ class Builder:
     accepts). Model code asks ``builder.dialect`` where the two differ.
     """
 
-    def __init__(self, dialect: str = "onnx", opset: int | None = None, graph_name: str = "popbert"):
+    def __init__(self, dialect: str = "onnx", opset: int | None = None,
+                 graph_name: str = "popbert"):
         if dialect not in DIALECT_OPSETS:
             raise BuilderError(f"Builder: unknown dialect {dialect!r}; expected 'onnx' or 'popart'")
         self.dialect = dialect

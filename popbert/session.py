@@ -19,6 +19,7 @@ import onnx
 import torch
 
 from popbert.builder import frozen_initializers
+from popbert.optimizers import LossScaler
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,8 @@ class TrainingSession(_Session):
 
     def __init__(self, model, loss: str, optimizer: OptimizerFactory,
                  options: SessionOptions | None = None,
-                 step_hook: Callable[[int], None] | None = None):
+                 step_hook: Callable[[int], None] | None = None,
+                 loss_scaler: LossScaler | None = None):
         super().__init__(model, options, training=True)
         if loss not in self.output_names:
             raise ValueError(f"loss {loss!r} is not a graph output; outputs are "
@@ -168,6 +170,7 @@ class TrainingSession(_Session):
         self.step = 0
         # Called before each optimizer step with the step index (learning-rate schedules).
         self.step_hook = step_hook
+        self.loss_scaler = loss_scaler
 
     def micro_batches_per_run(self) -> int:
         return self.options.device_iterations * self.options.gradient_accumulation
@@ -202,13 +205,18 @@ class TrainingSession(_Session):
             self.step_hook(self.step)
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = {}
+        scale = self.loss_scaler.scale_value if self.loss_scaler is not None else 1.0
         for micro in micro_batches:
             outputs = self.forward(micro)
-            (outputs[self.loss_name].float() / len(micro_batches)).backward()
+            (outputs[self.loss_name].float() * (scale / len(micro_batches))).backward()
             for name, value in outputs.items():
                 if value.dim() == 0:
                     value = value.detach().float()
                     totals[name] = totals[name] + value if name in totals else value
-        self.optimizer.step()
+        if self.loss_scaler is None:
+            self.optimizer.step()
+        else:  # skips the step (and backs the scale off) when a gradient overflowed
+            totals["loss_scale"] = torch.tensor(scale * len(micro_batches))
+            self.loss_scaler.step(self.optimizer)
         self.step += 1
         return {k: v / len(micro_batches) for k, v in totals.items()}

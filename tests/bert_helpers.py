@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
 from popbert.builders.bert_config import BertConfig
 
 
@@ -51,7 +50,8 @@ def hf_model(config: BertConfig, hf_weights: dict[str, np.ndarray]):
         attention_probs_dropout_prob=config.attention_dropout,
         max_position_embeddings=config.max_position_embeddings,
         type_vocab_size=config.type_vocab_size, layer_norm_eps=config.layer_norm_eps)
-    model = transformers.BertForPreTraining(hf_config, attn_implementation="eager")
+    hf_config._attn_implementation = "eager"
+    model = transformers.BertForPreTraining(hf_config)
     state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in hf_weights.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected, unexpected

@@ -7,10 +7,10 @@ import re
 
 import onnx
 import pytest
-
-from popbert.builder import IPU_NUMBER, PIPELINE_STAGE, RECOMPUTE
 from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import BertConfig
+
+from popbert.builder import IPU_NUMBER, PIPELINE_STAGE, RECOMPUTE
 
 TINY = dict(vocab_size=8192, hidden_size=128, num_layers=2, num_heads=2, intermediate_size=512)
 BASE = dict(vocab_size=30522, hidden_size=768, num_layers=12, num_heads=12,
@@ -19,7 +19,7 @@ LARGE = dict(vocab_size=30522, hidden_size=1024, num_layers=24, num_heads=16,
              intermediate_size=4096)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def built(shape: tuple, layers_per_ipu: tuple[int, ...]) -> onnx.ModelProto:
     """Real-size graphs with zero weights (fast), built once per module."""
     config = BertConfig(**dict(shape), layers_per_ipu=list(layers_per_ipu), recompute=True)

@@ -1,0 +1,145 @@
+"""Checkpoints: one directory per save, written atomically, enough to resume bit-exactly.
+
+Layout of ``<output>/checkpoints/step-000010/``:
+
+- ``weights.safetensors``  trainable weights under their ONNX names (`popbert.hf` maps them to
+  Hugging Face `BertForPreTraining` names)
+- ``optimizer.pt``         optimizer state (FP32 moments, step counts, rounding generator)
+- ``state.json``           step, data-loader position, loss-scale state
+- ``rng.pt``               torch (and CUDA) RNG states, so dropout masks continue identically
+- ``config.yaml``          the resolved run config
+- ``model.onnx``           the annotated training graph
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+import safetensors.torch
+import torch
+
+from popbert.atomic import atomic_directory
+from popbert.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+FILES = ("weights.safetensors", "optimizer.pt", "state.json", "rng.pt", "config.yaml")
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Checkpoint:
+    """What a checkpoint holds, in memory."""
+
+    step: int
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any] = field(default_factory=dict)
+    loader: dict[str, Any] = field(default_factory=dict)
+    loss_scaler: dict[str, Any] = field(default_factory=dict)
+    rng: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def step_dir(output_dir: Path, step: int) -> Path:
+    return Path(output_dir) / "checkpoints" / f"step-{step:06d}"
+
+
+def capture_rng() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: Mapping[str, Any]) -> None:
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _torch_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def save_checkpoint(directory: Path, checkpoint: Checkpoint, config_yaml: str,
+                    model: onnx.ModelProto | None = None) -> Path:
+    """Write `checkpoint` to `directory` atomically (temporary sibling, fsync, rename)."""
+    directory = Path(directory)
+    with atomic_directory(directory) as tmp:
+        weights = {k: v.detach().contiguous().cpu() for k, v in checkpoint.weights.items()}
+        safetensors.torch.save_file(weights, str(tmp / "weights.safetensors"),
+                                    metadata={"format": "popbert", "names": "onnx"})
+        (tmp / "optimizer.pt").write_bytes(_torch_bytes(checkpoint.optimizer))
+        (tmp / "rng.pt").write_bytes(_torch_bytes(checkpoint.rng))
+        state = {"format_version": FORMAT_VERSION, "step": checkpoint.step,
+                 "loader": checkpoint.loader, "loss_scaler": checkpoint.loss_scaler}
+        (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+        (tmp / "config.yaml").write_text(config_yaml)
+        if model is not None:
+            onnx.save(model, str(tmp / "model.onnx"))
+    log.info("saved checkpoint %s", directory)
+    return directory
+
+
+def find_checkpoint(path: Path) -> Path:
+    """A checkpoint directory itself, or the latest one under a run's output directory."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: checkpoint not found")
+    if (path / "state.json").exists():
+        return path
+    candidates = sorted((path / "checkpoints").glob("step-*")) if path.is_dir() else []
+    candidates = [c for c in candidates if (c / "state.json").exists()]
+    if not candidates:
+        raise CheckpointError(f"{path}: no checkpoint here (expected state.json, or "
+                              "checkpoints/step-*/ under a run directory)")
+    return candidates[-1]
+
+
+def load_checkpoint(path: Path, weights_only: bool = False) -> Checkpoint:
+    """Read a checkpoint; any missing or corrupt file is a one-line CheckpointError."""
+    directory = find_checkpoint(path)
+    needed = ("weights.safetensors", "state.json", "config.yaml") if weights_only else FILES
+    for name in needed:
+        if not (directory / name).is_file():
+            raise CheckpointError(f"{directory / name}: missing from the checkpoint")
+    try:
+        weights = safetensors.torch.load_file(str(directory / "weights.safetensors"))
+    except Exception as error:
+        raise CheckpointError(f"{directory / 'weights.safetensors'}: unreadable "
+                              f"({type(error).__name__}: {error})") from None
+    try:
+        state = json.loads((directory / "state.json").read_text())
+        step = int(state["step"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{directory / 'state.json'}: corrupt ({error})") from None
+    import yaml
+
+    try:
+        config = yaml.safe_load((directory / "config.yaml").read_text()) or {}
+    except yaml.YAMLError as error:
+        raise CheckpointError(f"{directory / 'config.yaml'}: corrupt YAML "
+                              f"({str(error).splitlines()[0]})") from None
+    checkpoint = Checkpoint(step=step, weights=weights, loader=state.get("loader", {}),
+                            loss_scaler=state.get("loss_scaler", {}), config=config)
+    if not weights_only:
+        checkpoint.optimizer = _torch_load(directory / "optimizer.pt")
+        checkpoint.rng = _torch_load(directory / "rng.pt")
+    return checkpoint
+
+
+def _torch_load(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise CheckpointError(f"{path}: unreadable ({type(error).__name__})") from None

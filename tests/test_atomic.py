@@ -1,0 +1,178 @@
+"""Atomic files and directories: a failure or a kill never leaves a torn result (popbert.atomic)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from popbert import atomic
+from popbert.atomic import (
+    atomic_directory,
+    atomic_write_bytes,
+    atomic_write_text,
+    restore_interrupted,
+)
+
+
+def leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith((".tmp-", ".old-")))
+
+
+def test_write_bytes_and_text_replace(tmp_path: Path) -> None:
+    target = tmp_path / "sub" / "f.bin"
+    assert atomic_write_bytes(target, b"one") == target
+    atomic_write_bytes(target, b"two")
+    assert target.read_bytes() == b"two"
+    atomic_write_text(tmp_path / "t.txt", "héllo\n")
+    assert (tmp_path / "t.txt").read_text(encoding="utf-8") == "héllo\n"
+    assert leftovers(target.parent) == [] and leftovers(tmp_path) == []
+
+
+def test_failed_write_keeps_old_file(tmp_path: Path) -> None:
+    target = tmp_path / "f.txt"
+    target.write_text("old")
+    with pytest.raises(TypeError):
+        atomic_write_bytes(target, "not bytes")  # type: ignore[arg-type]
+    assert target.read_text() == "old"
+    assert leftovers(tmp_path) == []
+
+
+def test_file_permissions_follow_umask(tmp_path: Path) -> None:
+    target = atomic_write_text(tmp_path / "f.txt", "x")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_directory_created(tmp_path: Path) -> None:
+    final = tmp_path / "ckpt"
+    with atomic_directory(final) as tmp:
+        assert tmp.name == f".tmp-ckpt-{os.getpid()}" and tmp.parent == tmp_path
+        assert not final.exists()
+        (tmp / "a.txt").write_text("a")
+        (tmp / "nested").mkdir()
+        (tmp / "nested" / "b.txt").write_text("b")
+    assert (final / "a.txt").read_text() == "a"
+    assert (final / "nested" / "b.txt").read_text() == "b"
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "rename-aside"])
+def test_directory_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                            exchange: bool) -> None:
+    if not exchange:
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    final = tmp_path / "ckpt"
+    final.mkdir()
+    (final / "old.txt").write_text("old")
+    with atomic_directory(final) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert sorted(p.name for p in final.iterdir()) == ["new.txt"]
+    assert leftovers(tmp_path) == []
+
+
+def test_exception_keeps_old_directory(tmp_path: Path) -> None:
+    final = tmp_path / "ckpt"
+    final.mkdir()
+    (final / "weights").write_text("v1")
+    with pytest.raises(RuntimeError, match="boom"), atomic_directory(final) as tmp:
+        (tmp / "weights").write_text("v2-partial")
+        raise RuntimeError("boom")
+    assert (final / "weights").read_text() == "v1"
+    assert sorted(p.name for p in final.iterdir()) == ["weights"]
+    assert leftovers(tmp_path) == []
+
+
+def test_exception_without_old_directory(tmp_path: Path) -> None:
+    with pytest.raises(KeyboardInterrupt), atomic_directory(tmp_path / "ckpt") as tmp:
+        (tmp / "x").write_text("x")
+        raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failure_between_renames_restores_old(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without renameat2: if moving the new directory in fails, the old one comes back."""
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    real_replace = os.replace
+
+    def flaky_replace(src: os.PathLike[str], dst: os.PathLike[str]) -> None:
+        if Path(src).name.startswith(".tmp-"):
+            raise OSError("disk gone")
+        real_replace(src, dst)
+
+    final = tmp_path / "ckpt"
+    final.mkdir()
+    (final / "weights").write_text("v1")
+    monkeypatch.setattr(atomic.os, "replace", flaky_replace)
+    with pytest.raises(OSError, match="disk gone"), atomic_directory(final) as tmp:
+        (tmp / "weights").write_text("v2")
+    monkeypatch.setattr(atomic.os, "replace", real_replace)
+    assert (final / "weights").read_text() == "v1"
+    assert leftovers(tmp_path) == []
+
+
+def test_restore_interrupted(tmp_path: Path) -> None:
+    final = tmp_path / "ckpt"
+    aside = tmp_path / ".old-ckpt-12345"
+    aside.mkdir()
+    (aside / "weights").write_text("v1")
+    assert restore_interrupted(final) is True
+    assert (final / "weights").read_text() == "v1" and not aside.exists()
+    # With the final directory present, a stale aside copy is just removed.
+    aside.mkdir()
+    assert restore_interrupted(final) is False
+    assert not aside.exists() and (final / "weights").read_text() == "v1"
+
+
+def test_existing_file_is_not_replaced_by_directory(tmp_path: Path) -> None:
+    final = tmp_path / "ckpt"
+    final.write_text("a file")
+    with pytest.raises(FileExistsError), atomic_directory(final) as tmp:
+        (tmp / "x").write_text("x")
+    assert final.read_text() == "a file"
+    assert leftovers(tmp_path) == []
+
+
+WRITER = """
+import sys
+from pathlib import Path
+from popbert.atomic import atomic_directory
+
+final = Path(sys.argv[1])
+version = 0
+while True:
+    version += 1
+    with atomic_directory(final) as tmp:
+        for i in range(20):
+            (tmp / f"part{i}").write_text(f"{version}\\n" * 200)
+        (tmp / "DONE").write_text(str(version))
+    print(version, flush=True)
+"""
+
+
+def test_kill_during_writes_leaves_a_complete_directory(tmp_path: Path) -> None:
+    """SIGKILL a process that rewrites a directory in a loop: what remains is one whole version."""
+    final = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(final)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        for _ in range(3):  # wait until a few versions were published
+            assert proc.stdout.readline(), "writer died"
+        time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    restore_interrupted(final)
+    names = sorted(p.name for p in final.iterdir())
+    assert names == sorted(["DONE", *(f"part{i}" for i in range(20))])
+    version = (final / "DONE").read_text()
+    for i in range(20):
+        assert (final / f"part{i}").read_text() == f"{version}\n" * 200

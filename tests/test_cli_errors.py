@@ -1,0 +1,225 @@
+"""The `popbert` CLI: user errors are one stderr line and exit 2; commands reach the library."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from popbert import cli
+from popbert.config import load_config
+from popbert.errors import CheckpointError
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "popbert", *args], capture_output=True,
+                          text=True, timeout=120, cwd=cwd)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], *fragments: str) -> str:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("popbert: error: ")
+    for fragment in fragments:
+        assert fragment in lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def cli_logging():
+    """In-process main() installs a root handler bound to pytest's stderr; remove it after."""
+    yield
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, cli._HANDLER_MARK, False):
+            root.removeHandler(handler)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through `python -m popbert`
+
+
+def test_unknown_config_key(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("optimizer:\n  lrr: 0.1\n")
+    proc = run_cli("pretrain", "--config", str(path), "--output-dir", str(tmp_path / "run"))
+    assert_one_line_error(proc, str(path), "unknown key optimizer.lrr", "valid keys:")
+    assert not (tmp_path / "run").exists()
+
+
+def test_wrong_type_override() -> None:
+    proc = run_cli("pretrain", "--set", "optimizer.lr=abc")
+    line = assert_one_line_error(proc)
+    assert line == ("popbert: error: --set optimizer.lr=abc: optimizer.lr: expected float, "
+                    "got 'abc'")
+
+
+def test_bad_override_syntax() -> None:
+    assert_one_line_error(run_cli("pretrain", "--set", "optimizer.lr"),
+                          "expected section.key=value")
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    assert_one_line_error(run_cli("pretrain", "--config", str(tmp_path / "missing.yaml")),
+                          "config file not found", "missing.yaml")
+
+
+def test_bad_enum_and_batch_mismatch_via_example(tmp_path: Path) -> None:
+    assert_one_line_error(run_cli("config", "--set", "execution.device=tpu"),
+                          "execution.device: expected one of cpu, cuda, auto, got 'tpu'")
+    example = Path(__file__).resolve().parents[1] / "examples" / "pretrain.py"
+    proc = subprocess.run([sys.executable, str(example), "--config", "base-128",
+                           "--set", "execution.micro_batch_size=48"],
+                          capture_output=True, text=True, timeout=120)
+    assert_one_line_error(proc, "training.global_batch_size (65536) is not divisible")
+
+
+def test_missing_checkpoint_directories(tmp_path: Path) -> None:
+    assert_one_line_error(run_cli("pretrain", "--resume", str(tmp_path / "none")),
+                          "--resume: not a directory")
+    assert_one_line_error(run_cli("pretrain", "--init-from", str(tmp_path / "none")),
+                          "--init-from: not a directory")
+    assert_one_line_error(run_cli("export", "--checkpoint", str(tmp_path / "none"), "--task",
+                                  "encoder", "--output", str(tmp_path / "m.onnx")),
+                          "--checkpoint: not a directory")
+
+
+def test_plot_missing_metrics(tmp_path: Path) -> None:
+    assert_one_line_error(run_cli("plot", str(tmp_path / "metrics.jsonl")),
+                          "metrics file not found")
+
+
+@pytest.mark.parametrize("args", [
+    ["pretrain", "--no-such-flag"],
+    ["export", "--checkpoint", "x", "--task", "classify", "--output", "y.onnx"],
+    ["pretrain", "--resume", "a", "--init-from", "b"],
+    ["frobnicate"],
+    [],
+])
+def test_usage_errors_exit_2(args: list[str]) -> None:
+    proc = run_cli(*args)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "usage: popbert" in proc.stderr
+
+
+def test_config_command_prints_resolved_yaml(tmp_path: Path) -> None:
+    proc = run_cli("config", "--config", "tiny", "--set", "training.steps=7")
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "resolved.yaml"
+    out.write_text(proc.stdout)
+    assert load_config(out) == load_config("tiny", ["training.steps=7"])
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process main(): wiring to the lead's modules (stand-ins here)
+
+
+def fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **attrs: object) -> None:
+    module = types.ModuleType(name)
+    for key, value in attrs.items():
+        setattr(module, key, value)
+    monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_pretrain_calls_run_pretraining(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        cli_logging: None) -> None:
+    calls = []
+    fake_module(monkeypatch, "popbert.pretrain",
+                run_pretraining=lambda cfg, **kw: calls.append((cfg, kw)))
+    init = tmp_path / "phase1"
+    init.mkdir()
+    rc = cli.main(["pretrain", "-c", "base-384", "--set", "training.steps=3",
+                   "--output-dir", str(tmp_path / "out"), "--init-from", str(init)])
+    assert rc == 0
+    (cfg, kw), = calls
+    assert cfg == load_config("base-384", ["training.steps=3"])
+    assert kw == {"output_dir": tmp_path / "out", "resume": None, "init_from": init}
+
+
+def test_pretrain_defaults(monkeypatch: pytest.MonkeyPatch, cli_logging: None) -> None:
+    calls = []
+    fake_module(monkeypatch, "popbert.pretrain",
+                run_pretraining=lambda cfg, **kw: calls.append((cfg, kw)))
+    assert cli.main(["pretrain"]) == 0
+    (cfg, kw), = calls
+    assert cfg == load_config("tiny")
+    assert kw["output_dir"].parent == Path("runs")
+    assert kw["output_dir"].name.startswith("pretrain-")
+    assert kw["resume"] is None and kw["init_from"] is None
+
+
+def test_resume_without_config_uses_the_runs_config(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    cli_logging: None) -> None:
+    from popbert.config import save_config
+
+    calls = []
+    fake_module(monkeypatch, "popbert.pretrain",
+                run_pretraining=lambda cfg, **kw: calls.append((cfg, kw)))
+    ckpt = tmp_path / "ckpt"
+    saved = load_config("tiny", ["training.steps=11"])
+    save_config(saved, ckpt / "config.yaml")
+    assert cli.main(["pretrain", "--resume", str(ckpt), "-o", str(tmp_path)]) == 0
+    assert calls[0][0] == saved and calls[0][1]["resume"] == ckpt
+
+
+def test_export_calls_export_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        cli_logging: None) -> None:
+    calls = []
+
+    def export_checkpoint(checkpoint: Path, task: str, output: Path) -> Path:
+        calls.append((checkpoint, task, output))
+        return output
+
+    fake_module(monkeypatch, "popbert.export", export_checkpoint=export_checkpoint)
+    rc = cli.main(["export", "--checkpoint", str(tmp_path), "--task", "pretraining",
+                   "--output", str(tmp_path / "m.onnx")])
+    assert rc == 0
+    assert calls == [(tmp_path, "pretraining", tmp_path / "m.onnx")]
+
+
+def test_library_errors_become_exit_2(monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str],
+                                      cli_logging: None) -> None:
+    class DataError(ValueError):
+        pass
+
+    fake_module(monkeypatch, "popbert.data.errors", DataError=DataError)
+
+    def failing(cfg: object, **kw: object) -> None:
+        raise DataError("shard a.hdf5: sequence length 512\ndoes not match model (128)")
+
+    fake_module(monkeypatch, "popbert.pretrain", run_pretraining=failing)
+    assert cli.main(["pretrain"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["popbert: error: shard a.hdf5: sequence length 512 does not match model (128)"]
+
+    def bad_checkpoint(cfg: object, **kw: object) -> None:
+        raise CheckpointError("checkpoint x: missing weights.safetensors")
+
+    fake_module(monkeypatch, "popbert.pretrain", run_pretraining=bad_checkpoint)
+    assert cli.main(["pretrain"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "popbert: error: checkpoint x: missing weights.safetensors"]
+
+
+def test_bugs_keep_their_traceback(monkeypatch: pytest.MonkeyPatch, cli_logging: None) -> None:
+    def broken(cfg: object, **kw: object) -> None:
+        raise RuntimeError("a bug")
+
+    fake_module(monkeypatch, "popbert.pretrain", run_pretraining=broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["pretrain"])
+
+
+def test_main_returns_argparse_status(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["pretrain", "--bogus"]) == 2
+    assert cli.main(["--version"]) == 0
+    assert "popbert" in capsys.readouterr().out

@@ -1,0 +1,376 @@
+"""Config loading, presets, validation errors and `--set` overrides (popbert.config)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from popbert.config import (
+    RunConfig,
+    apply_overrides,
+    config_from_dict,
+    dump_config,
+    list_presets,
+    load_config,
+    parse_lr_schedule,
+    parse_override,
+    preset_path,
+    save_config,
+)
+from popbert.errors import ConfigError, PopbertError
+
+PRESETS = ["tiny", "base-128", "base-384", "large-128", "large-384"]
+
+
+def write(tmp_path: Path, text: str, name: str = "config.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def error_of(config: str | Path, overrides: list[str] | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(config, overrides or [])
+    message = str(info.value)
+    assert "\n" not in message, "config errors must be one line"
+    return message
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets
+
+
+def test_all_presets_are_shipped() -> None:
+    assert sorted(PRESETS) == list_presets()
+    for name in PRESETS:
+        assert preset_path(name).is_file()
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_loads_and_validates(name: str) -> None:
+    cfg = load_config(name)
+    assert isinstance(cfg, RunConfig)
+    cfg.validate()
+    assert cfg.global_batch_size == (cfg.execution.micro_batch_size * cfg.execution.replicas
+                                     * cfg.execution.gradient_accumulation)
+    if cfg.training.global_batch_size is not None:
+        assert cfg.training.global_batch_size == cfg.global_batch_size
+
+
+def test_tiny_preset_is_a_small_fp32_cpu_run() -> None:
+    cfg = load_config("tiny")
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.intermediate_size) == (2, 128, 2, 512)
+    assert (m.sequence_length, m.max_predictions_per_seq, m.vocab_size) == (128, 20, 8192)
+    assert m.layers_per_ipu is None
+    assert m.hidden_dropout == pytest.approx(0.1)
+    assert cfg.execution.device == "cpu"
+    assert cfg.execution.weight_dtype == cfg.execution.compute_dtype == "float32"
+    assert not cfg.execution.use_stochastic_rounding
+    assert cfg.execution.micro_batch_size == 32
+    assert 1e-3 <= cfg.optimizer.lr <= 2e-3
+    assert 0 < cfg.optimizer.warmup_steps <= cfg.training.steps // 5
+    assert cfg.data.input_files == [] and cfg.data.vocab_file is None
+
+
+@pytest.mark.parametrize("name,layers,hidden,heads,inter,placement,scale", [
+    ("base-128", 12, 768, 12, 3072, [0, 4, 4, 4], 512.0),
+    ("base-384", 12, 768, 12, 3072, [0, 4, 4, 4], 512.0),
+    ("large-128", 24, 1024, 16, 4096, [3, 7, 7, 7], 64.0),
+    ("large-384", 24, 1024, 16, 4096, [3, 7, 7, 7], 64.0),
+])
+def test_bert_presets_follow_graphcore(name: str, layers: int, hidden: int, heads: int,
+                                       inter: int, placement: list[int], scale: float) -> None:
+    cfg = load_config(name)
+    m, o, e, t = cfg.model, cfg.optimizer, cfg.execution, cfg.training
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.intermediate_size) == (
+        layers, hidden, heads, inter)
+    assert m.vocab_size == 30522
+    assert m.layers_per_ipu == placement
+    assert o.name == "lamb" and o.bias_correction is False
+    assert o.weight_decay == pytest.approx(0.01) and o.eps == pytest.approx(1e-6)
+    assert o.loss_scaling == "static" and o.loss_scale == scale
+    assert o.warmup_start_lr == pytest.approx(1e-7) and o.end_lr == pytest.approx(1e-7)
+    assert o.decay == "linear" and o.max_grad_norm is None
+    assert e.weight_dtype == "float16" and e.use_stochastic_rounding
+    if name.endswith("-128"):
+        assert (m.sequence_length, m.max_predictions_per_seq) == (128, 20)
+        assert (o.lr, o.warmup_steps, t.steps, t.global_batch_size) == (0.006, 2000, 7038, 65536)
+    else:
+        assert (m.sequence_length, m.max_predictions_per_seq) == (384, 56)
+        assert (o.lr, o.warmup_steps, t.steps, t.global_batch_size) == (
+            0.002828, 274, 2137, 16384)
+    assert cfg.global_batch_size == t.global_batch_size
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+
+def test_partial_file_takes_defaults_and_yaml12_floats(tmp_path: Path) -> None:
+    path = write(tmp_path, "optimizer:\n  lr: 1e-3\n  warmup_steps: 5\ntraining:\n  steps: 20\n"
+                           "tracking:\n")
+    cfg = load_config(path)
+    assert isinstance(cfg.optimizer.lr, float) and cfg.optimizer.lr == 1e-3
+    assert cfg.training.steps == 20
+    assert cfg.model.hidden_size == 768  # BertConfig default
+    assert cfg.data.seed == 12345 and cfg.data.masked_lm_prob == 0.15
+    assert cfg.optimizer.betas == [0.9, 0.999] and cfg.optimizer.bias_correction is False
+    assert cfg.tracking.backend == "none"
+    assert cfg.training.global_batch_size is None
+    assert cfg.global_batch_size == 32
+
+
+def test_int_is_accepted_for_float(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "optimizer:\n  lr: 1\n  loss_scale: 128\n"))
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
+    assert isinstance(cfg.optimizer.loss_scale, float)
+
+
+def test_empty_file_is_all_defaults(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "")) == config_from_dict({})
+
+
+def test_unknown_key_names_file_key_and_valid_keys(tmp_path: Path) -> None:
+    path = write(tmp_path, "optimizer:\n  lrr: 0.1\n")
+    message = error_of(path)
+    assert message.startswith(f"{path}: unknown key optimizer.lrr")
+    assert "did you mean 'lr'" in message
+    assert "valid keys:" in message and "weight_decay" in message and "warmup_steps" in message
+
+
+def test_unknown_key_in_model_section(tmp_path: Path) -> None:
+    message = error_of(write(tmp_path, "model:\n  hidden: 64\n"))
+    assert "unknown key model.hidden" in message and "hidden_size" in message
+
+
+def test_unknown_section(tmp_path: Path) -> None:
+    path = write(tmp_path, "optimiser:\n  lr: 0.1\n")
+    message = error_of(path)
+    assert message.startswith(f"{path}: unknown key optimiser")
+    assert "did you mean 'optimizer'" in message
+    for section in ("model", "data", "optimizer", "execution", "training", "tracking"):
+        assert section in message
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("optimizer:\n  lr: abc\n", "optimizer.lr: expected float, got 'abc'"),
+    ("optimizer:\n  lr: '0.001'\n", "optimizer.lr: expected float, got '0.001'"),
+    ("optimizer:\n  lr: true\n", "optimizer.lr: expected float, got True"),
+    ("model:\n  hidden_size: 64.0\n", "model.hidden_size: expected int, got 64.0"),
+    ("model:\n  hidden_size: '64'\n", "model.hidden_size: expected int, got '64'"),
+    ("training:\n  steps: true\n", "training.steps: expected int, got True"),
+    ("execution:\n  compile: 1\n", "execution.compile: expected bool, got 1"),
+    ("execution:\n  compile: yes\n", "execution.compile: expected bool, got 'yes'"),
+    ("execution:\n  threads: two\n", "execution.threads: expected int or null, got 'two'"),
+    ("optimizer:\n  max_grad_norm: big\n",
+     "optimizer.max_grad_norm: expected float or null, got 'big'"),
+    ("optimizer:\n  betas: 0.9\n", "optimizer.betas: expected list of float, got 0.9"),
+    ("optimizer:\n  betas: [0.9, x]\n", "optimizer.betas: expected list of float, got [0.9, 'x']"),
+    ("model:\n  layers_per_ipu: [1, 1.5]\n",
+     "model.layers_per_ipu: expected list of int or null, got [1, 1.5]"),
+    ("data:\n  input_files: a.h5\n", "data.input_files: expected list of str, got 'a.h5'"),
+    ("tracking:\n  project: 3\n", "tracking.project: expected str, got 3"),
+    ("training:\n  steps: null\n", "training.steps: expected int, got None"),
+])
+def test_wrong_type(tmp_path: Path, text: str, expected: str) -> None:
+    path = write(tmp_path, text)
+    assert error_of(path) == f"{path}: {expected}"
+
+
+@pytest.mark.parametrize("key,value,allowed", [
+    ("optimizer.name", "sgd", "lamb, adamw"),
+    ("optimizer.decay", "cosine", "linear, polynomial, none"),
+    ("optimizer.loss_scaling", "auto", "none, static, dynamic"),
+    ("execution.backend", "jax", "torch, popart"),
+    ("execution.device", "tpu", "cpu, cuda, auto"),
+    ("execution.weight_dtype", "fp16", "float32, float16, bfloat16"),
+    ("execution.compute_dtype", "half", "float32, float16, bfloat16"),
+    ("tracking.backend", "mlflow", "none, wandb"),
+])
+def test_bad_enum(tmp_path: Path, key: str, value: str, allowed: str) -> None:
+    section, name = key.split(".")
+    path = write(tmp_path, f"{section}:\n  {name}: {value}\n")
+    assert error_of(path) == f"{path}: {key}: expected one of {allowed}, got {value!r}"
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("model:\n  hidden_size: 100\n  num_heads: 3\n",
+     "model.hidden_size (100) must be divisible by model.num_heads (3)"),
+    ("model:\n  num_layers: 4\n  layers_per_ipu: [1, 1]\n", "model.layers_per_ipu [1, 1]"),
+    ("model:\n  sequence_length: 1024\n", "model.sequence_length (1024) exceeds"),
+    ("optimizer:\n  lr: 0\n", "optimizer.lr must be > 0"),
+    ("optimizer:\n  betas: [0.9]\n", "optimizer.betas must be two values"),
+    ("optimizer:\n  lr_schedule: '0:1e-3,x'\n", "optimizer.lr_schedule '0:1e-3,x'"),
+    ("optimizer:\n  lr_schedule: '100:1e-3,50:1e-4'\n", "steps must increase"),
+    ("data:\n  masked_lm_prob: 1.5\n", "data.masked_lm_prob must be in (0, 1]"),
+    ("execution:\n  micro_batch_size: 0\n", "execution.micro_batch_size must be >= 1"),
+    ("execution:\n  pipeline: true\n", "execution.pipeline needs model.layers_per_ipu"),
+    ("execution:\n  backend: popart\n", "execution.backend 'popart' needs model.dialect"),
+    ("training:\n  log_every: 0\n", "training.log_every must be >= 1"),
+])
+def test_invalid_values(tmp_path: Path, text: str, fragment: str) -> None:
+    path = write(tmp_path, text)
+    message = error_of(path)
+    assert message.startswith(f"{path}: ")
+    assert fragment in message
+
+
+def test_global_batch_not_divisible(tmp_path: Path) -> None:
+    path = write(tmp_path, "execution:\n  micro_batch_size: 32\n  replicas: 2\n"
+                           "training:\n  global_batch_size: 100\n")
+    message = error_of(path)
+    assert "training.global_batch_size (100) is not divisible by" in message
+    assert "= 64" in message
+
+
+def test_global_batch_mismatch_suggests_accumulation(tmp_path: Path) -> None:
+    path = write(tmp_path, "execution:\n  micro_batch_size: 32\n  replicas: 2\n"
+                           "  gradient_accumulation: 2\ntraining:\n  global_batch_size: 256\n")
+    message = error_of(path)
+    assert "training.global_batch_size (256) !=" in message and "= 128" in message
+    assert "execution.gradient_accumulation=4" in message
+    fixed = load_config(path, ["execution.gradient_accumulation=4"])
+    assert fixed.global_batch_size == 256
+
+
+def test_missing_file_lists_presets(tmp_path: Path) -> None:
+    message = error_of(tmp_path / "nope.yaml")
+    assert message.startswith("config file not found:") and "nope.yaml" in message
+    assert "base-128" in message and "tiny" in message
+    assert "config file not found: not-a-preset" in error_of("not-a-preset")
+
+
+def test_invalid_yaml_and_non_mapping(tmp_path: Path) -> None:
+    path = write(tmp_path, "optimizer:\n  lr: [1, 2\n")
+    message = error_of(path)
+    assert message.startswith(f"{path}: invalid YAML at line")
+    assert "expected a mapping of sections" in error_of(write(tmp_path, "- 1\n- 2\n", "l.yaml"))
+    assert "section optimizer must be a mapping" in error_of(
+        write(tmp_path, "optimizer: 3\n", "s.yaml"))
+
+
+def test_errors_are_popbert_and_value_errors(tmp_path: Path) -> None:
+    with pytest.raises(PopbertError):
+        load_config(write(tmp_path, "model:\n  num_heads: 5\n"))
+    with pytest.raises(ValueError):
+        load_config(write(tmp_path, "model:\n  num_heads: 5\n"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Overrides
+
+
+def test_overrides_apply_with_yaml_syntax() -> None:
+    cfg = load_config("tiny", [
+        "optimizer.lr=2e-3",
+        "model.layers_per_ipu=[1,1]",
+        "optimizer.max_grad_norm=null",
+        "data.input_files=[a/*.hdf5, b.hdf5]",
+        "tracking.run_name=my run",
+        "execution.compile=true",
+        "optimizer.lr_schedule=0:1e-4,100:1e-5",
+        "model.extra.note=hi",
+        "training.steps=20",
+    ])
+    assert cfg.optimizer.lr == 2e-3
+    assert cfg.model.layers_per_ipu == [1, 1]
+    assert cfg.optimizer.max_grad_norm is None
+    assert cfg.data.input_files == ["a/*.hdf5", "b.hdf5"]
+    assert cfg.tracking.run_name == "my run"
+    assert cfg.execution.compile is True
+    assert cfg.optimizer.lr_schedule == "0:1e-4,100:1e-5"
+    assert cfg.model.extra == {"note": "hi"}
+    assert cfg.training.steps == 20
+    # The preset itself is untouched.
+    assert load_config("tiny").optimizer.max_grad_norm is not None
+
+
+def test_later_override_wins_and_fixes_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "model:\n  hidden_size: 100\n  num_heads: 3\n")
+    cfg = load_config(path, ["model.num_heads=5", "model.num_heads=4"])
+    assert cfg.model.num_heads == 4
+
+
+@pytest.mark.parametrize("override,fragment", [
+    ("optimizer.lr", "expected section.key=value"),
+    ("lr=0.1", "expected section.key=value"),
+    ("optimizer.=0.1", "expected section.key=value"),
+    ("=0.1", "expected section.key=value"),
+    ("optimizer.lr=", "missing value"),
+    ("model.layers_per_ipu=[1,1", "is not a YAML value"),
+])
+def test_bad_override_syntax(override: str, fragment: str) -> None:
+    message = error_of("tiny", [override])
+    assert message.startswith(f"bad --set {override!r}: ")
+    assert fragment in message
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("optimizer.lr=abc", "--set optimizer.lr=abc: optimizer.lr: expected float, got 'abc'"),
+    ("optimizer.lrr=1", "--set optimizer.lrr=1: unknown key optimizer.lrr (did you mean 'lr'?)"),
+    ("optim.lr=1", "--set optim.lr=1: unknown key optim"),
+    ("optimizer.name=sgd", "--set optimizer.name=sgd: optimizer.name: expected one of"),
+    ("model.num_heads=3", "--set model.num_heads=3: model.hidden_size (128) must be divisible"),
+    ("model.num_layers.x=1", "--set model.num_layers.x=1: model.num_layers is not a mapping"),
+    ("training.global_batch_size=64", "--set training.global_batch_size=64: training."),
+])
+def test_override_errors_name_the_override(override: str, expected: str) -> None:
+    assert error_of("tiny", [override]).startswith(expected)
+
+
+def test_parse_override_and_apply_copy() -> None:
+    assert parse_override("optimizer.betas=[0.8, 0.99]") == (["optimizer", "betas"], [0.8, 0.99])
+    assert parse_override("tracking.run_name=a=b") == (["tracking", "run_name"], "a=b")
+    raw = {"optimizer": {"lr": 0.1}}
+    out = apply_overrides(raw, ["optimizer.lr=0.2", "training.steps=3"])
+    assert out == {"optimizer": {"lr": 0.2}, "training": {"steps": 3}}
+    assert raw == {"optimizer": {"lr": 0.1}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trips and helpers
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_saved_config_reloads_equal(tmp_path: Path, name: str) -> None:
+    cfg = load_config(name, ["optimizer.max_trust_ratio=10", "tracking.run_name=yes",
+                             "data.input_files=['a b/*.hdf5', '1e-3']",
+                             "optimizer.lr_schedule=0:1e-4,100:1e-5", "model.extra.k=[1, 2]"])
+    assert cfg.tracking.run_name == "yes" and cfg.data.input_files == ["a b/*.hdf5", "1e-3"]
+    path = save_config(cfg, tmp_path / "run" / "config.yaml")
+    assert path.is_file()
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".tmp")]
+    assert load_config(path) == cfg
+    assert config_from_dict(cfg.to_dict()) == cfg
+    assert dump_config(cfg) == path.read_text()
+
+
+def test_to_dict_has_every_section() -> None:
+    d = load_config("tiny").to_dict()
+    assert list(d) == ["model", "data", "optimizer", "execution", "training", "tracking"]
+    assert d["optimizer"]["betas"] == [0.9, 0.999]
+
+
+def test_parse_lr_schedule() -> None:
+    assert parse_lr_schedule("0:1e-7, 2000:0.006,5000:0.001") == [
+        (0, 1e-7), (2000, 0.006), (5000, 0.001)]
+    for bad in ("", "10", "a:1", "1:b", "-1:0.1", "5:0.1,5:0.2"):
+        with pytest.raises(ValueError):
+            parse_lr_schedule(bad)
+
+
+def test_stochastic_rounding_default_follows_weight_dtype() -> None:
+    cfg = load_config("tiny", ["execution.weight_dtype=bfloat16"])
+    assert cfg.execution.use_stochastic_rounding
+    cfg = load_config("tiny", ["execution.weight_dtype=bfloat16",
+                               "execution.stochastic_rounding=false"])
+    assert not cfg.execution.use_stochastic_rounding
+
+
+def test_warmup_longer_than_run_warns(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="popbert.config"):
+        load_config("tiny", ["training.steps=5"])
+    assert "warmup_steps" in caplog.text

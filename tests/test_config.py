@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import yaml
 
 from popbert.config import (
     RunConfig,
@@ -346,6 +347,8 @@ def test_saved_config_reloads_equal(tmp_path: Path, name: str) -> None:
     assert load_config(path) == cfg
     assert config_from_dict(cfg.to_dict()) == cfg
     assert dump_config(cfg) == path.read_text()
+    # yaml.safe_load (YAML 1.1, e.g. a checkpoint reader) reads the same values back.
+    assert config_from_dict(yaml.safe_load(path.read_text())) == cfg
 
 
 def test_to_dict_has_every_section() -> None:

@@ -1,0 +1,27 @@
+"""User-facing errors: anything the CLI turns into one `popbert: error: ...` line and exit 2.
+
+Library code raises these (never `SystemExit`, never prints) so that callers embedding popbert can
+catch one base class, while the CLI can tell a user mistake (bad config, missing checkpoint) from a
+bug, which keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class PopbertError(Exception):
+    """Base class for errors caused by the user's input rather than by a bug in popbert."""
+
+
+class ConfigError(PopbertError, ValueError):
+    """An invalid configuration file, preset name, `--set` override or tracking setting."""
+
+
+class CheckpointError(PopbertError):
+    """A checkpoint directory that is missing, incomplete or does not match the run's config."""
+
+
+class UsageError(PopbertError):
+    """A command-line or API call that cannot be honoured as given (e.g. nothing to plot)."""
+
+
+__all__ = ["CheckpointError", "ConfigError", "PopbertError", "UsageError"]

@@ -1,0 +1,141 @@
+"""Metrics logging: one JSON line per log step in `metrics.jsonl`, optionally mirrored to W&B.
+
+The JSONL file is the source of truth (plots, tests and resumed runs read it); it is flushed after
+every line so a killed run keeps every step it logged. Weights & Biases is optional and imported
+only when asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+from popbert.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+_WANDB_ID_FILE = "wandb_run_id"
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain Python value for numpy/torch scalars and small arrays; str() for anything else."""
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    if isinstance(value, float):
+        return value
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        return value.item()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return str(value)
+
+
+class MetricsLogger:
+    """Append metrics dicts to `<output_dir>/metrics.jsonl` and, with backend "wandb", to W&B.
+
+    On resume the file is appended to, so a run's history stays in one file (`plot_metrics`
+    keeps the last entry of any step logged twice).
+    """
+
+    def __init__(self, output_dir: str | os.PathLike[str], config_dict: Mapping[str, Any],
+                 backend: str = "none", project: str = "popbert",
+                 run_name: str | None = None) -> None:
+        if backend not in ("none", "wandb"):
+            raise ConfigError(f"tracking.backend: expected one of none, wandb, got {backend!r}")
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.output_dir / METRICS_FILE
+        self.backend = backend
+        self._wandb_run: Any = None
+        if backend == "wandb":
+            self._wandb_run = self._init_wandb(dict(config_dict), project, run_name)
+        self._file: IO[str] | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def _init_wandb(self, config: dict[str, Any], project: str, run_name: str | None) -> Any:
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError("tracking.backend is 'wandb' but wandb is not installed: "
+                              "pip install wandb (or set tracking.backend=none)") from None
+        # A resumed run reconnects to its W&B run through the id saved next to the metrics.
+        id_file = self.output_dir / _WANDB_ID_FILE
+        run_id = id_file.read_text().strip() if id_file.is_file() else None
+        # mode is left to wandb, which honours WANDB_MODE (online / offline / disabled).
+        run = wandb.init(project=project, name=run_name, config=config,
+                         dir=str(self.output_dir), id=run_id,
+                         resume="allow" if run_id else None)
+        new_id = getattr(run, "id", None)
+        if new_id and new_id != run_id:
+            id_file.write_text(str(new_id))
+        logger.info("logging to W&B project %s (mode %s)", project,
+                    os.environ.get("WANDB_MODE", "online"))
+        return run
+
+    def log(self, metrics: Mapping[str, Any], step: int | None = None) -> dict[str, Any]:
+        """Write one record; `step` (or `metrics["step"]`) is the optimizer step. Returns it."""
+        if self._file is None:
+            raise ValueError("MetricsLogger.log() after close()")
+        record: dict[str, Any] = {}
+        if step is not None:
+            record["step"] = int(step)
+        for key, value in metrics.items():
+            record[str(key)] = _jsonable(value)
+        if "step" not in record:
+            raise ValueError("metrics need a step: pass step= or a 'step' key")
+        # NaN/inf are written as JSON NaN/Infinity (Python's json reads them back), so a
+        # diverged loss is recorded rather than dropped.
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._wandb_run is not None:
+            payload = {k: v for k, v in record.items() if k != "step"
+                       and not (isinstance(v, float) and math.isnan(v))}
+            self._wandb_run.log(payload, step=record["step"])
+        return record
+
+    def close(self) -> None:
+        """Close the file and finish the W&B run; safe to call twice."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Records of a metrics.jsonl, skipping a torn last line left by a killed run."""
+    records: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                logger.warning("%s:%d: skipping unreadable line", path, lineno)
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
+__all__ = ["METRICS_FILE", "MetricsLogger", "read_metrics"]

@@ -1,0 +1,60 @@
+"""Pre-training data: corpus -> WordPiece ids -> MLM/NSP instances -> HDF5 shards -> loader.
+
+The library ships a small real corpus (a slice of Wikipedia leads, CC BY-SA 4.0) and a matching
+8192-entry vocabulary, so `load_or_create_instances(None, None, 128, 20, seed)` works from a
+fresh clone. See `resources/ATTRIBUTION.md`.
+"""
+
+from popbert.data.corpus import expand_input_files, read_documents, read_text_documents
+from popbert.data.errors import DataError
+from popbert.data.hdf5 import (
+    SCHEMA_VERSION,
+    ShardInfo,
+    check_shard_info,
+    read_shard,
+    read_shard_info,
+    write_shard,
+)
+from popbert.data.instances import (
+    FEATURE_NAMES,
+    InstanceCreator,
+    InstanceOptions,
+    TrainingInstance,
+    create_pretraining_arrays,
+    instances_to_arrays,
+    truncate_seq_pair,
+)
+from popbert.data.loader import PretrainingLoader, default_cache_dir, load_or_create_instances
+from popbert.data.tokenization import (
+    WordPieceTokenizer,
+    bundled_corpus_path,
+    bundled_vocab_path,
+    file_sha256,
+)
+
+__all__ = [
+    "FEATURE_NAMES",
+    "SCHEMA_VERSION",
+    "DataError",
+    "InstanceCreator",
+    "InstanceOptions",
+    "PretrainingLoader",
+    "ShardInfo",
+    "TrainingInstance",
+    "WordPieceTokenizer",
+    "bundled_corpus_path",
+    "bundled_vocab_path",
+    "check_shard_info",
+    "create_pretraining_arrays",
+    "default_cache_dir",
+    "expand_input_files",
+    "file_sha256",
+    "instances_to_arrays",
+    "load_or_create_instances",
+    "read_documents",
+    "read_shard",
+    "read_shard_info",
+    "read_text_documents",
+    "truncate_seq_pair",
+    "write_shard",
+]

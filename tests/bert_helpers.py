@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from popbert.builders.bert_config import BertConfig
 
 

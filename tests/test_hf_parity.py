@@ -13,10 +13,10 @@ import onnx
 import pytest
 import torch
 from bert_helpers import hf_labels, hf_model, padded_batch, small_config
-from popbert.builders.bert import build_bert
 
 from popbert import hf
 from popbert.builder import trainable_initializers
+from popbert.builders.bert import build_bert
 from popbert.session import InferenceSession, TrainingSession
 
 

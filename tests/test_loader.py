@@ -199,11 +199,20 @@ def test_load_or_create_instances_caches(tmp_path, small_corpus, monkeypatch):
     assert len(list(cache.glob("*.h5"))) == 2
 
 
-def test_bundled_instances_feed_the_loader(tmp_path):
+def test_bundled_instances_feed_the_loader(tmp_path, monkeypatch):
+    monkeypatch.setenv("POPBERT_CACHE_DIR", str(tmp_path))
     arrays = load_or_create_instances(None, None, 128, 20, seed=0, use_cache=False)
     assert arrays["input_ids"].shape[1] == 128 and len(arrays["input_ids"]) > 4000
     lo = PretrainingLoader(arrays, 16, seed=0)
     batch = next(lo)
     assert batch["input_ids"].shape == (16, 128)
     assert (batch["input_ids"] < 8192).all() and (batch["input_ids"][:, 0] == 2).all()
-    assert not list(tmp_path.iterdir())
+    assert not list(tmp_path.iterdir())  # use_cache=False writes nothing
+
+
+def test_default_cache_dir_respects_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("POPBERT_CACHE_DIR", str(tmp_path / "pb"))
+    assert loader_mod.default_cache_dir() == tmp_path / "pb"
+    monkeypatch.delenv("POPBERT_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert loader_mod.default_cache_dir() == tmp_path / "xdg" / "popbert"

@@ -7,6 +7,7 @@ import io
 
 import pytest
 import torch
+
 from popbert.optimizers import (
     AdamW,
     Lamb,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from popbert.optimizers import round_to_dtype, stochastic_round
 from popbert.optimizers.stochastic_rounding import _exact_bernoulli
 

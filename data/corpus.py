@@ -1,0 +1,111 @@
+"""Read Google-format text corpora into tokenized documents.
+
+Google BERT's input format (what `create_pretraining_data.py` reads): plain UTF-8 text, one
+sentence per line, a blank line between documents. Documents matter because next-sentence pairs
+are drawn from within one document and random "next" segments from another.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from popbert.data.errors import DataError
+from popbert.data.tokenization import WordPieceTokenizer
+
+log = logging.getLogger(__name__)
+
+PathsLike = str | os.PathLike | Sequence[str | os.PathLike]
+
+# Sentences per encode_batch call: big enough for the Rust side to parallelise, small enough to
+# bound memory on multi-GB dumps.
+ENCODE_CHUNK = 8192
+
+
+def expand_input_files(input_files: PathsLike) -> list[Path]:
+    """Expand paths, comma-separated lists and glob patterns into a sorted, de-duplicated list.
+
+    Sorting makes the document order, and so every seeded result, independent of file-system
+    listing order. A pattern matching nothing is an error: a silent empty corpus wastes a run.
+    """
+    if isinstance(input_files, (str, os.PathLike)):
+        items: list[str] = [p for p in os.fspath(input_files).split(",") if p]
+    else:
+        items = [os.fspath(p) for p in input_files]
+    files: list[Path] = []
+    for item in items:
+        if glob.has_magic(item):
+            matches = sorted(glob.glob(item))
+            if not matches:
+                raise DataError(f"{item}: no input files match this pattern")
+            files.extend(Path(m) for m in matches)
+        else:
+            path = Path(item)
+            if not path.is_file():
+                raise DataError(f"{path}: input file not found")
+            files.append(path)
+    seen: set[Path] = set()
+    unique = []
+    for f in files:
+        key = f.resolve()
+        if key not in seen:
+            seen.add(key)
+            unique.append(f)
+    if not unique:
+        raise DataError("no input files given")
+    return unique
+
+
+def read_text_documents(input_files: PathsLike) -> list[list[str]]:
+    """Documents as lists of sentence strings; blank lines split documents, empties dropped.
+
+    A new file always starts a new document, as in Google's reader.
+    """
+    documents: list[list[str]] = []
+    for path in expand_input_files(input_files):
+        current: list[str] = []
+        try:
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    line = line.strip()
+                    if line:
+                        current.append(line)
+                    elif current:
+                        documents.append(current)
+                        current = []
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        if current:
+            documents.append(current)
+    return documents
+
+
+def tokenize_documents(documents: Iterable[Sequence[str]], tokenizer: WordPieceTokenizer,
+                       chunk_size: int = ENCODE_CHUNK) -> list[list[list[int]]]:
+    """Tokenize documents of sentences in large batches; sentences with no tokens are dropped."""
+    documents = [list(d) for d in documents]
+    flat = [s for d in documents for s in d]
+    ids: list[list[int]] = []
+    for start in range(0, len(flat), chunk_size):
+        ids.extend(tokenizer.encode_batch(flat[start:start + chunk_size]))
+    out: list[list[list[int]]] = []
+    pos = 0
+    for doc in documents:
+        sentences = [s for s in ids[pos:pos + len(doc)] if s]
+        pos += len(doc)
+        if sentences:
+            out.append(sentences)
+    return out
+
+
+def read_documents(input_files: PathsLike,
+                   tokenizer: WordPieceTokenizer) -> list[list[list[int]]]:
+    """Google-format files -> documents -> sentences -> token ids (no special tokens)."""
+    text = read_text_documents(input_files)
+    documents = tokenize_documents(text, tokenizer)
+    log.info("read %d documents, %d sentences, %d tokens", len(documents),
+             sum(len(d) for d in documents), sum(len(s) for d in documents for s in d))
+    return documents

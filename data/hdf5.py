@@ -1,0 +1,222 @@
+"""Pre-training shards in HDF5: NVIDIA's BERT layout plus self-describing attributes.
+
+A shard holds six datasets, one row per sample (`input_ids`, `input_mask`, `segment_ids` [N, S];
+`masked_lm_positions`, `masked_lm_ids` [N, P]; `next_sentence_labels` [N]) so NVIDIA's
+preprocessed shards load too, and popbert's own shards also record how they were made (schema
+version, sequence length, max predictions, vocabulary size and sha256, creation parameters).
+Reading checks a shard against the run's expectations: a mismatch is a one-line `DataError`
+naming the file, never silently wrong batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from popbert.data.errors import DataError
+from popbert.data.instances import FEATURE_NAMES, InstanceOptions
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+_SEQ_FEATURES = ("input_ids", "input_mask", "segment_ids")
+_PRED_FEATURES = ("masked_lm_positions", "masked_lm_ids")
+
+
+@dataclass
+class ShardInfo:
+    """What a shard says about itself; `None` where an attribute-less (NVIDIA) shard is silent."""
+
+    path: Path
+    num_samples: int
+    sequence_length: int
+    max_predictions_per_seq: int
+    schema_version: int | None = None
+    vocab_size: int | None = None
+    vocab_sha256: str | None = None
+    attrs: dict = field(default_factory=dict)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _attr_value(value):
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return value
+
+
+def _validate_arrays(arrays: Mapping[str, np.ndarray], where: str) -> tuple[int, int, int]:
+    """Check the six arrays agree in shape; return (num_samples, seq_len, max_predictions)."""
+    missing = [k for k in FEATURE_NAMES if k not in arrays]
+    if missing:
+        raise DataError(f"{where}: missing datasets {', '.join(missing)}")
+    ids = arrays["input_ids"]
+    if ids.ndim != 2:
+        raise DataError(f"{where}: input_ids must be 2-D [samples, sequence], got {ids.shape}")
+    n, seq = ids.shape
+    for name in _SEQ_FEATURES:
+        if tuple(arrays[name].shape) != (n, seq):
+            raise DataError(f"{where}: {name} has shape {tuple(arrays[name].shape)}, "
+                            f"input_ids has {(n, seq)}")
+    pos = arrays["masked_lm_positions"]
+    if pos.ndim != 2 or pos.shape[0] != n:
+        raise DataError(f"{where}: masked_lm_positions has shape {tuple(pos.shape)}, "
+                        f"expected ({n}, max_predictions)")
+    pred = pos.shape[1]
+    if tuple(arrays["masked_lm_ids"].shape) != (n, pred):
+        raise DataError(f"{where}: masked_lm_ids has shape {tuple(arrays['masked_lm_ids'].shape)}, "
+                        f"masked_lm_positions has {(n, pred)}")
+    nsp = arrays["next_sentence_labels"]
+    if nsp.shape not in ((n,), (n, 1)):
+        raise DataError(f"{where}: next_sentence_labels has shape {tuple(nsp.shape)}, "
+                        f"expected ({n},)")
+    return n, seq, pred
+
+
+def write_shard(path: str | os.PathLike, arrays: Mapping[str, np.ndarray], *,
+                vocab_size: int | None = None, vocab_sha256: str | None = None,
+                options: InstanceOptions | None = None, extra_attrs: Mapping | None = None,
+                compression: str | None = "gzip") -> Path:
+    """Write one shard atomically (temporary name, fsync, rename); returns its path.
+
+    Data is stored as int32 in NVIDIA's layout; attributes record everything needed to check
+    the shard against a run later.
+    """
+    path = Path(path)
+    n, seq, pred = _validate_arrays(arrays, str(path))
+    attrs: dict = {"schema_version": SCHEMA_VERSION, "sequence_length": seq,
+                   "max_predictions_per_seq": pred, "num_samples": n, "format": "popbert-bert"}
+    if vocab_size is not None:
+        attrs["vocab_size"] = int(vocab_size)
+    if vocab_sha256 is not None:
+        attrs["vocab_sha256"] = str(vocab_sha256)
+    if options is not None:
+        for key, value in options.as_dict().items():
+            if key in ("sequence_length", "max_predictions_per_seq"):
+                if value != attrs[key]:
+                    raise DataError(
+                        f"{path}: options.{key}={value} but the arrays have {attrs[key]}")
+                continue
+            attrs[key] = int(value) if isinstance(value, bool) else value
+    if extra_attrs:
+        attrs.update(extra_attrs)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with h5py.File(tmp, "w") as f:
+            for name in FEATURE_NAMES:
+                data = np.asarray(arrays[name]).astype(np.int32, copy=False)
+                f.create_dataset(name, data=data, dtype="i4", compression=compression)
+            for key, value in attrs.items():
+                f.attrs[key] = value
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    log.info("wrote %s: %d samples, seq %d, %d predictions", path, n, seq, pred)
+    return path
+
+
+def _open(path: Path) -> h5py.File:
+    if not path.is_file():
+        raise DataError(f"{path}: shard not found")
+    try:
+        return h5py.File(path, "r")
+    except OSError as exc:
+        raise DataError(f"{path}: not a readable HDF5 file ({_one_line(exc)})") from None
+
+
+def _info_from_file(f: h5py.File, path: Path) -> ShardInfo:
+    n, seq, pred = _validate_arrays({k: f[k] for k in FEATURE_NAMES if k in f}, str(path))
+    attrs = {k: _attr_value(v) for k, v in f.attrs.items()}
+    info = ShardInfo(path=path, num_samples=n, sequence_length=seq, max_predictions_per_seq=pred,
+                     schema_version=attrs.get("schema_version"),
+                     vocab_size=attrs.get("vocab_size"), vocab_sha256=attrs.get("vocab_sha256"),
+                     attrs=attrs)
+    if info.schema_version is not None and int(info.schema_version) > SCHEMA_VERSION:
+        raise DataError(f"{path}: schema version {info.schema_version} is newer than this "
+                        f"popbert reads ({SCHEMA_VERSION})")
+    for key, actual in (("sequence_length", seq), ("max_predictions_per_seq", pred),
+                        ("num_samples", n)):
+        if key in attrs and int(attrs[key]) != actual:
+            raise DataError(f"{path}: attribute {key}={attrs[key]} but the datasets have {actual}")
+    return info
+
+
+def read_shard_info(path: str | os.PathLike) -> ShardInfo:
+    """Shapes and attributes of a shard without reading its data."""
+    path = Path(path)
+    with _open(path) as f:
+        return _info_from_file(f, path)
+
+
+def check_shard_info(info: ShardInfo, *, sequence_length: int | None = None,
+                     max_predictions_per_seq: int | None = None, vocab_size: int | None = None,
+                     vocab_sha256: str | None = None) -> None:
+    """Raise DataError if a shard's recorded shape or vocabulary differs from the run's."""
+    p = info.path
+    if sequence_length is not None and info.sequence_length != sequence_length:
+        raise DataError(f"{p}: sequence length {info.sequence_length}, run expects "
+                        f"{sequence_length}")
+    if (max_predictions_per_seq is not None
+            and info.max_predictions_per_seq != max_predictions_per_seq):
+        raise DataError(f"{p}: max_predictions_per_seq {info.max_predictions_per_seq}, run "
+                        f"expects {max_predictions_per_seq}")
+    if (vocab_size is not None and info.vocab_size is not None
+            and int(info.vocab_size) != vocab_size):
+        raise DataError(f"{p}: vocabulary size {info.vocab_size}, run expects {vocab_size}")
+    if (vocab_sha256 is not None and info.vocab_sha256 is not None
+            and info.vocab_sha256 != vocab_sha256):
+        raise DataError(f"{p}: vocabulary sha256 {info.vocab_sha256[:12]}..., run's vocabulary "
+                        f"is {vocab_sha256[:12]}...")
+
+
+def read_shard(path: str | os.PathLike, *, sequence_length: int | None = None,
+               max_predictions_per_seq: int | None = None, vocab_size: int | None = None,
+               vocab_sha256: str | None = None) -> dict[str, np.ndarray]:
+    """Load a shard's six arrays into memory, checked against the given expectations.
+
+    Shards without attributes (NVIDIA's) are checked by shape, and token ids against
+    `vocab_size` by value. `next_sentence_labels` comes back as [N] even if stored [N, 1].
+    """
+    path = Path(path)
+    with _open(path) as f:
+        info = _info_from_file(f, path)
+        check_shard_info(info, sequence_length=sequence_length,
+                         max_predictions_per_seq=max_predictions_per_seq,
+                         vocab_size=vocab_size, vocab_sha256=vocab_sha256)
+        try:
+            arrays = {name: np.asarray(f[name][...]) for name in FEATURE_NAMES}
+        except (OSError, ValueError, KeyError) as exc:
+            raise DataError(f"{path}: cannot read data ({_one_line(exc)})") from None
+    arrays["next_sentence_labels"] = arrays["next_sentence_labels"].reshape(-1)
+    for name, array in arrays.items():
+        if not np.issubdtype(array.dtype, np.integer):
+            raise DataError(f"{path}: {name} has dtype {array.dtype}, expected integers")
+    if info.num_samples:
+        if vocab_size is not None:
+            for name in ("input_ids", "masked_lm_ids"):
+                top = int(arrays[name].max())
+                if top >= vocab_size:
+                    raise DataError(f"{path}: {name} contains id {top}, outside the run's "
+                                    f"vocabulary of {vocab_size}")
+        top = int(arrays["masked_lm_positions"].max())
+        if top >= info.sequence_length or int(arrays["masked_lm_positions"].min()) < 0:
+            raise DataError(f"{path}: masked_lm_positions outside [0, {info.sequence_length})")
+    return arrays

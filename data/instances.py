@@ -1,0 +1,301 @@
+"""Pre-training instances (MLM + NSP) by Google BERT's `create_pretraining_data.py` algorithm.
+
+Documents of tokenized sentences become `[CLS] A [SEP] B [SEP]` pairs with masked-LM targets and
+next-sentence labels, then fixed-shape arrays in NVIDIA's BERT HDF5 layout. The steps follow
+Google's script call for call on a `random.Random(seed)`, so the semantics (and the statistics)
+are theirs:
+
+- documents are shuffled once; the corpus is passed `dupe_factor` times, each pass masking anew;
+- per document a target length: `sequence_length - 3`, or with `short_seq_prob` a random length
+  in [2, sequence_length - 3], to reduce the pre-train/fine-tune length mismatch;
+- sentences are accumulated until the target is reached; A = a random prefix of the chunk;
+  B = the rest (real next), or with probability 1/2 (always, for a one-sentence chunk) a run of
+  sentences from another random document (random next), in which case the unused sentences of
+  the chunk are put back to be used by the next pair;
+- `truncate_seq_pair` trims the longer segment, from the front or back at random;
+- MLM: `min(max_predictions_per_seq, max(1, round(len(tokens) * masked_lm_prob)))` positions
+  (len counts [CLS]/[SEP], as Google's does), candidates shuffled, never [CLS]/[SEP]/[PAD]/[MASK];
+  each chosen token is [MASK] 80%, kept 10%, a random token 10%. With `whole_word_mask` a word's
+  "##" pieces are masked together.
+
+Departures from Google, on purpose: the random replacement token is drawn from the non-special
+vocabulary (Google may insert [PAD], [CLS] or [unused] entries); tokens are ids, not strings.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from popbert.data.errors import DataError
+from popbert.data.tokenization import WordPieceTokenizer
+
+log = logging.getLogger(__name__)
+
+# The six datasets of NVIDIA's (and Graphcore's) pre-training shards, in their order.
+FEATURE_NAMES = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions",
+                 "masked_lm_ids", "next_sentence_labels")
+NSP_IS_NEXT = 0
+NSP_RANDOM_NEXT = 1
+
+Document = list[list[int]]
+
+
+@dataclass(frozen=True)
+class InstanceOptions:
+    """Parameters of instance creation; recorded as shard attributes so data is self-describing.
+
+    Defaults are Google's for phase 1 (seq 128, 20 predictions) except `dupe_factor`, 1 here
+    (Google: 10, Graphcore: 6) because small corpora are usually regenerated per seed instead.
+    """
+
+    sequence_length: int = 128
+    max_predictions_per_seq: int = 20
+    masked_lm_prob: float = 0.15
+    short_seq_prob: float = 0.1
+    random_next_prob: float = 0.5
+    dupe_factor: int = 1
+    whole_word_mask: bool = False
+    seed: int = 12345
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad option; catches impossible shapes before any work."""
+        if self.sequence_length < 5:
+            raise ValueError(f"sequence_length must be >= 5 (room for [CLS] a [SEP] b [SEP] "
+                             f"and one more token), got {self.sequence_length}")
+        if not 1 <= self.max_predictions_per_seq <= self.sequence_length:
+            raise ValueError(f"max_predictions_per_seq must be in [1, sequence_length], "
+                             f"got {self.max_predictions_per_seq}")
+        for name in ("masked_lm_prob", "short_seq_prob", "random_next_prob"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        if self.dupe_factor < 1:
+            raise ValueError(f"dupe_factor must be >= 1, got {self.dupe_factor}")
+
+    def as_dict(self) -> dict:
+        """Plain dict for shard attributes and cache keys."""
+        return asdict(self)
+
+
+@dataclass
+class TrainingInstance:
+    """One `[CLS] A [SEP] B [SEP]` sequence after masking, before padding.
+
+    Kept as lists so later stages (sequence packing) can combine instances before they become
+    fixed-shape arrays.
+    """
+
+    tokens: list[int]
+    segment_ids: list[int]
+    is_random_next: bool
+    masked_lm_positions: list[int]
+    masked_lm_labels: list[int]
+
+
+def truncate_seq_pair(tokens_a: list[int], tokens_b: list[int], max_num_tokens: int,
+                      rng: random.Random) -> None:
+    """Trim the longer segment in place, one token at a time from a random end.
+
+    Random ends (not always the tail) avoid biasing the model towards sentence starts.
+    """
+    while len(tokens_a) + len(tokens_b) > max_num_tokens:
+        trunc = tokens_a if len(tokens_a) > len(tokens_b) else tokens_b
+        if rng.random() < 0.5:
+            del trunc[0]
+        else:
+            trunc.pop()
+
+
+class InstanceCreator:
+    """Google's instance algorithm bound to one vocabulary and one set of options.
+
+    Split into overridable steps (`create_instances_from_document`,
+    `create_masked_lm_predictions`) so variants (packing, other masking) reuse the rest.
+    """
+
+    def __init__(self, tokenizer: WordPieceTokenizer, options: InstanceOptions):
+        options.validate()
+        self.options = options
+        self.tokenizer = tokenizer
+        self.cls_id = tokenizer.cls_id
+        self.sep_id = tokenizer.sep_id
+        self.mask_id = tokenizer.mask_id
+        # Never chosen for prediction: structure tokens, padding and a literal mask.
+        self.unmaskable = frozenset(
+            {tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id, tokenizer.mask_id})
+        self.random_pool = [i for i in range(tokenizer.vocab_size)
+                            if i not in tokenizer.special_ids]
+        if not self.random_pool:
+            raise DataError(f"{tokenizer.vocab_path}: vocabulary has no non-special tokens")
+        self.is_continuation = tokenizer.is_continuation.tolist()
+
+    def create_training_instances(self, documents: Sequence[Document]) -> list[TrainingInstance]:
+        """All instances of a corpus: shuffle documents, `dupe_factor` passes, shuffle result."""
+        opts = self.options
+        rng = random.Random(opts.seed)
+        all_documents = [d for d in documents if d]
+        if not all_documents:
+            raise DataError("no non-empty documents to create instances from")
+        rng.shuffle(all_documents)
+        instances: list[TrainingInstance] = []
+        for _ in range(opts.dupe_factor):
+            for document_index in range(len(all_documents)):
+                instances.extend(
+                    self.create_instances_from_document(all_documents, document_index, rng))
+        rng.shuffle(instances)
+        return instances
+
+    def create_instances_from_document(self, all_documents: Sequence[Document],
+                                       document_index: int,
+                                       rng: random.Random) -> list[TrainingInstance]:
+        """Segment pairs of one document (Google's `create_instances_from_document`)."""
+        opts = self.options
+        document = all_documents[document_index]
+        max_num_tokens = opts.sequence_length - 3
+        target_seq_length = max_num_tokens
+        if rng.random() < opts.short_seq_prob:
+            target_seq_length = rng.randint(2, max_num_tokens)
+
+        instances: list[TrainingInstance] = []
+        current_chunk: list[list[int]] = []
+        current_length = 0
+        i = 0
+        while i < len(document):
+            segment = document[i]
+            current_chunk.append(segment)
+            current_length += len(segment)
+            if i == len(document) - 1 or current_length >= target_seq_length:
+                if current_chunk:
+                    a_end = 1
+                    if len(current_chunk) >= 2:
+                        a_end = rng.randint(1, len(current_chunk) - 1)
+                    tokens_a: list[int] = []
+                    for j in range(a_end):
+                        tokens_a.extend(current_chunk[j])
+
+                    tokens_b: list[int] = []
+                    if len(current_chunk) == 1 or rng.random() < opts.random_next_prob:
+                        is_random_next = True
+                        target_b_length = target_seq_length - len(tokens_a)
+                        # Ten tries at another document (a one-document corpus uses itself).
+                        random_document_index = document_index
+                        for _ in range(10):
+                            random_document_index = rng.randint(0, len(all_documents) - 1)
+                            if random_document_index != document_index:
+                                break
+                        random_document = all_documents[random_document_index]
+                        random_start = rng.randint(0, len(random_document) - 1)
+                        for j in range(random_start, len(random_document)):
+                            tokens_b.extend(random_document[j])
+                            if len(tokens_b) >= target_b_length:
+                                break
+                        # Put back the segments B did not use, so they are not wasted.
+                        i -= len(current_chunk) - a_end
+                    else:
+                        is_random_next = False
+                        for j in range(a_end, len(current_chunk)):
+                            tokens_b.extend(current_chunk[j])
+
+                    truncate_seq_pair(tokens_a, tokens_b, max_num_tokens, rng)
+                    if not tokens_a or not tokens_b:
+                        raise DataError("internal error: empty segment after truncation")
+                    tokens = [self.cls_id, *tokens_a, self.sep_id, *tokens_b, self.sep_id]
+                    segment_ids = [0] * (len(tokens_a) + 2) + [1] * (len(tokens_b) + 1)
+                    tokens, positions, labels = self.create_masked_lm_predictions(tokens, rng)
+                    instances.append(TrainingInstance(tokens, segment_ids, is_random_next,
+                                                      positions, labels))
+                current_chunk = []
+                current_length = 0
+            i += 1
+        return instances
+
+    def create_masked_lm_predictions(self, tokens: list[int], rng: random.Random
+                                     ) -> tuple[list[int], list[int], list[int]]:
+        """Choose and corrupt MLM positions; returns (tokens, sorted positions, labels)."""
+        opts = self.options
+        unmaskable = self.unmaskable
+        is_continuation = self.is_continuation
+        cand_indexes: list[list[int]] = []
+        for i, token in enumerate(tokens):
+            if token in unmaskable:
+                continue
+            if (opts.whole_word_mask and cand_indexes and is_continuation[token]
+                    and cand_indexes[-1][-1] == i - 1):
+                cand_indexes[-1].append(i)
+            else:
+                cand_indexes.append([i])
+        rng.shuffle(cand_indexes)
+
+        output_tokens = list(tokens)
+        num_to_predict = min(opts.max_predictions_per_seq,
+                             max(1, int(round(len(tokens) * opts.masked_lm_prob))))
+        masked: list[tuple[int, int]] = []
+        covered: set[int] = set()
+        pool = self.random_pool
+        for index_set in cand_indexes:
+            if len(masked) >= num_to_predict:
+                break
+            # A whole word that would overflow the budget is skipped, not split.
+            if len(masked) + len(index_set) > num_to_predict:
+                continue
+            if any(index in covered for index in index_set):
+                continue
+            for index in index_set:
+                covered.add(index)
+                if rng.random() < 0.8:
+                    replacement = self.mask_id
+                elif rng.random() < 0.5:
+                    replacement = tokens[index]
+                else:
+                    replacement = pool[rng.randint(0, len(pool) - 1)]
+                output_tokens[index] = replacement
+                masked.append((index, tokens[index]))
+        masked.sort()
+        return output_tokens, [p for p, _ in masked], [lab for _, lab in masked]
+
+
+def instances_to_arrays(instances: Sequence[TrainingInstance], sequence_length: int,
+                        max_predictions_per_seq: int) -> dict[str, np.ndarray]:
+    """Pad instances into NVIDIA's layout (int32; padding 0, i.e. [PAD] / position 0).
+
+    `next_sentence_labels`: 1 = random next, 0 = real next (Google/NVIDIA and HF agree).
+    """
+    n = len(instances)
+    arrays = {
+        "input_ids": np.zeros((n, sequence_length), dtype=np.int32),
+        "input_mask": np.zeros((n, sequence_length), dtype=np.int32),
+        "segment_ids": np.zeros((n, sequence_length), dtype=np.int32),
+        "masked_lm_positions": np.zeros((n, max_predictions_per_seq), dtype=np.int32),
+        "masked_lm_ids": np.zeros((n, max_predictions_per_seq), dtype=np.int32),
+        "next_sentence_labels": np.zeros((n,), dtype=np.int32),
+    }
+    for row, inst in enumerate(instances):
+        length = len(inst.tokens)
+        npred = len(inst.masked_lm_positions)
+        if length > sequence_length or npred > max_predictions_per_seq:
+            raise DataError(f"instance {row} has {length} tokens and {npred} predictions; "
+                            f"shape is ({sequence_length}, {max_predictions_per_seq})")
+        arrays["input_ids"][row, :length] = inst.tokens
+        arrays["input_mask"][row, :length] = 1
+        arrays["segment_ids"][row, :length] = inst.segment_ids
+        arrays["masked_lm_positions"][row, :npred] = inst.masked_lm_positions
+        arrays["masked_lm_ids"][row, :npred] = inst.masked_lm_labels
+        arrays["next_sentence_labels"][row] = (
+            NSP_RANDOM_NEXT if inst.is_random_next else NSP_IS_NEXT)
+    return arrays
+
+
+def create_pretraining_arrays(documents: Sequence[Document], tokenizer: WordPieceTokenizer,
+                              options: InstanceOptions) -> dict[str, np.ndarray]:
+    """Tokenized documents -> instances -> NVIDIA-layout arrays, in one seeded call."""
+    creator = InstanceCreator(tokenizer, options)
+    instances = creator.create_training_instances(documents)
+    log.info("created %d instances (seq %d, %d predictions, dupe %d, seed %d)", len(instances),
+             options.sequence_length, options.max_predictions_per_seq, options.dupe_factor,
+             options.seed)
+    return instances_to_arrays(instances, options.sequence_length, options.max_predictions_per_seq)

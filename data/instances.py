@@ -58,6 +58,10 @@ class InstanceOptions:
     masked_lm_prob: float = 0.15
     short_seq_prob: float = 0.1
     random_next_prob: float = 0.5
+    # Google pairs a one-sentence chunk with a random B every time; on corpora of short
+    # documents (Wikipedia leads) that skews NSP to ~63% "random". Splitting such a sentence at
+    # a random token gives it a real continuation too, restoring the 50/50 task.
+    split_single_segments: bool = True
     dupe_factor: int = 1
     whole_word_mask: bool = False
     seed: int = 12345
@@ -171,6 +175,11 @@ class InstanceCreator:
             current_length += len(segment)
             if i == len(document) - 1 or current_length >= target_seq_length:
                 if current_chunk:
+                    split = (opts.split_single_segments and len(current_chunk) == 1
+                             and len(current_chunk[0]) >= 2)
+                    if split:
+                        cut = rng.randint(1, len(current_chunk[0]) - 1)
+                        current_chunk = [current_chunk[0][:cut], current_chunk[0][cut:]]
                     a_end = 1
                     if len(current_chunk) >= 2:
                         a_end = rng.randint(1, len(current_chunk) - 1)
@@ -194,8 +203,10 @@ class InstanceCreator:
                             tokens_b.extend(random_document[j])
                             if len(tokens_b) >= target_b_length:
                                 break
-                        # Put back the segments B did not use, so they are not wasted.
-                        i -= len(current_chunk) - a_end
+                        # Put back the segments B did not use, so they are not wasted (the
+                        # tail of a split sentence is not a whole segment: it is dropped).
+                        if not split:
+                            i -= len(current_chunk) - a_end
                     else:
                         is_random_next = False
                         for j in range(a_end, len(current_chunk)):

@@ -33,7 +33,7 @@ from popbert.data.tokenization import (
 log = logging.getLogger(__name__)
 
 # Bump when instance creation changes its output for the same inputs: invalidates caches.
-INSTANCES_ALGORITHM_VERSION = 1
+INSTANCES_ALGORITHM_VERSION = 2
 
 
 def _load_sources(arrays_or_shards: Mapping[str, np.ndarray] | PathsLike,

@@ -2,7 +2,7 @@
 
 Tolerances: forward values 1e-5 absolute — both sides are FP32 with the same op order up to
 matmul blocking, so differences are a few ulps of O(1)-O(10) values. Gradients 1e-4 relative to
-each tensor's largest gradient: backward sums over batch and positions in a different order
+each tensor's largest gradient (plus 1e-7 absolute for analytically-zero gradients): backward sums over batch and positions in a different order
 (fused QKV, tied projection) and accumulates more rounding than the forward pass.
 """
 
@@ -64,9 +64,12 @@ def test_forward_and_gradients_match_hugging_face(layers: int) -> None:
     assert set(mapped) <= set(their_params)
     for name, grad in mapped.items():
         expected = their_params[name].grad.numpy()
-        scale = max(float(np.abs(expected).max()), 1e-12)
-        error = float(np.abs(grad - expected).max()) / scale
-        assert error < 1e-4, f"{name}: relative gradient error {error:.2e}"
+        # Relative to the tensor's largest gradient, plus an absolute floor for tensors whose
+        # gradient is analytically zero (the key bias: softmax ignores a per-row constant),
+        # where both sides hold only rounding noise of order 1e-9.
+        error = float(np.abs(grad - expected).max())
+        allowed = 1e-4 * float(np.abs(expected).max()) + 1e-7
+        assert error <= allowed, f"{name}: gradient error {error:.2e} > {allowed:.2e}"
 
 
 def test_weights_round_trip_through_hugging_face_names_bit_exactly() -> None:

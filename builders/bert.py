@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
+
+from popbert.builder import Builder, TensorInfo
 from popbert.builders import layers
 from popbert.builders.bert_config import BertConfig
 from popbert.builders.placement import PlacementPlan
-
-from popbert.builder import Builder, TensorInfo
 
 TASKS = ("pretraining", "encoder")
 BATCH = "batch_size"

@@ -1,0 +1,48 @@
+"""popbert.optimizers: LAMB and AdamW in FP32, half weights with stochastic rounding, loss
+scaling and learning-rate schedules.
+
+The arithmetic lives in :mod:`popbert.optimizers.functional` (lists of FP32 tensors, usable on
+shards); :class:`Lamb` and :class:`AdamW` are ``torch.optim.Optimizer`` subclasses built on it.
+"""
+
+from popbert.optimizers import functional
+from popbert.optimizers.loss_scaling import LossScaler, grads_have_overflow
+from popbert.optimizers.optimizer import AdamFamilyOptimizer, AdamW, Lamb
+from popbert.optimizers.param_groups import (
+    DEFAULT_NO_DECAY,
+    DEFAULT_NO_TRUST,
+    classify_parameter,
+    param_groups_by_name,
+)
+from popbert.optimizers.schedules import (
+    Schedule,
+    linear_scaling_rule,
+    make_schedule,
+    parse_piecewise,
+    piecewise_constant,
+    set_lr,
+    warmup_decay,
+)
+from popbert.optimizers.stochastic_rounding import round_to_dtype, stochastic_round
+
+__all__ = [
+    "AdamFamilyOptimizer",
+    "AdamW",
+    "DEFAULT_NO_DECAY",
+    "DEFAULT_NO_TRUST",
+    "Lamb",
+    "LossScaler",
+    "Schedule",
+    "classify_parameter",
+    "functional",
+    "grads_have_overflow",
+    "linear_scaling_rule",
+    "make_schedule",
+    "param_groups_by_name",
+    "parse_piecewise",
+    "piecewise_constant",
+    "round_to_dtype",
+    "set_lr",
+    "stochastic_round",
+    "warmup_decay",
+]

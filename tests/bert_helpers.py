@@ -9,9 +9,18 @@ from popbert.builders.bert_config import BertConfig
 
 
 def small_config(**overrides) -> BertConfig:
-    values = dict(vocab_size=300, hidden_size=64, num_layers=2, num_heads=4,
-                  intermediate_size=128, max_position_embeddings=64, sequence_length=32,
-                  max_predictions_per_seq=6, hidden_dropout=0.0, attention_dropout=0.0)
+    values = dict(
+        vocab_size=300,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        sequence_length=32,
+        max_predictions_per_seq=6,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     values.update(overrides)
     return BertConfig(**values)
 
@@ -29,14 +38,19 @@ def padded_batch(config: BertConfig, batch_size: int = 4, seed: int = 0) -> dict
         length = int(rng.integers(seq // 2, seq + 1)) if row else seq
         input_ids[row, :length] = rng.integers(5, config.vocab_size, length)
         input_mask[row, :length] = 1
-        segment_ids[row, length // 2:length] = 1
+        segment_ids[row, length // 2 : length] = 1
         count = int(rng.integers(1, preds + 1))
         chosen = np.sort(rng.choice(np.arange(1, length), size=count, replace=False))
         positions[row, :count] = chosen
         labels[row, :count] = rng.integers(5, config.vocab_size, count)
-    return {"input_ids": input_ids, "segment_ids": segment_ids, "input_mask": input_mask,
-            "masked_lm_positions": positions, "masked_lm_ids": labels,
-            "next_sentence_labels": rng.integers(0, 2, batch_size).astype(np.int64)}
+    return {
+        "input_ids": input_ids,
+        "segment_ids": segment_ids,
+        "input_mask": input_mask,
+        "masked_lm_positions": positions,
+        "masked_lm_ids": labels,
+        "next_sentence_labels": rng.integers(0, 2, batch_size).astype(np.int64),
+    }
 
 
 def hf_model(config: BertConfig, hf_weights: dict[str, np.ndarray]):
@@ -44,13 +58,18 @@ def hf_model(config: BertConfig, hf_weights: dict[str, np.ndarray]):
     import transformers
 
     hf_config = transformers.BertConfig(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-        intermediate_size=config.intermediate_size, hidden_act="gelu",
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        intermediate_size=config.intermediate_size,
+        hidden_act="gelu",
         hidden_dropout_prob=config.hidden_dropout,
         attention_probs_dropout_prob=config.attention_dropout,
         max_position_embeddings=config.max_position_embeddings,
-        type_vocab_size=config.type_vocab_size, layer_norm_eps=config.layer_norm_eps)
+        type_vocab_size=config.type_vocab_size,
+        layer_norm_eps=config.layer_norm_eps,
+    )
     hf_config._attn_implementation = "eager"
     model = transformers.BertForPreTraining(hf_config)
     state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in hf_weights.items()}

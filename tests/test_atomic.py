@@ -64,8 +64,9 @@ def test_directory_created(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "rename-aside"])
-def test_directory_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                            exchange: bool) -> None:
+def test_directory_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
+) -> None:
     if not exchange:
         monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
     final = tmp_path / "ckpt"
@@ -96,8 +97,9 @@ def test_exception_without_old_directory(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_failure_between_renames_restores_old(tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failure_between_renames_restores_old(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Without renameat2: if moving the new directory in fails, the old one comes back."""
     monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
     real_replace = os.replace
@@ -160,8 +162,9 @@ while True:
 def test_kill_during_writes_leaves_a_complete_directory(tmp_path: Path) -> None:
     """SIGKILL a process that rewrites a directory in a loop: what remains is one whole version."""
     final = tmp_path / "ckpt"
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(final)], stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(final)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout is not None
         for _ in range(3):  # wait until a few versions were published

@@ -52,6 +52,7 @@ def test_matmul_add_gelu_layernorm_run_in_onnx_runtime() -> None:
     data = np.arange(8, dtype=np.float32).reshape(2, 4)
     (result,) = run_ort(b, {"x": data})
     from math import erf, sqrt
+
     h = data[:, :3] + 1
     h = h * 0.5 * (1 + np.vectorize(erf)(h / sqrt(2)))
     expected = (h - h.mean(-1, keepdims=True)) / np.sqrt(h.var(-1, keepdims=True) + 1e-5)
@@ -145,19 +146,27 @@ def test_constants_are_frozen_initializers_not_weights() -> None:
     assert trainable_initializers(model) == [w]
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda b, x: b.aiOnnx.notanop([x]), "aiOnnx.notanop"),
-    (lambda b, x: b.aiGraphcore.notanop([x]), "aiGraphcore.notanop"),
-    (lambda b, x: b.aiOnnx.add([x]), "expected 2..2 inputs, got 1"),
-    (lambda b, x: b.aiOnnx.relu(["ghost"]), "'ghost' is not in the graph"),
-    (lambda b, x: b.aiOnnx.softmax([x], axes=1), "unknown attribute"),
-    (lambda b, x: b.aiOnnx.add([x, b.addInitializedInputTensor(np.ones((5,), np.float32))]),
-     "Add"),
-    (lambda b, x: b.aiOnnx.split([x], axis=0), "num_outputs"),
-    (lambda b, x: b.setAvailableMemoryProportion(x, 0.5), "graph input"),
-    (lambda b, x: b.setAvailableMemoryProportion(b.aiOnnx.relu([x]), 1.5), "proportion"),
-    (lambda b, x: b.setSerializeMatMul([b.aiOnnx.relu([x])], "output_channels", 2), "not MatMul"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda b, x: b.aiOnnx.notanop([x]), "aiOnnx.notanop"),
+        (lambda b, x: b.aiGraphcore.notanop([x]), "aiGraphcore.notanop"),
+        (lambda b, x: b.aiOnnx.add([x]), "expected 2..2 inputs, got 1"),
+        (lambda b, x: b.aiOnnx.relu(["ghost"]), "'ghost' is not in the graph"),
+        (lambda b, x: b.aiOnnx.softmax([x], axes=1), "unknown attribute"),
+        (
+            lambda b, x: b.aiOnnx.add([x, b.addInitializedInputTensor(np.ones((5,), np.float32))]),
+            "Add",
+        ),
+        (lambda b, x: b.aiOnnx.split([x], axis=0), "num_outputs"),
+        (lambda b, x: b.setAvailableMemoryProportion(x, 0.5), "graph input"),
+        (lambda b, x: b.setAvailableMemoryProportion(b.aiOnnx.relu([x]), 1.5), "proportion"),
+        (
+            lambda b, x: b.setSerializeMatMul([b.aiOnnx.relu([x])], "output_channels", 2),
+            "not MatMul",
+        ),
+    ],
+)
 def test_misuse_fails_at_build_time_naming_op_or_tensor(call, message) -> None:
     b = Builder()
     x = b.addInputTensor(TensorInfo("FLOAT", [2, 3]), "x")
@@ -180,8 +189,9 @@ def test_graphcore_dialect_ops() -> None:
     x = b.addInputTensor(TensorInfo("FLOAT", [4, 8]), "x")
     gamma = b.addInitializedInputTensor(np.ones(8, np.float32), "Gamma")
     beta = b.addInitializedInputTensor(np.zeros(8, np.float32), "Beta")
-    y, mean, inv_std = b.aiGraphcore.groupnormalization([x, gamma, beta], num_groups=1,
-                                                        epsilon=1e-3)
+    y, mean, inv_std = b.aiGraphcore.groupnormalization(
+        [x, gamma, beta], num_groups=1, epsilon=1e-3
+    )
     g = b.aiGraphcore.gelu([y])
     b.addOutputTensor(g)
     assert b.getTensorShape(g) == [4, 8] and b.getTensorShape(mean) == [4]

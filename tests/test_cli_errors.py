@@ -16,8 +16,13 @@ from popbert.errors import CheckpointError
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "popbert", *args], capture_output=True,
-                          text=True, timeout=120, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "popbert", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess[str], *fragments: str) -> str:
@@ -56,52 +61,84 @@ def test_unknown_config_key(tmp_path: Path) -> None:
 def test_wrong_type_override() -> None:
     proc = run_cli("pretrain", "--set", "optimizer.lr=abc")
     line = assert_one_line_error(proc)
-    assert line == ("popbert: error: --set optimizer.lr=abc: optimizer.lr: expected float, "
-                    "got 'abc'")
+    assert line == (
+        "popbert: error: --set optimizer.lr=abc: optimizer.lr: expected float, got 'abc'"
+    )
 
 
 def test_bad_override_syntax() -> None:
-    assert_one_line_error(run_cli("pretrain", "--set", "optimizer.lr"),
-                          "expected section.key=value")
+    assert_one_line_error(
+        run_cli("pretrain", "--set", "optimizer.lr"), "expected section.key=value"
+    )
 
 
 def test_missing_config_file(tmp_path: Path) -> None:
-    assert_one_line_error(run_cli("pretrain", "--config", str(tmp_path / "missing.yaml")),
-                          "config file not found", "missing.yaml")
+    assert_one_line_error(
+        run_cli("pretrain", "--config", str(tmp_path / "missing.yaml")),
+        "config file not found",
+        "missing.yaml",
+    )
 
 
 def test_bad_enum_and_batch_mismatch_via_example(tmp_path: Path) -> None:
-    assert_one_line_error(run_cli("config", "--set", "execution.device=tpu"),
-                          "execution.device: expected one of cpu, cuda, auto, got 'tpu'")
+    assert_one_line_error(
+        run_cli("config", "--set", "execution.device=tpu"),
+        "execution.device: expected one of cpu, cuda, auto, got 'tpu'",
+    )
     example = Path(__file__).resolve().parents[1] / "examples" / "pretrain.py"
-    proc = subprocess.run([sys.executable, str(example), "--config", "base-128",
-                           "--set", "execution.micro_batch_size=48"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(example),
+            "--config",
+            "base-128",
+            "--set",
+            "execution.micro_batch_size=48",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert_one_line_error(proc, "training.global_batch_size (65536) is not divisible")
 
 
 def test_missing_checkpoint_directories(tmp_path: Path) -> None:
-    assert_one_line_error(run_cli("pretrain", "--resume", str(tmp_path / "none")),
-                          "--resume: not a directory")
-    assert_one_line_error(run_cli("pretrain", "--init-from", str(tmp_path / "none")),
-                          "--init-from: not a directory")
-    assert_one_line_error(run_cli("export", "--checkpoint", str(tmp_path / "none"), "--task",
-                                  "encoder", "--output", str(tmp_path / "m.onnx")),
-                          "--checkpoint: not a directory")
+    assert_one_line_error(
+        run_cli("pretrain", "--resume", str(tmp_path / "none")), "--resume: not a directory"
+    )
+    assert_one_line_error(
+        run_cli("pretrain", "--init-from", str(tmp_path / "none")), "--init-from: not a directory"
+    )
+    assert_one_line_error(
+        run_cli(
+            "export",
+            "--checkpoint",
+            str(tmp_path / "none"),
+            "--task",
+            "encoder",
+            "--output",
+            str(tmp_path / "m.onnx"),
+        ),
+        "--checkpoint: not a directory",
+    )
 
 
 def test_plot_missing_metrics(tmp_path: Path) -> None:
-    assert_one_line_error(run_cli("plot", str(tmp_path / "metrics.jsonl")),
-                          "metrics file not found")
+    assert_one_line_error(
+        run_cli("plot", str(tmp_path / "metrics.jsonl")), "metrics file not found"
+    )
 
 
-@pytest.mark.parametrize("args", [
-    ["pretrain", "--no-such-flag"],
-    ["export", "--checkpoint", "x", "--task", "classify", "--output", "y.onnx"],
-    ["pretrain", "--resume", "a", "--init-from", "b"],
-    ["frobnicate"],
-    [],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["pretrain", "--no-such-flag"],
+        ["export", "--checkpoint", "x", "--task", "classify", "--output", "y.onnx"],
+        ["pretrain", "--resume", "a", "--init-from", "b"],
+        ["frobnicate"],
+        [],
+    ],
+)
 def test_usage_errors_exit_2(args: list[str]) -> None:
     proc = run_cli(*args)
     assert proc.returncode == 2
@@ -128,41 +165,56 @@ def fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **attrs: object) -> 
     monkeypatch.setitem(sys.modules, name, module)
 
 
-def test_pretrain_calls_run_pretraining(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                        cli_logging: None) -> None:
+def test_pretrain_calls_run_pretraining(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli_logging: None
+) -> None:
     calls = []
-    fake_module(monkeypatch, "popbert.pretrain",
-                run_pretraining=lambda cfg, **kw: calls.append((cfg, kw)))
+    fake_module(
+        monkeypatch, "popbert.pretrain", run_pretraining=lambda cfg, **kw: calls.append((cfg, kw))
+    )
     init = tmp_path / "phase1"
     init.mkdir()
-    rc = cli.main(["pretrain", "-c", "base-384", "--set", "training.steps=3",
-                   "--output-dir", str(tmp_path / "out"), "--init-from", str(init)])
+    rc = cli.main(
+        [
+            "pretrain",
+            "-c",
+            "base-384",
+            "--set",
+            "training.steps=3",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--init-from",
+            str(init),
+        ]
+    )
     assert rc == 0
-    (cfg, kw), = calls
+    ((cfg, kw),) = calls
     assert cfg == load_config("base-384", ["training.steps=3"])
     assert kw == {"output_dir": tmp_path / "out", "resume": None, "init_from": init}
 
 
 def test_pretrain_defaults(monkeypatch: pytest.MonkeyPatch, cli_logging: None) -> None:
     calls = []
-    fake_module(monkeypatch, "popbert.pretrain",
-                run_pretraining=lambda cfg, **kw: calls.append((cfg, kw)))
+    fake_module(
+        monkeypatch, "popbert.pretrain", run_pretraining=lambda cfg, **kw: calls.append((cfg, kw))
+    )
     assert cli.main(["pretrain"]) == 0
-    (cfg, kw), = calls
+    ((cfg, kw),) = calls
     assert cfg == load_config("tiny")
     assert kw["output_dir"].parent == Path("runs")
     assert kw["output_dir"].name.startswith("pretrain-")
     assert kw["resume"] is None and kw["init_from"] is None
 
 
-def test_resume_without_config_uses_the_runs_config(tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch,
-                                                    cli_logging: None) -> None:
+def test_resume_without_config_uses_the_runs_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli_logging: None
+) -> None:
     from popbert.config import save_config
 
     calls = []
-    fake_module(monkeypatch, "popbert.pretrain",
-                run_pretraining=lambda cfg, **kw: calls.append((cfg, kw)))
+    fake_module(
+        monkeypatch, "popbert.pretrain", run_pretraining=lambda cfg, **kw: calls.append((cfg, kw))
+    )
     ckpt = tmp_path / "ckpt"
     saved = load_config("tiny", ["training.steps=11"])
     save_config(saved, ckpt / "config.yaml")
@@ -170,8 +222,9 @@ def test_resume_without_config_uses_the_runs_config(tmp_path: Path,
     assert calls[0][0] == saved and calls[0][1]["resume"] == ckpt
 
 
-def test_export_calls_export_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                        cli_logging: None) -> None:
+def test_export_calls_export_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli_logging: None
+) -> None:
     calls = []
 
     def export_checkpoint(checkpoint: Path, task: str, output: Path) -> Path:
@@ -179,15 +232,24 @@ def test_export_calls_export_checkpoint(tmp_path: Path, monkeypatch: pytest.Monk
         return output
 
     fake_module(monkeypatch, "popbert.export", export_checkpoint=export_checkpoint)
-    rc = cli.main(["export", "--checkpoint", str(tmp_path), "--task", "pretraining",
-                   "--output", str(tmp_path / "m.onnx")])
+    rc = cli.main(
+        [
+            "export",
+            "--checkpoint",
+            str(tmp_path),
+            "--task",
+            "pretraining",
+            "--output",
+            str(tmp_path / "m.onnx"),
+        ]
+    )
     assert rc == 0
     assert calls == [(tmp_path, "pretraining", tmp_path / "m.onnx")]
 
 
-def test_library_errors_become_exit_2(monkeypatch: pytest.MonkeyPatch,
-                                      capsys: pytest.CaptureFixture[str],
-                                      cli_logging: None) -> None:
+def test_library_errors_become_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], cli_logging: None
+) -> None:
     class DataError(ValueError):
         pass
 
@@ -207,7 +269,8 @@ def test_library_errors_become_exit_2(monkeypatch: pytest.MonkeyPatch,
     fake_module(monkeypatch, "popbert.pretrain", run_pretraining=bad_checkpoint)
     assert cli.main(["pretrain"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        "popbert: error: checkpoint x: missing weights.safetensors"]
+        "popbert: error: checkpoint x: missing weights.safetensors"
+    ]
 
 
 def test_bugs_keep_their_traceback(monkeypatch: pytest.MonkeyPatch, cli_logging: None) -> None:

@@ -54,8 +54,11 @@ def test_preset_loads_and_validates(name: str) -> None:
     cfg = load_config(name)
     assert isinstance(cfg, RunConfig)
     cfg.validate()
-    assert cfg.global_batch_size == (cfg.execution.micro_batch_size * cfg.execution.replicas
-                                     * cfg.execution.gradient_accumulation)
+    assert cfg.global_batch_size == (
+        cfg.execution.micro_batch_size
+        * cfg.execution.replicas
+        * cfg.execution.gradient_accumulation
+    )
     if cfg.training.global_batch_size is not None:
         assert cfg.training.global_batch_size == cfg.global_batch_size
 
@@ -76,18 +79,26 @@ def test_tiny_preset_is_a_small_fp32_cpu_run() -> None:
     assert cfg.data.input_files == [] and cfg.data.vocab_file is None
 
 
-@pytest.mark.parametrize("name,layers,hidden,heads,inter,placement,scale", [
-    ("base-128", 12, 768, 12, 3072, [0, 4, 4, 4], 512.0),
-    ("base-384", 12, 768, 12, 3072, [0, 4, 4, 4], 512.0),
-    ("large-128", 24, 1024, 16, 4096, [3, 7, 7, 7], 64.0),
-    ("large-384", 24, 1024, 16, 4096, [3, 7, 7, 7], 64.0),
-])
-def test_bert_presets_follow_graphcore(name: str, layers: int, hidden: int, heads: int,
-                                       inter: int, placement: list[int], scale: float) -> None:
+@pytest.mark.parametrize(
+    "name,layers,hidden,heads,inter,placement,scale",
+    [
+        ("base-128", 12, 768, 12, 3072, [0, 4, 4, 4], 512.0),
+        ("base-384", 12, 768, 12, 3072, [0, 4, 4, 4], 512.0),
+        ("large-128", 24, 1024, 16, 4096, [3, 7, 7, 7], 64.0),
+        ("large-384", 24, 1024, 16, 4096, [3, 7, 7, 7], 64.0),
+    ],
+)
+def test_bert_presets_follow_graphcore(
+    name: str, layers: int, hidden: int, heads: int, inter: int, placement: list[int], scale: float
+) -> None:
     cfg = load_config(name)
     m, o, e, t = cfg.model, cfg.optimizer, cfg.execution, cfg.training
     assert (m.num_layers, m.hidden_size, m.num_heads, m.intermediate_size) == (
-        layers, hidden, heads, inter)
+        layers,
+        hidden,
+        heads,
+        inter,
+    )
     assert m.vocab_size == 30522
     assert m.layers_per_ipu == placement
     assert o.name == "lamb" and o.bias_correction is False
@@ -101,8 +112,7 @@ def test_bert_presets_follow_graphcore(name: str, layers: int, hidden: int, head
         assert (o.lr, o.warmup_steps, t.steps, t.global_batch_size) == (0.006, 2000, 7038, 65536)
     else:
         assert (m.sequence_length, m.max_predictions_per_seq) == (384, 56)
-        assert (o.lr, o.warmup_steps, t.steps, t.global_batch_size) == (
-            0.002828, 274, 2137, 16384)
+        assert (o.lr, o.warmup_steps, t.steps, t.global_batch_size) == (0.002828, 274, 2137, 16384)
     assert cfg.global_batch_size == t.global_batch_size
 
 
@@ -111,8 +121,9 @@ def test_bert_presets_follow_graphcore(name: str, layers: int, hidden: int, head
 
 
 def test_partial_file_takes_defaults_and_yaml12_floats(tmp_path: Path) -> None:
-    path = write(tmp_path, "optimizer:\n  lr: 1e-3\n  warmup_steps: 5\ntraining:\n  steps: 20\n"
-                           "tracking:\n")
+    path = write(
+        tmp_path, "optimizer:\n  lr: 1e-3\n  warmup_steps: 5\ntraining:\n  steps: 20\ntracking:\n"
+    )
     cfg = load_config(path)
     assert isinstance(cfg.optimizer.lr, float) and cfg.optimizer.lr == 1e-3
     assert cfg.training.steps == 20
@@ -156,62 +167,80 @@ def test_unknown_section(tmp_path: Path) -> None:
         assert section in message
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("optimizer:\n  lr: abc\n", "optimizer.lr: expected float, got 'abc'"),
-    ("optimizer:\n  lr: '0.001'\n", "optimizer.lr: expected float, got '0.001'"),
-    ("optimizer:\n  lr: true\n", "optimizer.lr: expected float, got True"),
-    ("model:\n  hidden_size: 64.0\n", "model.hidden_size: expected int, got 64.0"),
-    ("model:\n  hidden_size: '64'\n", "model.hidden_size: expected int, got '64'"),
-    ("training:\n  steps: true\n", "training.steps: expected int, got True"),
-    ("execution:\n  compile: 1\n", "execution.compile: expected bool, got 1"),
-    ("execution:\n  compile: yes\n", "execution.compile: expected bool, got 'yes'"),
-    ("execution:\n  threads: two\n", "execution.threads: expected int or null, got 'two'"),
-    ("optimizer:\n  max_grad_norm: big\n",
-     "optimizer.max_grad_norm: expected float or null, got 'big'"),
-    ("optimizer:\n  betas: 0.9\n", "optimizer.betas: expected list of float, got 0.9"),
-    ("optimizer:\n  betas: [0.9, x]\n", "optimizer.betas: expected list of float, got [0.9, 'x']"),
-    ("model:\n  layers_per_ipu: [1, 1.5]\n",
-     "model.layers_per_ipu: expected list of int or null, got [1, 1.5]"),
-    ("data:\n  input_files: a.h5\n", "data.input_files: expected list of str, got 'a.h5'"),
-    ("tracking:\n  project: 3\n", "tracking.project: expected str, got 3"),
-    ("training:\n  steps: null\n", "training.steps: expected int, got None"),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("optimizer:\n  lr: abc\n", "optimizer.lr: expected float, got 'abc'"),
+        ("optimizer:\n  lr: '0.001'\n", "optimizer.lr: expected float, got '0.001'"),
+        ("optimizer:\n  lr: true\n", "optimizer.lr: expected float, got True"),
+        ("model:\n  hidden_size: 64.0\n", "model.hidden_size: expected int, got 64.0"),
+        ("model:\n  hidden_size: '64'\n", "model.hidden_size: expected int, got '64'"),
+        ("training:\n  steps: true\n", "training.steps: expected int, got True"),
+        ("execution:\n  compile: 1\n", "execution.compile: expected bool, got 1"),
+        ("execution:\n  compile: yes\n", "execution.compile: expected bool, got 'yes'"),
+        ("execution:\n  threads: two\n", "execution.threads: expected int or null, got 'two'"),
+        (
+            "optimizer:\n  max_grad_norm: big\n",
+            "optimizer.max_grad_norm: expected float or null, got 'big'",
+        ),
+        ("optimizer:\n  betas: 0.9\n", "optimizer.betas: expected list of float, got 0.9"),
+        (
+            "optimizer:\n  betas: [0.9, x]\n",
+            "optimizer.betas: expected list of float, got [0.9, 'x']",
+        ),
+        (
+            "model:\n  layers_per_ipu: [1, 1.5]\n",
+            "model.layers_per_ipu: expected list of int or null, got [1, 1.5]",
+        ),
+        ("data:\n  input_files: a.h5\n", "data.input_files: expected list of str, got 'a.h5'"),
+        ("tracking:\n  project: 3\n", "tracking.project: expected str, got 3"),
+        ("training:\n  steps: null\n", "training.steps: expected int, got None"),
+    ],
+)
 def test_wrong_type(tmp_path: Path, text: str, expected: str) -> None:
     path = write(tmp_path, text)
     assert error_of(path) == f"{path}: {expected}"
 
 
-@pytest.mark.parametrize("key,value,allowed", [
-    ("optimizer.name", "sgd", "lamb, adamw"),
-    ("optimizer.decay", "cosine", "linear, polynomial, none"),
-    ("optimizer.loss_scaling", "auto", "none, static, dynamic"),
-    ("execution.backend", "jax", "torch, popart"),
-    ("execution.device", "tpu", "cpu, cuda, auto"),
-    ("execution.weight_dtype", "fp16", "float32, float16, bfloat16"),
-    ("execution.compute_dtype", "half", "float32, float16, bfloat16"),
-    ("tracking.backend", "mlflow", "none, wandb"),
-])
+@pytest.mark.parametrize(
+    "key,value,allowed",
+    [
+        ("optimizer.name", "sgd", "lamb, adamw"),
+        ("optimizer.decay", "cosine", "linear, polynomial, none"),
+        ("optimizer.loss_scaling", "auto", "none, static, dynamic"),
+        ("execution.backend", "jax", "torch, popart"),
+        ("execution.device", "tpu", "cpu, cuda, auto"),
+        ("execution.weight_dtype", "fp16", "float32, float16, bfloat16"),
+        ("execution.compute_dtype", "half", "float32, float16, bfloat16"),
+        ("tracking.backend", "mlflow", "none, wandb"),
+    ],
+)
 def test_bad_enum(tmp_path: Path, key: str, value: str, allowed: str) -> None:
     section, name = key.split(".")
     path = write(tmp_path, f"{section}:\n  {name}: {value}\n")
     assert error_of(path) == f"{path}: {key}: expected one of {allowed}, got {value!r}"
 
 
-@pytest.mark.parametrize("text,fragment", [
-    ("model:\n  hidden_size: 100\n  num_heads: 3\n",
-     "model.hidden_size (100) must be divisible by model.num_heads (3)"),
-    ("model:\n  num_layers: 4\n  layers_per_ipu: [1, 1]\n", "model.layers_per_ipu [1, 1]"),
-    ("model:\n  sequence_length: 1024\n", "model.sequence_length (1024) exceeds"),
-    ("optimizer:\n  lr: 0\n", "optimizer.lr must be > 0"),
-    ("optimizer:\n  betas: [0.9]\n", "optimizer.betas must be two values"),
-    ("optimizer:\n  lr_schedule: '0:1e-3,x'\n", "optimizer.lr_schedule '0:1e-3,x'"),
-    ("optimizer:\n  lr_schedule: '100:1e-3,50:1e-4'\n", "steps must increase"),
-    ("data:\n  masked_lm_prob: 1.5\n", "data.masked_lm_prob must be in (0, 1]"),
-    ("execution:\n  micro_batch_size: 0\n", "execution.micro_batch_size must be >= 1"),
-    ("execution:\n  pipeline: true\n", "execution.pipeline needs model.layers_per_ipu"),
-    ("execution:\n  backend: popart\n", "execution.backend 'popart' needs model.dialect"),
-    ("training:\n  log_every: 0\n", "training.log_every must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        (
+            "model:\n  hidden_size: 100\n  num_heads: 3\n",
+            "model.hidden_size (100) must be divisible by model.num_heads (3)",
+        ),
+        ("model:\n  num_layers: 4\n  layers_per_ipu: [1, 1]\n", "model.layers_per_ipu [1, 1]"),
+        ("model:\n  sequence_length: 1024\n", "model.sequence_length (1024) exceeds"),
+        ("optimizer:\n  lr: 0\n", "optimizer.lr must be > 0"),
+        ("optimizer:\n  betas: [0.9]\n", "optimizer.betas must be two values"),
+        ("optimizer:\n  lr_schedule: '0:1e-3,x'\n", "optimizer.lr_schedule '0:1e-3,x'"),
+        ("optimizer:\n  lr_schedule: '100:1e-3,50:1e-4'\n", "steps must increase"),
+        ("data:\n  masked_lm_prob: 1.5\n", "data.masked_lm_prob must be in (0, 1]"),
+        ("execution:\n  micro_batch_size: 0\n", "execution.micro_batch_size must be >= 1"),
+        ("execution:\n  pipeline: true\n", "execution.pipeline needs model.layers_per_ipu"),
+        ("execution:\n  backend: popart\n", "execution.backend 'popart' needs model.dialect"),
+        ("training:\n  log_every: 0\n", "training.log_every must be >= 1"),
+    ],
+)
 def test_invalid_values(tmp_path: Path, text: str, fragment: str) -> None:
     path = write(tmp_path, text)
     message = error_of(path)
@@ -220,16 +249,21 @@ def test_invalid_values(tmp_path: Path, text: str, fragment: str) -> None:
 
 
 def test_global_batch_not_divisible(tmp_path: Path) -> None:
-    path = write(tmp_path, "execution:\n  micro_batch_size: 32\n  replicas: 2\n"
-                           "training:\n  global_batch_size: 100\n")
+    path = write(
+        tmp_path,
+        "execution:\n  micro_batch_size: 32\n  replicas: 2\ntraining:\n  global_batch_size: 100\n",
+    )
     message = error_of(path)
     assert "training.global_batch_size (100) is not divisible by" in message
     assert "= 64" in message
 
 
 def test_global_batch_mismatch_suggests_accumulation(tmp_path: Path) -> None:
-    path = write(tmp_path, "execution:\n  micro_batch_size: 32\n  replicas: 2\n"
-                           "  gradient_accumulation: 2\ntraining:\n  global_batch_size: 256\n")
+    path = write(
+        tmp_path,
+        "execution:\n  micro_batch_size: 32\n  replicas: 2\n"
+        "  gradient_accumulation: 2\ntraining:\n  global_batch_size: 256\n",
+    )
     message = error_of(path)
     assert "training.global_batch_size (256) !=" in message and "= 128" in message
     assert "execution.gradient_accumulation=4" in message
@@ -250,7 +284,8 @@ def test_invalid_yaml_and_non_mapping(tmp_path: Path) -> None:
     assert message.startswith(f"{path}: invalid YAML at line")
     assert "expected a mapping of sections" in error_of(write(tmp_path, "- 1\n- 2\n", "l.yaml"))
     assert "section optimizer must be a mapping" in error_of(
-        write(tmp_path, "optimizer: 3\n", "s.yaml"))
+        write(tmp_path, "optimizer: 3\n", "s.yaml")
+    )
 
 
 def test_errors_are_popbert_and_value_errors(tmp_path: Path) -> None:
@@ -265,17 +300,20 @@ def test_errors_are_popbert_and_value_errors(tmp_path: Path) -> None:
 
 
 def test_overrides_apply_with_yaml_syntax() -> None:
-    cfg = load_config("tiny", [
-        "optimizer.lr=2e-3",
-        "model.layers_per_ipu=[1,1]",
-        "optimizer.max_grad_norm=null",
-        "data.input_files=[a/*.hdf5, b.hdf5]",
-        "tracking.run_name=my run",
-        "execution.compile=true",
-        "optimizer.lr_schedule=0:1e-4,100:1e-5",
-        "model.extra.note=hi",
-        "training.steps=20",
-    ])
+    cfg = load_config(
+        "tiny",
+        [
+            "optimizer.lr=2e-3",
+            "model.layers_per_ipu=[1,1]",
+            "optimizer.max_grad_norm=null",
+            "data.input_files=[a/*.hdf5, b.hdf5]",
+            "tracking.run_name=my run",
+            "execution.compile=true",
+            "optimizer.lr_schedule=0:1e-4,100:1e-5",
+            "model.extra.note=hi",
+            "training.steps=20",
+        ],
+    )
     assert cfg.optimizer.lr == 2e-3
     assert cfg.model.layers_per_ipu == [1, 1]
     assert cfg.optimizer.max_grad_norm is None
@@ -295,29 +333,38 @@ def test_later_override_wins_and_fixes_file(tmp_path: Path) -> None:
     assert cfg.model.num_heads == 4
 
 
-@pytest.mark.parametrize("override,fragment", [
-    ("optimizer.lr", "expected section.key=value"),
-    ("lr=0.1", "expected section.key=value"),
-    ("optimizer.=0.1", "expected section.key=value"),
-    ("=0.1", "expected section.key=value"),
-    ("optimizer.lr=", "missing value"),
-    ("model.layers_per_ipu=[1,1", "is not a YAML value"),
-])
+@pytest.mark.parametrize(
+    "override,fragment",
+    [
+        ("optimizer.lr", "expected section.key=value"),
+        ("lr=0.1", "expected section.key=value"),
+        ("optimizer.=0.1", "expected section.key=value"),
+        ("=0.1", "expected section.key=value"),
+        ("optimizer.lr=", "missing value"),
+        ("model.layers_per_ipu=[1,1", "is not a YAML value"),
+    ],
+)
 def test_bad_override_syntax(override: str, fragment: str) -> None:
     message = error_of("tiny", [override])
     assert message.startswith(f"bad --set {override!r}: ")
     assert fragment in message
 
 
-@pytest.mark.parametrize("override,expected", [
-    ("optimizer.lr=abc", "--set optimizer.lr=abc: optimizer.lr: expected float, got 'abc'"),
-    ("optimizer.lrr=1", "--set optimizer.lrr=1: unknown key optimizer.lrr (did you mean 'lr'?)"),
-    ("optim.lr=1", "--set optim.lr=1: unknown key optim"),
-    ("optimizer.name=sgd", "--set optimizer.name=sgd: optimizer.name: expected one of"),
-    ("model.num_heads=3", "--set model.num_heads=3: model.hidden_size (128) must be divisible"),
-    ("model.num_layers.x=1", "--set model.num_layers.x=1: model.num_layers is not a mapping"),
-    ("training.global_batch_size=64", "--set training.global_batch_size=64: training."),
-])
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("optimizer.lr=abc", "--set optimizer.lr=abc: optimizer.lr: expected float, got 'abc'"),
+        (
+            "optimizer.lrr=1",
+            "--set optimizer.lrr=1: unknown key optimizer.lrr (did you mean 'lr'?)",
+        ),
+        ("optim.lr=1", "--set optim.lr=1: unknown key optim"),
+        ("optimizer.name=sgd", "--set optimizer.name=sgd: optimizer.name: expected one of"),
+        ("model.num_heads=3", "--set model.num_heads=3: model.hidden_size (128) must be divisible"),
+        ("model.num_layers.x=1", "--set model.num_layers.x=1: model.num_layers is not a mapping"),
+        ("training.global_batch_size=64", "--set training.global_batch_size=64: training."),
+    ],
+)
 def test_override_errors_name_the_override(override: str, expected: str) -> None:
     assert error_of("tiny", [override]).startswith(expected)
 
@@ -337,9 +384,16 @@ def test_parse_override_and_apply_copy() -> None:
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_saved_config_reloads_equal(tmp_path: Path, name: str) -> None:
-    cfg = load_config(name, ["optimizer.max_trust_ratio=10", "tracking.run_name=yes",
-                             "data.input_files=['a b/*.hdf5', '1e-3']",
-                             "optimizer.lr_schedule=0:1e-4,100:1e-5", "model.extra.k=[1, 2]"])
+    cfg = load_config(
+        name,
+        [
+            "optimizer.max_trust_ratio=10",
+            "tracking.run_name=yes",
+            "data.input_files=['a b/*.hdf5', '1e-3']",
+            "optimizer.lr_schedule=0:1e-4,100:1e-5",
+            "model.extra.k=[1, 2]",
+        ],
+    )
     assert cfg.tracking.run_name == "yes" and cfg.data.input_files == ["a b/*.hdf5", "1e-3"]
     path = save_config(cfg, tmp_path / "run" / "config.yaml")
     assert path.is_file()
@@ -359,7 +413,10 @@ def test_to_dict_has_every_section() -> None:
 
 def test_parse_lr_schedule() -> None:
     assert parse_lr_schedule("0:1e-7, 2000:0.006,5000:0.001") == [
-        (0, 1e-7), (2000, 0.006), (5000, 0.001)]
+        (0, 1e-7),
+        (2000, 0.006),
+        (5000, 0.001),
+    ]
     for bad in ("", "10", "a:1", "1:b", "-1:0.1", "5:0.1,5:0.2"):
         with pytest.raises(ValueError):
             parse_lr_schedule(bad)
@@ -368,8 +425,9 @@ def test_parse_lr_schedule() -> None:
 def test_stochastic_rounding_default_follows_weight_dtype() -> None:
     cfg = load_config("tiny", ["execution.weight_dtype=bfloat16"])
     assert cfg.execution.use_stochastic_rounding
-    cfg = load_config("tiny", ["execution.weight_dtype=bfloat16",
-                               "execution.stochastic_rounding=false"])
+    cfg = load_config(
+        "tiny", ["execution.weight_dtype=bfloat16", "execution.stochastic_rounding=false"]
+    )
     assert not cfg.execution.use_stochastic_rounding
 
 

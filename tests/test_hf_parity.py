@@ -43,18 +43,22 @@ def test_forward_and_gradients_match_hugging_face(layers: int) -> None:
         attention_mask=torch.from_numpy(batch["input_mask"]),
         token_type_ids=torch.from_numpy(batch["segment_ids"]),
         labels=hf_labels(batch, config.sequence_length),
-        next_sentence_label=torch.from_numpy(batch["next_sentence_labels"]))
+        next_sentence_label=torch.from_numpy(batch["next_sentence_labels"]),
+    )
     theirs.loss.backward()
 
     positions = torch.from_numpy(batch["masked_lm_positions"])
-    their_mlm = torch.gather(theirs.prediction_logits, 1,
-                             positions[..., None].expand(-1, -1, config.vocab_size))
+    their_mlm = torch.gather(
+        theirs.prediction_logits, 1, positions[..., None].expand(-1, -1, config.vocab_size)
+    )
     torch.testing.assert_close(ours["mlm_logits"], their_mlm, atol=1e-5, rtol=0)
-    torch.testing.assert_close(ours["nsp_logits"], theirs.seq_relationship_logits,
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        ours["nsp_logits"], theirs.seq_relationship_logits, atol=1e-5, rtol=0
+    )
     torch.testing.assert_close(ours["loss"], theirs.loss, atol=1e-5, rtol=0)
-    nsp = torch.nn.functional.cross_entropy(theirs.seq_relationship_logits,
-                                            torch.from_numpy(batch["next_sentence_labels"]))
+    nsp = torch.nn.functional.cross_entropy(
+        theirs.seq_relationship_logits, torch.from_numpy(batch["next_sentence_labels"])
+    )
     torch.testing.assert_close(ours["nsp_loss"], nsp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ours["mlm_loss"], theirs.loss - nsp, atol=1e-5, rtol=0)
 
@@ -87,8 +91,9 @@ def test_weights_round_trip_through_hugging_face_names_bit_exactly() -> None:
 def test_from_hf_reports_missing_heads_for_a_bare_encoder() -> None:
     config = small_config()
     weights = initializer_weights(build_bert(config).model())
-    encoder_only = {k[len("bert."):]: v for k, v in hf.to_hf(weights, config).items()
-                    if k.startswith("bert.")}
+    encoder_only = {
+        k[len("bert.") :]: v for k, v in hf.to_hf(weights, config).items() if k.startswith("bert.")
+    }
     back, missing = hf.from_hf(encoder_only, config)
     assert "Layer0/Attention/QKV/W" in back
     assert set(missing) == {r.ours for r in hf.head_rules()}
@@ -101,8 +106,11 @@ def test_inference_session_matches_hugging_face_eval() -> None:
     batch = padded_batch(config, seed=9)
     ours = InferenceSession(model).run(batch)
     with torch.no_grad():
-        theirs = reference(input_ids=torch.from_numpy(batch["input_ids"]),
-                           attention_mask=torch.from_numpy(batch["input_mask"]),
-                           token_type_ids=torch.from_numpy(batch["segment_ids"]))
-    torch.testing.assert_close(ours["nsp_logits"], theirs.seq_relationship_logits,
-                               atol=1e-5, rtol=0)
+        theirs = reference(
+            input_ids=torch.from_numpy(batch["input_ids"]),
+            attention_mask=torch.from_numpy(batch["input_mask"]),
+            token_type_ids=torch.from_numpy(batch["segment_ids"]),
+        )
+    torch.testing.assert_close(
+        ours["nsp_logits"], theirs.seq_relationship_logits, atol=1e-5, rtol=0
+    )

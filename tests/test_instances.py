@@ -64,14 +64,13 @@ def original_ids(a):
 
 def squash(tokenizer, ids) -> list[str]:
     """Decode ids without whitespace ("##" joined); split at [UNK], whose text is unknown."""
-    text = "".join(t[2:] if t.startswith("##") else t
-                   for t in tokenizer.convert_ids_to_tokens(ids))
+    text = "".join(t[2:] if t.startswith("##") else t for t in tokenizer.convert_ids_to_tokens(ids))
     return [p for p in text.split("[UNK]") if p]
 
 
 def segments(row_ids, sep_id):
     seps = np.nonzero(row_ids == sep_id)[0]
-    return row_ids[1:seps[0]], row_ids[seps[0] + 1:seps[1]]
+    return row_ids[1 : seps[0]], row_ids[seps[0] + 1 : seps[1]]
 
 
 def test_shapes_dtypes_and_layout(arrays, tokenizer):
@@ -98,8 +97,8 @@ def test_shapes_dtypes_and_layout(arrays, tokenizer):
     assert set(np.unique(arrays["next_sentence_labels"])) == {0, 1}
     for row in range(0, n, 97):
         first_sep = int(np.nonzero(ids[row] == tokenizer.sep_id)[0][0])
-        assert (seg[row, :first_sep + 1] == 0).all()
-        assert (seg[row, first_sep + 1:length[row]] == 1).all()
+        assert (seg[row, : first_sep + 1] == 0).all()
+        assert (seg[row, first_sep + 1 : length[row]] == 1).all()
         assert first_sep >= 2 and length[row] - first_sep >= 3  # A and B non-empty
     # Short target lengths (short_seq_prob=0.1) make some clearly short sequences.
     assert 0.03 < (length < SEQ // 2).mean() < 0.5
@@ -116,7 +115,7 @@ def test_mask_count_rate_and_positions(arrays, tokenizer):
     assert np.array_equal(used, np.arange(PRED)[None, :] < expected[:, None])
     assert (pos[~used] == 0).all()
     for row in range(len(pos)):
-        p = pos[row, :expected[row]]
+        p = pos[row, : expected[row]]
         assert (np.diff(p) > 0).all() and p[0] >= 1 and p[-1] < length[row] - 1
     # 15% of the eligible (non-[CLS]/[SEP]) tokens, give or take rounding and the cap.
     rate = used.sum() / (length - 3).sum()
@@ -162,21 +161,25 @@ def test_nsp_balance_on_bundled_corpus(arrays, documents, tokenizer):
     assert abs(labels.mean() - 0.5) < bound, labels.mean()
     # Google's exact rule (no split) skews the short leads towards "random next".
     google = create_pretraining_arrays(
-        documents, tokenizer, InstanceOptions(seed=1, split_single_segments=False))
+        documents, tokenizer, InstanceOptions(seed=1, split_single_segments=False)
+    )
     assert google["next_sentence_labels"].mean() > 0.55
 
 
 def test_nsp_balance_and_probability_on_long_documents(documents, tokenizer):
     flat = [s for doc in documents for s in doc]
-    long_docs = [flat[i:i + 40] for i in range(0, len(flat), 40)]
+    long_docs = [flat[i : i + 40] for i in range(0, len(flat), 40)]
     half = create_pretraining_arrays(
-        long_docs, tokenizer, InstanceOptions(seed=5, short_seq_prob=0.0))
+        long_docs, tokenizer, InstanceOptions(seed=5, short_seq_prob=0.0)
+    )
     assert 0.47 < half["next_sentence_labels"].mean() < 0.56
     never = create_pretraining_arrays(
-        long_docs, tokenizer, InstanceOptions(seed=5, short_seq_prob=0.0, random_next_prob=0.0))
+        long_docs, tokenizer, InstanceOptions(seed=5, short_seq_prob=0.0, random_next_prob=0.0)
+    )
     assert never["next_sentence_labels"].mean() < 0.05
     always = create_pretraining_arrays(
-        long_docs[:50], tokenizer, InstanceOptions(seed=5, random_next_prob=1.0))
+        long_docs[:50], tokenizer, InstanceOptions(seed=5, random_next_prob=1.0)
+    )
     assert always["next_sentence_labels"].all()
     # Without short targets nearly every sequence is filled to the maximum.
     assert np.median(lengths(half)) == SEQ
@@ -211,10 +214,15 @@ def test_deterministic_per_seed(arrays, documents, tokenizer):
         assert np.array_equal(arrays[name], again[name])
     other = create_pretraining_arrays(documents, tokenizer, InstanceOptions(seed=2))
     assert other["input_ids"].shape != arrays["input_ids"].shape or not np.array_equal(
-        other["input_ids"], arrays["input_ids"])
+        other["input_ids"], arrays["input_ids"]
+    )
     # The caller's documents are not reordered.
-    assert documents[0][0] == tokenizer.encode_batch(
-        [bundled_corpus_path().read_text(encoding="utf-8").split("\n", 1)[0]])[0]
+    assert (
+        documents[0][0]
+        == tokenizer.encode_batch(
+            [bundled_corpus_path().read_text(encoding="utf-8").split("\n", 1)[0]]
+        )[0]
+    )
 
 
 def test_dupe_factor_masks_each_copy_differently(documents, tokenizer):
@@ -232,8 +240,9 @@ def test_dupe_factor_masks_each_copy_differently(documents, tokenizer):
 
 
 def test_whole_word_masking_masks_all_pieces(documents, tokenizer):
-    wwm = create_pretraining_arrays(documents[:400], tokenizer,
-                                    InstanceOptions(seed=4, whole_word_mask=True))
+    wwm = create_pretraining_arrays(
+        documents[:400], tokenizer, InstanceOptions(seed=4, whole_word_mask=True)
+    )
     cont = tokenizer.is_continuation
     originals = original_ids(wwm)
     used = prediction_mask(wwm)
@@ -264,8 +273,9 @@ def test_truncate_seq_pair_trims_longer_side():
 
 def test_single_document_corpus_and_bad_options(tokenizer):
     doc = [tokenizer.encode("One sentence here."), tokenizer.encode("And a second one.")]
-    out = create_pretraining_arrays([doc], tokenizer, InstanceOptions(seed=0, sequence_length=16,
-                                                                      max_predictions_per_seq=3))
+    out = create_pretraining_arrays(
+        [doc], tokenizer, InstanceOptions(seed=0, sequence_length=16, max_predictions_per_seq=3)
+    )
     assert out["input_ids"].shape[1] == 16 and len(out["input_ids"]) >= 1
     with pytest.raises(DataError, match="no non-empty documents"):
         InstanceCreator(tokenizer, InstanceOptions()).create_training_instances([[], []])

@@ -59,8 +59,10 @@ def test_batches_are_int64_tensors_with_right_shapes():
 
 @pytest.mark.parametrize("n, replicas, mb", [(100, 4, 5), (103, 4, 5), (64, 2, 8)])
 def test_replicas_disjoint_and_covering_with_drop_last(n, replicas, mb):
-    loaders = [PretrainingLoader(synthetic(n), mb, seed=11, replica_index=r,
-                                 num_replicas=replicas) for r in range(replicas)]
+    loaders = [
+        PretrainingLoader(synthetic(n), mb, seed=11, replica_index=r, num_replicas=replicas)
+        for r in range(replicas)
+    ]
     steps = n // (mb * replicas)
     assert all(lo.steps_per_epoch == steps for lo in loaders)
     seen = [sorted(itertools.chain.from_iterable(epoch_ids(lo))) for lo in loaders]
@@ -73,18 +75,22 @@ def test_replicas_disjoint_and_covering_with_drop_last(n, replicas, mb):
     for step in range(steps):
         global_batch = sample_ids(next(single))
         for r, lo in enumerate(loaders):
-            assert epoch_ids_at(lo, step) == global_batch[r * mb:(r + 1) * mb]
+            assert epoch_ids_at(lo, step) == global_batch[r * mb : (r + 1) * mb]
 
 
 def epoch_ids_at(loader: PretrainingLoader, step: int) -> list[int]:
     start = step * loader.global_batch_size + loader.replica_index * loader.micro_batch_size
-    return loader.epoch_order(0)[start:start + loader.micro_batch_size].tolist()
+    return loader.epoch_order(0)[start : start + loader.micro_batch_size].tolist()
 
 
 def test_without_drop_last_every_sample_is_seen_and_batches_stay_full():
     n, replicas, mb = 23, 3, 4
-    loaders = [PretrainingLoader(synthetic(n), mb, seed=5, replica_index=r,
-                                 num_replicas=replicas, drop_last=False) for r in range(replicas)]
+    loaders = [
+        PretrainingLoader(
+            synthetic(n), mb, seed=5, replica_index=r, num_replicas=replicas, drop_last=False
+        )
+        for r in range(replicas)
+    ]
     assert all(lo.steps_per_epoch == 2 for lo in loaders)
     batches = [epoch_ids(lo) for lo in loaders]
     assert all(len(b) == mb for per in batches for b in per)
@@ -151,8 +157,9 @@ def test_loads_shards_by_glob_in_sorted_order_with_checks(tmp_path):
     second = {k: v[20:] for k, v in data.items()}
     write_shard(tmp_path / "part_1.h5", second, vocab_size=100)
     write_shard(tmp_path / "part_0.h5", first, vocab_size=100)
-    lo = PretrainingLoader(str(tmp_path / "part_*.h5"), 10, seed=0, shuffle=False,
-                           sequence_length=8, vocab_size=100)
+    lo = PretrainingLoader(
+        str(tmp_path / "part_*.h5"), 10, seed=0, shuffle=False, sequence_length=8, vocab_size=100
+    )
     assert lo.num_samples == 30
     assert sum(epoch_ids(lo), []) == list(range(30))
     with pytest.raises(DataError, match="part_0.h5: sequence length 8, run expects 16"):

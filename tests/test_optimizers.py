@@ -255,7 +255,14 @@ def test_sharded_composition_equals_whole_tensor_step() -> None:
         functional.adam_moments_(ms, vs, gs, hyper["beta1"], hyper["beta2"])
         denoms = functional.adam_denominators(vs, steps, hyper["beta2"], hyper["eps"], True)
         us = functional.lamb_updates(
-            ws, ms, denoms, steps, beta1=hyper["beta1"], weight_decay=0.01, bias_correction=True
+            ws,
+            ms,
+            denoms,
+            steps,
+            beta1=hyper["beta1"],
+            beta2=hyper["beta2"],
+            weight_decay=0.01,
+            bias_correction=True,
         )
         index = torch.tensor([i for i, _, _ in pieces])
         w_sq.index_add_(0, index, functional.per_tensor_sq_norms(ws))  # the "all-reduce"

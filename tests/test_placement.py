@@ -13,10 +13,10 @@ from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import BertConfig
 
 TINY = dict(vocab_size=8192, hidden_size=128, num_layers=2, num_heads=2, intermediate_size=512)
-BASE = dict(vocab_size=30522, hidden_size=768, num_layers=12, num_heads=12,
-            intermediate_size=3072)
-LARGE = dict(vocab_size=30522, hidden_size=1024, num_layers=24, num_heads=16,
-             intermediate_size=4096)
+BASE = dict(vocab_size=30522, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072)
+LARGE = dict(
+    vocab_size=30522, hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=4096
+)
 
 
 @functools.cache
@@ -48,11 +48,14 @@ def layer_devices(found: dict[str, tuple[int, int]], layers: int) -> list[tuple[
     return result
 
 
-@pytest.mark.parametrize("shape, layers_per_ipu", [
-    (TINY, [1, 1]),
-    (BASE, [0, 4, 4, 4]),
-    (LARGE, [3, 7, 7, 7]),
-])
+@pytest.mark.parametrize(
+    "shape, layers_per_ipu",
+    [
+        (TINY, [1, 1]),
+        (BASE, [0, 4, 4, 4]),
+        (LARGE, [3, 7, 7, 7]),
+    ],
+)
 def test_graphcore_placement(shape: dict, layers_per_ipu: list[int]) -> None:
     config = BertConfig(**shape, layers_per_ipu=layers_per_ipu, recompute=True)
     model = built(tuple(shape.items()), tuple(layers_per_ipu))
@@ -86,12 +89,15 @@ def test_no_placement_means_no_annotations() -> None:
         assert not [a.name for a in node.attribute if a.name.startswith("__")], node.name
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(layers_per_ipu=[1, 2]), "places 3 layers but model.num_layers is 2"),
-    (dict(num_heads=3), "hidden_size .128. must be divisible by model.num_heads .3."),
-    (dict(sequence_length=1024), "exceeds model.max_position_embeddings"),
-    (dict(hidden_dropout=1.5), "hidden_dropout"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(layers_per_ipu=[1, 2]), "places 3 layers but model.num_layers is 2"),
+        (dict(num_heads=3), "hidden_size .128. must be divisible by model.num_heads .3."),
+        (dict(sequence_length=1024), "exceeds model.max_position_embeddings"),
+        (dict(hidden_dropout=1.5), "hidden_dropout"),
+    ],
+)
 def test_impossible_configs_fail_at_build_time(overrides: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build_bert(BertConfig(**{**TINY, **overrides}), zeros=True)

@@ -19,11 +19,28 @@ from popbert.export import sample_batch
 from popbert.session import InferenceSession
 
 # A smaller tiny: one short run of a few dozen steps, fast on 2 CPU cores.
-SMALL = ["--set", "model.num_layers=1", "--set", "model.hidden_size=64",
-         "--set", "model.intermediate_size=128", "--set", "model.sequence_length=64",
-         "--set", "model.max_position_embeddings=64", "--set", "model.max_predictions_per_seq=10",
-         "--set", "execution.micro_batch_size=16", "--set", "optimizer.lr=0.003",
-         "--set", "optimizer.warmup_steps=5", "--set", "training.log_every=5"]
+SMALL = [
+    "--set",
+    "model.num_layers=1",
+    "--set",
+    "model.hidden_size=64",
+    "--set",
+    "model.intermediate_size=128",
+    "--set",
+    "model.sequence_length=64",
+    "--set",
+    "model.max_position_embeddings=64",
+    "--set",
+    "model.max_predictions_per_seq=10",
+    "--set",
+    "execution.micro_batch_size=16",
+    "--set",
+    "optimizer.lr=0.003",
+    "--set",
+    "optimizer.warmup_steps=5",
+    "--set",
+    "training.log_every=5",
+]
 
 
 def pretrain(output: Path, *extra: str) -> int:
@@ -42,8 +59,13 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_run_leaves_every_artifact_and_the_loss_falls(trained: Path) -> None:
-    for name in ("config.yaml", "model.onnx", "model.inference.onnx", "metrics.jsonl",
-                 "metrics.png"):
+    for name in (
+        "config.yaml",
+        "model.onnx",
+        "model.inference.onnx",
+        "metrics.jsonl",
+        "metrics.png",
+    ):
         assert (trained / name).is_file(), name
     assert (trained / "checkpoints" / "step-000060" / "weights.safetensors").is_file()
     records = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
@@ -56,13 +78,29 @@ def test_run_leaves_every_artifact_and_the_loss_falls(trained: Path) -> None:
 
 def test_kill_and_resume_gives_bit_identical_weights(tmp_path: Path) -> None:
     """N steps straight == killed mid-run (SIGKILL) + `--resume` to N, bit for bit."""
-    steps = ["--set", "training.steps=16", "--set", "training.checkpoint_every=4",
-             "--set", "model.hidden_dropout=0.1", "--set", "model.attention_dropout=0.1"]
+    steps = [
+        "--set",
+        "training.steps=16",
+        "--set",
+        "training.checkpoint_every=4",
+        "--set",
+        "model.hidden_dropout=0.1",
+        "--set",
+        "model.attention_dropout=0.1",
+    ]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert pretrain(straight, *steps) == 0
 
-    command = [sys.executable, "-m", "popbert", "pretrain", *SMALL, *steps,
-               "--output-dir", str(killed)]
+    command = [
+        sys.executable,
+        "-m",
+        "popbert",
+        "pretrain",
+        *SMALL,
+        *steps,
+        "--output-dir",
+        str(killed),
+    ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
     while not (killed / "checkpoints" / "step-000004" / "state.json").exists():
@@ -80,11 +118,13 @@ def test_kill_and_resume_gives_bit_identical_weights(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("task", ["pretraining", "encoder"])
-def test_export_matches_the_torch_backend_in_onnx_runtime(trained: Path, tmp_path: Path,
-                                                          task: str) -> None:
+def test_export_matches_the_torch_backend_in_onnx_runtime(
+    trained: Path, tmp_path: Path, task: str
+) -> None:
     output = tmp_path / f"{task}.onnx"
-    assert main(["export", "--checkpoint", str(trained), "--task", task,
-                 "--output", str(output)]) == 0
+    assert (
+        main(["export", "--checkpoint", str(trained), "--task", task, "--output", str(output)]) == 0
+    )
     import onnx
 
     model = onnx.load(str(output))
@@ -102,13 +142,15 @@ def test_export_matches_the_torch_backend_in_onnx_runtime(trained: Path, tmp_pat
         np.testing.assert_allclose(ours[name].numpy(), value, atol=1e-4, rtol=0, err_msg=name)
     trained_weights = weights(trained / "checkpoints" / "step-000060")
     exported = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
-    np.testing.assert_array_equal(exported["Embedding/Embedding_Dict"],
-                                  trained_weights["Embedding/Embedding_Dict"])
+    np.testing.assert_array_equal(
+        exported["Embedding/Embedding_Dict"], trained_weights["Embedding/Embedding_Dict"]
+    )
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "popbert", *args], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "popbert", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -121,8 +163,9 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
 
 
 def test_vocabulary_size_mismatch_is_a_one_line_error(tmp_path: Path) -> None:
-    result = run_cli("pretrain", "--set", "model.vocab_size=1000", "--output-dir",
-                     str(tmp_path / "out"))
+    result = run_cli(
+        "pretrain", "--set", "model.vocab_size=1000", "--output-dir", str(tmp_path / "out")
+    )
     assert_one_line_error(result, "model.vocab_size", "1000", "8192")
     assert not (tmp_path / "out").exists()
 
@@ -133,10 +176,24 @@ def test_corrupt_checkpoint_is_a_one_line_error(trained: Path, tmp_path: Path) -
     broken = tmp_path / "broken"
     shutil.copytree(trained / "checkpoints" / "step-000060", broken)
     (broken / "weights.safetensors").write_bytes(b"not a safetensors file")
-    result = run_cli("pretrain", "--resume", str(broken), "--set", "training.steps=70",
-                     "--output-dir", str(tmp_path / "out"))
+    result = run_cli(
+        "pretrain",
+        "--resume",
+        str(broken),
+        "--set",
+        "training.steps=70",
+        "--output-dir",
+        str(tmp_path / "out"),
+    )
     assert_one_line_error(result, "weights.safetensors")
-    result = run_cli("export", "--checkpoint", str(tmp_path / "nowhere"), "--task", "encoder",
-                     "--output", str(tmp_path / "x.onnx"))
+    result = run_cli(
+        "export",
+        "--checkpoint",
+        str(tmp_path / "nowhere"),
+        "--task",
+        "encoder",
+        "--output",
+        str(tmp_path / "x.onnx"),
+    )
     assert_one_line_error(result, "nowhere")
     assert not (tmp_path / "x.onnx").exists()

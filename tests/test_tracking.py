@@ -21,9 +21,15 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def fake_record(step: int, total: int = 50) -> dict[str, float]:
     frac = step / total
-    return {"loss": 9.0 - 4 * frac, "mlm_loss": 8.3 - 4 * frac, "nsp_loss": 0.7 - 0.1 * frac,
-            "mlm_accuracy": 0.05 + 0.3 * frac, "nsp_accuracy": 0.5 + 0.2 * frac,
-            "lr": 1e-3 * min(1.0, step / 5), "seq_per_s": 120.0 + step}
+    return {
+        "loss": 9.0 - 4 * frac,
+        "mlm_loss": 8.3 - 4 * frac,
+        "nsp_loss": 0.7 - 0.1 * frac,
+        "mlm_accuracy": 0.05 + 0.3 * frac,
+        "nsp_accuracy": 0.5 + 0.2 * frac,
+        "lr": 1e-3 * min(1.0, step / 5),
+        "seq_per_s": 120.0 + step,
+    }
 
 
 def test_logger_appends_flushed_json_lines(tmp_path: Path) -> None:
@@ -31,7 +37,8 @@ def test_logger_appends_flushed_json_lines(tmp_path: Path) -> None:
     logger.log({"loss": np.float32(2.5), "lr": np.array(1e-3)}, step=1)
     # Flushed per line: readable while the logger is still open.
     assert read_metrics(tmp_path / "run" / "metrics.jsonl") == [
-        {"step": 1, "loss": 2.5, "lr": pytest.approx(1e-3)}]
+        {"step": 1, "loss": 2.5, "lr": pytest.approx(1e-3)}
+    ]
     logger.log({"step": 2, "loss": float("nan"), "counts": np.array([1, 2])})
     logger.close()
     logger.close()  # idempotent
@@ -101,7 +108,8 @@ def test_wandb_mirror(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert run.logged == [({"loss": 2.0}, 10)]
     assert run.finished
     assert read_metrics(tmp_path / "metrics.jsonl") == [
-        {"step": 10, "loss": 2.0, "nsp_loss": pytest.approx(float("nan"), nan_ok=True)}]
+        {"step": 10, "loss": 2.0, "nsp_loss": pytest.approx(float("nan"), nan_ok=True)}
+    ]
     # A resumed run reconnects to the same W&B run.
     MetricsLogger(tmp_path, config, backend="wandb", project="proj").close()
     assert runs[1].kwargs["id"] == "run123" and runs[1].kwargs["resume"] == "allow"

@@ -1,0 +1,195 @@
+"""Time one optimizer step over BERT-Base-sized parameters and report memory per parameter.
+
+Compares popbert's Lamb and AdamW (FP32 weights, and FP16/BF16 weights with FP32 moments and
+stochastic rounding) against ``torch.optim.AdamW(foreach=True)`` (and ``fused=True`` where the
+device supports it) in the same process. Bytes per parameter count weights plus optimizer state
+as actually allocated: 4 + 8 for FP32 weights, 2 + 8 for half weights (no master copy).
+
+    python benchmarks/optimizer_step.py            # BERT-Base, ~110M parameters
+    python benchmarks/optimizer_step.py --small    # a quick run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from popbert.optimizers import AdamW, Lamb, param_groups_by_name
+
+Shapes = list[tuple[str, tuple[int, ...]]]
+
+
+def bert_shapes(
+    vocab: int = 30522,
+    hidden: int = 768,
+    layers: int = 12,
+    intermediate: int = 3072,
+    max_positions: int = 512,
+    type_vocab: int = 2,
+) -> Shapes:
+    """Parameter names and shapes of BERT pre-training (MLM decoder tied to the embedding)."""
+    shapes: Shapes = [
+        ("Embedding/Embedding_Dict", (vocab, hidden)),
+        ("Embedding/Positional_Dict", (max_positions, hidden)),
+        ("Embedding/Segment_Dict", (type_vocab, hidden)),
+        ("Embedding/Norm/Gamma", (hidden,)),
+        ("Embedding/Norm/Beta", (hidden,)),
+    ]
+    for i in range(layers):
+        p = f"Layer{i}"
+        shapes += [
+            (f"{p}/Attention/QKV/W", (hidden, 3 * hidden)),
+            (f"{p}/Attention/QKV/B", (3 * hidden,)),
+            (f"{p}/Attention/Out/W", (hidden, hidden)),
+            (f"{p}/Attention/Out/B", (hidden,)),
+            (f"{p}/Attention/Norm/Gamma", (hidden,)),
+            (f"{p}/Attention/Norm/Beta", (hidden,)),
+            (f"{p}/FF/1/W", (hidden, intermediate)),
+            (f"{p}/FF/1/B", (intermediate,)),
+            (f"{p}/FF/2/W", (intermediate, hidden)),
+            (f"{p}/FF/2/B", (hidden,)),
+            (f"{p}/FF/Norm/Gamma", (hidden,)),
+            (f"{p}/FF/Norm/Beta", (hidden,)),
+        ]
+    shapes += [
+        ("CLS/Pooler/W", (hidden, hidden)),
+        ("CLS/Pooler/B", (hidden,)),
+        ("CLS/NSP/W", (hidden, 2)),
+        ("CLS/NSP/B", (2,)),
+        ("CLS/MLM/Transform/W", (hidden, hidden)),
+        ("CLS/MLM/Transform/B", (hidden,)),
+        ("CLS/MLM/Norm/Gamma", (hidden,)),
+        ("CLS/MLM/Norm/Beta", (hidden,)),
+        ("CLS/MLM/Bias", (vocab,)),
+    ]
+    return shapes
+
+
+def make_params(
+    shapes: Shapes, dtype: torch.dtype, device: torch.device
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """Random weights and gradients (gradients stay fixed across the timed steps)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    named = []
+    for name, shape in shapes:
+        w = torch.randn(shape, generator=gen) * 0.02
+        p = torch.nn.Parameter(w.to(device=device, dtype=dtype))
+        p.grad = (torch.randn(shape, generator=gen) * 1e-3).to(device=device, dtype=dtype)
+        named.append((name, p))
+    return named
+
+
+def bytes_per_param(
+    named: list[tuple[str, torch.nn.Parameter]], opt: torch.optim.Optimizer
+) -> float:
+    """Weights plus every tensor in the optimizer state, per parameter."""
+    numel = sum(p.numel() for _, p in named)
+    total = sum(p.numel() * p.element_size() for _, p in named)
+    for state in opt.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+    return total / numel
+
+
+def time_steps(opt: torch.optim.Optimizer, device: torch.device, warmup: int, steps: int) -> float:
+    """Median wall time of one ``opt.step()`` in milliseconds."""
+    sync: Callable[[], None] = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        opt.step()
+    sync()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        opt.step()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def cases(device: torch.device) -> list[tuple[str, torch.dtype, Callable]]:
+    wd, lr = 0.01, 1e-3
+
+    def torch_adamw(fused: bool) -> Callable:
+        def build(named):
+            groups = [
+                {"params": g["params"], "weight_decay": g["weight_decay"]}
+                for g in param_groups_by_name(named, wd)
+            ]
+            if fused:
+                return torch.optim.AdamW(groups, lr=lr, eps=1e-6, fused=True)
+            return torch.optim.AdamW(groups, lr=lr, eps=1e-6, foreach=True)
+
+        return build
+
+    def ours(cls: type) -> Callable:
+        return lambda named: cls(param_groups_by_name(named, wd), lr=lr, seed=0)
+
+    result = [("torch AdamW foreach", torch.float32, torch_adamw(False))]
+    try:  # fused AdamW exists for CUDA and, in recent torch, CPU
+        probe = torch.nn.Parameter(torch.zeros(2, device=device))
+        probe.grad = torch.zeros(2, device=device)
+        torch.optim.AdamW([probe], lr=lr, fused=True).step()
+        result.append(("torch AdamW fused", torch.float32, torch_adamw(True)))
+    except (RuntimeError, ValueError):
+        pass
+    result += [
+        ("popbert AdamW", torch.float32, ours(AdamW)),
+        ("popbert Lamb", torch.float32, ours(Lamb)),
+        ("popbert AdamW bf16+SR", torch.bfloat16, ours(AdamW)),
+        ("popbert Lamb bf16+SR", torch.bfloat16, ours(Lamb)),
+        ("popbert Lamb fp16+SR", torch.float16, ours(Lamb)),
+    ]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="a 2-layer, 256-wide model")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per optimizer")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    parser.add_argument("--device", default=default_device)
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    if args.small:
+        shapes = bert_shapes(vocab=8000, hidden=256, layers=2, intermediate=1024)
+    else:
+        shapes = bert_shapes()
+    n_params = sum(torch.Size(s).numel() for _, s in shapes)
+    print(
+        f"device={device} torch={torch.__version__} threads={torch.get_num_threads()} "
+        f"params={n_params / 1e6:.1f}M tensors={len(shapes)} steps={args.steps}"
+    )
+    rows = []
+    baseline = None
+    for name, dtype, build in cases(device):
+        named = make_params(shapes, dtype, device)
+        opt = build(named)
+        ms = time_steps(opt, device, args.warmup, args.steps)
+        baseline = baseline or ms
+        rows.append(
+            (name, str(dtype).replace("torch.", ""), ms, ms / baseline, bytes_per_param(named, opt))
+        )
+        del named, opt
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    header = (
+        f"{'optimizer':<24} {'weights':<9} {'ms/step':>9} {'vs foreach':>10} {'bytes/param':>11}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, dtype, ms, ratio, bpp in rows:
+        print(f"{name:<24} {dtype:<9} {ms:>9.1f} {ratio:>9.2f}x {bpp:>11.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -7,6 +7,7 @@ under name scopes that map one-to-one to Hugging Face names (see `popbert.hf`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,7 +18,6 @@ from popbert.builders import layers
 from popbert.builders.bert_config import BertConfig
 from popbert.builders.placement import PlacementPlan
 
-TASKS = ("pretraining", "encoder")
 BATCH = "batch_size"
 
 
@@ -30,6 +30,11 @@ class BertGraph:
     task: str
     inputs: dict[str, str] = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)
+    batch_size: int | str = BATCH
+
+    def add_input(self, name: str, shape: list, dtype: str = "INT64") -> str:
+        self.inputs[name] = self.builder.addInputTensor(TensorInfo(dtype, shape), name)
+        return self.inputs[name]
 
     @property
     def loss(self) -> str | None:
@@ -39,40 +44,52 @@ class BertGraph:
         return self.builder.getModel()
 
 
+@dataclass
+class Encoded:
+    """What every task head starts from: the encoder output, the pooled [CLS], the word table."""
+
+    hidden: str
+    pooled: str
+    word_table: str
+
+
+# A task head adds its own inputs (labels, positions), computes its outputs into
+# `graph.outputs` and, with `with_loss`, a scalar "loss" output.
+TaskHead = Callable[[Builder, BertConfig, layers.WeightInit, BertGraph, Encoded, bool], None]
+TASK_HEADS: dict[str, TaskHead] = {}
+
+
+def register_task(name: str) -> Callable[[TaskHead], TaskHead]:
+    """Register a head so `build_bert(config, task=name)` builds it (fine-tuning heads use it)."""
+    def register(head: TaskHead) -> TaskHead:
+        TASK_HEADS[name] = head
+        return head
+    return register
+
+
 def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = True,
                seed: int = 0, zeros: bool = False, batch_size: int | str = BATCH) -> BertGraph:
     """Emit the BERT graph for `task`.
 
     task="pretraining" with_loss=True is the training graph (labels in, losses and accuracies
     out); with_loss=False gives MLM/NSP logits for inference. task="encoder" outputs the last
-    hidden state and the pooled [CLS] output like `transformers.BertModel`.
-    `zeros=True` skips random initialisation (fast structural builds of Base/Large).
+    hidden state and the pooled [CLS] output like `transformers.BertModel`. Other tasks come
+    from `register_task`. `zeros=True` skips random initialisation (fast structural builds).
     """
     config.validate()
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+    if task not in TASK_HEADS:
+        raise ValueError(f"unknown task {task!r}; expected one of {sorted(TASK_HEADS)}")
     b = Builder(dialect=config.dialect, graph_name=f"bert_{task}")
     init = layers.WeightInit(config.initializer_range, seed=seed, zeros=zeros)
     plan = PlacementPlan(config)
-    graph = BertGraph(b, config, task)
+    graph = BertGraph(b, config, task, batch_size=batch_size)
     seq = config.sequence_length
-
-    def add_input(name: str, shape: list) -> str:
-        graph.inputs[name] = b.addInputTensor(TensorInfo("INT64", shape), name)
-        return graph.inputs[name]
-
-    input_ids = add_input("input_ids", [batch_size, seq])
-    segment_ids = add_input("segment_ids", [batch_size, seq])
-    input_mask = add_input("input_mask", [batch_size, seq])
-    if task == "pretraining":
-        preds = config.max_predictions_per_seq
-        positions = add_input("masked_lm_positions", [batch_size, preds])
-        if with_loss:
-            mlm_labels = add_input("masked_lm_ids", [batch_size, preds])
-            nsp_labels = add_input("next_sentence_labels", [batch_size])
+    input_ids = graph.add_input("input_ids", [batch_size, seq])
+    segment_ids = graph.add_input("segment_ids", [batch_size, seq])
+    input_mask = graph.add_input("input_mask", [batch_size, seq])
 
     with plan.scope(b, plan.embeddings):
-        hidden, word_embedding = embeddings(b, config, init, input_ids, segment_ids)
+        hidden, word_table = embeddings(b, config, init, input_ids, segment_ids)
         mask = layers.attention_mask(b, input_mask, seq)
 
     for index, where in enumerate(plan.layers):
@@ -83,22 +100,36 @@ def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = 
 
     with plan.scope(b, plan.heads):
         pooled = pooler(b, config, init, hidden)
-        if task == "encoder":
-            graph.outputs["last_hidden_state"] = hidden
-            graph.outputs["pooler_output"] = pooled
-        else:
-            mlm_logits = mlm_head(b, config, init, hidden, positions, word_embedding)
-            nsp_logits = nsp_head(b, config, init, pooled)
-            graph.outputs["mlm_logits"] = mlm_logits
-            graph.outputs["nsp_logits"] = nsp_logits
-            if with_loss:
-                graph.outputs.update(losses(b, config, mlm_logits, nsp_logits, mlm_labels,
-                                            nsp_labels))
+        TASK_HEADS[task](b, config, init, graph, Encoded(hidden, pooled, word_table), with_loss)
         # Outputs get plain names ("loss", "mlm_accuracy", ...) users can ask for.
         for role, tensor in graph.outputs.items():
             graph.outputs[role] = b.aiOnnx.identity([tensor], role)
             b.addOutputTensor(graph.outputs[role])
     return graph
+
+
+@register_task("encoder")
+def encoder_outputs(b: Builder, config: BertConfig, init: layers.WeightInit, graph: BertGraph,
+                    encoded: Encoded, with_loss: bool) -> None:
+    """`transformers.BertModel`'s outputs; no loss (it is for inference and feature export)."""
+    graph.outputs["last_hidden_state"] = encoded.hidden
+    graph.outputs["pooler_output"] = encoded.pooled
+
+
+@register_task("pretraining")
+def pretraining_head(b: Builder, config: BertConfig, init: layers.WeightInit, graph: BertGraph,
+                     encoded: Encoded, with_loss: bool) -> None:
+    """MLM on the masked positions + NSP; with labels, the summed loss and both accuracies."""
+    preds = config.max_predictions_per_seq
+    positions = graph.add_input("masked_lm_positions", [graph.batch_size, preds])
+    mlm_logits = mlm_head(b, config, init, encoded.hidden, positions, encoded.word_table)
+    nsp_logits = nsp_head(b, config, init, encoded.pooled)
+    graph.outputs["mlm_logits"] = mlm_logits
+    graph.outputs["nsp_logits"] = nsp_logits
+    if with_loss:
+        mlm_labels = graph.add_input("masked_lm_ids", [graph.batch_size, preds])
+        nsp_labels = graph.add_input("next_sentence_labels", [graph.batch_size])
+        graph.outputs.update(losses(b, config, mlm_logits, nsp_logits, mlm_labels, nsp_labels))
 
 
 def embeddings(b: Builder, config: BertConfig, init: layers.WeightInit, input_ids: str,

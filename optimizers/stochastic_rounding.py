@@ -6,16 +6,15 @@ the two neighbouring representable values with probability proportional to proxi
 rounding error is zero on average and small updates accumulate in expectation. This is what
 lets popbert keep FP16/BF16 weights with FP32 optimizer moments and no FP32 master copy.
 
-Both paths work on the IEEE-754 bit pattern of the FP32 input, where consecutive values of the
-target format are a fixed number of FP32 patterns apart inside one FP32 binade and the FP32 value
-is linear in the pattern there. Adding ``k`` uniform random bits to the low ``k`` bits of the
-pattern and truncating them rounds away from zero with probability exactly
-``|x - lo| / (hi - lo)``:
+Rounding works on the IEEE-754 bit pattern of the FP32 input: consecutive values of the target
+format are ``2**k`` FP32 patterns apart and the FP32 value is linear in the pattern between
+them, so adding ``k`` uniform random bits to the low ``k`` bits of the pattern and truncating
+them rounds away from zero with probability exactly ``|x - lo| / (hi - lo)``:
 
 * BF16 shares FP32's exponent range, so ``k = 16`` everywhere (subnormals included).
-* FP16 has ``k = 13`` in its normal range and a larger ``k`` (up to 23) in its subnormal range,
-  where the spacing is a constant ``2**-24``. Inputs below ``2**-24`` (whose neighbours are 0
-  and ``2**-24``) use an exact multi-word Bernoulli draw instead.
+* FP16 has ``k = 13`` in its normal range (and above it). Below ``2**-14`` FP16's spacing is a
+  constant ``2**-24``; those rare lanes are rounded as integers of ``x * 2**24`` with an exact
+  multi-digit Bernoulli draw, which also covers inputs far below the smallest FP16 subnormal.
 
 Overflow follows IEEE semantics: a value between the largest finite number and the next
 (unrepresentable) grid point rounds to the largest finite value or to infinity with the same
@@ -31,12 +30,12 @@ from torch import Tensor
 __all__ = ["stochastic_round", "round_to_dtype"]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
-_BF16_LOW_MASK = (1 << 16) - 1
-_FP16_MIN_SUBNORMAL = 2.0**-24
-# Biased FP32 exponent of 2**-24: below it the FP16 neighbours straddle FP32 binades.
-_FP16_TINY_EXPONENT = 127 - 24
-# FP32 has 24 significant bits and a smallest exponent of -149, so a probability |x| * 2**24 of
-# an FP32 input is a multiple of 2**-125 and is exhausted after ceil(125 / 24) = 6 digits.
+_ABS_MASK = 0x7FFFFFFF
+_INF_BITS = 0x7F800000
+_FP16_MIN_NORMAL_BITS = 0x38800000  # 2**-14: below it FP16 spacing is a constant 2**-24
+_FP16_SUBNORMAL_SCALE = 2.0**24
+# A probability held in FP32 is a binary fraction of at most 24 + 125 bits below the point
+# (24 significant bits, smallest exponent -149, scaled by 2**24), exhausted after 6 digits of 24.
 _BERNOULLI_DIGITS = 6
 _DIGIT = float(1 << 24)
 
@@ -55,11 +54,11 @@ def _check_input(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _exact_bernoulli(p: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Draw ``True`` with probability exactly ``p`` (FP32 values in [0, 1)).
+    """Draw ``True`` with probability exactly ``p`` (FP32 values in [0, 1); NaN gives False).
 
     ``p`` is compared digit by digit, 24 bits at a time, against a uniform random number of
     unbounded precision; a tie on one digit defers to the next. FP32 probabilities are finite
-    binary fractions of at most 125 bits, so six digits make the draw exact.
+    binary fractions, so six digits make the draw exact.
     """
     result = torch.zeros(p.shape, dtype=torch.bool, device=p.device)
     active = torch.ones(p.shape, dtype=torch.bool, device=p.device)
@@ -76,40 +75,17 @@ def _exact_bernoulli(p: Tensor, generator: torch.Generator | None) -> Tensor:
     return result
 
 
-def _round_bf16(x: Tensor, generator: torch.Generator | None) -> Tensor:
-    bits = x.view(torch.int32)
-    nan = torch.isnan(x)
-    noise = torch.randint(
-        0, 1 << 16, x.shape, device=x.device, dtype=torch.int32, generator=generator
-    )
-    noise.masked_fill_(nan, 0)  # NaN patterns near 0x7FFFFFFF must not overflow the int32 add
-    out = ((bits + noise) & ~_BF16_LOW_MASK).view(torch.float32)
-    out = torch.where(nan, x, out)  # a NaN payload living in the low bits would truncate to inf
-    return out.to(torch.bfloat16)  # exact: the low 16 bits are zero
+def _round_fp16_subnormal(x: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Stochastic rounding onto the fixed grid ``k * 2**-24`` (FP16 subnormals), NaN kept.
 
-
-def _round_fp16(x: Tensor, generator: torch.Generator | None) -> Tensor:
-    bits = x.view(torch.int32)
-    nan = torch.isnan(x)
-    exponent = (bits >> 23) & 0xFF
-    # Number of FP32 mantissa bits below one FP16 ulp: 13 in FP16's normal range (and above, so
-    # overflow rounds towards 65536 -> inf), 126 - exponent in its subnormal range (spacing 2**-24).
-    shift = torch.clamp(126 - exponent, min=13, max=23)
-    low_mask = (1 << shift) - 1
-    noise = torch.randint(
-        0, 1 << 23, x.shape, device=x.device, dtype=torch.int32, generator=generator
-    )
-    noise &= low_mask
-    noise.masked_fill_(nan, 0)
-    out = ((bits + noise) & ~low_mask).view(torch.float32)
-    out = torch.where(nan, x, out)
-    tiny = exponent < _FP16_TINY_EXPONENT  # |x| < 2**-24, zeros and FP32 subnormals included
-    if bool(tiny.any()):
-        xt = x[tiny]
-        up = _exact_bernoulli(xt.abs() * _DIGIT, generator)  # |x| / 2**-24, exact
-        magnitude = torch.where(up, _FP16_MIN_SUBNORMAL, 0.0).to(torch.float32)
-        out[tiny] = torch.copysign(magnitude, xt)
-    return out.to(torch.float16)  # exact: every value lies on the FP16 grid (or overflows to inf)
+    ``|x| * 2**24`` is exact, so this is integer stochastic rounding of a value below 1024
+    with an exact Bernoulli draw for the fractional part, however small.
+    """
+    scaled = x.abs() * _FP16_SUBNORMAL_SCALE
+    whole = torch.floor(scaled)
+    up = _exact_bernoulli(scaled - whole, generator)
+    magnitude = (whole + up.float()) / _FP16_SUBNORMAL_SCALE  # NaN stays NaN
+    return torch.copysign(magnitude, x)
 
 
 def stochastic_round(
@@ -122,14 +98,36 @@ def stochastic_round(
     range. Representable values, infinities and NaN are returned unchanged; values beyond the
     largest finite number overflow to infinity as described in the module docstring.
     ``generator`` (on ``x``'s device) makes the draw reproducible. ``dtype=float32`` returns
-    ``x`` itself.
+    ``x`` itself. Costs one host synchronisation (a check for rare special lanes).
     """
     x = _check_input(x, dtype)
     if dtype == torch.float32:
         return x
-    if dtype == torch.bfloat16:
-        return _round_bf16(x, generator)
-    return _round_fp16(x, generator)
+    bits = x.view(torch.int32)
+    low_bits = 16 if dtype == torch.bfloat16 else 13
+    noise = torch.empty(x.shape, dtype=torch.int32, device=x.device)
+    # Lanes the bit trick cannot take: NaN (whose low payload bits would truncate to inf or
+    # overflow the integer add) and, for FP16, its subnormal range where the ulp is fixed.
+    special: Tensor | None = None
+    if dtype == torch.float16:
+        magnitude = torch.bitwise_and(bits, _ABS_MASK, out=noise)  # noise as scratch space
+        special = (magnitude > _INF_BITS).logical_or_(magnitude < _FP16_MIN_NORMAL_BITS)
+    elif not bool(torch.isfinite(x.sum())):  # cheap NaN-free proof for the common case
+        special = torch.isnan(x)
+    if special is not None and not bool(special.any()):
+        special = None
+
+    noise.random_(0, 1 << low_bits, generator=generator)
+    if special is not None:
+        noise.masked_fill_(special, 0)
+    noise.add_(bits).bitwise_and_(-(1 << low_bits))
+    out = noise.view(torch.float32)
+    if special is not None:
+        values = x[special]
+        if dtype == torch.float16:
+            values = _round_fp16_subnormal(values, generator)
+        out[special] = values  # bfloat16: only NaN lanes, kept as they are
+    return out.to(dtype)  # exact: every value lies on the target grid (or overflows to inf)
 
 
 def round_to_dtype(

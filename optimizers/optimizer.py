@@ -228,7 +228,13 @@ class AdamFamilyOptimizer(Optimizer):
 
         half = dtype != torch.float32
         if half:
-            weights = [p.float() for p in params]
+            # One flat FP32 working copy per bucket: a single rounding call (one RNG launch,
+            # one host sync) instead of one per tensor.
+            sizes = [p.numel() for p in params]
+            flat = torch.empty(sum(sizes), dtype=torch.float32, device=device)
+            chunks = flat.split(sizes)
+            weights = [chunk.view(p.shape) for chunk, p in zip(chunks, params, strict=True)]
+            torch._foreach_copy_(weights, params)
         else:
             weights = params
         grads = _fp32_grads(params, grad_factor)
@@ -269,8 +275,10 @@ class AdamFamilyOptimizer(Optimizer):
             stochastic = group["stochastic_rounding"]
             stochastic = True if stochastic is None else bool(stochastic)
             gen = self._generator(device) if stochastic else None
-            for p, w in zip(params, weights, strict=True):
-                p.copy_(round_to_dtype(w, dtype, stochastic, gen))
+            rounded = round_to_dtype(flat, dtype, stochastic, gen).split(sizes)
+            torch._foreach_copy_(
+                params, [chunk.view(p.shape) for chunk, p in zip(rounded, params, strict=True)]
+            )
 
 
 class Lamb(AdamFamilyOptimizer):

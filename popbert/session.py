@@ -93,6 +93,7 @@ class _Session:
         self.output_names = list(self.module.output_names)
         self._forward = torch.compile(self.module) if self.options.compile else self.module
         self._compute_dtype = DTYPES[self.options.compute_dtype]
+        self._half_weights = weight_dtype != torch.float32
 
     def _autocast(self):
         if self._compute_dtype == torch.float32:
@@ -108,8 +109,16 @@ class _Session:
                 for n in self.input_names]
 
     def forward(self, batch: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, torch.Tensor]:
+        feeds = self._feeds(batch)
         with self._autocast():
-            outputs = self._forward(*self._feeds(batch))
+            if self._half_weights:
+                # Weights are stored in FP16/BF16 only (no master copy); the graph computes from
+                # FP32 views of them (autocast then lowers matmuls to the compute dtype), and
+                # gradients flow back through the casts into the half-precision weights.
+                views = {n: p.float() for n, p in self.module.named_parameters()}
+                outputs = torch.func.functional_call(self._forward, views, tuple(feeds))
+            else:
+                outputs = self._forward(*feeds)
         return dict(zip(self.output_names, outputs))
 
     def weights(self) -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ from popbert import checkpoint as ckpt
 from popbert.atomic import atomic_write_bytes, atomic_write_text
 from popbert.builders.bert import build_bert
 from popbert.config import RunConfig, config_from_dict
+from popbert.data.pretraining import load_training_data, make_loader
 from popbert.errors import CheckpointError, ConfigError
 from popbert.optimizers import AdamW, Lamb, LossScaler, make_schedule, param_groups_by_name, set_lr
 from popbert.session import NamedParameters, SessionOptions, TrainingSession
@@ -76,25 +77,6 @@ def loss_scaler(cfg: RunConfig) -> LossScaler | None:
     return None
 
 
-def load_training_data(cfg: RunConfig) -> dict[str, np.ndarray]:
-    """Pre-training instances for the config's corpus, checked against the model's shapes."""
-    from popbert.data.loader import load_or_create_instances
-    from popbert.data.tokenization import WordPieceTokenizer, bundled_vocab_path
-
-    vocab_path = Path(cfg.data.vocab_file) if cfg.data.vocab_file else bundled_vocab_path()
-    if not vocab_path.is_file():
-        raise ConfigError(f"data.vocab_file: {vocab_path} does not exist")
-    vocab_size = WordPieceTokenizer(vocab_path).vocab_size
-    if vocab_size != cfg.model.vocab_size:
-        raise ConfigError(f"model.vocab_size is {cfg.model.vocab_size} but the vocabulary "
-                          f"{vocab_path} has {vocab_size} entries")
-    return load_or_create_instances(
-        cfg.data.input_files or None, vocab_path, cfg.model.sequence_length,
-        cfg.model.max_predictions_per_seq, cfg.data.seed,
-        dupe_factor=cfg.data.duplication_factor, masked_lm_prob=cfg.data.masked_lm_prob,
-        short_seq_prob=cfg.data.short_seq_prob, whole_word_mask=cfg.data.whole_word_masking)
-
-
 def session_options(cfg: RunConfig) -> SessionOptions:
     e = cfg.execution
     return SessionOptions(device=e.device, gradient_accumulation=e.gradient_accumulation,
@@ -137,7 +119,7 @@ def run_pretraining(cfg: RunConfig, output_dir: Path, resume: Path | None = None
     session = TrainingSession(model, graph.loss, optimizer_factory(cfg), session_options(cfg),
                               loss_scaler=loss_scaler(cfg))
     session.step_hook = lambda step: set_lr(session.optimizer, schedule, step)
-    loader = _loader(cfg, data)
+    loader = make_loader(cfg, data)
     if initial is not None:
         session.load_weights(_matching(initial.weights, session), strict=False)
     if restored is not None:
@@ -151,13 +133,6 @@ def run_pretraining(cfg: RunConfig, output_dir: Path, resume: Path | None = None
         if created and not (output_dir / "checkpoints").exists():
             shutil.rmtree(output_dir, ignore_errors=True)  # nothing worth keeping
         raise
-
-
-def _loader(cfg: RunConfig, data: dict[str, np.ndarray]):
-    from popbert.data.loader import PretrainingLoader
-
-    return PretrainingLoader(data, cfg.execution.micro_batch_size, seed=cfg.data.seed,
-                             shuffle=cfg.data.shuffle)
 
 
 def _matching(weights: dict[str, torch.Tensor], session: TrainingSession) -> dict:

@@ -3,6 +3,14 @@
 One function per block; the data path reads top to bottom: embeddings → encoder layers →
 MLM head on the masked positions only + NSP head → losses and accuracies. Weights are created
 under name scopes that map one-to-one to Hugging Face names (see `popbert.hf`).
+
+Packed pre-training (`config.packed`, Krell et al. 2021; rows made by `popbert.data.packing`)
+takes, instead of `input_mask`: `position_ids` [B, S] (0..len-1 per sequence),
+`sequence_index` [B, S] (k for the k-th sequence of the row, 0 on padding: the attention mask is
+block-diagonal in it) and `cls_positions` [B, K] (each sequence's [CLS], where its NSP prediction
+is made); `next_sentence_labels` is [B, K] with `NSP_IGNORE` in unused slots and
+`max_predictions_per_seq` counts MLM slots per row. Weights and their names are the same as
+unpacked, so checkpoints move between the two.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ from popbert.builders.bert_config import BertConfig
 from popbert.builders.placement import PlacementPlan
 
 BATCH = "batch_size"
+# Label of an unused NSP slot in a packed row (PyTorch's and HF's ignore index).
+NSP_IGNORE = -100
 
 
 @dataclass
@@ -83,14 +93,27 @@ def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = 
     init = layers.WeightInit(config.initializer_range, seed=seed, zeros=zeros)
     plan = PlacementPlan(config)
     graph = BertGraph(b, config, task, batch_size=batch_size)
+    if config.packed and task != "pretraining":
+        raise ValueError(f"model.packed is for pre-training only; task {task!r} takes one "
+                         f"sequence per row")
     seq = config.sequence_length
     input_ids = graph.add_input("input_ids", [batch_size, seq])
     segment_ids = graph.add_input("segment_ids", [batch_size, seq])
-    input_mask = graph.add_input("input_mask", [batch_size, seq])
+    if config.packed:
+        # Packed rows: positions restart per sequence and attention stays within a sequence.
+        position_ids = graph.add_input("position_ids", [batch_size, seq])
+        sequence_index = graph.add_input("sequence_index", [batch_size, seq])
+    else:
+        input_mask = graph.add_input("input_mask", [batch_size, seq])
 
     with plan.scope(b, plan.embeddings):
-        hidden, word_table = embeddings(b, config, init, input_ids, segment_ids)
-        mask = layers.attention_mask(b, input_mask, seq)
+        if config.packed:
+            hidden, word_table = embeddings(b, config, init, input_ids, segment_ids,
+                                            position_ids)
+            mask = layers.packed_attention_mask(b, sequence_index, seq)
+        else:
+            hidden, word_table = embeddings(b, config, init, input_ids, segment_ids)
+            mask = layers.attention_mask(b, input_mask, seq)
 
     for index, where in enumerate(plan.layers):
         with plan.scope(b, where):
@@ -99,7 +122,12 @@ def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = 
                 hidden = b.checkpointOutput([hidden])[0]
 
     with plan.scope(b, plan.heads):
-        pooled = pooler(b, config, init, hidden)
+        if config.packed:
+            cls_positions = graph.add_input("cls_positions",
+                                            [batch_size, config.max_sequences_per_pack])
+            pooled = packed_pooler(b, config, init, hidden, cls_positions)
+        else:
+            pooled = pooler(b, config, init, hidden)
         TASK_HEADS[task](b, config, init, graph, Encoded(hidden, pooled, word_table), with_loss)
         # Outputs get plain names ("loss", "mlm_accuracy", ...) users can ask for.
         for role, tensor in graph.outputs.items():
@@ -119,7 +147,11 @@ def encoder_outputs(b: Builder, config: BertConfig, init: layers.WeightInit, gra
 @register_task("pretraining")
 def pretraining_head(b: Builder, config: BertConfig, init: layers.WeightInit, graph: BertGraph,
                      encoded: Encoded, with_loss: bool) -> None:
-    """MLM on the masked positions + NSP; with labels, the summed loss and both accuracies."""
+    """MLM on the masked positions + NSP; with labels, the summed loss and both accuracies.
+
+    Packed: the MLM slots cover all sequences of a row, `nsp_logits` is [B, K, 2] (one per
+    packed sequence) and `next_sentence_labels` [B, K] with `NSP_IGNORE` in unused slots.
+    """
     preds = config.max_predictions_per_seq
     positions = graph.add_input("masked_lm_positions", [graph.batch_size, preds])
     mlm_logits = mlm_head(b, config, init, encoded.hidden, positions, encoded.word_table)
@@ -128,13 +160,18 @@ def pretraining_head(b: Builder, config: BertConfig, init: layers.WeightInit, gr
     graph.outputs["nsp_logits"] = nsp_logits
     if with_loss:
         mlm_labels = graph.add_input("masked_lm_ids", [graph.batch_size, preds])
-        nsp_labels = graph.add_input("next_sentence_labels", [graph.batch_size])
+        nsp_shape = ([graph.batch_size, config.max_sequences_per_pack] if config.packed
+                     else [graph.batch_size])
+        nsp_labels = graph.add_input("next_sentence_labels", nsp_shape)
         graph.outputs.update(losses(b, config, mlm_logits, nsp_logits, mlm_labels, nsp_labels))
 
 
 def embeddings(b: Builder, config: BertConfig, init: layers.WeightInit, input_ids: str,
-               segment_ids: str) -> tuple[str, str]:
-    """Word + position + segment embeddings, LayerNorm, dropout. Returns (hidden, word table)."""
+               segment_ids: str, position_ids: str | None = None) -> tuple[str, str]:
+    """Word + position + segment embeddings, LayerNorm, dropout. Returns (hidden, word table).
+
+    Positions are 0..S-1 unless `position_ids` [B, S] come from the data (packed rows).
+    """
     h = config.hidden_size
     with b.nameScope("Embedding"):
         word_table = b.addInitializedInputTensor(init.normal([config.vocab_size, h]),
@@ -144,8 +181,9 @@ def embeddings(b: Builder, config: BertConfig, init: layers.WeightInit, input_id
         segment_table = b.addInitializedInputTensor(init.normal([config.type_vocab_size, h]),
                                                     "Segment_Dict")
         words = b.aiOnnx.gather([word_table, input_ids], "Words", axis=0)
-        position_ids = b.addConstant(np.arange(config.sequence_length, dtype=np.int64),
-                                     "position_ids")
+        if position_ids is None:
+            position_ids = b.addConstant(np.arange(config.sequence_length, dtype=np.int64),
+                                         "position_ids")
         positions = b.aiOnnx.gather([position_table, position_ids], "Positions", axis=0)
         segments = b.aiOnnx.gather([segment_table, segment_ids], "Segments", axis=0)
         x = b.aiOnnx.add([b.aiOnnx.add([words, positions], "AddPositions"), segments],
@@ -188,6 +226,17 @@ def pooler(b: Builder, config: BertConfig, init: layers.WeightInit, hidden: str)
                                            init, "Pool")], "Pooled")
 
 
+def packed_pooler(b: Builder, config: BertConfig, init: layers.WeightInit, hidden: str,
+                  cls_positions: str) -> str:
+    """tanh(W · h[CLS] + B) at each packed sequence's [CLS]: [B, K, H], same weights as `pooler`."""
+    with b.nameScope("NSP"):
+        index = b.aiOnnx.unsqueeze(
+            [cls_positions, b.addConstant(np.array([2], np.int64), "axis")], "CLSIndex")
+        cls = b.aiOnnx.gathernd([hidden, index], "CLS", batch_dims=1)  # [B, K, H]
+        return b.aiOnnx.tanh([layers.dense(b, cls, config.hidden_size, config.hidden_size,
+                                           init, "Pool")], "Pooled")
+
+
 def mlm_head(b: Builder, config: BertConfig, init: layers.WeightInit, hidden: str,
              positions: str, word_table: str) -> str:
     """Logits [B, P, V] at the masked positions only; projection tied to the word embedding."""
@@ -221,9 +270,21 @@ def losses(b: Builder, config: BertConfig, mlm_logits: str, nsp_logits: str, mlm
         flat_labels = b.aiOnnx.reshape(
             [mlm_labels, b.addConstant(np.array([-1], np.int64), "flat")], "MLMLabelsFlat")
         mlm_loss = layers.softmax_cross_entropy(b, flat_logits, flat_labels, 0, "mlm_loss")
-        nsp_loss = layers.softmax_cross_entropy(b, nsp_logits, nsp_labels, None, "nsp_loss")
+        nsp_ignore = None
+        if config.packed:
+            # One prediction per packed sequence; unused slots are labelled NSP_IGNORE, so
+            # both means run over real sequences only, exactly as in the unpacked graph.
+            nsp_logits = b.aiOnnx.reshape(
+                [nsp_logits, b.addConstant(np.array([-1, 2], np.int64), "nsp_shape")],
+                "NSPLogitsFlat")
+            nsp_labels = b.aiOnnx.reshape(
+                [nsp_labels, b.addConstant(np.array([-1], np.int64), "nsp_flat")],
+                "NSPLabelsFlat")
+            nsp_ignore = NSP_IGNORE
+        nsp_loss = layers.softmax_cross_entropy(b, nsp_logits, nsp_labels, nsp_ignore,
+                                                "nsp_loss")
         loss = b.aiOnnx.add([mlm_loss, nsp_loss], "loss")
         mlm_accuracy = layers.accuracy(b, flat_logits, flat_labels, 0, "mlm_accuracy")
-        nsp_accuracy = layers.accuracy(b, nsp_logits, nsp_labels, None, "nsp_accuracy")
+        nsp_accuracy = layers.accuracy(b, nsp_logits, nsp_labels, nsp_ignore, "nsp_accuracy")
     return {"loss": loss, "mlm_loss": mlm_loss, "nsp_loss": nsp_loss,
             "mlm_accuracy": mlm_accuracy, "nsp_accuracy": nsp_accuracy}

@@ -32,6 +32,11 @@ class BertConfig:
     recompute: bool = False
     # "onnx" (standard opset 23) or "popart" (ai.onnx 11 + ai.graphcore).
     dialect: str = "onnx"
+    # Packed sequences (Krell et al. 2021): each row holds up to `max_sequences_per_pack`
+    # sequences; the pre-training graph then takes `position_ids`, `sequence_index` and
+    # `cls_positions` inputs, and `max_predictions_per_seq` counts MLM slots per row (pack).
+    packed: bool = False
+    max_sequences_per_pack: int = 3
     architecture: str = "bert"
     extra: dict = field(default_factory=dict)
 
@@ -60,6 +65,13 @@ class BertConfig:
             p = float(getattr(self, key))
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"model.{key} must be in [0, 1), got {p}")
+        if int(self.max_sequences_per_pack) < 1:
+            raise ValueError(f"model.max_sequences_per_pack must be >= 1, "
+                             f"got {self.max_sequences_per_pack}")
+        if self.packed and self.max_sequences_per_pack > self.sequence_length // 2:
+            raise ValueError(
+                f"model.max_sequences_per_pack ({self.max_sequences_per_pack}) exceeds what "
+                f"model.sequence_length ({self.sequence_length}) can hold (2 tokens each)")
         if self.dialect not in ("onnx", "popart"):
             raise ValueError(f"model.dialect must be 'onnx' or 'popart', got {self.dialect!r}")
         if self.layers_per_ipu is not None:

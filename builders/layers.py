@@ -104,6 +104,29 @@ def attention_mask(b: Builder, input_mask: str, seq_len: int) -> str:
         return b.aiOnnx.expand([mask, shape], "Expand")
 
 
+def packed_attention_mask(b: Builder, sequence_index: str, seq_len: int) -> str:
+    """[B, S] sequence index (0 = padding, 1..k = packed sequence) → additive [B, 1, S, S].
+
+    Block-diagonal: query i may attend to key j only if both belong to the same sequence and
+    j is not padding. A padding query sees only -10000 and attends uniformly; its output is
+    never read.
+    """
+    with b.nameScope("AttentionMask"):
+        queries = b.aiOnnx.unsqueeze(
+            [sequence_index, b.addConstant(np.array([2], np.int64), "query_axis")], "Queries")
+        keys = b.aiOnnx.unsqueeze(
+            [sequence_index, b.addConstant(np.array([1], np.int64), "key_axis")], "Keys")
+        same = b.aiOnnx.equal([queries, keys], "SameSequence")  # [B, S, S]
+        real = b.aiOnnx.greater([keys, b.addConstant(np.array(0, np.int64), "zero")],
+                                "RealKey")  # [B, 1, S]
+        allowed = b.aiOnnx.cast([b.aiOnnx.And([same, real], "Allowed")], "Cast", to=1)
+        one = scalar(b, 1.0, np.float32, "one")
+        inverted = b.aiOnnx.sub([one, allowed], "Invert")
+        additive = b.aiOnnx.mul([inverted, scalar(b, MASK_VALUE, np.float32, "big")], "Scale")
+        return b.aiOnnx.unsqueeze(
+            [additive, b.addConstant(np.array([1], np.int64), "head_axis")], "Unsqueeze")
+
+
 def multi_head_attention(b: Builder, q: str, k: str, v: str, mask: str, hidden: int,
                          heads: int, seq_len: int, attention_dropout: float) -> str:
     """Scaled dot-product attention over [B, S, H] tensors, returning [B, S, H].

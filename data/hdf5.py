@@ -2,7 +2,9 @@
 
 A shard holds six datasets, one row per sample (`input_ids`, `input_mask`, `segment_ids` [N, S];
 `masked_lm_positions`, `masked_lm_ids` [N, P]; `next_sentence_labels` [N]) so NVIDIA's
-preprocessed shards load too, and popbert's own shards also record how they were made (schema
+preprocessed shards load too. Packed shards (`popbert.data.packing`) add `position_ids`,
+`sequence_index` [N, S] and `cls_positions` [N, K], with `next_sentence_labels` [N, K].
+popbert's own shards also record how they were made (schema
 version, sequence length, max predictions, vocabulary size and sha256, creation parameters).
 Reading checks a shard against the run's expectations: a mismatch is a one-line `DataError`
 naming the file, never silently wrong batches.
@@ -21,6 +23,7 @@ import numpy as np
 
 from popbert.data.errors import DataError
 from popbert.data.instances import FEATURE_NAMES, InstanceOptions
+from popbert.data.packing import PACKED_FEATURE_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,13 @@ class ShardInfo:
     vocab_size: int | None = None
     vocab_sha256: str | None = None
     attrs: dict = field(default_factory=dict)
+    packed: bool = False
+    max_sequences_per_pack: int | None = None  # packed shards: NSP slots per row
+
+    @property
+    def feature_names(self) -> tuple[str, ...]:
+        """The datasets a loader reads from this shard."""
+        return FEATURE_NAMES + PACKED_FEATURE_NAMES if self.packed else FEATURE_NAMES
 
 
 def _one_line(exc: BaseException) -> str:
@@ -58,16 +68,25 @@ def _attr_value(value):
     return value
 
 
-def _validate_arrays(arrays: Mapping[str, np.ndarray], where: str) -> tuple[int, int, int]:
-    """Check the six arrays agree in shape; return (num_samples, seq_len, max_predictions)."""
+def _validate_arrays(arrays: Mapping[str, np.ndarray], where: str
+                     ) -> tuple[int, int, int, int | None]:
+    """Check the arrays agree in shape; return (num_samples, seq_len, max_predictions, K).
+
+    K is the number of sequences per row of a packed shard, None for an unpacked one.
+    """
     missing = [k for k in FEATURE_NAMES if k not in arrays]
     if missing:
         raise DataError(f"{where}: missing datasets {', '.join(missing)}")
+    present = [k for k in PACKED_FEATURE_NAMES if k in arrays]
+    if present and len(present) != len(PACKED_FEATURE_NAMES):
+        absent = [k for k in PACKED_FEATURE_NAMES if k not in arrays]
+        raise DataError(f"{where}: packed shard lacks datasets {', '.join(absent)}")
+    packed = bool(present)
     ids = arrays["input_ids"]
     if ids.ndim != 2:
         raise DataError(f"{where}: input_ids must be 2-D [samples, sequence], got {ids.shape}")
     n, seq = ids.shape
-    for name in _SEQ_FEATURES:
+    for name in _SEQ_FEATURES + (("position_ids", "sequence_index") if packed else ()):
         if tuple(arrays[name].shape) != (n, seq):
             raise DataError(f"{where}: {name} has shape {tuple(arrays[name].shape)}, "
                             f"input_ids has {(n, seq)}")
@@ -80,10 +99,20 @@ def _validate_arrays(arrays: Mapping[str, np.ndarray], where: str) -> tuple[int,
         raise DataError(f"{where}: masked_lm_ids has shape {tuple(arrays['masked_lm_ids'].shape)}, "
                         f"masked_lm_positions has {(n, pred)}")
     nsp = arrays["next_sentence_labels"]
+    if packed:
+        cls = arrays["cls_positions"]
+        if cls.ndim != 2 or cls.shape[0] != n:
+            raise DataError(f"{where}: cls_positions has shape {tuple(cls.shape)}, expected "
+                            f"({n}, max_sequences_per_pack)")
+        k = int(cls.shape[1])
+        if tuple(nsp.shape) != (n, k):
+            raise DataError(f"{where}: next_sentence_labels has shape {tuple(nsp.shape)}, "
+                            f"cls_positions has {(n, k)}")
+        return n, seq, pred, k
     if nsp.shape not in ((n,), (n, 1)):
         raise DataError(f"{where}: next_sentence_labels has shape {tuple(nsp.shape)}, "
                         f"expected ({n},)")
-    return n, seq, pred
+    return n, seq, pred, None
 
 
 def write_shard(path: str | os.PathLike, arrays: Mapping[str, np.ndarray], *,
@@ -96,9 +125,12 @@ def write_shard(path: str | os.PathLike, arrays: Mapping[str, np.ndarray], *,
     the shard against a run later.
     """
     path = Path(path)
-    n, seq, pred = _validate_arrays(arrays, str(path))
+    n, seq, pred, k = _validate_arrays(arrays, str(path))
     attrs: dict = {"schema_version": SCHEMA_VERSION, "sequence_length": seq,
-                   "max_predictions_per_seq": pred, "num_samples": n, "format": "popbert-bert"}
+                   "max_predictions_per_seq": pred, "num_samples": n, "format": "popbert-bert",
+                   "packed": int(k is not None)}
+    if k is not None:
+        attrs["max_sequences_per_pack"] = k
     if vocab_size is not None:
         attrs["vocab_size"] = int(vocab_size)
     if vocab_sha256 is not None:
@@ -118,9 +150,13 @@ def write_shard(path: str | os.PathLike, arrays: Mapping[str, np.ndarray], *,
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with h5py.File(tmp, "w") as f:
-            for name in FEATURE_NAMES:
+            for name in FEATURE_NAMES + (PACKED_FEATURE_NAMES if k is not None else ()):
                 data = np.asarray(arrays[name]).astype(np.int32, copy=False)
-                f.create_dataset(name, data=data, dtype="i4", compression=compression)
+                # Byte shuffle + gzip level 1: standard HDF5 filters any reader has, smaller and
+                # faster to write than plain gzip for small integers.
+                f.create_dataset(name, data=data, dtype="i4", compression=compression,
+                                 compression_opts=1 if compression == "gzip" else None,
+                                 shuffle=compression is not None)
             for key, value in attrs.items():
                 f.attrs[key] = value
         with open(tmp, "rb") as f:
@@ -143,12 +179,17 @@ def _open(path: Path) -> h5py.File:
 
 
 def _info_from_file(f: h5py.File, path: Path) -> ShardInfo:
-    n, seq, pred = _validate_arrays({k: f[k] for k in FEATURE_NAMES if k in f}, str(path))
-    attrs = {k: _attr_value(v) for k, v in f.attrs.items()}
+    names = FEATURE_NAMES + PACKED_FEATURE_NAMES
+    try:
+        datasets = {k: f[k] for k in names if k in f}
+    except (OSError, KeyError, ValueError) as exc:
+        raise DataError(f"{path}: cannot read datasets ({_one_line(exc)})") from None
+    n, seq, pred, k = _validate_arrays(datasets, str(path))
+    attrs = {key: _attr_value(v) for key, v in f.attrs.items()}
     info = ShardInfo(path=path, num_samples=n, sequence_length=seq, max_predictions_per_seq=pred,
                      schema_version=attrs.get("schema_version"),
                      vocab_size=attrs.get("vocab_size"), vocab_sha256=attrs.get("vocab_sha256"),
-                     attrs=attrs)
+                     attrs=attrs, packed=k is not None, max_sequences_per_pack=k)
     if info.schema_version is not None and int(info.schema_version) > SCHEMA_VERSION:
         raise DataError(f"{path}: schema version {info.schema_version} is newer than this "
                         f"popbert reads ({SCHEMA_VERSION})")
@@ -168,9 +209,23 @@ def read_shard_info(path: str | os.PathLike) -> ShardInfo:
 
 def check_shard_info(info: ShardInfo, *, sequence_length: int | None = None,
                      max_predictions_per_seq: int | None = None, vocab_size: int | None = None,
-                     vocab_sha256: str | None = None) -> None:
-    """Raise DataError if a shard's recorded shape or vocabulary differs from the run's."""
+                     vocab_sha256: str | None = None, packed: bool | None = None,
+                     max_sequences_per_pack: int | None = None) -> None:
+    """Raise DataError if a shard's recorded shape or vocabulary differs from the run's.
+
+    `packed`: whether the run's model is packed (None: either); `max_sequences_per_pack`: its
+    NSP slots per row (checked on packed shards only).
+    """
     p = info.path
+    if packed is not None and info.packed != packed:
+        if packed:
+            raise DataError(f"{p}: not a packed shard, but the model is packed "
+                            f"(make one with `popbert prepare-data pack`)")
+        raise DataError(f"{p}: a packed shard, but the model is not (set model.packed: true)")
+    if (info.packed and max_sequences_per_pack is not None
+            and info.max_sequences_per_pack != max_sequences_per_pack):
+        raise DataError(f"{p}: packs up to {info.max_sequences_per_pack} sequences per row, run "
+                        f"expects {max_sequences_per_pack} (model.max_sequences_per_pack)")
     if sequence_length is not None and info.sequence_length != sequence_length:
         raise DataError(f"{p}: sequence length {info.sequence_length}, run expects "
                         f"{sequence_length}")
@@ -189,23 +244,27 @@ def check_shard_info(info: ShardInfo, *, sequence_length: int | None = None,
 
 def read_shard(path: str | os.PathLike, *, sequence_length: int | None = None,
                max_predictions_per_seq: int | None = None, vocab_size: int | None = None,
-               vocab_sha256: str | None = None) -> dict[str, np.ndarray]:
-    """Load a shard's six arrays into memory, checked against the given expectations.
+               vocab_sha256: str | None = None, packed: bool | None = None,
+               max_sequences_per_pack: int | None = None) -> dict[str, np.ndarray]:
+    """Load a shard's arrays into memory, checked against the given expectations.
 
     Shards without attributes (NVIDIA's) are checked by shape, and token ids against
-    `vocab_size` by value. `next_sentence_labels` comes back as [N] even if stored [N, 1].
+    `vocab_size` by value. `next_sentence_labels` comes back as [N] even if stored [N, 1]
+    (packed shards: [N, K]).
     """
     path = Path(path)
     with _open(path) as f:
         info = _info_from_file(f, path)
         check_shard_info(info, sequence_length=sequence_length,
                          max_predictions_per_seq=max_predictions_per_seq,
-                         vocab_size=vocab_size, vocab_sha256=vocab_sha256)
+                         vocab_size=vocab_size, vocab_sha256=vocab_sha256, packed=packed,
+                         max_sequences_per_pack=max_sequences_per_pack)
         try:
-            arrays = {name: np.asarray(f[name][...]) for name in FEATURE_NAMES}
+            arrays = {name: np.asarray(f[name][...]) for name in info.feature_names}
         except (OSError, ValueError, KeyError) as exc:
             raise DataError(f"{path}: cannot read data ({_one_line(exc)})") from None
-    arrays["next_sentence_labels"] = arrays["next_sentence_labels"].reshape(-1)
+    if not info.packed:
+        arrays["next_sentence_labels"] = arrays["next_sentence_labels"].reshape(-1)
     for name, array in arrays.items():
         if not np.issubdtype(array.dtype, np.integer):
             raise DataError(f"{path}: {name} has dtype {array.dtype}, expected integers")
@@ -216,7 +275,8 @@ def read_shard(path: str | os.PathLike, *, sequence_length: int | None = None,
                 if top >= vocab_size:
                     raise DataError(f"{path}: {name} contains id {top}, outside the run's "
                                     f"vocabulary of {vocab_size}")
-        top = int(arrays["masked_lm_positions"].max())
-        if top >= info.sequence_length or int(arrays["masked_lm_positions"].min()) < 0:
-            raise DataError(f"{path}: masked_lm_positions outside [0, {info.sequence_length})")
+        for name in ("masked_lm_positions",) + (("cls_positions",) if info.packed else ()):
+            top = int(arrays[name].max())
+            if top >= info.sequence_length or int(arrays[name].min()) < 0:
+                raise DataError(f"{path}: {name} outside [0, {info.sequence_length})")
     return arrays

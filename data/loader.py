@@ -1,10 +1,16 @@
 """The resumable pre-training loader and the cached bundled-corpus instances.
 
-`PretrainingLoader` is an endless iterator of micro batches. Each epoch is a fixed function of
-(seed, epoch): a permutation seeded with `seed + epoch`, cut into global batches of
-`micro_batch_size * num_replicas` samples, of which replica r takes the r-th slice. The whole
-position is (epoch, samples consumed in the epoch), so a checkpoint restores it exactly and a
-resumed run sees the batches an uninterrupted run would have seen.
+`PretrainingLoader` is an endless iterator of micro batches over in-memory arrays or HDF5
+shards. Each epoch is a fixed function of (seed, epoch): the shards in a seeded order, the rows
+of each shard in a seeded order (one shard / in-memory arrays: a permutation seeded with
+`seed + epoch`), cut into global batches of `micro_batch_size * num_replicas` samples, of which
+replica r takes the r-th slice. The whole position is (epoch, samples consumed in the epoch), so
+a checkpoint restores it exactly and a resumed run sees the batches an uninterrupted run would
+have seen.
+
+Shards are read lazily: only their metadata up front (checked against the run), their data when
+the epoch reaches them, with the next shards read ahead by a background thread, so memory holds
+a few shards whatever the data set's size.
 """
 
 from __future__ import annotations
@@ -14,15 +20,23 @@ import json
 import logging
 import os
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from popbert.data.corpus import PathsLike, expand_input_files, read_documents
 from popbert.data.errors import DataError
-from popbert.data.hdf5 import SCHEMA_VERSION, read_shard, write_shard
+from popbert.data.hdf5 import (
+    SCHEMA_VERSION,
+    ShardInfo,
+    check_shard_info,
+    read_shard,
+    read_shard_info,
+    write_shard,
+)
 from popbert.data.instances import FEATURE_NAMES, InstanceOptions, create_pretraining_arrays
+from popbert.data.packing import PACKED_FEATURE_NAMES
 from popbert.data.tokenization import (
     WordPieceTokenizer,
     bundled_corpus_path,
@@ -36,33 +50,43 @@ log = logging.getLogger(__name__)
 INSTANCES_ALGORITHM_VERSION = 2
 
 
-def _load_sources(arrays_or_shards: Mapping[str, np.ndarray] | PathsLike,
-                  checks: dict) -> dict[str, np.ndarray]:
-    if isinstance(arrays_or_shards, Mapping):
-        missing = [k for k in FEATURE_NAMES if k not in arrays_or_shards]
-        if missing:
-            raise DataError(f"arrays lack {', '.join(missing)}")
-        arrays = {k: np.asarray(arrays_or_shards[k]) for k in FEATURE_NAMES}
-        arrays["next_sentence_labels"] = arrays["next_sentence_labels"].reshape(-1)
-        return arrays
-    parts = [read_shard(p, **checks) for p in expand_input_files(arrays_or_shards)]
-    if len(parts) == 1:
-        return parts[0]
-    shapes = {(p["input_ids"].shape[1], p["masked_lm_positions"].shape[1]) for p in parts}
+def _check_arrays(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], tuple]:
+    missing = [k for k in FEATURE_NAMES if k not in arrays]
+    if missing:
+        raise DataError(f"arrays lack {', '.join(missing)}")
+    packed = any(k in arrays for k in PACKED_FEATURE_NAMES)
+    names = FEATURE_NAMES + PACKED_FEATURE_NAMES if packed else FEATURE_NAMES
+    missing = [k for k in names if k not in arrays]
+    if missing:
+        raise DataError(f"packed arrays lack {', '.join(missing)}")
+    out = {k: np.asarray(arrays[k]) for k in names}
+    if not packed:
+        out["next_sentence_labels"] = out["next_sentence_labels"].reshape(-1)
+    return out, names
+
+
+def _consistent(infos: list[ShardInfo]) -> None:
+    def shape(i: ShardInfo) -> tuple:
+        return (i.sequence_length, i.max_predictions_per_seq, i.packed, i.max_sequences_per_pack)
+
+    shapes = {shape(i) for i in infos}
     if len(shapes) > 1:
-        raise DataError(f"shards disagree on (sequence_length, max_predictions): {sorted(shapes)}")
-    return {k: np.concatenate([p[k] for p in parts]) for k in FEATURE_NAMES}
+        odd = next(i for i in infos if shape(i) != shape(infos[0]))
+        raise DataError(f"{odd.path}: (sequence_length, max_predictions, packed, sequences per "
+                        f"pack) {shape(odd)} differs from {infos[0].path}'s {shape(infos[0])}")
 
 
 class PretrainingLoader:
     """Endless, seeded, replica-sharded, resumable micro batches of pre-training samples.
 
-    `arrays_or_shards`: a dict of the six NVIDIA-layout arrays, or shard path(s) / glob(s)
-    (read into memory, in sorted order, checked against the optional expectations).
+    `arrays_or_shards`: a dict of the NVIDIA-layout arrays (plus the packed ones), or shard
+    path(s) / glob(s), read lazily in sorted order after checking every shard's metadata
+    against the optional expectations (`packed` / `max_sequences_per_pack`: the model's).
     With `drop_last` an epoch has `num_samples // (micro_batch_size * num_replicas)` steps;
     without, the last global batch is completed by wrapping to the epoch's start, so every
     replica always gets a full batch (collectives stay in step) and every sample is seen.
     Batches are dicts of int64 torch tensors (numpy arrays with `as_numpy=True`).
+    `prefetch_shards` shards beyond the current one are read ahead in a background thread.
     """
 
     def __init__(self, arrays_or_shards: Mapping[str, np.ndarray] | PathsLike,
@@ -70,16 +94,36 @@ class PretrainingLoader:
                  num_replicas: int = 1, drop_last: bool = True, *,
                  sequence_length: int | None = None, max_predictions_per_seq: int | None = None,
                  vocab_size: int | None = None, vocab_sha256: str | None = None,
-                 as_numpy: bool = False):
+                 packed: bool | None = None, max_sequences_per_pack: int | None = None,
+                 as_numpy: bool = False, prefetch_shards: int = 2):
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if num_replicas < 1 or not 0 <= replica_index < num_replicas:
             raise ValueError(f"replica_index {replica_index} not in [0, {num_replicas})")
-        checks = {"sequence_length": sequence_length,
-                  "max_predictions_per_seq": max_predictions_per_seq,
-                  "vocab_size": vocab_size, "vocab_sha256": vocab_sha256}
-        self.arrays = _load_sources(arrays_or_shards, checks)
-        self.num_samples = int(self.arrays["input_ids"].shape[0])
+        self._checks = {"sequence_length": sequence_length,
+                        "max_predictions_per_seq": max_predictions_per_seq,
+                        "vocab_size": vocab_size, "vocab_sha256": vocab_sha256,
+                        "packed": packed, "max_sequences_per_pack": max_sequences_per_pack}
+        self.paths: list[Path] | None = None
+        self._loaded: dict[int, Future] = {}
+        if isinstance(arrays_or_shards, Mapping):
+            arrays, self.feature_names = _check_arrays(arrays_or_shards)
+            self.arrays: dict[str, np.ndarray] | None = arrays
+            self.sizes = np.array([len(arrays["input_ids"])], np.int64)
+            done: Future = Future()
+            done.set_result(arrays)
+            self._loaded[0] = done
+        else:
+            self.paths = expand_input_files(arrays_or_shards)
+            infos = [read_shard_info(p) for p in self.paths]
+            for info in infos:
+                check_shard_info(info, **self._checks)
+            _consistent(infos)
+            self.feature_names = infos[0].feature_names
+            self.arrays = None
+            self.sizes = np.array([i.num_samples for i in infos], np.int64)
+        self.starts = np.cumsum(self.sizes) - self.sizes  # global sample id of each row 0
+        self.num_samples = int(self.sizes.sum())
         self.micro_batch_size = int(micro_batch_size)
         self.seed = int(seed)
         self.shuffle = shuffle
@@ -87,6 +131,7 @@ class PretrainingLoader:
         self.num_replicas = int(num_replicas)
         self.drop_last = drop_last
         self.as_numpy = as_numpy
+        self.prefetch_shards = max(0, int(prefetch_shards))
         self.global_batch_size = self.micro_batch_size * self.num_replicas
         if self.num_samples == 0:
             raise DataError("no pre-training samples to load")
@@ -95,8 +140,11 @@ class PretrainingLoader:
                             f"({self.micro_batch_size} x {self.num_replicas} replicas)")
         self.epoch = 0
         self.index = 0
-        self._order_epoch: int | None = None
-        self._order: np.ndarray | None = None
+        self._layout_epoch: int | None = None
+        self._shard_order = np.arange(len(self.sizes))
+        self._ends = np.cumsum(self.sizes)
+        self._rows: dict[int, np.ndarray] = {}
+        self._pool: ThreadPoolExecutor | None = None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -110,19 +158,93 @@ class PretrainingLoader:
         """Samples consumed across all replicas in one epoch (padding included)."""
         return self.steps_per_epoch * self.global_batch_size
 
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        """Sample indices of an epoch, in global order (a pure function of seed and epoch)."""
-        if self._order_epoch != epoch:
-            if self.shuffle:
-                order = np.random.default_rng(self.seed + epoch).permutation(self.num_samples)
-            else:
-                order = np.arange(self.num_samples)
-            short = self.samples_per_epoch - len(order)
-            if short > 0:
-                order = np.concatenate([order, np.resize(order, short)])
-            self._order, self._order_epoch = order[: self.samples_per_epoch], epoch
-        return self._order
+    # ---------------------------------------------------------------- the epoch's order
+    def _layout(self, epoch: int) -> None:
+        if self._layout_epoch == epoch:
+            return
+        self._rows = {}
+        shards = len(self.sizes)
+        rng = np.random.default_rng(self.seed + epoch)
+        if not self.shuffle:
+            self._shard_order = np.arange(shards)
+        elif shards == 1:
+            self._shard_order = np.arange(1)
+            self._rows[0] = rng.permutation(int(self.sizes[0]))
+        else:
+            self._shard_order = rng.permutation(shards)
+        self._ends = np.cumsum(self.sizes[self._shard_order])
+        self._layout_epoch = epoch
 
+    def _shard_rows(self, epoch: int, shard: int) -> np.ndarray:
+        """The order of one shard's rows in an epoch (shuffled within the shard)."""
+        self._layout(epoch)
+        if shard not in self._rows:
+            size = int(self.sizes[shard])
+            if self.shuffle:
+                rng = np.random.default_rng([self.seed, epoch, shard])
+                self._rows[shard] = rng.permutation(size)
+            else:
+                self._rows[shard] = np.arange(size)
+        return self._rows[shard]
+
+    def _locate(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(shard, row) of each position of an epoch's sample sequence."""
+        self._layout(epoch)
+        wrapped = positions % self.num_samples
+        k = np.searchsorted(self._ends, wrapped, side="right")
+        shards = self._shard_order[k]
+        offsets = wrapped - (self._ends[k] - self.sizes[shards])
+        rows = np.empty_like(offsets)
+        for shard in np.unique(shards):
+            sel = shards == shard
+            rows[sel] = self._shard_rows(epoch, int(shard))[offsets[sel]]
+        return shards, rows
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """Global sample ids of an epoch, in order (a pure function of seed and epoch)."""
+        shards, rows = self._locate(epoch, np.arange(self.samples_per_epoch))
+        return self.starts[shards] + rows
+
+    # ---------------------------------------------------------------- shard reading
+    def _read(self, shard: int) -> dict[str, np.ndarray]:
+        assert self.paths is not None
+        return read_shard(self.paths[shard], **self._checks)
+
+    def _shard(self, shard: int) -> dict[str, np.ndarray]:
+        if shard not in self._loaded:
+            done: Future = Future()
+            done.set_result(self._read(shard))
+            self._loaded[shard] = done
+        return self._loaded[shard].result()
+
+    def _prefetch(self) -> None:
+        """Keep the current shard and read the next `prefetch_shards` ones in the background."""
+        if self.paths is None:
+            return
+        self._layout(self.epoch)
+        position = self.index % self.num_samples
+        k = int(np.searchsorted(self._ends, position, side="right"))
+        wanted = [int(s) for s in self._shard_order[k:k + 1 + self.prefetch_shards]]
+        for shard in list(self._loaded):
+            if shard not in wanted:
+                del self._loaded[shard]
+        if self.prefetch_shards and self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="popbert-shards")
+        for shard in wanted:
+            if shard not in self._loaded:
+                if self._pool is None:
+                    continue
+                self._loaded[shard] = self._pool.submit(self._read, shard)
+
+    def close(self) -> None:
+        """Stop the read-ahead thread and drop cached shards (in-memory arrays stay)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        if self.paths is not None:
+            self._loaded.clear()
+
+    # ---------------------------------------------------------------- iteration
     def __iter__(self) -> PretrainingLoader:
         return self
 
@@ -130,13 +252,24 @@ class PretrainingLoader:
         if self.index + self.global_batch_size > self.samples_per_epoch:
             self.epoch += 1
             self.index = 0
-        order = self.epoch_order(self.epoch)
         start = self.index + self.replica_index * self.micro_batch_size
-        indices = order[start:start + self.micro_batch_size]
+        shards, rows = self._locate(self.epoch,
+                                    np.arange(start, start + self.micro_batch_size))
+        batch: dict[str, np.ndarray] = {}
+        for shard in dict.fromkeys(shards.tolist()):
+            data = self._shard(shard)
+            sel = shards == shard
+            for name in self.feature_names:
+                if name not in batch:
+                    batch[name] = np.empty((self.micro_batch_size,) + data[name].shape[1:],
+                                           np.int64)
+                batch[name][sel] = data[name][rows[sel]]
         self.index += self.global_batch_size
-        batch = {k: self.arrays[k][indices].astype(np.int64) for k in FEATURE_NAMES}
+        self._prefetch()
         if self.as_numpy:
             return batch
+        import torch
+
         return {k: torch.from_numpy(v) for k, v in batch.items()}
 
     def state_dict(self) -> dict:
@@ -156,6 +289,7 @@ class PretrainingLoader:
             raise DataError(f"loader state epoch={epoch} index={index} is out of range "
                             f"(epoch has {self.samples_per_epoch} samples)")
         self.epoch, self.index = epoch, index
+        self._prefetch()
 
 
 def default_cache_dir() -> Path:

@@ -1,12 +1,22 @@
-"""The main job's data: the run config's corpus or shards → checked arrays → a resumable loader."""
+"""The main job's data: the run config's corpus or shards → checked data → a resumable loader.
+
+`data.input_files` may name Google-format text files (instances are created and cached, as
+before) or HDF5 shards (`*.h5` / `*.hdf5`, globs allowed), which are loaded lazily after every
+shard's metadata is checked against the run: sequence length, max predictions, vocabulary size
+and sha256, and packed-ness (`model.packed` needs packed shards, with
+`model.max_sequences_per_pack` NSP slots).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from popbert.data.corpus import expand_input_files
+from popbert.data.hdf5 import check_shard_info, read_shard_info
 from popbert.data.loader import PretrainingLoader, load_or_create_instances
 from popbert.data.tokenization import WordPieceTokenizer, bundled_vocab_path
 from popbert.errors import ConfigError
@@ -14,26 +24,70 @@ from popbert.errors import ConfigError
 if TYPE_CHECKING:
     from popbert.config import RunConfig
 
+SHARD_SUFFIXES = (".h5", ".hdf5")
 
-def load_training_data(cfg: RunConfig) -> dict[str, np.ndarray]:
-    """Pre-training instances for the config's corpus, checked against the model's shapes."""
+
+@dataclass
+class ShardSet:
+    """Checked HDF5 shards for a run, and the checks the loader repeats when reading them."""
+
+    paths: list[Path]
+    checks: dict = field(default_factory=dict)
+    num_samples: int = 0
+
+
+def _is_shard_pattern(item: str) -> bool:
+    return item.lower().endswith(SHARD_SUFFIXES)
+
+
+def load_training_data(cfg: RunConfig) -> dict[str, np.ndarray] | ShardSet:
+    """Pre-training data for the config, checked against the model's shapes.
+
+    Text inputs (or none: the bundled corpus) give in-memory instance arrays; shard inputs give
+    a `ShardSet` (metadata checked now, data read lazily by the loader).
+    """
     vocab_path = Path(cfg.data.vocab_file) if cfg.data.vocab_file else bundled_vocab_path()
     if not vocab_path.is_file():
         raise ConfigError(f"data.vocab_file: {vocab_path} does not exist")
-    vocab_size = WordPieceTokenizer(vocab_path).vocab_size
-    if vocab_size != cfg.model.vocab_size:
+    tokenizer = WordPieceTokenizer(vocab_path)
+    if tokenizer.vocab_size != cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size is {cfg.model.vocab_size} but the vocabulary "
-                          f"{vocab_path} has {vocab_size} entries")
+                          f"{vocab_path} has {tokenizer.vocab_size} entries")
+    inputs = list(cfg.data.input_files)
+    shard_inputs = [i for i in inputs if _is_shard_pattern(i)]
+    if shard_inputs and len(shard_inputs) != len(inputs):
+        raise ConfigError("data.input_files mixes HDF5 shards and text files; list one kind")
+    if shard_inputs:
+        checks = {"sequence_length": cfg.model.sequence_length,
+                  "max_predictions_per_seq": cfg.model.max_predictions_per_seq,
+                  "vocab_size": tokenizer.vocab_size, "vocab_sha256": tokenizer.vocab_sha256,
+                  "packed": cfg.model.packed,
+                  "max_sequences_per_pack": cfg.model.max_sequences_per_pack}
+        paths = expand_input_files(shard_inputs)
+        total = 0
+        for path in paths:
+            info = read_shard_info(path)
+            check_shard_info(info, **checks)
+            total += info.num_samples
+        return ShardSet(paths, checks, total)
+    if cfg.model.packed:
+        raise ConfigError("model.packed needs packed HDF5 shards in data.input_files "
+                          "(make them with `popbert prepare-data pack`)")
     return load_or_create_instances(
-        cfg.data.input_files or None, vocab_path, cfg.model.sequence_length,
+        inputs or None, vocab_path, cfg.model.sequence_length,
         cfg.model.max_predictions_per_seq, cfg.data.seed,
         dupe_factor=cfg.data.duplication_factor, masked_lm_prob=cfg.data.masked_lm_prob,
         short_seq_prob=cfg.data.short_seq_prob, whole_word_mask=cfg.data.whole_word_masking)
 
 
-def make_loader(cfg: RunConfig, arrays: dict[str, np.ndarray], replica_index: int = 0,
+def make_loader(cfg: RunConfig, data: dict[str, np.ndarray] | ShardSet, replica_index: int = 0,
                 num_replicas: int = 1) -> PretrainingLoader:
     """Micro-batches of `execution.micro_batch_size` for one replica, seeded by `data.seed`."""
-    return PretrainingLoader(arrays, cfg.execution.micro_batch_size, seed=cfg.data.seed,
+    if isinstance(data, ShardSet):
+        return PretrainingLoader([str(p) for p in data.paths], cfg.execution.micro_batch_size,
+                                 seed=cfg.data.seed, shuffle=cfg.data.shuffle,
+                                 replica_index=replica_index, num_replicas=num_replicas,
+                                 **data.checks)
+    return PretrainingLoader(data, cfg.execution.micro_batch_size, seed=cfg.data.seed,
                              shuffle=cfg.data.shuffle, replica_index=replica_index,
                              num_replicas=num_replicas)

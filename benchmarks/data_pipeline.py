@@ -1,0 +1,428 @@
+"""Benchmark of `popbert prepare-data`: throughput, peak memory, speed-up over a straightforward
+single-process implementation of the same algorithm, and packing efficiency.
+
+    python benchmarks/data_pipeline.py [--data-dir ../shared/data] [--output RESULTS.md]
+
+Inputs (not shipped with popbert): the Wikipedia XML dump sample
+`enwiki-sample-pages-articles.xml.bz2` (206 pages) for the `extract` stage, and the 10,033
+"vital articles" leads (`wikipedia-vital-articles-summaries-en.json`, ~36k sentences) for the
+`sentences` and `instances` stages, written as 8 extracted parts.
+
+Two single-process baselines, run in this script:
+
+- "simple": what one writes first with the same libraries, in one process: clean page after
+  page; split article after article; read the whole corpus, tokenize sentence by sentence
+  (`tokenizer.encode`), create instances with `InstanceCreator` (Google's per-instance Python
+  masking), write one shard.
+- "reference": the structure of Google's `create_pretraining_data.py` (which NVIDIA's scripts
+  run): the same, but WordPiece in pure Python (Google's BasicTokenizer + WordpieceTokenizer,
+  reimplemented below and checked to give HF's ids) and sentences split by pysbd, the splitter
+  popbert used before.
+
+The pipeline runs the same algorithms per part over 1 and 2 worker processes, with batched Rust
+tokenization and vectorised masking. Every variant runs in a fresh subprocess so its peak RSS
+and CPU time (itself plus its workers) are its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = REPO.parent / "shared" / "data"
+DUMP = "enwiki-sample-pages-articles.xml.bz2"
+VITAL = "wikipedia-vital-articles-summaries-en.json"
+PARTS = 8
+DUPE = 2
+
+
+def usage(workers: int) -> tuple[float, float]:
+    """(peak MB, CPU seconds) of this process and its workers.
+
+    ru_maxrss of the children is the largest worker's, so peak = own + workers x largest (an
+    upper bound); CPU seconds add user and system time of everything.
+    """
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    peak = own.ru_maxrss + (workers * kids.ru_maxrss if workers > 1 else 0)
+    cpu = own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    return peak / 1024.0, cpu  # Linux: ru_maxrss in kilobytes
+
+
+# ------------------------------------------------------------------------------ reference WordPiece
+class ReferenceWordPiece:
+    """Google BERT's `tokenization.FullTokenizer` (uncased), in plain Python, as in
+    `create_pretraining_data.py`: basic tokenization (clean, split CJK, lowercase, strip accents,
+    split punctuation), then greedy longest-match-first WordPiece per word."""
+
+    def __init__(self, vocab_path: Path):
+        tokens = vocab_path.read_text(encoding="utf-8").splitlines()
+        self.vocab = {t: i for i, t in enumerate(tokens)}
+        self.unk = self.vocab["[UNK]"]
+
+    @staticmethod
+    def _is_punctuation(ch: str) -> bool:
+        import unicodedata
+
+        cp = ord(ch)
+        if 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126:
+            return True
+        return unicodedata.category(ch).startswith("P")
+
+    @staticmethod
+    def _is_cjk(cp: int) -> bool:
+        return (0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF
+                or 0x2A700 <= cp <= 0x2B73F or 0x2B740 <= cp <= 0x2B81F
+                or 0x2B820 <= cp <= 0x2CEAF or 0xF900 <= cp <= 0xFAFF
+                or 0x2F800 <= cp <= 0x2FA1F)
+
+    def basic(self, text: str) -> list[str]:
+        import unicodedata
+
+        out = []
+        for ch in text:
+            cp = ord(ch)
+            if cp == 0 or cp == 0xFFFD:
+                continue
+            cat = unicodedata.category(ch)
+            if ch in ("\t", "\n", "\r") or cat == "Zs" or ch == " ":
+                out.append(" ")
+            elif cat in ("Cc", "Cf"):
+                continue
+            elif self._is_cjk(cp):
+                out.append(f" {ch} ")
+            else:
+                out.append(ch)
+        words = []
+        for token in "".join(out).split():
+            token = unicodedata.normalize("NFD", token.lower())
+            token = "".join(c for c in token if unicodedata.category(c) != "Mn")
+            current = ""
+            for ch in token:
+                if self._is_punctuation(ch):
+                    if current:
+                        words.append(current)
+                    words.append(ch)
+                    current = ""
+                else:
+                    current += ch
+            if current:
+                words.append(current)
+        return words
+
+    def encode(self, text: str) -> list[int]:
+        ids = []
+        for word in self.basic(text):
+            if len(word) > 100:
+                ids.append(self.unk)
+                continue
+            start, pieces = 0, []
+            while start < len(word):
+                end, found = len(word), None
+                while start < end:
+                    piece = word[start:end] if start == 0 else "##" + word[start:end]
+                    if piece in self.vocab:
+                        found = self.vocab[piece]
+                        break
+                    end -= 1
+                if found is None:
+                    pieces = [self.unk]
+                    break
+                pieces.append(found)
+                start = end
+            ids.extend(pieces)
+        return ids
+
+
+def write_vital_parts(source: Path, out: Path) -> None:
+    """The vital-articles leads as 8 extracted parts (the extract stage's output format)."""
+    articles = json.loads(source.read_text(encoding="utf-8"))
+    items = sorted(articles.values(), key=lambda a: a["title"])
+    out.mkdir(parents=True, exist_ok=True)
+    for p in range(PARTS):
+        with open(out / f"part-{p:05d}.jsonl", "w", encoding="utf-8") as f:
+            for a in items[p::PARTS]:
+                text = "\n".join(x.strip() for x in a["extract"].split("\n") if x.strip())
+                f.write(json.dumps({"id": a["title"], "title": a["title"], "text": text}) + "\n")
+
+
+# ------------------------------------------------------------------------------ variants
+def simple_extract(dump: Path, work: Path) -> dict:
+    from popbert.data.wikipedia import clean_page, iter_pages
+
+    pages = articles = 0
+    with open(work / "articles.jsonl", "w", encoding="utf-8") as f:
+        for page in iter_pages(dump):
+            pages += 1
+            lines = clean_page(page)
+            if lines:
+                articles += 1
+                f.write(json.dumps({"id": page.id, "title": page.title,
+                                    "text": "\n".join(lines)}) + "\n")
+    return {"items": pages, "unit": "pages", "articles": articles}
+
+
+def pipeline_extract(dump: Path, work: Path, workers: int) -> dict:
+    from popbert.data.wikipedia import extract_dump
+
+    record = extract_dump(dump, work / "extracted", workers, part_bytes=256 << 10)
+    return {"items": record["stats"]["pages"], "unit": "pages",
+            "articles": record["stats"]["articles"]}
+
+
+def simple_sentences(parts: Path, work: Path, splitter: str) -> dict:
+    from popbert.data.sentences import make_splitter
+    from popbert.data.wikipedia import read_articles
+
+    split = make_splitter(splitter)
+    sentences = 0
+    with open(work / "corpus.txt", "w", encoding="utf-8") as f:
+        for part in sorted(parts.glob("part-*.jsonl")):
+            for article in read_articles(part):
+                doc = []
+                for paragraph in article["text"].split("\n"):
+                    doc.extend(split(paragraph))
+                if len(doc) >= 2:
+                    f.write("\n".join(doc) + "\n\n")
+                    sentences += len(doc)
+    return {"items": sentences, "unit": "sentences"}
+
+
+def pipeline_sentences(parts: Path, work: Path, workers: int, splitter: str) -> dict:
+    from popbert.data.sentences import split_sentences
+
+    record = split_sentences(sorted(parts.glob("part-*.jsonl")), work / "sentences", workers,
+                             splitter)
+    return {"items": record["stats"]["sentences_written_now"], "unit": "sentences"}
+
+
+def simple_instances(sentences: Path, work: Path, seq: int, pred: int,
+                     reference: bool = False) -> dict:
+    from popbert.data.corpus import read_text_documents
+    from popbert.data.hdf5 import write_shard
+    from popbert.data.instances import InstanceCreator, InstanceOptions, instances_to_arrays
+    from popbert.data.tokenization import WordPieceTokenizer
+
+    tokenizer = WordPieceTokenizer()
+    encode = ReferenceWordPiece(tokenizer.vocab_path).encode if reference else tokenizer.encode
+    options = InstanceOptions(seq, pred, dupe_factor=DUPE, seed=1)
+    documents = []
+    n_sentences = 0
+    for doc in read_text_documents(sorted(str(p) for p in sentences.glob("part-*.txt"))):
+        ids = [encode(s) for s in doc]
+        ids = [s for s in ids if s]
+        n_sentences += len(ids)
+        if ids:
+            documents.append(ids)
+    instances = InstanceCreator(tokenizer, options).create_training_instances(documents)
+    arrays = instances_to_arrays(instances, seq, pred)
+    write_shard(work / "instances.h5", arrays, vocab_size=tokenizer.vocab_size,
+                vocab_sha256=tokenizer.vocab_sha256, options=options)
+    return {"items": len(instances), "unit": "instances", "sentences": n_sentences}
+
+
+def pipeline_instances(sentences: Path, work: Path, workers: int, seq: int, pred: int) -> dict:
+    from popbert.data.instances import InstanceOptions
+    from popbert.data.prepare import create_instances
+    from popbert.data.tokenization import bundled_vocab_path
+
+    options = InstanceOptions(seq, pred, dupe_factor=DUPE, seed=1)
+    record = create_instances(sorted(sentences.glob("part-*.txt")), bundled_vocab_path(),
+                              work / f"instances-{seq}", options, workers)
+    s = record["stats"]
+    return {"items": s["instances_written_now"], "unit": "instances",
+            "sentences": s["sentences_written_now"]}
+
+
+def pipeline_pack(shards: Path, work: Path, workers: int, strategy: str, k: int) -> dict:
+    from popbert.data.prepare import pack_shards
+
+    record = pack_shards(sorted(shards.glob("part-*.h5")), work / f"packed-{strategy}",
+                         strategy=strategy, max_sequences_per_pack=k, workers=workers)
+    return {"items": record["stats"]["sequences"], "unit": "sequences", **record["stats"]}
+
+
+VARIANTS = {
+    "simple_extract": simple_extract, "pipeline_extract": pipeline_extract,
+    "simple_sentences": simple_sentences, "pipeline_sentences": pipeline_sentences,
+    "simple_instances": simple_instances, "pipeline_instances": pipeline_instances,
+    "pipeline_pack": pipeline_pack,
+}
+
+
+def run_one(spec: dict) -> dict:
+    """Child process: run one variant, report time and peak memory as JSON."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    fn = VARIANTS[spec["variant"]]
+    args = [Path(a) if isinstance(a, str) and a.startswith("/") else a for a in spec["args"]]
+    workers = next((a for a in args if isinstance(a, int) and not isinstance(a, bool)), 1)
+    if not spec["variant"].startswith("pipeline"):
+        workers = 1
+    start = time.perf_counter()
+    result = fn(*args)
+    result["seconds"] = time.perf_counter() - start
+    result["peak_mb"], result["cpu_seconds"] = usage(workers)
+    return result
+
+
+def measure(variant: str, *args) -> dict:
+    spec = json.dumps({"variant": variant, "args": [str(a) if isinstance(a, Path) else a
+                                                    for a in args]})
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, __file__, "--one", spec], capture_output=True,
+                          text=True, env=env, check=False)
+    if proc.returncode:
+        raise RuntimeError(f"{variant} failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    rate = result["items"] / result["seconds"]
+    print(f"  {variant}{args[2:] if len(args) > 2 else ''}: {result['items']} {result['unit']} "
+          f"in {result['seconds']:.2f} s ({result['cpu_seconds']:.2f} CPU s) = {rate:,.0f}/s, "
+          f"peak {result['peak_mb']:.0f} MB", file=sys.stderr)
+    return result
+
+
+def row(name: str, result: dict, base: dict | None) -> str:
+    rate = result["items"] / result["seconds"]
+    base = base or result
+    return (f"| {name} | {result['items']:,} {result['unit']} | {result['seconds']:.2f} | "
+            f"{result['cpu_seconds']:.2f} | {rate:,.0f} | {result['peak_mb']:.0f} | "
+            f"{ratio(base['seconds'], result['seconds'])} | "
+            f"{ratio(base['cpu_seconds'], result['cpu_seconds'])} |")
+
+
+def ratio(base: float, this: float) -> str:
+    value = base / this
+    return f"{value:.1f}x" if value >= 0.1 else f"{value:.2f}x"
+
+
+def check_reference_tokenizer(sentences: Path) -> str:
+    """How often the pure-Python WordPiece gives HF's ids (it should: same algorithm)."""
+    from popbert.data.corpus import read_text_documents
+    from popbert.data.tokenization import WordPieceTokenizer
+
+    tokenizer = WordPieceTokenizer()
+    reference = ReferenceWordPiece(tokenizer.vocab_path)
+    sample = [s for d in read_text_documents([str(sorted(sentences.glob("part-*.txt"))[0])])
+              for s in d][:2000]
+    same = sum(reference.encode(s) == ids for s, ids in zip(sample, tokenizer.encode_batch(sample)))
+    return f"{same} of {len(sample)} sentences"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--output", type=Path, default=None, help="also write the table here")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(run_one(json.loads(args.one))))
+        return 0
+    dump, vital = args.data_dir / DUMP, args.data_dir / VITAL
+    for path in (dump, vital):
+        if not path.is_file():
+            parser.error(f"{path} not found (see --data-dir)")
+
+    load_before = os.getloadavg()[0]
+    lines: list[str] = []
+    header = ["| variant | work | wall s | CPU s | per wall s | peak MB | wall vs base | "
+              "CPU vs base |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    with tempfile.TemporaryDirectory(prefix="popbert-bench-") as tmp:
+        root = Path(tmp)
+
+        def fresh(name: str) -> Path:
+            path = root / name
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir(parents=True)
+            return path
+
+        print("extract (dump sample)", file=sys.stderr)
+        base = measure("simple_extract", dump, fresh("se"))
+        lines += [f"### extract: {DUMP} ({base['articles']} articles)", "", *header,
+                  row("simple (1 process)", base, None)]
+        for w in (1, 2):
+            lines.append(row(f"pipeline, {w} worker(s)",
+                             measure("pipeline_extract", dump, fresh(f"pe{w}"), w), base))
+
+        parts = root / "vital-extracted"
+        write_vital_parts(vital, parts)
+        print("sentences (vital articles)", file=sys.stderr)
+        lines += ["", "### sentences: vital-articles leads (8 parts); base: simple, nupunkt", "",
+                  *header]
+        simple_nupunkt = measure("simple_sentences", parts, fresh("ss-n"), "nupunkt")
+        lines.append(row("simple, nupunkt", simple_nupunkt, None))
+        pipe_sent = {}
+        for w in (1, 2):
+            pipe_sent[w] = measure("pipeline_sentences", parts, fresh(f"ps{w}"), w, "nupunkt")
+            lines.append(row(f"pipeline, nupunkt, {w} worker(s)", pipe_sent[w], simple_nupunkt))
+        simple_pysbd = measure("simple_sentences", parts, fresh("ss-p"), "pysbd")
+        lines.append(row("simple, pysbd (reference)", simple_pysbd, simple_nupunkt))
+        sentences = root / "ps2" / "sentences"
+
+        print("instances (vital articles)", file=sys.stderr)
+        agreement = check_reference_tokenizer(sentences)
+        lines += ["", f"### instances: seq 128, 20 predictions, dupe factor {DUPE}, bundled "
+                  "8192 vocab; base: simple", "", *header]
+        simple_inst = measure("simple_instances", sentences, fresh("si"), 128, 20, False)
+        reference_inst = measure("simple_instances", sentences, fresh("ri"), 128, 20, True)
+        lines.append(row("simple (HF encode per sentence, per-instance masking)", simple_inst,
+                         None))
+        lines.append(row("reference (pure-Python WordPiece, per-instance masking)",
+                         reference_inst, simple_inst))
+        pipe_inst = {}
+        for w in (1, 2):
+            pipe_inst[w] = measure("pipeline_instances", sentences, fresh(f"pi{w}"), w, 128, 20)
+            lines.append(row(f"pipeline, {w} worker(s)", pipe_inst[w], simple_inst))
+        lines += ["", f"The pure-Python WordPiece gives HF's ids for {agreement}."]
+
+        def total(*results: dict) -> tuple[float, float]:
+            return (sum(r["seconds"] for r in results), sum(r["cpu_seconds"] for r in results))
+
+        simple_t = total(simple_nupunkt, simple_inst)
+        reference_t = total(simple_pysbd, reference_inst)
+        lines += ["", "### sentences + instances, end to end (extracted text -> shards)", "",
+                  "| variant | wall s | CPU s | wall: simple / this | wall: reference / this |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        for name, (wall, cpu) in (("simple (nupunkt, HF per sentence)", simple_t),
+                                  ("reference (pysbd, pure-Python WordPiece)", reference_t),
+                                  *((f"pipeline, {w} worker(s)",
+                                     total(pipe_sent[w], pipe_inst[w])) for w in (1, 2))):
+            lines.append(f"| {name} | {wall:.2f} | {cpu:.2f} | {simple_t[0] / wall:.1f}x | "
+                         f"{reference_t[0] / wall:.1f}x |")
+
+        print("packing (vital articles at 128 and 512)", file=sys.stderr)
+        measure("pipeline_instances", sentences, root / "pi2", 2, 512, 80)
+        lines += ["", "### packing", "",
+                  "| instances | strategy | max per row | sequences | rows | padding before | "
+                  "padding after | sequences per row | wall s (2 workers) |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for seq, k in ((128, 3), (512, 3), (512, 8)):
+            for strategy in ("spfhp", "lpfhp"):
+                r = measure("pipeline_pack", root / "pi2" / f"instances-{seq}",
+                            fresh(f"pack{seq}{strategy}{k}"), 2, strategy, k)
+                lines.append(f"| seq {seq} | {strategy} | {k} | {r['sequences']:,} | "
+                             f"{r['packs']:,} | {100 * r['padding_before']:.1f}% | "
+                             f"{100 * r['padding_after']:.1f}% | {r['speedup']:.3f} | "
+                             f"{r['seconds']:.2f} |")
+    preamble = [f"Machine: {os.cpu_count()} CPUs visible, Python {sys.version.split()[0]}; load "
+                f"average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after the run "
+                f"(other processes share the cores). Peak MB: max RSS of the process plus "
+                f"workers x the largest worker's. CPU s: user + system time of all processes.",
+                ""]
+    table = "\n".join(preamble + lines) + "\n"
+    print(table)
+    if args.output:
+        args.output.write_text(table, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""`popbert prepare-data`: Wikipedia dump → extracted text → sentences → vocab → HDF5 shards →
+packed shards, each stage usable alone or all in one call (`prepare_wikipedia`).
+
+Layout of an output directory (each stage a subdirectory with `_stage.json`, and
+`_SUCCESS.json` once complete):
+
+    DIR/extracted/part-*.jsonl        articles (id, title, text)
+    DIR/sentences/part-*.txt          Google format: a sentence per line, blank line between docs
+    DIR/vocab.txt                     when trained here (else the given vocabulary is used)
+    DIR/instances-s128-p20/part-*.h5  NVIDIA-layout shards, one per sentence part
+    DIR/packed-s128-p20/part-*.h5     packed shards, one per instance shard
+
+Instances are created per sentence part (random "next" segments come from the same part, as in
+NVIDIA's sharded preprocessing) with a seed derived from the run's seed and the part's index, so
+the output is the same for any number of workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from popbert.data.corpus import expand_input_files, read_text_documents, tokenize_documents
+from popbert.data.errors import DataError
+from popbert.data.hdf5 import read_shard, read_shard_info, write_shard
+from popbert.data.instances import InstanceOptions, create_instance_arrays
+from popbert.data.packing import (
+    DEFAULT_MAX_SEQUENCES_PER_PACK,
+    PackingStats,
+    pack_instance_arrays,
+)
+from popbert.data.sentences import DEFAULT_MIN_SENTENCES, split_sentences
+from popbert.data.stages import StageDir, default_workers, derive_seed, part_name, run_units
+from popbert.data.tokenization import WordPieceTokenizer
+from popbert.data.vocab import DEFAULT_VOCAB_SIZE, train_vocab
+from popbert.data.wikipedia import DEFAULT_PART_BYTES, EXTRACT_SUFFIX, extract_dump
+
+log = logging.getLogger(__name__)
+
+SHARD_SUFFIX = "h5"
+
+
+def instances_dir_name(options: InstanceOptions) -> str:
+    return f"instances-s{options.sequence_length}-p{options.max_predictions_per_seq}"
+
+
+def packed_dir_name(options: InstanceOptions) -> str:
+    return f"packed-s{options.sequence_length}-p{options.max_predictions_per_seq}"
+
+
+def instances_part(in_path: str, out_path: str, vocab_path: str, options: dict,
+                   run_seed: int, index: int) -> dict:
+    """One sentence part → one HDF5 shard of masked instances; returns counts."""
+    tokenizer = WordPieceTokenizer(vocab_path)
+    opts = InstanceOptions(**options)
+    text = read_text_documents([in_path])
+    documents = tokenize_documents(text, tokenizer)
+    counts = {"documents": len(documents), "sentences": sum(len(d) for d in documents),
+              "instances": 0, "tokens": 0, "predictions": 0, "random_next": 0}
+    if not documents:
+        log.warning("%s: no documents; no shard written", in_path)
+        return counts
+    arrays = create_instance_arrays(documents, tokenizer, opts)
+    write_shard(out_path, arrays, vocab_size=tokenizer.vocab_size,
+                vocab_sha256=tokenizer.vocab_sha256, options=opts,
+                extra_attrs={"run_seed": run_seed, "part": index,
+                             "source": Path(in_path).name})
+    counts.update(instances=int(len(arrays["input_ids"])),
+                  tokens=int(arrays["input_mask"].sum()),
+                  predictions=int((arrays["masked_lm_ids"] != 0).sum()),
+                  random_next=int(arrays["next_sentence_labels"].sum()))
+    return counts
+
+
+def create_instances(sentence_parts: list[Path], vocab: str | os.PathLike,
+                     output_dir: str | os.PathLike, options: InstanceOptions,
+                     workers: int = 1) -> dict:
+    """Stage `instances`: sentence parts → `output_dir/part-*.h5`; returns the record."""
+    options.validate()
+    if not sentence_parts:
+        raise DataError("no sentence parts to create instances from")
+    tokenizer = WordPieceTokenizer(vocab)
+    params = {**options.as_dict(), "vocab_sha256": tokenizer.vocab_sha256,
+              "inputs": [p.name for p in sentence_parts]}
+    stage = StageDir(output_dir, "instances", params).open()
+    if stage.complete:
+        log.info("%s: instances already complete", stage.path)
+        return stage.success()
+    jobs = []
+    for index, src in enumerate(sentence_parts):
+        out = stage.path / part_name(index, SHARD_SUFFIX)
+        if not out.is_file():
+            shard_options = replace(options, seed=derive_seed(options.seed, index))
+            jobs.append((str(src), str(out), str(tokenizer.vocab_path),
+                         shard_options.as_dict(), options.seed, index))
+    log.info("creating instances from %d parts (seq %d, %d predictions, dupe %d, %d worker(s); "
+             "%d already done)", len(jobs), options.sequence_length,
+             options.max_predictions_per_seq, options.dupe_factor, workers,
+             len(sentence_parts) - len(jobs))
+    results = run_units(instances_part, jobs, workers, desc="instances", total=len(jobs))
+    totals = {key: sum(r[key] for r in results) for key in
+              ("documents", "sentences", "instances", "tokens", "predictions", "random_next")}
+    stats = {"parts": len(sentence_parts), "parts_skipped": len(sentence_parts) - len(jobs),
+             **{f"{k}_written_now": v for k, v in totals.items()}}
+    return stage.finish([p.name for p in stage.parts(SHARD_SUFFIX)], stats)
+
+
+def pack_part(in_path: str, out_path: str, strategy: str, max_sequences_per_pack: int,
+              max_predictions_per_pack: int | None, seed: int) -> dict:
+    """One instance shard → one packed shard; returns the packing statistics."""
+    info = read_shard_info(in_path)
+    if info.packed:
+        raise DataError(f"{in_path}: already packed")
+    arrays = read_shard(in_path, packed=False)
+    prob = info.attrs.get("masked_lm_prob")
+    packed, stats = pack_instance_arrays(
+        arrays, strategy=strategy, max_sequences_per_pack=max_sequences_per_pack,
+        max_predictions_per_pack=max_predictions_per_pack,
+        masked_lm_prob=float(prob) if prob is not None else None, seed=seed)
+    keep = {k: v for k, v in info.attrs.items()
+            if k not in ("schema_version", "sequence_length", "max_predictions_per_seq",
+                         "num_samples", "format", "packed", "max_sequences_per_pack")}
+    keep.update({"packing_strategy": strategy, "packing_seed": seed,
+                 "source": Path(in_path).name,
+                 "source_max_predictions_per_seq": info.max_predictions_per_seq,
+                 "source_sequences": stats.sequences, "tokens": stats.tokens})
+    write_shard(out_path, packed, vocab_size=info.vocab_size, vocab_sha256=info.vocab_sha256,
+                extra_attrs=keep)
+    return stats.as_dict()
+
+
+def pack_shards(input_shards: list[Path], output_dir: str | os.PathLike, *,
+                strategy: str = "spfhp",
+                max_sequences_per_pack: int = DEFAULT_MAX_SEQUENCES_PER_PACK,
+                max_predictions_per_pack: int | None = None, seed: int = 12345,
+                workers: int = 1) -> dict:
+    """Stage `pack`: instance shards → packed shards (one each); returns the record whose
+    `stats` has the padding fraction before and after."""
+    if not input_shards:
+        raise DataError("no shards to pack")
+    for path in input_shards:  # fail fast, naming the file, before any work
+        info = read_shard_info(path)
+        if info.packed:
+            raise DataError(f"{path}: already packed")
+    stage = StageDir(output_dir, "pack", {
+        "strategy": strategy, "max_sequences_per_pack": max_sequences_per_pack,
+        "max_predictions_per_pack": max_predictions_per_pack, "seed": seed,
+        "inputs": [p.name for p in input_shards]}).open()
+    if stage.complete:
+        log.info("%s: pack already complete", stage.path)
+        return stage.success()
+    jobs = []
+    for index, src in enumerate(input_shards):
+        out = stage.path / part_name(index, SHARD_SUFFIX)
+        if not out.is_file():
+            jobs.append((str(src), str(out), strategy, max_sequences_per_pack,
+                         max_predictions_per_pack, derive_seed(seed, index)))
+    run_units(pack_part, jobs, workers, desc="pack", total=len(jobs))
+    # Statistics over all packed shards (including ones written by an earlier run).
+    outputs = stage.parts(SHARD_SUFFIX)
+    sequences = packs = tokens = 0
+    seq = 0
+    for path in outputs:
+        info = read_shard_info(path)
+        sequences += int(info.attrs.get("source_sequences", 0))
+        packs += info.num_samples
+        seq = info.sequence_length
+        tokens += int(info.attrs.get("tokens", 0))
+    stats = PackingStats(sequences=sequences, packs=packs, tokens=tokens, sequence_length=seq)
+    log.info("packed %d sequences into %d rows (%s): padding %.1f%% -> %.1f%%, %.3fx sequences "
+             "per row", sequences, packs, strategy, 100 * stats.padding_before,
+             100 * stats.padding_after, stats.speedup)
+    return stage.finish([p.name for p in outputs], stats.as_dict())
+
+
+@dataclass
+class WikipediaResult:
+    """Where `prepare_wikipedia` put things, and each stage's completion record."""
+
+    output_dir: Path
+    vocab: Path
+    instances: Path
+    packed: Path | None
+    records: dict
+
+
+def prepare_wikipedia(dump: str | os.PathLike, output_dir: str | os.PathLike,
+                      options: InstanceOptions, *, vocab: str | os.PathLike | None = None,
+                      vocab_size: int = DEFAULT_VOCAB_SIZE, workers: int | None = None,
+                      splitter: str = "nupunkt", min_sentences: int = DEFAULT_MIN_SENTENCES,
+                      part_bytes: int = DEFAULT_PART_BYTES, pack: bool = True,
+                      strategy: str = "spfhp",
+                      max_sequences_per_pack: int = DEFAULT_MAX_SEQUENCES_PER_PACK
+                      ) -> WikipediaResult:
+    """All stages: dump → extracted → sentences → (vocab) → instances → (packed)."""
+    workers = workers or default_workers()
+    out = Path(output_dir)
+    options.validate()
+    if vocab is not None and not Path(vocab).is_file():
+        raise DataError(f"{vocab}: vocabulary file not found")
+    records: dict = {}
+    records["extract"] = extract_dump(dump, out / "extracted", workers, part_bytes)
+    extracted = sorted((out / "extracted").glob(f"part-*.{EXTRACT_SUFFIX}"))
+    records["sentences"] = split_sentences(extracted, out / "sentences", workers, splitter,
+                                           min_sentences)
+    sentence_parts = sorted((out / "sentences").glob("part-*.txt"))
+    if vocab is None:
+        vocab_path = out / "vocab.txt"
+        if vocab_path.is_file():
+            log.info("%s: vocabulary already trained", vocab_path)
+        else:
+            train_vocab(sentence_parts, vocab_path, vocab_size)
+    else:
+        vocab_path = Path(vocab)
+    instances_dir = out / instances_dir_name(options)
+    records["instances"] = create_instances(sentence_parts, vocab_path, instances_dir, options,
+                                            workers)
+    packed_dir = None
+    if pack:
+        packed_dir = out / packed_dir_name(options)
+        shards = sorted(instances_dir.glob(f"part-*.{SHARD_SUFFIX}"))
+        records["pack"] = pack_shards(shards, packed_dir, strategy=strategy,
+                                      max_sequences_per_pack=max_sequences_per_pack,
+                                      seed=options.seed, workers=workers)
+    return WikipediaResult(out, vocab_path, instances_dir, packed_dir, records)
+
+
+def shard_statistics(paths: list[Path], tokenizer: WordPieceTokenizer) -> dict:
+    """Mask rate, 80/10/10 split, NSP balance and id range over unpacked shards (for reports
+    and tests)."""
+    files = expand_input_files([str(p) for p in paths])
+    totals = {"instances": 0, "tokens": 0, "predictions": 0, "masked": 0, "kept": 0,
+              "random": 0, "random_next": 0, "special_masked": 0, "max_id": 0}
+    special = np.array(sorted(tokenizer.special_ids))
+    for path in files:
+        a = read_shard(path, vocab_size=tokenizer.vocab_size, packed=False)
+        used = a["masked_lm_ids"] != 0
+        rows, slots = np.nonzero(used)
+        at = a["input_ids"][rows, a["masked_lm_positions"][rows, slots]]
+        labels = a["masked_lm_ids"][rows, slots]
+        totals["instances"] += len(a["input_ids"])
+        totals["tokens"] += int(a["input_mask"].sum())
+        totals["predictions"] += int(used.sum())
+        totals["masked"] += int((at == tokenizer.mask_id).sum())
+        totals["kept"] += int((at == labels).sum())
+        totals["random"] += int(((at != tokenizer.mask_id) & (at != labels)).sum())
+        totals["random_next"] += int(a["next_sentence_labels"].sum())
+        totals["special_masked"] += int(np.isin(labels, special).sum())
+        totals["max_id"] = max(totals["max_id"], int(a["input_ids"].max()),
+                               int(a["masked_lm_ids"].max()))
+    p = max(1, totals["predictions"])
+    return {**totals, "mask_rate": totals["predictions"] / max(1, totals["tokens"]),
+            "mask_fraction": totals["masked"] / p, "keep_fraction": totals["kept"] / p,
+            "random_fraction": totals["random"] / p,
+            "random_next_fraction": totals["random_next"] / max(1, totals["instances"])}

@@ -1,0 +1,128 @@
+"""Stage `sentences`: extracted articles → Google's input format (one sentence per line, a blank
+line between documents), one output part per input part.
+
+Sentence splitters that need no download: `nupunkt` (Punkt with its model shipped in the wheel;
+the default, ~50x faster than pysbd on Wikipedia prose) or `pysbd` (rule-based; what the bundled
+corpus was made with). Each paragraph is split on its own, so a sentence never spans paragraphs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from popbert.data.errors import DataError
+from popbert.data.stages import StageDir, atomic_output, part_name, run_units
+from popbert.data.wikipedia import read_articles
+
+log = logging.getLogger(__name__)
+
+SPLITTERS = ("nupunkt", "pysbd")
+SENTENCES_SUFFIX = "txt"
+DEFAULT_MIN_SENTENCES = 2
+
+Splitter = Callable[[str], list[str]]
+
+
+def make_splitter(name: str = "nupunkt") -> Splitter:
+    """A function paragraph → sentences (whitespace collapsed, empties dropped)."""
+    if name == "nupunkt":
+        try:
+            import nupunkt
+        except ImportError:
+            raise DataError("sentence splitter 'nupunkt' is not installed: "
+                            "pip install 'popbert[data]'") from None
+
+        def raw(text: str) -> list[str]:
+            return nupunkt.sent_tokenize(text)
+    elif name == "pysbd":
+        try:
+            import pysbd
+        except ImportError:
+            raise DataError("sentence splitter 'pysbd' is not installed: "
+                            "pip install 'popbert[data]'") from None
+        segmenter = pysbd.Segmenter(language="en", clean=False)
+
+        def raw(text: str) -> list[str]:
+            return segmenter.segment(text)
+    else:
+        raise DataError(f"unknown sentence splitter {name!r}; choose one of {', '.join(SPLITTERS)}")
+
+    def split(paragraph: str) -> list[str]:
+        return [s for s in (" ".join(x.split()) for x in raw(paragraph)) if s]
+
+    return split
+
+
+def document_sentences(text: str, split: Splitter) -> list[str]:
+    """Sentences of one article whose paragraphs are separated by newlines."""
+    sentences: list[str] = []
+    for paragraph in text.split("\n"):
+        if paragraph.strip():
+            sentences.extend(split(paragraph))
+    return sentences
+
+
+def write_documents(documents: Iterable[list[str]], path: Path) -> tuple[int, int]:
+    """Google format, atomically; returns (documents, sentences) written."""
+    docs = sents = 0
+    with atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for sentences in documents:
+            if docs:
+                f.write("\n")
+            f.write("\n".join(sentences))
+            f.write("\n")
+            docs += 1
+            sents += len(sentences)
+    return docs, sents
+
+
+def split_part(in_path: str, out_path: str, splitter: str, min_sentences: int) -> dict:
+    """One extracted part → one sentence part; returns counts."""
+    split = make_splitter(splitter)
+    chars = 0
+    dropped = 0
+
+    def documents() -> Iterable[list[str]]:
+        nonlocal chars, dropped
+        for article in read_articles(in_path):
+            sentences = document_sentences(article["text"], split)
+            if len(sentences) < min_sentences:
+                dropped += 1
+                continue
+            chars += sum(len(s) for s in sentences)
+            yield sentences
+
+    docs, sents = write_documents(documents(), Path(out_path))
+    return {"documents": docs, "sentences": sents, "chars": chars, "dropped": dropped}
+
+
+def split_sentences(input_parts: list[Path], output_dir: str | os.PathLike, workers: int = 1,
+                    splitter: str = "nupunkt",
+                    min_sentences: int = DEFAULT_MIN_SENTENCES) -> dict:
+    """Stage `sentences`: extracted parts → `output_dir/part-*.txt`; returns the record."""
+    make_splitter(splitter)  # fail fast on an unknown or missing splitter
+    if min_sentences < 1:
+        raise DataError(f"min_sentences must be >= 1, got {min_sentences}")
+    if not input_parts:
+        raise DataError("no extracted parts to split into sentences")
+    stage = StageDir(output_dir, "sentences", {
+        "splitter": splitter, "min_sentences": min_sentences,
+        "inputs": [p.name for p in input_parts]}).open()
+    if stage.complete:
+        log.info("%s: sentences already complete", stage.path)
+        return stage.success()
+    jobs = []
+    for index, src in enumerate(input_parts):
+        out = stage.path / part_name(index, SENTENCES_SUFFIX)
+        if not out.is_file():
+            jobs.append((str(src), str(out), splitter, min_sentences))
+    log.info("splitting %d parts into sentences (%s, %d worker(s); %d already done)",
+             len(jobs), splitter, workers, len(input_parts) - len(jobs))
+    results = run_units(split_part, jobs, workers, desc="sentences", total=len(jobs))
+    stats = {"parts": len(input_parts), "parts_skipped": len(input_parts) - len(jobs),
+             "documents_written_now": sum(r["documents"] for r in results),
+             "sentences_written_now": sum(r["sentences"] for r in results)}
+    return stage.finish([p.name for p in stage.parts(SENTENCES_SUFFIX)], stats)

@@ -1,0 +1,200 @@
+"""Machinery shared by the `prepare-data` stages: stage directories, parts, a bounded worker pool.
+
+Every stage turns numbered input parts into numbered output parts (`part-00000.jsonl`, ...), one
+work unit per part, so that
+
+- work runs in parallel over processes, with at most `2 x workers` units in flight (memory is
+  bounded by the part size, never by the corpus size);
+- results do not depend on the number of workers (each part's seed derives from the run's seed
+  and the part's index, not from which process ran it);
+- a part exists under its final name only when complete (written to a temporary name, fsynced,
+  renamed), so a re-run skips finished parts and an interrupted run resumes;
+- a stage directory records the parameters it was made with (`_stage.json`); re-running with
+  different parameters is a one-line error instead of a directory of mixed shards; `_SUCCESS.json`
+  marks a finished stage and lists its parts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import multiprocessing
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from popbert.atomic import atomic_write_text
+from popbert.data.errors import DataError
+
+log = logging.getLogger(__name__)
+
+STAGE_FILE = "_stage.json"
+SUCCESS_FILE = "_SUCCESS.json"
+
+
+def part_name(index: int, suffix: str) -> str:
+    """`part-00042.<suffix>`: zero-padded so lexical order is numeric order."""
+    return f"part-{index:05d}.{suffix}"
+
+
+def default_workers() -> int:
+    """All cores this process may use (the CPU affinity mask, not the machine's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def derive_seed(seed: int, *parts: int) -> int:
+    """A 63-bit seed for one work unit: a stable hash of the run's seed and the unit's indices.
+
+    Seeds of neighbouring units are unrelated (not seed+1, seed+2), and the value does not
+    depend on Python's hash randomisation or on the process that computes it.
+    """
+    import numpy as np
+
+    state = np.random.SeedSequence([int(seed) & 0xFFFFFFFFFFFFFFFF, *map(int, parts)])
+    return int(state.generate_state(2, dtype=np.uint32).view(np.uint64)[0] >> np.uint64(1))
+
+
+class StageDir:
+    """One stage's output directory with its parameter record and completion marker."""
+
+    def __init__(self, path: str | os.PathLike, stage: str, params: Mapping[str, Any]):
+        self.path = Path(path)
+        self.stage = stage
+        self.params = json.loads(json.dumps(dict(params), sort_keys=True, default=str))
+
+    def open(self) -> StageDir:
+        """Create the directory, or check that an existing one was made with these parameters."""
+        record = self.path / STAGE_FILE
+        if record.is_file():
+            try:
+                old = json.loads(record.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise DataError(f"{record}: unreadable stage record ({exc})") from None
+            if old.get("stage") != self.stage or old.get("params") != self.params:
+                diff = sorted(k for k in set(old.get("params", {})) | set(self.params)
+                              if old.get("params", {}).get(k) != self.params.get(k))
+                detail = ", ".join(f"{k}: {old.get('params', {}).get(k)!r} -> "
+                                   f"{self.params.get(k)!r}" for k in diff[:3])
+                raise DataError(f"{self.path}: made by a {old.get('stage')} run with other "
+                                f"parameters ({detail or 'stage differs'}); use another output "
+                                f"directory or delete this one")
+        else:
+            self.path.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(record, json.dumps({"stage": self.stage, "params": self.params},
+                                                 indent=1, sort_keys=True) + "\n")
+        return self
+
+    @property
+    def complete(self) -> bool:
+        return (self.path / SUCCESS_FILE).is_file()
+
+    def success(self) -> dict:
+        """The completion record (parts and statistics) of a finished stage."""
+        try:
+            return json.loads((self.path / SUCCESS_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise DataError(f"{self.path / SUCCESS_FILE}: unreadable ({exc})") from None
+
+    def finish(self, parts: list[str], stats: Mapping[str, Any]) -> dict:
+        """Mark the stage complete; only now may later stages (or re-runs) trust it whole."""
+        record = {"stage": self.stage, "parts": parts, "stats": dict(stats)}
+        atomic_write_text(self.path / SUCCESS_FILE, json.dumps(record, indent=1) + "\n")
+        return record
+
+    def parts(self, suffix: str) -> list[Path]:
+        """Complete parts present now (temporary files start with a dot and are not listed)."""
+        return sorted(self.path.glob(f"part-*.{suffix}"))
+
+
+def temp_path(path: Path) -> Path:
+    """A temporary sibling name for writing `path`; never matches the `part-*` globs."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+@contextlib.contextmanager
+def atomic_output(path: Path) -> Iterator[Path]:
+    """Yield a temporary path to write; on success fsync and rename it to `path`."""
+    tmp = temp_path(path)
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def _init_worker(single_threaded_tokenizers: bool) -> None:
+    # Several processes each running a Rust thread pool on the same cores only thrash.
+    if single_threaded_tokenizers:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    logging.getLogger("popbert").setLevel(logging.WARNING)
+
+
+def _pool_context() -> multiprocessing.context.BaseContext:
+    """`fork` where available: workers start instantly and, unlike `spawn`, a user's script
+    needs no `if __name__ == "__main__"` guard. Elsewhere (macOS, Windows) `spawn`."""
+    if "fork" in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("spawn")
+
+
+def run_units(fn: Callable[..., Any], jobs: Iterable[tuple], workers: int, desc: str,
+              unit: str = "part", total: int | None = None,
+              on_result: Callable[[tuple, Any], None] | None = None,
+              progress: Callable[[Any], int] | None = None, show_bar: bool = True) -> list[Any]:
+    """Run `fn(*job)` for every job, over `workers` processes (in-process when 1).
+
+    Jobs are consumed lazily with at most `2 * workers` in flight, so a generator of large jobs
+    (e.g. pages streamed from a dump) never piles up in memory. Results come back in job order.
+    `progress(result)` gives the amount to advance the bar by (default 1 per job);
+    `show_bar=False` when the caller keeps its own bar.
+    """
+    results: dict[int, Any] = {}
+    bar: tqdm | None = None
+
+    def done(index: int, job: tuple, result: Any) -> None:
+        nonlocal bar
+        results[index] = result
+        if on_result is not None:
+            on_result(job, result)
+        if not show_bar:
+            return
+        if bar is None:
+            bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=False)
+        bar.update(progress(result) if progress else 1)
+
+    try:
+        if workers <= 1:
+            for i, job in enumerate(jobs):
+                done(i, job, fn(*job))
+        else:
+            # The progress bar (and its monitor thread) starts after the workers are forked.
+            with ProcessPoolExecutor(workers, mp_context=_pool_context(),
+                                     initializer=_init_worker, initargs=(True,)) as pool:
+                pending: dict[Future, tuple[int, tuple]] = {}
+
+                def drain(block_until: int) -> None:
+                    while len(pending) > block_until:
+                        finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                        for future in finished:
+                            index, job = pending.pop(future)
+                            done(index, job, future.result())
+
+                for i, job in enumerate(jobs):
+                    pending[pool.submit(fn, *job)] = (i, job)
+                    drain(2 * workers)
+                drain(0)
+    finally:
+        if bar is not None:
+            bar.close()
+    return [results[i] for i in range(len(results))]

@@ -1,0 +1,65 @@
+"""Stage `vocab`: train an uncased WordPiece vocabulary (`vocab.txt`) with HF `tokenizers`.
+
+The trainer (Rust, multi-threaded, streaming over the files) learns the token set; ids are then
+fixed deterministically: the five special tokens first (`[PAD]`=0 ... `[MASK]`=4, what BERT
+checkpoints and popbert's shards assume), every other entry in code-point order, because the
+trainer emits tokens with tied merge counts in a run-dependent order. WordPiece tokenization is
+greedy longest-match, so it depends on the set only, never on the ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from popbert.atomic import atomic_write_text
+from popbert.data.errors import DataError
+from popbert.data.tokenization import SPECIAL_TOKENS, WordPieceTokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_VOCAB_SIZE = 30522
+
+
+def train_vocab(files: Sequence[str | os.PathLike], output: str | os.PathLike,
+                vocab_size: int = DEFAULT_VOCAB_SIZE, min_frequency: int = 2,
+                limit_alphabet: int = 1000) -> WordPieceTokenizer:
+    """Train on Google-format text files and write `output` atomically; returns its tokenizer.
+
+    A corpus too small for `vocab_size` gives a smaller vocabulary (logged); the model's
+    `vocab_size` must then be set to the file's line count.
+    """
+    from tokenizers import BertWordPieceTokenizer
+
+    if vocab_size <= len(SPECIAL_TOKENS):
+        raise DataError(f"vocab_size must be > {len(SPECIAL_TOKENS)}, got {vocab_size}")
+    paths = [str(f) for f in files]
+    missing = [p for p in paths if not Path(p).is_file()]
+    if missing:
+        raise DataError(f"{missing[0]}: vocabulary training input not found")
+    if not paths:
+        raise DataError("no text files to train a vocabulary on")
+    trainer = BertWordPieceTokenizer(clean_text=True, handle_chinese_chars=True,
+                                     strip_accents=True, lowercase=True)
+    log.info("training a %d-entry WordPiece vocabulary on %d file(s)", vocab_size, len(paths))
+    trainer.train(files=paths, vocab_size=vocab_size, min_frequency=min_frequency,
+                  limit_alphabet=limit_alphabet, special_tokens=list(SPECIAL_TOKENS),
+                  wordpieces_prefix="##", show_progress=sys.stderr.isatty())
+    with tempfile.TemporaryDirectory() as tmp:
+        written = Path(trainer.save_model(tmp)[0])
+        lines = written.read_text(encoding="utf-8").splitlines()
+    specials = list(SPECIAL_TOKENS)
+    if lines[: len(specials)] != specials:
+        raise DataError(f"trained vocabulary does not start with {specials}: {lines[:5]}")
+    lines = specials + sorted(lines[len(specials):])
+    if len(lines) < vocab_size:
+        log.warning("corpus yields only %d vocabulary entries (asked for %d)", len(lines),
+                    vocab_size)
+    output = Path(output)
+    atomic_write_text(output, "\n".join(lines) + "\n")
+    log.info("wrote %s (%d entries)", output, len(lines))
+    return WordPieceTokenizer(output)

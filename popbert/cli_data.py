@@ -1,0 +1,292 @@
+"""`popbert prepare-data`: the data pipeline's commands, one per stage plus `wikipedia` (all).
+
+    popbert prepare-data wikipedia --input enwiki-latest-pages-articles.xml.bz2 \\
+        --output-dir data/wiki --sequence-length 128 --max-predictions 20 [--vocab vocab.txt]
+
+runs extract → sentences → vocab (when no --vocab is given) → instances → pack; each stage is
+also a command of its own. Every stage is parallel over `--workers` processes (default: all
+cores), resumable (finished parts are skipped) and deterministic for `--seed`. Heavy modules are
+imported inside the handlers so `--help` and flag errors stay instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+from pathlib import Path
+
+from popbert.errors import UsageError
+
+logger = logging.getLogger("popbert")
+
+# InstanceOptions field -> the flag that sets it (so validation errors name the flag).
+_FLAGS = {"sequence_length": "--sequence-length", "max_predictions_per_seq": "--max-predictions",
+          "masked_lm_prob": "--masked-lm-prob", "short_seq_prob": "--short-seq-prob",
+          "random_next_prob": "--random-next-prob", "dupe_factor": "--dupe-factor"}
+
+
+def _workers(args: argparse.Namespace) -> int:
+    from popbert.data.stages import default_workers
+
+    if args.workers is None:
+        return default_workers()
+    if args.workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {args.workers}")
+    return args.workers
+
+
+def _options(args: argparse.Namespace):
+    from popbert.data.instances import InstanceOptions
+
+    options = InstanceOptions(
+        sequence_length=args.sequence_length, max_predictions_per_seq=args.max_predictions,
+        masked_lm_prob=args.masked_lm_prob, short_seq_prob=args.short_seq_prob,
+        dupe_factor=args.dupe_factor, whole_word_mask=args.whole_word_mask, seed=args.seed)
+    try:
+        options.validate()
+    except ValueError as exc:
+        message = str(exc)
+        for field, flag in _FLAGS.items():
+            message = re.sub(rf"\b{field}\b", flag, message)
+        raise UsageError(message) from None
+    return options
+
+
+def _part_bytes(args: argparse.Namespace) -> int:
+    if args.part_size_mb <= 0:
+        raise UsageError(f"--part-size-mb must be > 0, got {args.part_size_mb}")
+    return max(1, int(args.part_size_mb * (1 << 20)))
+
+
+def _parts(spec: str, suffix: str, flag: str = "--input") -> list[Path]:
+    """A stage directory (its part-*.<suffix>) or files / globs, comma-separated."""
+    from popbert.data.corpus import expand_input_files
+    from popbert.data.errors import DataError
+
+    path = Path(spec)
+    if path.is_dir():
+        parts = sorted(path.glob(f"part-*.{suffix}"))
+        if not parts:
+            raise UsageError(f"{flag}: {path} has no part-*.{suffix} files")
+        return parts
+    try:
+        return expand_input_files(spec)
+    except DataError as exc:
+        raise UsageError(f"{flag}: {exc}") from None
+
+
+def _report(record: dict) -> None:
+    logger.info("%s: %s", record.get("stage"), json.dumps(record.get("stats", {})))
+
+
+def _cmd_extract(args: argparse.Namespace) -> int:
+    from popbert.data.wikipedia import extract_dump
+
+    _report(extract_dump(args.input, args.output_dir, _workers(args), _part_bytes(args)))
+    return 0
+
+
+def _cmd_sentences(args: argparse.Namespace) -> int:
+    from popbert.data.sentences import split_sentences
+
+    parts = _parts(args.input, "jsonl")
+    _report(split_sentences(parts, args.output_dir, _workers(args), args.splitter,
+                            args.min_sentences))
+    return 0
+
+
+def _cmd_vocab(args: argparse.Namespace) -> int:
+    from popbert.data.vocab import train_vocab
+
+    if args.vocab_size <= 5:
+        raise UsageError(f"--vocab-size must be > 5, got {args.vocab_size}")
+    tokenizer = train_vocab(_parts(args.input, "txt"), args.output, args.vocab_size,
+                            args.min_frequency)
+    logger.info("vocabulary %s: %d entries, sha256 %s", args.output, tokenizer.vocab_size,
+                tokenizer.vocab_sha256)
+    return 0
+
+
+def _cmd_instances(args: argparse.Namespace) -> int:
+    from popbert.data.prepare import create_instances
+
+    options = _options(args)
+    if not Path(args.vocab).is_file():
+        raise UsageError(f"--vocab: {args.vocab} not found")
+    _report(create_instances(_parts(args.input, "txt"), args.vocab, args.output_dir, options,
+                             _workers(args)))
+    return 0
+
+
+def _check_pack_args(args: argparse.Namespace) -> None:
+    if args.max_sequences_per_pack < 1:
+        raise UsageError(f"--max-sequences-per-pack must be >= 1, "
+                         f"got {args.max_sequences_per_pack}")
+
+
+def _cmd_pack(args: argparse.Namespace) -> int:
+    from popbert.data.prepare import pack_shards
+
+    _check_pack_args(args)
+    if args.max_predictions_per_pack is not None and args.max_predictions_per_pack < 1:
+        raise UsageError(f"--max-predictions-per-pack must be >= 1, "
+                         f"got {args.max_predictions_per_pack}")
+    record = pack_shards(_parts(args.input, "h5"), args.output_dir, strategy=args.strategy,
+                         max_sequences_per_pack=args.max_sequences_per_pack,
+                         max_predictions_per_pack=args.max_predictions_per_pack,
+                         seed=args.seed, workers=_workers(args))
+    _report(record)
+    return 0
+
+
+def training_overrides(shard_dir: Path, vocab: Path) -> list[str]:
+    """The `popbert pretrain` --set flags that point a run at a stage's shards."""
+    from popbert.data.hdf5 import read_shard_info
+    from popbert.data.tokenization import WordPieceTokenizer
+
+    shards = sorted(Path(shard_dir).glob("part-*.h5"))
+    if not shards:
+        return []
+    info = read_shard_info(shards[0])
+    flags = [f"--set 'data.input_files=[\"{Path(shard_dir) / 'part-*.h5'}\"]'",
+             f"--set data.vocab_file={vocab}",
+             f"--set model.vocab_size={WordPieceTokenizer(vocab).vocab_size}",
+             f"--set model.sequence_length={info.sequence_length}",
+             f"--set model.max_predictions_per_seq={info.max_predictions_per_seq}"]
+    if info.packed:
+        flags += ["--set model.packed=true",
+                  f"--set model.max_sequences_per_pack={info.max_sequences_per_pack}"]
+    return flags
+
+
+def _cmd_wikipedia(args: argparse.Namespace) -> int:
+    from popbert.data.prepare import prepare_wikipedia
+
+    options = _options(args)
+    _check_pack_args(args)
+    if args.vocab is not None and not Path(args.vocab).is_file():
+        raise UsageError(f"--vocab: {args.vocab} not found")
+    if not Path(args.input).is_file():
+        raise UsageError(f"--input: {args.input} not found")
+    result = prepare_wikipedia(
+        args.input, args.output_dir, options, vocab=args.vocab, vocab_size=args.vocab_size,
+        workers=_workers(args), splitter=args.splitter, min_sentences=args.min_sentences,
+        part_bytes=_part_bytes(args), pack=not args.no_pack, strategy=args.strategy,
+        max_sequences_per_pack=args.max_sequences_per_pack)
+    for record in result.records.values():
+        _report(record)
+    shards = result.packed if result.packed is not None else result.instances
+    logger.info("done; train on it with: %s", " ".join(training_overrides(shards, result.vocab)))
+    return 0
+
+
+def _add_common(p: argparse.ArgumentParser, output_help: str) -> None:
+    p.add_argument("--output-dir", "-o", type=Path, required=True, metavar="DIR",
+                   help=output_help)
+    p.add_argument("--workers", "-j", type=int, default=None, metavar="N",
+                   help="worker processes (default: all cores)")
+
+
+def _add_split_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--splitter", choices=("nupunkt", "pysbd"), default="nupunkt",
+                   help="sentence splitter (both need no download; default nupunkt, the faster)")
+    p.add_argument("--min-sentences", type=int, default=2, metavar="N",
+                   help="drop documents with fewer sentences (default 2)")
+
+
+def _add_instance_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sequence-length", type=int, required=True, metavar="S")
+    p.add_argument("--max-predictions", type=int, required=True, metavar="P",
+                   help="masked-LM predictions per sequence (Google: 20 at 128, 80 at 512)")
+    p.add_argument("--dupe-factor", type=int, default=5, metavar="N",
+                   help="passes over the corpus, each with different masks (default 5)")
+    p.add_argument("--masked-lm-prob", type=float, default=0.15)
+    p.add_argument("--short-seq-prob", type=float, default=0.1)
+    p.add_argument("--whole-word-mask", action="store_true",
+                   help="mask all WordPiece pieces of a word together")
+    p.add_argument("--seed", type=int, default=12345)
+
+
+def _add_pack_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--strategy", choices=("spfhp", "lpfhp"), default="spfhp",
+                   help="histogram packing: shortest-pack-first (default) or longest-pack-first")
+    p.add_argument("--max-sequences-per-pack", type=int, default=3, metavar="K")
+
+
+def add_commands(subparsers: argparse._SubParsersAction,
+                 common_parent: argparse.ArgumentParser) -> None:
+    """Register `prepare-data` and its stages on the `popbert` argparse tree."""
+    top = subparsers.add_parser(
+        "prepare-data", parents=[common_parent],
+        help="Wikipedia dump -> sentences -> vocab -> HDF5 shards -> packed shards",
+        description="Pre-training data pipeline. `wikipedia` runs every stage; each stage is "
+                    "also a command. Parallel, resumable (re-running skips finished parts), "
+                    "deterministic for --seed.")
+    stages = top.add_subparsers(dest="stage", metavar="STAGE", required=True)
+
+    p = stages.add_parser("wikipedia", parents=[common_parent],
+                          help="all stages: dump -> packed HDF5 shards")
+    p.add_argument("--input", required=True, metavar="DUMP.xml.bz2",
+                   help="a MediaWiki XML dump, e.g. enwiki-latest-pages-articles.xml.bz2")
+    p.add_argument("--vocab", default=None, metavar="VOCAB.txt",
+                   help="an existing WordPiece vocab.txt; default: train one (--vocab-size)")
+    p.add_argument("--vocab-size", type=int, default=30522, metavar="N")
+    _add_common(p, "root directory for every stage's output")
+    _add_split_args(p)
+    _add_instance_args(p)
+    _add_pack_args(p)
+    p.add_argument("--no-pack", action="store_true", help="stop after the instance shards")
+    p.add_argument("--part-size-mb", type=float, default=8.0, metavar="MB",
+                   help="wikitext per work unit and shard (default 8; memory per worker "
+                        "grows with it)")
+    p.set_defaults(handler=_cmd_wikipedia)
+
+    p = stages.add_parser("extract", parents=[common_parent],
+                          help="dump -> plain-text articles (JSON lines), by wikiextractor")
+    p.add_argument("--input", required=True, metavar="DUMP.xml.bz2")
+    _add_common(p, "directory for part-*.jsonl")
+    p.add_argument("--part-size-mb", type=float, default=8.0, metavar="MB",
+                   help="wikitext per part (default 8)")
+    p.set_defaults(handler=_cmd_extract)
+
+    p = stages.add_parser("sentences", parents=[common_parent],
+                          help="articles -> one sentence per line, blank line between documents")
+    p.add_argument("--input", required=True, metavar="DIR_OR_GLOB",
+                   help="the extract stage's directory, or its part-*.jsonl files")
+    _add_common(p, "directory for part-*.txt")
+    _add_split_args(p)
+    p.set_defaults(handler=_cmd_sentences)
+
+    p = stages.add_parser("vocab", parents=[common_parent],
+                          help="train an uncased WordPiece vocab.txt with HF tokenizers")
+    p.add_argument("--input", required=True, metavar="DIR_OR_GLOB",
+                   help="the sentences stage's directory, or text files")
+    p.add_argument("--output", "-o", type=Path, required=True, metavar="VOCAB.txt")
+    p.add_argument("--vocab-size", type=int, default=30522, metavar="N")
+    p.add_argument("--min-frequency", type=int, default=2, metavar="N")
+    p.set_defaults(handler=_cmd_vocab)
+
+    p = stages.add_parser("instances", parents=[common_parent],
+                          help="sentences -> masked MLM/NSP instances in HDF5 shards")
+    p.add_argument("--input", required=True, metavar="DIR_OR_GLOB",
+                   help="the sentences stage's directory, or Google-format text files")
+    p.add_argument("--vocab", required=True, metavar="VOCAB.txt")
+    _add_common(p, "directory for part-*.h5")
+    _add_instance_args(p)
+    p.set_defaults(handler=_cmd_instances)
+
+    p = stages.add_parser("pack", parents=[common_parent],
+                          help="instance shards -> packed shards (several sequences per row)")
+    p.add_argument("--input", required=True, metavar="DIR_OR_GLOB",
+                   help="the instances stage's directory, or *.h5 shards")
+    _add_common(p, "directory for packed part-*.h5")
+    _add_pack_args(p)
+    p.add_argument("--max-predictions-per-pack", type=int, default=None, metavar="P",
+                   help="MLM slots per packed row (default: the most a pack can need)")
+    p.add_argument("--seed", type=int, default=12345)
+    p.set_defaults(handler=_cmd_pack)
+
+
+__all__ = ["add_commands"]

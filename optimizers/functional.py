@@ -1,13 +1,17 @@
 """LAMB and AdamW math in FP32 on lists of tensors, written once.
 
-Everything here takes lists of FP32 tensors on one device and updates them in place with
-``torch._foreach_*`` kernels. The optimizer classes call these functions on whole parameters; a
-sharded data-parallel caller calls the same functions on its 1/N slices of flattened parameters.
-LAMB's per-tensor norms are therefore split out: :func:`per_tensor_sq_norms` returns *partial*
-squared norms (sum them over shards, e.g. with an all-reduce), :func:`lamb_trust_ratios` turns
-the completed squared norms into ratios, and :func:`apply_updates_` applies them. The same holds
-for gradient clipping: :func:`per_tensor_sq_norms` over grads, reduce, then
-:func:`clip_coefficient`.
+Building blocks take lists of FP32 tensors on one device and update them in place with
+``torch._foreach_*`` kernels. A sharded data-parallel caller can compose them on its 1/N
+slices of flattened parameters: LAMB's per-tensor norms are split out, so
+:func:`per_tensor_sq_norms` returns *partial* squared norms (sum them over shards, e.g. with
+an all-reduce), :func:`lamb_trust_ratios` turns the completed squared norms into ratios and
+:func:`apply_updates_` applies them. Gradient clipping likewise: :func:`per_tensor_sq_norms`
+over the grads, reduce, :func:`clip_coefficient`, then pass the factor as ``grad_factor``.
+
+The whole steps :func:`adamw_step_` and :func:`lamb_step_` (used by the optimizer classes)
+add FP16/BF16 weights (FP32 working copies, written back through a rounding function), grads
+of any float dtype scaled by ``grad_factor``, tiling for cache-friendly CPU execution, and,
+for LAMB, a hook that all-reduces the squared norms so shards can call it directly.
 
 Conventions: ``steps`` holds, per tensor, the step number *after* incrementing (1 on the first
 update), so tensors that skipped steps keep their own bias correction. Updates follow
@@ -25,7 +29,7 @@ update), so tensors that skipped steps keep their own bias correction. Updates f
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -42,6 +46,8 @@ __all__ = [
     "clip_coefficient",
     "adamw_step_",
     "lamb_step_",
+    "default_tile_numel",
+    "tile_plan",
 ]
 
 
@@ -130,17 +136,23 @@ def lamb_updates(
     weight_decay: float,
     bias_correction: bool,
 ) -> list[Tensor]:
-    """Return new tensors ``u = r + wd * w`` (LAMB's update before the trust ratio)."""
+    """Return ``u = r + wd * w`` (LAMB's update before the trust ratio); consumes ``denoms``.
+
+    On CPU the updates are written into the ``denoms`` buffers, saving an allocation.
+    """
     if not params:
         return []
-    scales = adam_direction_scales(steps, beta1, beta2, bias_correction)
-    if weight_decay != 0.0:
-        updates = list(torch._foreach_mul(params, weight_decay))
-        torch._foreach_addcdiv_(updates, exp_avgs, denoms, scales)
+    if bias_correction:
+        scales = adam_direction_scales(steps, beta1, beta2, bias_correction)
+        torch._foreach_div_(denoms, scales)  # r = m / (denom / c)
+    if denoms[0].device.type == "cpu":
+        for m, d in zip(exp_avgs, denoms, strict=True):
+            torch.div(m, d, out=d)
+        updates = denoms
     else:
         updates = list(torch._foreach_div(exp_avgs, denoms))
-        if bias_correction:
-            torch._foreach_mul_(updates, scales)
+    if weight_decay != 0.0:
+        torch._foreach_add_(updates, params, alpha=weight_decay)
     return updates
 
 
@@ -211,6 +223,142 @@ def clip_coefficient(total_sq_norm: Tensor | float, max_norm: float, eps: float 
     return min(1.0, max_norm / (norm + eps))
 
 
+# ----------------------------------------------------------------------------- whole steps
+
+RoundFn = Callable[[Tensor, torch.dtype], Tensor]
+TilePlan = list[list[tuple[int, int, int]]]
+CPU_TILE_NUMEL = 1 << 21
+
+
+def default_tile_numel(device: torch.device) -> int | None:
+    """Tile size for :func:`adamw_step_` / :func:`lamb_step_` on ``device``.
+
+    On CPU, running every op of the step over tiles of 2M elements (8 MiB per FP32 array)
+    keeps the working set near the cache and avoids full-size temporaries: about 2x faster
+    than whole-tensor foreach ops for BERT-Base. Smaller tiles fit cache better but multiply
+    the parallel regions, which costs on busy or many-core machines. Accelerators take whole
+    tensors: fewer, larger kernels.
+    """
+    return CPU_TILE_NUMEL if torch.device(device).type == "cpu" else None
+
+
+def tile_plan(
+    sizes: Sequence[int], tile_numel: int | None, splittable: Sequence[bool] | None = None
+) -> TilePlan:
+    """Cut tensors (by element count) into tiles of about ``tile_numel`` elements.
+
+    Each tile is a list of ``(tensor_index, start, stop)`` over the flattened tensors; small
+    tensors share a tile, large ones are split unless ``splittable[i]`` is False (then they
+    form one piece however large). ``tile_numel=None`` gives one tile of whole tensors.
+    """
+    if tile_numel is None:
+        return [[(i, 0, n) for i, n in enumerate(sizes)]] if sizes else []
+    if tile_numel < 1:
+        raise ValueError(f"tile_numel must be positive, got {tile_numel}")
+    tiles: TilePlan = []
+    current: list[tuple[int, int, int]] = []
+    filled = 0
+    for i, n in enumerate(sizes):
+        if splittable is not None and not splittable[i]:
+            current.append((i, 0, n))
+            filled += n
+        else:
+            start = 0
+            while start < n:
+                stop = min(n, start + max(tile_numel - filled, 1))
+                current.append((i, start, stop))
+                filled += stop - start
+                start = stop
+                if filled >= tile_numel:
+                    tiles.append(current)
+                    current, filled = [], 0
+                    continue
+        if filled >= tile_numel:
+            tiles.append(current)
+            current, filled = [], 0
+    if current:
+        tiles.append(current)
+    return tiles
+
+
+def _take(tensors: Sequence[Tensor], tile: list[tuple[int, int, int]]) -> list[Tensor]:
+    pieces = []
+    for i, start, stop in tile:
+        t = tensors[i]
+        pieces.append(t if start == 0 and stop == t.numel() else t.view(-1)[start:stop])
+    return pieces
+
+
+def _fp32_copy(pieces: list[Tensor], scale: float = 1.0) -> tuple[Tensor, list[Tensor]]:
+    """One flat FP32 buffer holding ``pieces * scale``, and views of it shaped like them."""
+    sizes = [t.numel() for t in pieces]
+    flat = torch.empty(sum(sizes), dtype=torch.float32, device=pieces[0].device)
+    views = [c.view(t.shape) for c, t in zip(flat.split(sizes), pieces, strict=True)]
+    torch._foreach_copy_(views, pieces)
+    if scale != 1.0:
+        flat.mul_(scale)
+    return flat, views
+
+
+class _Tile:
+    """FP32 working views of one tile: weights (copied if half), grads (copied if scaled)."""
+
+    def __init__(
+        self,
+        tile: list[tuple[int, int, int]],
+        params: list[Tensor],
+        grads: list[Tensor],
+        exp_avgs: list[Tensor],
+        exp_avg_sqs: list[Tensor],
+        steps: Sequence[int],
+    ) -> None:
+        self.index = [i for i, _, _ in tile]
+        self.steps = [steps[i] for i in self.index]
+        self.params = _take(params, tile)
+        self.exp_avgs = _take(exp_avgs, tile)
+        self.exp_avg_sqs = _take(exp_avg_sqs, tile)
+        self._grads = _take(grads, tile)
+        self._flat: Tensor | None = None
+
+    def grads(self, grad_factor: float) -> list[Tensor]:
+        if grad_factor == 1.0 and all(g.dtype == torch.float32 for g in self._grads):
+            return self._grads
+        return _fp32_copy(self._grads, grad_factor)[1]
+
+    def weights(self) -> list[Tensor]:
+        if self.params[0].dtype == torch.float32:
+            return self.params
+        self._flat, views = _fp32_copy(self.params)
+        return views
+
+    def store(self, round_fn: RoundFn | None) -> None:
+        """Write FP32 working weights back into half parameters."""
+        if self._flat is None:
+            return
+        dtype = self.params[0].dtype
+        flat = round_fn(self._flat, dtype) if round_fn is not None else self._flat.to(dtype)
+        sizes = [p.numel() for p in self.params]
+        chunks = [c.view(p.shape) for c, p in zip(flat.split(sizes), self.params, strict=True)]
+        torch._foreach_copy_(self.params, chunks)
+        self._flat = None
+
+
+def _tiles(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    tile_numel: int | None,
+) -> TilePlan:
+    if len({p.dtype for p in params}) > 1:
+        raise ValueError("one call takes parameters of one dtype")
+    splittable = [
+        all(t.is_contiguous() for t in group)
+        for group in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)
+    ]
+    return tile_plan([p.numel() for p in params], tile_numel, splittable)
+
+
 def adamw_step_(
     params: list[Tensor],
     grads: list[Tensor],
@@ -224,21 +372,34 @@ def adamw_step_(
     eps: float,
     weight_decay: float,
     bias_correction: bool = True,
+    grad_factor: float = 1.0,
+    tile_numel: int | None = None,
+    round_fn: RoundFn | None = None,
 ) -> None:
-    """One AdamW step on FP32 tensors, in place (same arithmetic as torch.optim.AdamW)."""
-    adam_moments_(exp_avgs, exp_avg_sqs, grads, beta1, beta2)
-    denoms = adam_denominators(exp_avg_sqs, steps, beta2, eps, bias_correction)
-    adamw_apply_(
-        params,
-        exp_avgs,
-        denoms,
-        steps,
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        weight_decay=weight_decay,
-        bias_correction=bias_correction,
-    )
+    """One AdamW step in place (torch.optim.AdamW's update, computed in FP32).
+
+    ``params`` share one dtype: FP32 is updated in place; FP16/BF16 is widened to FP32 per
+    tile and written back with ``round_fn(x, dtype)`` (default: round to nearest). ``grads``
+    of any float dtype are widened and multiplied by ``grad_factor`` (unscale, clip) without
+    modifying them. Moments are FP32. ``tile_numel``: see :func:`default_tile_numel`.
+    """
+    for tile in _tiles(params, grads, exp_avgs, exp_avg_sqs, tile_numel):
+        t = _Tile(tile, params, grads, exp_avgs, exp_avg_sqs, steps)
+        weights = t.weights()
+        adam_moments_(t.exp_avgs, t.exp_avg_sqs, t.grads(grad_factor), beta1, beta2)
+        denoms = adam_denominators(t.exp_avg_sqs, t.steps, beta2, eps, bias_correction)
+        adamw_apply_(
+            weights,
+            t.exp_avgs,
+            denoms,
+            t.steps,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+        )
+        t.store(round_fn)
 
 
 def lamb_step_(
@@ -257,31 +418,86 @@ def lamb_step_(
     trust_ratio: bool = True,
     max_trust_ratio: float | None = None,
     max_weight_norm: float | None = None,
+    grad_factor: float = 1.0,
+    tile_numel: int | None = None,
+    round_fn: RoundFn | None = None,
+    tensor_index: Sequence[int] | None = None,
+    num_tensors: int | None = None,
+    reduce_sq_norms: Callable[[Tensor], Tensor] | None = None,
 ) -> None:
-    """One LAMB step on whole FP32 tensors, in place.
+    """One LAMB step in place; dtypes, ``grad_factor`` and tiling as in :func:`adamw_step_`.
 
     ``trust_ratio=False`` gives the plain Adam step ``w -= lr (r + wd w)`` used for biases and
-    LayerNorm betas. Sharded callers compose the pieces instead (see the module docstring).
+    LayerNorm betas. A tile is applied once the norms of all its tensors are complete, so the
+    transient memory is the update (and, for half weights, the FP32 copy) of about the largest
+    tensor; sharded calls hold their whole shard's updates until the all-reduce.
+
+    Sharded use: pass this replica's fragments (views of flattened parameters and state) as
+    the lists, ``tensor_index[i]`` = the id of the tensor fragment ``i`` belongs to (ids in
+    ``range(num_tensors)``, the same numbering on every replica) and ``reduce_sq_norms``, which
+    receives a float64 ``[2, num_tensors]`` tensor of partial squared norms (weights, updates)
+    and returns it summed over replicas, e.g. ``lambda sq: (dist.all_reduce(sq), sq)[1]``.
     """
-    adam_moments_(exp_avgs, exp_avg_sqs, grads, beta1, beta2)
-    denoms = adam_denominators(exp_avg_sqs, steps, beta2, eps, bias_correction)
-    updates = lamb_updates(
-        params,
-        exp_avgs,
-        denoms,
-        steps,
-        beta1=beta1,
-        beta2=beta2,
-        weight_decay=weight_decay,
-        bias_correction=bias_correction,
-    )
-    del denoms
-    ratios = None
-    if trust_ratio and params:
+    plan = _tiles(params, grads, exp_avgs, exp_avg_sqs, tile_numel)
+    hyper = {
+        "beta1": beta1,
+        "beta2": beta2,
+        "weight_decay": weight_decay,
+        "bias_correction": bias_correction,
+    }
+
+    def updates_of(t: _Tile, weights: list[Tensor]) -> list[Tensor]:
+        denoms = adam_denominators(t.exp_avg_sqs, t.steps, beta2, eps, bias_correction)
+        return lamb_updates(weights, t.exp_avgs, denoms, t.steps, **hyper)
+
+    if not trust_ratio:
+        for tile in plan:
+            t = _Tile(tile, params, grads, exp_avgs, exp_avg_sqs, steps)
+            weights = t.weights()
+            adam_moments_(t.exp_avgs, t.exp_avg_sqs, t.grads(grad_factor), beta1, beta2)
+            apply_updates_(weights, updates_of(t, weights), lr)
+            t.store(round_fn)
+        return
+
+    if tensor_index is None:
+        tensor_index = range(len(params))
+    if num_tensors is None:
+        num_tensors = max(tensor_index, default=-1) + 1
+    device = params[0].device if params else torch.device("cpu")
+    sq_norms = torch.zeros(2, num_tensors, dtype=torch.float64, device=device)
+    # A tensor's ratio is final once its last piece is through the first pass, so each tile is
+    # applied as soon as all its tensors are complete: only the updates of tensors still in
+    # progress are held. Shards wait for the all-reduce, so they hold everything.
+    last_tile = {}
+    for k, tile in enumerate(plan):
+        for i, _, _ in tile:
+            last_tile[i] = k
+    ready_at = [max(last_tile[i] for i, _, _ in tile) for tile in plan]
+    if reduce_sq_norms is not None:
+        ready_at = [len(plan) - 1] * len(plan)
+    pending: list[tuple[_Tile, list[Tensor], list[Tensor], Tensor, int]] = []
+    for k, tile in enumerate(plan):
+        t = _Tile(tile, params, grads, exp_avgs, exp_avg_sqs, steps)
+        weights = t.weights()
+        adam_moments_(t.exp_avgs, t.exp_avg_sqs, t.grads(grad_factor), beta1, beta2)
+        updates = updates_of(t, weights)
+        index = torch.tensor([tensor_index[i] for i in t.index], device=device)
+        partial = torch.stack([per_tensor_sq_norms(weights), per_tensor_sq_norms(updates)])
+        sq_norms.index_add_(1, index, partial.to(device=device, dtype=torch.float64))
+        pending.append((t, weights, updates, index, ready_at[k]))
+        if pending[0][4] > k:
+            continue
+        if reduce_sq_norms is not None:
+            sq_norms = reduce_sq_norms(sq_norms)
         ratios = lamb_trust_ratios(
-            per_tensor_sq_norms(params),
-            per_tensor_sq_norms(updates),
+            sq_norms[0],
+            sq_norms[1],
             max_trust_ratio=max_trust_ratio,
             max_weight_norm=max_weight_norm,
         )
-    apply_updates_(params, updates, lr, ratios)
+        while pending and pending[0][4] <= k:
+            t, weights, updates, index, _ = pending.pop(0)
+            apply_updates_(weights, updates, lr, ratios[index])
+            t.store(round_fn)
+    if reduce_sq_norms is not None and not plan:  # an empty shard still joins the all-reduce
+        reduce_sq_norms(sq_norms)

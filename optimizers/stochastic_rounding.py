@@ -30,9 +30,7 @@ from torch import Tensor
 __all__ = ["stochastic_round", "round_to_dtype"]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
-_ABS_MASK = 0x7FFFFFFF
-_INF_BITS = 0x7F800000
-_FP16_MIN_NORMAL_BITS = 0x38800000  # 2**-14: below it FP16 spacing is a constant 2**-24
+_FP16_MIN_NORMAL = 2.0**-14  # below it FP16's spacing is a constant 2**-24
 _FP16_SUBNORMAL_SCALE = 2.0**24
 # A probability held in FP32 is a binary fraction of at most 24 + 125 bits below the point
 # (24 significant bits, smallest exponent -149, scaled by 2**24), exhausted after 6 digits of 24.
@@ -110,23 +108,27 @@ def stochastic_round(
     # overflow the integer add) and, for FP16, its subnormal range where the ulp is fixed.
     special: Tensor | None = None
     if dtype == torch.float16:
-        magnitude = torch.bitwise_and(bits, _ABS_MASK, out=noise)  # noise as scratch space
-        special = (magnitude > _INF_BITS).logical_or_(magnitude < _FP16_MIN_NORMAL_BITS)
+        magnitude = torch.abs(x, out=noise.view(torch.float32))  # noise as scratch space
+        special = torch.ge(magnitude, _FP16_MIN_NORMAL).logical_not_()  # NaN fails ">="
     elif not bool(torch.isfinite(x.sum())):  # cheap NaN-free proof for the common case
         special = torch.isnan(x)
-    if special is not None and not bool(special.any()):
-        special = None
+    lanes = None  # flat indices of the special lanes
+    if special is not None:
+        lanes = special.reshape(-1).nonzero().squeeze(1)
+        if lanes.numel() == 0:
+            lanes = None
 
     noise.random_(0, 1 << low_bits, generator=generator)
-    if special is not None:
-        noise.masked_fill_(special, 0)
+    flat_noise = noise.view(-1)
+    if lanes is not None:
+        flat_noise.index_fill_(0, lanes, 0)
     noise.add_(bits).bitwise_and_(-(1 << low_bits))
     out = noise.view(torch.float32)
-    if special is not None:
-        values = x[special]
+    if lanes is not None:
+        values = x.reshape(-1).index_select(0, lanes)
         if dtype == torch.float16:
             values = _round_fp16_subnormal(values, generator)
-        out[special] = values  # bfloat16: only NaN lanes, kept as they are
+        out.view(-1).index_copy_(0, lanes, values)  # bfloat16: only NaN lanes, kept as they are
     return out.to(dtype)  # exact: every value lies on the target grid (or overflows to inf)
 
 

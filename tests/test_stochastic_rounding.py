@@ -186,3 +186,16 @@ def test_input_validation() -> None:
     assert stochastic_round(x, torch.float32) is x
     half = torch.randn(4).half()
     assert torch.equal(stochastic_round(half, torch.float16), half)  # exact widening path
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_non_contiguous_input_matches_contiguous(dtype: torch.dtype) -> None:
+    x = torch.randn(48, 40, generator=torch.Generator().manual_seed(10)) * 1e-3
+    x[3, 5] = float("nan")
+    x[7, 1] = 3e-6  # FP16 subnormal lane
+    xt = x.t()
+    assert not xt.is_contiguous()
+    a = stochastic_round(xt, dtype, torch.Generator().manual_seed(4))
+    b = stochastic_round(xt.contiguous(), dtype, torch.Generator().manual_seed(4))
+    assert torch.equal(a.float().nan_to_num(7.0), b.float().nan_to_num(7.0))
+    assert bool(torch.isnan(a[5, 3]))

@@ -1,4 +1,5 @@
-"""The `popbert` command: pretrain, export, show a resolved config, plot metrics.
+"""The `popbert` command: pretrain, fine-tune, evaluate, predict, export, import/export
+Hugging Face checkpoints, show a resolved config, plot metrics.
 
 User mistakes (bad config, missing checkpoint, unusable data) end as one line
 `popbert: error: <message>` on stderr with exit status 2, like argparse's own usage errors; a
@@ -97,8 +98,98 @@ def _cmd_export(args: argparse.Namespace) -> int:
     checkpoint = _existing_dir(args.checkpoint, "--checkpoint")
     from popbert.export import export_checkpoint
 
-    path = export_checkpoint(checkpoint=checkpoint, task=args.task, output=args.output)
+    # Only options the user set are passed, so export_checkpoint's defaults stay the one source.
+    options = {key: getattr(args, key) for key in ("batch_size", "sequence_length")
+               if getattr(args, key) is not None}
+    if args.dtype != "float32":
+        options["dtype"] = args.dtype
+    path = export_checkpoint(checkpoint=checkpoint, task=args.task, output=args.output,
+                             **options)
     logger.info("wrote %s", path)
+    return 0
+
+
+def _cmd_import_hf(args: argparse.Namespace) -> int:
+    from popbert.hf_io import import_hf
+
+    report = import_hf(args.model, args.output_dir, sequence_length=args.sequence_length,
+                       seed=args.seed)
+    logger.info("wrote %s: %d tensors from the checkpoint, %d initialised fresh, %d ignored",
+                report.output_dir, len(report.loaded), len(report.fresh), len(report.ignored))
+    return 0
+
+
+def _cmd_export_hf(args: argparse.Namespace) -> int:
+    checkpoint = _existing_dir(args.checkpoint, "--checkpoint")
+    from popbert.hf_io import export_hf
+
+    export_hf(checkpoint, args.output_dir, architecture=args.architecture)
+    return 0
+
+
+def _print_json(result: dict) -> None:
+    """Results go to stdout as one JSON line (the last), logs to stderr."""
+    import json
+
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+def _train_options(args: argparse.Namespace):
+    from popbert.finetune import TrainOptions
+
+    return TrainOptions(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
+                        warmup_proportion=args.warmup_proportion,
+                        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+                        seed=args.seed, device=args.device, threads=args.threads,
+                        log_every=args.log_every, eval_batch_size=args.eval_batch_size,
+                        dropout=args.dropout)
+
+
+def _cmd_finetune_squad(args: argparse.Namespace) -> int:
+    checkpoint = _existing_dir(args.checkpoint, "--checkpoint")
+    from popbert.finetune import finetune_squad
+
+    result = finetune_squad(checkpoint, args.train, args.output_dir, predict_file=args.predict,
+                            options=_train_options(args), max_seq_length=args.max_seq_length,
+                            doc_stride=args.doc_stride, max_query_length=args.max_query_length,
+                            n_best_size=args.n_best_size,
+                            max_answer_length=args.max_answer_length)
+    logger.info("wrote %s (checkpoint %s)", result.output_dir, result.checkpoint.name)
+    if result.metrics:
+        _print_json(result.metrics)
+    return 0
+
+
+def _cmd_finetune_classify(args: argparse.Namespace) -> int:
+    checkpoint = _existing_dir(args.checkpoint, "--checkpoint")
+    from popbert.finetune import finetune_classify
+
+    labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
+    result = finetune_classify(checkpoint, args.train, args.output_dir, eval_file=args.eval,
+                               options=_train_options(args),
+                               max_seq_length=args.max_seq_length, text_column=args.text_column,
+                               pair_column=args.text_pair_column,
+                               label_column=args.label_column, labels=labels)
+    logger.info("wrote %s (checkpoint %s)", result.output_dir, result.checkpoint.name)
+    _print_json(result.metrics)
+    return 0
+
+
+def _cmd_evaluate_squad(args: argparse.Namespace) -> int:
+    from popbert.data.squad import evaluate_files
+
+    _print_json(evaluate_files(args.data, args.predictions))
+    return 0
+
+
+def _cmd_predict_squad(args: argparse.Namespace) -> int:
+    from popbert.predict import predict_squad  # ONNX Runtime only: no torch on this path
+
+    predict_squad(args.model, args.data, args.output, n_best_size=args.n_best_size,
+                  max_answer_length=args.max_answer_length, batch_size=args.batch_size,
+                  threads=args.threads)
+    logger.info("wrote %s", args.output)
     return 0
 
 
@@ -132,6 +223,95 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                                     "--set optimizer.lr=1e-3 --set 'model.layers_per_ipu=[1,1]'")
 
 
+def _add_training_args(p: argparse.ArgumentParser, max_seq_length: int, epochs: int,
+                       lr: float, batch_size: int) -> None:
+    p.add_argument("--checkpoint", type=Path, required=True, metavar="DIR",
+                   help="checkpoint or run directory (popbert pretrain, import-hf)")
+    p.add_argument("--output-dir", "-o", type=Path, required=True, metavar="DIR")
+    p.add_argument("--max-seq-length", type=int, default=max_seq_length, metavar="N")
+    p.add_argument("--epochs", type=int, default=epochs)
+    p.add_argument("--lr", type=float, default=lr, help="peak learning rate (AdamW)")
+    p.add_argument("--batch-size", type=int, default=batch_size)
+    p.add_argument("--warmup-proportion", type=float, default=0.1,
+                   help="fraction of the steps with linear warmup (then linear decay to 0)")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--log-every", type=int, default=10, metavar="STEPS")
+    p.add_argument("--eval-batch-size", type=int, default=64)
+    p.add_argument("--dropout", type=float, default=None, metavar="P",
+                   help="hidden and attention dropout (default: the checkpoint's)")
+
+
+def _add_finetune_commands(sub, common: argparse.ArgumentParser) -> None:
+    group = sub.add_parser("finetune", parents=[common], help="fine-tune on SQuAD or a "
+                           "classification file")
+    tasks = group.add_subparsers(dest="finetune_task", metavar="TASK", required=True)
+
+    p = tasks.add_parser("squad", parents=[common], help="SQuAD v1.1 question answering",
+                         description="Fine-tune the span head on a SQuAD v1.1 training file; "
+                                     "write predictions.json for --predict and, if it has "
+                                     "answers, the official EM/F1 (printed as JSON).")
+    _add_training_args(p, max_seq_length=384, epochs=2, lr=5e-5, batch_size=32)
+    p.add_argument("--train", type=Path, required=True, metavar="FILE.json")
+    p.add_argument("--predict", type=Path, default=None, metavar="FILE.json")
+    p.add_argument("--doc-stride", type=int, default=128)
+    p.add_argument("--max-query-length", type=int, default=64)
+    p.add_argument("--n-best-size", type=int, default=20)
+    p.add_argument("--max-answer-length", type=int, default=30)
+    p.set_defaults(handler=_cmd_finetune_squad)
+
+    p = tasks.add_parser("classify", parents=[common],
+                         help="sentence or sentence-pair classification (TSV/CSV/JSONL)",
+                         description="Fine-tune a pooled-output classifier; report accuracy and "
+                                     "F1 on --eval (default: the training file) as JSON.")
+    _add_training_args(p, max_seq_length=128, epochs=3, lr=2e-5, batch_size=32)
+    p.add_argument("--train", type=Path, required=True, metavar="FILE")
+    p.add_argument("--eval", type=Path, default=None, metavar="FILE")
+    p.add_argument("--text-column", default=None,
+                   help="default: sentence, text, sentence1, question, question1 or premise")
+    p.add_argument("--text-pair-column", default=None,
+                   help="second text (default with no --text-column: sentence2, question2 or "
+                        "hypothesis, if present)")
+    p.add_argument("--label-column", default="label")
+    p.add_argument("--labels", default=None, metavar="A,B,...",
+                   help="class names in id order (default: the training file's, sorted)")
+    p.set_defaults(handler=_cmd_finetune_classify)
+
+
+def _add_evaluate_commands(sub, common: argparse.ArgumentParser) -> None:
+    group = sub.add_parser("evaluate", parents=[common], help="score predictions")
+    tasks = group.add_subparsers(dest="evaluate_task", metavar="TASK", required=True)
+    p = tasks.add_parser("squad", parents=[common],
+                         help="official SQuAD v1.1 exact match and F1",
+                         description="Print {\"exact_match\": ..., \"f1\": ...} (percent) as "
+                                     "the last line, as the official v1.1 script does.")
+    p.add_argument("--data", type=Path, required=True, metavar="FILE.json")
+    p.add_argument("--predictions", type=Path, required=True, metavar="FILE.json")
+    p.set_defaults(handler=_cmd_evaluate_squad)
+
+
+def _add_predict_commands(sub, common: argparse.ArgumentParser) -> None:
+    group = sub.add_parser("predict", parents=[common],
+                           help="run an exported model in ONNX Runtime")
+    tasks = group.add_subparsers(dest="predict_task", metavar="TASK", required=True)
+    p = tasks.add_parser("squad", parents=[common],
+                         help="answer SQuAD-format questions with a squad ONNX export",
+                         description="ONNX Runtime only (torch is not imported).")
+    p.add_argument("--model", type=Path, required=True, metavar="FILE.onnx")
+    p.add_argument("--data", type=Path, required=True, metavar="FILE.json")
+    p.add_argument("--output", "-o", type=Path, default=Path("predictions.json"),
+                   metavar="FILE.json")
+    p.add_argument("--n-best-size", type=int, default=20)
+    p.add_argument("--max-answer-length", type=int, default=30)
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="windows per run (a fixed-batch export uses its own)")
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    p.set_defaults(handler=_cmd_predict_squad)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree of the `popbert` command."""
     parser = argparse.ArgumentParser(
@@ -158,12 +338,55 @@ def build_parser() -> argparse.ArgumentParser:
                        help="start a new run from a checkpoint's weights only (e.g. phase 2)")
     p.set_defaults(handler=_cmd_pretrain)
 
-    p = sub.add_parser("export", parents=[common], help="export a checkpoint to inference ONNX")
+    _add_finetune_commands(sub, common)
+    _add_evaluate_commands(sub, common)
+    _add_predict_commands(sub, common)
+
+    p = sub.add_parser("export", parents=[common], help="export a checkpoint to inference ONNX",
+                       description="Write a standard-opset ONNX model with the checkpoint's "
+                                   "weights, verified in ONNX Runtime against the torch backend.")
     p.add_argument("--checkpoint", type=Path, required=True, metavar="DIR")
-    p.add_argument("--task", choices=("pretraining", "encoder"), required=True,
-                   help="pretraining: MLM + NSP heads; encoder: sequence output and pooler")
+    p.add_argument("--task", choices=("pretraining", "encoder", "squad", "classification"),
+                   required=True,
+                   help="pretraining: MLM + NSP heads; encoder: last hidden state and pooled "
+                        "output (like transformers.BertModel); squad: start/end logits; "
+                        "classification: logits (the last two need a fine-tuned checkpoint)")
     p.add_argument("--output", type=Path, required=True, metavar="FILE.onnx")
+    p.add_argument("--dtype", choices=("float32", "float16"), default="float32",
+                   help="float16: half-precision weights and compute (for GPU providers)")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--dynamic-batch", action="store_true",
+                       help="symbolic batch dimension (the default)")
+    batch.add_argument("--batch-size", type=int, default=None, metavar="N",
+                       help="fix the batch dimension to N instead")
+    p.add_argument("--sequence-length", type=int, default=None, metavar="N",
+                   help="input length (default: the checkpoint's model.sequence_length)")
     p.set_defaults(handler=_cmd_export)
+
+    p = sub.add_parser("import-hf", parents=[common],
+                       help="convert a Hugging Face BERT directory into a popbert checkpoint",
+                       description="Read config.json, model.safetensors or pytorch_model.bin "
+                                   "(with or without the bert. prefix and heads) and vocab.txt; "
+                                   "write a run directory usable as --checkpoint / --init-from.")
+    p.add_argument("--model", type=Path, required=True, metavar="DIR")
+    p.add_argument("--output-dir", "-o", type=Path, required=True, metavar="DIR")
+    p.add_argument("--sequence-length", type=int, default=None, metavar="N",
+                   help="model.sequence_length of the written config (default: min(128, "
+                        "max_position_embeddings))")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the weights initialised fresh (heads the checkpoint lacks)")
+    p.set_defaults(handler=_cmd_import_hf)
+
+    p = sub.add_parser("export-hf", parents=[common],
+                       help="write a checkpoint as a Hugging Face model directory")
+    p.add_argument("--checkpoint", type=Path, required=True, metavar="DIR")
+    p.add_argument("--output-dir", "-o", type=Path, required=True, metavar="DIR")
+    p.add_argument("--architecture", default=None,
+                   choices=("BertModel", "BertForPreTraining", "BertForQuestionAnswering",
+                            "BertForSequenceClassification"),
+                   help="default: the imported or fine-tuned model's class, else "
+                        "BertForPreTraining")
+    p.set_defaults(handler=_cmd_export_hf)
 
     p = sub.add_parser("config", parents=[common],
                        help="print (or save) the resolved, validated config")
@@ -176,6 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", type=Path, default=None, metavar="FILE.png",
                    help="default: next to the metrics file, same name with .png")
     p.set_defaults(handler=_cmd_plot)
+
+    from popbert.cli_data import add_commands as add_data_commands
+
+    add_data_commands(sub, common)  # prepare-data and its stages
     return parser
 
 

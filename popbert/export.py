@@ -1,33 +1,55 @@
 """Inference export: the same BERT graph with trained weights, standard opset, checked in ORT.
 
-The exported model is verified at export time: ONNX Runtime and the torch backend run the same
-graph on a sample batch and must agree, so a file that leaves here is known to compute what
-training computed.
+The exported model is verified at export time: ONNX Runtime runs the written file and the torch
+backend runs the FP32 graph on a sample batch, and they must agree, so a file that leaves here
+is known to compute what training computed.
+
+Tasks: `pretraining` (MLM logits at given positions + NSP logits), `encoder` (last hidden state
+and pooled output, like `transformers.BertModel`), `squad` (start/end logits) and
+`classification` (logits). Options: `dtype="float16"` stores weights and computes in half
+precision (about half the file; meant for GPU execution providers, and checked against the FP32
+torch graph with a half-precision tolerance); `batch_size=None` keeps the batch dimension
+symbolic, an integer fixes it. Models over the 2 GB protobuf limit are written with their
+weights in one external data file next to the `.onnx` (`<name>.onnx.data`).
+
+Fine-tuned models carry what `popbert.predict` needs to serve them without torch or the
+checkpoint in the ONNX metadata (`popbert.*` keys: task, vocabulary, lowercasing, window sizes,
+label names).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import onnx
 import torch
-from onnx import numpy_helper
+from onnx import TensorProto, numpy_helper
 
+import popbert.builders.tasks  # noqa: F401  (registers the squad and classification heads)
 from popbert.atomic import atomic_write_bytes
-from popbert.builder import strip_annotations
-from popbert.builders.bert import build_bert
+from popbert.builder import strip_annotations, trainable_initializers
+from popbert.builders.bert import BATCH, build_bert
 from popbert.builders.bert_config import BertConfig
-from popbert.errors import UsageError
+from popbert.errors import CheckpointError, UsageError
 
 log = logging.getLogger(__name__)
 
-TASKS = ("pretraining", "encoder")
+TASKS = ("pretraining", "encoder", "squad", "classification")
+DTYPES = ("float32", "float16")
 # ORT's fused CPU kernels (Attention, LayerNorm, GELU) reorder FP32 sums; logits of O(10) agree
 # to a few 1e-6 in practice; 1e-4 absolute leaves margin without hiding a wrong weight.
 VERIFY_ATOL = 1e-4
+# FP16 has 11 significant bits (relative step 9.8e-4); over a dozen layers rounding compounds to
+# about 1e-2 of an output's scale, while a wrong or missing weight changes outputs by O(1).
+FP16_TOLERANCE = 3e-2
+# Protobuf cannot serialize 2 GiB; above this many bytes of weights, use external data.
+EXTERNAL_DATA_THRESHOLD = 2**31 - 2**27
+METADATA_PREFIX = "popbert."
 
 
 def with_weights(model: onnx.ModelProto, weights: Mapping[str, torch.Tensor | np.ndarray]
@@ -52,6 +74,30 @@ def with_weights(model: onnx.ModelProto, weights: Mapping[str, torch.Tensor | np
     return out
 
 
+def to_float16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy computing in FP16: float initializers, Casts to float and float outputs → FP16.
+
+    popbert's inference graphs take integer inputs only, so this is the whole conversion; the
+    checker's full type inference then proves the graph consistent.
+    """
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for index, tensor in enumerate(out.graph.initializer):
+        if tensor.data_type == TensorProto.FLOAT:
+            half = numpy_helper.to_array(tensor).astype(np.float16)
+            out.graph.initializer[index].CopyFrom(numpy_helper.from_array(half, tensor.name))
+    for node in out.graph.node:
+        for attribute in node.attribute:
+            if node.op_type == "Cast" and attribute.name == "to" and \
+                    attribute.i == TensorProto.FLOAT:
+                attribute.i = TensorProto.FLOAT16
+    for output in out.graph.output:
+        if output.type.tensor_type.elem_type == TensorProto.FLOAT:
+            output.type.tensor_type.elem_type = TensorProto.FLOAT16
+    del out.graph.value_info[:]  # stale FP32 shapes; inference recomputes them
+    return out
+
+
 def sample_batch(config: BertConfig, task: str, batch_size: int = 2,
                  seed: int = 0) -> dict[str, np.ndarray]:
     """A padded batch of valid ids for verification (second row half padding)."""
@@ -70,53 +116,184 @@ def sample_batch(config: BertConfig, task: str, batch_size: int = 2,
     return batch
 
 
-def verify(model: onnx.ModelProto, config: BertConfig, task: str) -> float:
-    """Run the export in ONNX Runtime and in the torch backend; return the max difference."""
-    import onnxruntime as ort
-
+def torch_outputs(model: onnx.ModelProto, batch: Mapping[str, np.ndarray]
+                  ) -> dict[str, np.ndarray]:
+    """The torch backend's outputs for `batch` (FP32 reference of the export check)."""
     from popbert.session import InferenceSession
 
-    batch = sample_batch(config, task)
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return {k: v.float().numpy() for k, v in InferenceSession(model).run(batch).items()}
+
+
+def ort_outputs(source: bytes | Path, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """ONNX Runtime's outputs (CPU) for a serialized model or a model file."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(source if isinstance(source, bytes) else str(source),
+                                   providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
-    theirs = dict(zip(names, session.run(None, batch)))
-    ours = InferenceSession(model).run(batch)
+    return {n: np.asarray(v, np.float32) for n, v in zip(names, session.run(None, dict(batch)))}
+
+
+def compare(reference: Mapping[str, np.ndarray], theirs: Mapping[str, np.ndarray],
+            dtype: str = "float32") -> float:
+    """Largest difference over outputs; RuntimeError above the tolerance for `dtype`."""
     worst = 0.0
-    for name in names:
-        difference = float(np.abs(ours[name].float().numpy() - theirs[name]).max())
+    for name, value in theirs.items():
+        expected = reference[name]
+        difference = float(np.abs(expected - value).max())
+        allowed = VERIFY_ATOL if dtype == "float32" else \
+            FP16_TOLERANCE * max(1.0, float(np.abs(expected).max()))
         worst = max(worst, difference)
-        if not difference <= VERIFY_ATOL:
+        if not difference <= allowed:
             raise RuntimeError(f"export check failed: output {name!r} differs between ONNX "
                                f"Runtime and the torch backend by {difference:.3g} "
-                               f"(> {VERIFY_ATOL})")
+                               f"(> {allowed:.3g})")
     return worst
 
 
+def verify(model: onnx.ModelProto, config: BertConfig, task: str) -> float:
+    """Run an FP32 model in ONNX Runtime and in the torch backend; return the max difference."""
+    batch = sample_batch(config, task)
+    return compare(torch_outputs(model, batch), ort_outputs(model.SerializeToString(), batch))
+
+
+def inference_config(config: BertConfig, sequence_length: int | None = None) -> BertConfig:
+    """The training config as an inference graph: no placement, no recompute, no dropout
+    (dropout is the identity at inference, and without it the fused Attention op is used), no
+    packing."""
+    values = {**config.__dict__, "layers_per_ipu": None, "recompute": False, "dialect": "onnx",
+              "hidden_dropout": 0.0, "attention_dropout": 0.0, "extra": dict(config.extra),
+              # Packing is a training-time layout; the same weights serve one sequence per row.
+              "packed": False}
+    if sequence_length is not None:
+        values["sequence_length"] = sequence_length
+        values["max_predictions_per_seq"] = min(config.max_predictions_per_seq,
+                                                sequence_length)
+    result = BertConfig(**values)
+    try:
+        result.validate()
+    except ValueError as error:
+        raise UsageError(f"--sequence-length: {error}") from None
+    return result
+
+
+def _weights_bytes(model: onnx.ModelProto) -> int:
+    return sum(int(np.prod(t.dims, dtype=np.int64)) * (2 if t.data_type == TensorProto.FLOAT16
+                                                        else 4)
+               for t in model.graph.initializer)
+
+
+def _write(model: onnx.ModelProto, output: Path, external_data_threshold: int) -> Path | bytes:
+    """Check and write `model` atomically; returns what ORT should load (bytes or the path)."""
+    if _weights_bytes(model) < external_data_threshold:
+        onnx.checker.check_model(model, full_check=True)
+        data = model.SerializeToString()
+        atomic_write_bytes(output, data)
+        stale = output.with_name(output.name + ".data")
+        if stale.exists():
+            stale.unlink()
+        return data
+    # Over the protobuf limit: weights in `<name>.onnx.data`; both files written in a temporary
+    # directory next to the output, checked there, then renamed into place (data file first).
+    data_name = output.name + ".data"
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".tmp-{output.name}-") as tmp:
+        staged = Path(tmp) / output.name
+        onnx.save_model(model, str(staged), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
+        onnx.checker.check_model(str(staged), full_check=True)
+        os.replace(Path(tmp) / data_name, output.parent / data_name)
+        os.replace(staged, output)
+    log.info("weights over %.1f GB: wrote them to %s next to the model",
+             external_data_threshold / 1e9, data_name)
+    return output
+
+
 def export_weights(weights: Mapping[str, torch.Tensor | np.ndarray], config: BertConfig,
-                   task: str, output: Path) -> Path:
-    """Build the `task` inference graph with `weights`, check, verify and write it atomically."""
+                   task: str, output: Path, *, dtype: str = "float32",
+                   batch_size: int | None = None, sequence_length: int | None = None,
+                   metadata: Mapping[str, str] | None = None,
+                   external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> Path:
+    """Build the `task` inference graph with `weights`, check, write and verify it.
+
+    `batch_size=None` keeps the batch dimension symbolic; `sequence_length` overrides the
+    config's (at most `max_position_embeddings`). `metadata` is stored as ONNX metadata props.
+    The file is removed again if ONNX Runtime disagrees with the torch backend.
+    """
     if task not in TASKS:
         raise UsageError(f"--task: expected one of {', '.join(TASKS)}, got {task!r}")
-    inference_config = BertConfig(**{**config.__dict__, "layers_per_ipu": None,
-                                     "recompute": False, "dialect": "onnx"})
-    graph = build_bert(inference_config, task=task, with_loss=False, zeros=True)
-    model = strip_annotations(with_weights(graph.model(), weights))
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    if batch_size is not None and batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
+    config = inference_config(config, sequence_length)
+    try:
+        graph = build_bert(config, task=task, with_loss=False, zeros=True,
+                           batch_size=BATCH if batch_size is None else batch_size)
+    except ValueError as error:  # e.g. classification without model.extra.num_labels
+        raise UsageError(f"cannot build the {task} graph: {error}") from None
+    built = graph.model()
+    absent = [n for n in trainable_initializers(built) if n not in weights]
+    if absent:
+        raise CheckpointError(f"the checkpoint has no weights for the {task} graph's "
+                              f"{', '.join(absent[:3])}{' ...' if len(absent) > 3 else ''}; "
+                              f"fine-tune a {task} model first")
+    model = strip_annotations(with_weights(built, weights))
     model.graph.name = f"popbert_{task}"
-    onnx.checker.check_model(model, full_check=True)
-    difference = verify(model, inference_config, task)
+    batch = sample_batch(config, task, batch_size=batch_size or 2)
+    reference = torch_outputs(model, batch)
+    if dtype == "float16":
+        model = to_float16(model)
+    onnx.helper.set_model_props(model, {**(metadata or {}),
+                                        f"{METADATA_PREFIX}task": task,
+                                        f"{METADATA_PREFIX}dtype": dtype})
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(output, model.SerializeToString())
-    log.info("exported %s (%s): ONNX Runtime matches the torch backend to %.2g", output, task,
+    source = _write(model, output, external_data_threshold)
+    try:
+        difference = compare(reference, ort_outputs(source, batch), dtype)
+    except BaseException:
+        output.unlink(missing_ok=True)
+        output.with_name(output.name + ".data").unlink(missing_ok=True)
+        raise
+    log.info("exported %s (%s, %s, batch %s, seq %d): ONNX Runtime matches the torch backend "
+             "to %.2g", output, task, dtype, batch_size or "dynamic", config.sequence_length,
              difference)
     return output
 
 
-def export_checkpoint(checkpoint: Path, task: str, output: Path) -> Path:
-    """`popbert export`: a checkpoint directory (or run directory) → inference ONNX file."""
-    from popbert.checkpoint import load_checkpoint
-    from popbert.pretrain import config_of_checkpoint
+def task_metadata(config: BertConfig, vocab: Path | None) -> dict[str, str]:
+    """What serving a fine-tuned model needs besides its weights (`popbert.predict` reads it)."""
+    import json
 
-    cfg = config_of_checkpoint(checkpoint)
+    extra = config.extra
+    meta = {f"{METADATA_PREFIX}lowercase": json.dumps(bool(extra.get("lowercase", True)))}
+    for key in ("doc_stride", "max_query_length", "labels"):
+        if key in extra:
+            meta[f"{METADATA_PREFIX}{key}"] = json.dumps(extra[key])
+    if vocab is not None:
+        meta[f"{METADATA_PREFIX}vocab"] = vocab.read_text(encoding="utf-8")
+    return meta
+
+
+def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str = "float32",
+                      batch_size: int | None = None, sequence_length: int | None = None,
+                      external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> Path:
+    """`popbert export`: a checkpoint directory (or run directory) → inference ONNX file."""
+    from popbert.checkpoint import find_checkpoint, load_checkpoint
+    from popbert.config import config_from_dict
+    from popbert.hf_io import checkpoint_vocab
+
     restored = load_checkpoint(checkpoint, weights_only=True)
-    return export_weights(restored.weights, cfg.model, task, output)
+    cfg = config_from_dict(restored.config, source=str(find_checkpoint(checkpoint)))
+    metadata = None
+    if task in ("squad", "classification"):
+        vocab = checkpoint_vocab(checkpoint, cfg.data.vocab_file)
+        if vocab is None:
+            log.warning("no vocabulary found for %s: the export cannot be served by `popbert "
+                        "predict` (it reads the vocabulary from the model's metadata)",
+                        checkpoint)
+        metadata = task_metadata(cfg.model, vocab)
+    return export_weights(restored.weights, cfg.model, task, output, dtype=dtype,
+                          batch_size=batch_size, sequence_length=sequence_length,
+                          metadata=metadata, external_data_threshold=external_data_threshold)
+

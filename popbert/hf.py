@@ -1,9 +1,14 @@
-"""Exact weight mapping between popbert's ONNX names and Hugging Face `BertForPreTraining`.
+"""Exact weight mapping between popbert's ONNX names and Hugging Face BERT models.
 
 popbert stores dense weights as [in, out] (x @ W, Google's layout) and fuses Q, K and V into one
 [H, 3H] matrix; Hugging Face stores `nn.Linear` weights as [out, in] with separate Q/K/V. The
 map is a list of rules, each knowing how to move one popbert tensor to its HF tensors and back,
 so both directions are the same table and round trips are bit-exact.
+
+`BertForPreTraining` (the `to_hf`/`from_hf` pair) is the default; `ARCHITECTURES` describes the
+other Hugging Face classes a checkpoint can be written as (`BertModel`, `BertForQuestionAnswering`,
+`BertForSequenceClassification`), each with exactly the keys `transformers` expects.
+`popbert.hf_io` reads and writes whole Hugging Face model directories with these tables.
 """
 
 from __future__ import annotations
@@ -58,8 +63,9 @@ def _dense(ours: str, theirs: str) -> list[Rule]:
     return [_linear(f"{ours}/W", f"{theirs}.weight"), _same(f"{ours}/B", f"{theirs}.bias")]
 
 
-def encoder_rules(config: BertConfig, prefix: str = "bert.") -> list[Rule]:
-    """Embeddings, encoder layers and pooler (`transformers.BertModel` under `prefix`)."""
+def encoder_rules(config: BertConfig, prefix: str = "bert.", pooler: bool = True) -> list[Rule]:
+    """Embeddings, encoder layers and (unless `pooler=False`) the pooler: `transformers.BertModel`
+    under `prefix`."""
     rules = [
         _same("Embedding/Embedding_Dict", f"{prefix}embeddings.word_embeddings.weight"),
         _same("Embedding/Positional_Dict", f"{prefix}embeddings.position_embeddings.weight"),
@@ -77,7 +83,8 @@ def encoder_rules(config: BertConfig, prefix: str = "bert.") -> list[Rule]:
             *_dense(f"{ours}/FF/2", f"{theirs}.output.dense"),
             *_norm(f"{ours}/FF/Norm", f"{theirs}.output.LayerNorm"),
         ]
-    rules += _dense("NSP/Pool", f"{prefix}pooler.dense")
+    if pooler:
+        rules += _dense("NSP/Pool", f"{prefix}pooler.dense")
     return rules
 
 
@@ -91,8 +98,23 @@ def head_rules() -> list[Rule]:
     ]
 
 
+def squad_rules() -> list[Rule]:
+    """`BertForQuestionAnswering.qa_outputs` ↔ the span head of `popbert.builders.tasks`."""
+    return _dense("Squad/Logits", "qa_outputs")
+
+
+def classification_rules() -> list[Rule]:
+    """`BertForSequenceClassification.classifier` ↔ the classification head."""
+    return _dense("Classifier", "classifier")
+
+
 def pretraining_rules(config: BertConfig) -> list[Rule]:
     return encoder_rules(config) + head_rules()
+
+
+def task_head_rules() -> list[Rule]:
+    """Fine-tuning heads: read when present, never reported missing by `from_hf`."""
+    return squad_rules() + classification_rules()
 
 
 # HF keys that are aliases of tensors the rules already carry (tied weights).
@@ -100,6 +122,66 @@ TIED_HF_KEYS = {
     "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
     "cls.predictions.decoder.bias": "cls.predictions.bias",
 }
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One `transformers` class: its key prefix, whether it has a pooler, and its heads."""
+
+    name: str
+    prefix: str
+    pooler: bool
+    heads: Callable[[], list[Rule]]
+    tied: tuple[tuple[str, str], ...] = ()
+
+    def rules(self, config: BertConfig) -> list[Rule]:
+        return encoder_rules(config, self.prefix, self.pooler) + self.heads()
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "BertModel": Architecture("BertModel", "", True, lambda: []),
+    "BertForPreTraining": Architecture("BertForPreTraining", "bert.", True, head_rules,
+                                       tied=tuple(TIED_HF_KEYS.items())),
+    "BertForQuestionAnswering": Architecture("BertForQuestionAnswering", "bert.", False,
+                                             squad_rules),
+    "BertForSequenceClassification": Architecture("BertForSequenceClassification", "bert.",
+                                                  True, classification_rules),
+}
+
+
+def architecture_for(weights: Mapping[str, object]) -> str:
+    """The `transformers` class that holds exactly the heads present in `weights`."""
+    if all(rule.ours in weights for rule in squad_rules()):
+        return "BertForQuestionAnswering"
+    if all(rule.ours in weights for rule in classification_rules()):
+        return "BertForSequenceClassification"
+    if all(rule.ours in weights for rule in head_rules()):
+        return "BertForPreTraining"
+    return "BertModel"
+
+
+def to_hf_architecture(weights: Mapping[str, Array], config: BertConfig, architecture: str,
+                       include_tied: bool = False) -> dict[str, Array]:
+    """popbert weights → the state dict of `architecture` (one of `ARCHITECTURES`).
+
+    Every key the class expects is produced (a missing popbert weight is a KeyError naming it);
+    tensors of other heads are left out, so `transformers` reports no unexpected keys. Tied
+    aliases are left out by default, as `save_pretrained` does.
+    """
+    if architecture not in ARCHITECTURES:
+        raise KeyError(f"unknown architecture {architecture!r}; expected one of "
+                       f"{', '.join(ARCHITECTURES)}")
+    spec = ARCHITECTURES[architecture]
+    out: dict[str, Array] = {}
+    for rule in spec.rules(config):
+        if rule.ours not in weights:
+            raise KeyError(f"popbert weight {rule.ours!r} is missing (needed by {architecture})")
+        for name, value in zip(rule.theirs, rule.to_hf(np.asarray(weights[rule.ours]))):
+            out[name] = value
+    if include_tied:
+        for alias, source in spec.tied:
+            out[alias] = out[source]
+    return out
 
 
 def to_hf(weights: Mapping[str, Array], config: BertConfig,
@@ -127,9 +209,11 @@ def from_hf(state: Mapping[str, Array], config: BertConfig) -> tuple[dict[str, A
     A rule whose HF tensors are absent (e.g. `BertModel` has no `cls.*` heads) is reported in
     `missing` so the caller can initialise those weights fresh and say so.
     """
-    keys = set(state)
-    if not any(k.startswith("bert.") for k in keys):
-        state = {f"bert.{k}" if not k.startswith("cls.") else k: v for k, v in state.items()}
+    state = with_bert_prefix(state)
+    for alias, source in TIED_HF_KEYS.items():
+        # Some checkpoints carry only the alias of a tied tensor (e.g. the decoder's bias).
+        if source not in state and alias in state:
+            state[source] = state[alias]
     weights: dict[str, Array] = {}
     missing: list[str] = []
     for rule in pretraining_rules(config):
@@ -137,4 +221,31 @@ def from_hf(state: Mapping[str, Array], config: BertConfig) -> tuple[dict[str, A
             weights[rule.ours] = rule.from_hf(*(np.asarray(state[n]) for n in rule.theirs))
         else:
             missing.append(rule.ours)
+    for rule in task_head_rules():
+        if all(name in state for name in rule.theirs):
+            weights[rule.ours] = rule.from_hf(*(np.asarray(state[n]) for n in rule.theirs))
     return weights, missing
+
+
+# Top-level modules of the `transformers` BERT classes besides `bert.` itself.
+HEAD_PREFIXES = ("cls.", "qa_outputs.", "classifier.")
+
+
+def with_bert_prefix(state: Mapping[str, Array]) -> dict[str, Array]:
+    """A `BertModel` state dict (no `bert.` prefix) renamed like the task models' (`bert.*`).
+
+    A state that already has `bert.` keys is returned as is; head keys never get the prefix.
+    """
+    if any(k.startswith("bert.") for k in state):
+        return dict(state)
+    return {k if k.startswith(HEAD_PREFIXES) else f"bert.{k}": v for k, v in state.items()}
+
+
+def unused_hf_keys(state: Mapping[str, Array], config: BertConfig) -> list[str]:
+    """HF keys no rule reads (after `with_bert_prefix`), except tied aliases of read tensors and
+    the `position_ids` buffer (an arange, not a weight)."""
+    state = with_bert_prefix(state)
+    read = {name for rule in pretraining_rules(config) + task_head_rules()
+            for name in rule.theirs}
+    read |= set(TIED_HF_KEYS)
+    return sorted(k for k in state if k not in read and not k.endswith("position_ids"))

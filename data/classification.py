@@ -1,0 +1,236 @@
+"""Sentence and sentence-pair classification data (GLUE/CLUE style: SST-2, MRPC, ...).
+
+A file is TSV, CSV or JSON lines (by its suffix: .tsv, .csv, .jsonl/.json) with a header
+naming one or two text columns and a label column. Without `text_column` the first of
+`sentence`, `text`, `sentence1`, `question`, `question1`, `premise` present is used, and then
+`sentence2`, `question2` or `hypothesis` (if present) is the second text. Labels are strings
+(JSON numbers and booleans are written out as text), mapped to class ids by a label list: the
+one given, else the training file's labels sorted (numerically when they are all integers).
+
+TSV files are read without quote processing (GLUE's TSVs contain bare quotes). Every problem is
+a one-line DataError naming the file (and line, column or label).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from popbert.data.errors import DataError
+from popbert.data.tokenization import WordPieceTokenizer
+
+log = logging.getLogger(__name__)
+
+TEXT_COLUMNS = ("sentence", "text", "sentence1", "question", "question1", "premise")
+PAIR_COLUMNS = ("sentence2", "question2", "hypothesis")
+LABEL_COLUMN = "label"
+FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
+
+
+@dataclass
+class ClassificationData:
+    """The rows of one file: first texts, optional second texts, labels (None if unlabelled)."""
+
+    path: Path
+    texts: list[str]
+    pairs: list[str] | None
+    labels: list[str] | None
+    lines: list[int]  # line number of each row, for error messages
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+
+def _rows(path: Path) -> tuple[list[str], list[tuple[int, dict[str, object]]]]:
+    """(column names, [(line, row)]) of a TSV/CSV/JSONL file."""
+    kind = FORMATS.get(path.suffix.lower())
+    if kind is None:
+        raise DataError(f"{path}: unknown format {path.suffix!r}; expected one of "
+                        f"{', '.join(sorted(FORMATS))}")
+    if not path.is_file():
+        raise DataError(f"{path}: file not found")
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as error:
+        raise DataError(f"{path}: unreadable ({error})") from None
+    if kind == "jsonl":
+        rows: list[tuple[int, dict[str, object]]] = []
+        columns: list[str] = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{path}:{number}: invalid JSON ({error.msg})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{number}: expected a JSON object per line")
+            columns.extend(k for k in row if k not in columns)
+            rows.append((number, row))
+        return columns, rows
+    delimiter = "\t" if kind == "tsv" else ","
+    quoting = csv.QUOTE_NONE if kind == "tsv" else csv.QUOTE_MINIMAL
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, quoting=quoting)
+    try:
+        header = next(reader)
+    except StopIteration:
+        raise DataError(f"{path}: empty file (expected a header row)") from None
+    rows = []
+    for row in reader:
+        number = reader.line_num
+        if not any(cell.strip() for cell in row):
+            continue
+        if len(row) != len(header):
+            raise DataError(f"{path}:{number}: {len(row)} fields, the header has {len(header)}")
+        rows.append((number, dict(zip(header, row))))
+    return header, rows
+
+
+def _choose(columns: Sequence[str], wanted: str | None, defaults: Sequence[str], path: Path,
+            what: str, required: bool) -> str | None:
+    if wanted is not None:
+        if wanted not in columns:
+            raise DataError(f"{path}: no {what} column {wanted!r} (columns: "
+                            f"{', '.join(columns)})")
+        return wanted
+    for name in defaults:
+        if name in columns:
+            return name
+    if required:
+        raise DataError(f"{path}: no {what} column; name one with --text-column (columns: "
+                        f"{', '.join(columns)})")
+    return None
+
+
+def _as_text(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def read_classification_file(path: Path, text_column: str | None = None,
+                             pair_column: str | None = None, label_column: str = LABEL_COLUMN,
+                             require_labels: bool = True) -> ClassificationData:
+    """Read one file; a missing column or cell is a DataError naming it."""
+    path = Path(path)
+    columns, rows = _rows(path)
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    first = _choose(columns, text_column, TEXT_COLUMNS, path, "text", True)
+    second = _choose(columns, pair_column, PAIR_COLUMNS if text_column is None else (), path,
+                     "text pair", False)
+    has_labels = label_column in columns
+    if require_labels and not has_labels:
+        raise DataError(f"{path}: no label column {label_column!r} (columns: "
+                        f"{', '.join(columns)}); name it with --label-column")
+    texts, pairs, labels, lines = [], [], [], []
+    for number, row in rows:
+        for column in (first, second, label_column if has_labels else None):
+            if column is not None and (column not in row or row[column] is None):
+                raise DataError(f"{path}:{number}: missing value in column {column!r}")
+        texts.append(_as_text(row[first]))
+        if second is not None:
+            pairs.append(_as_text(row[second]))
+        if has_labels:
+            labels.append(_as_text(row[label_column]).strip())
+        lines.append(number)
+    return ClassificationData(path, texts, pairs if second is not None else None,
+                              labels if has_labels else None, lines)
+
+
+def label_list(data: ClassificationData) -> list[str]:
+    """The distinct labels of a training file, sorted (numerically if all are integers)."""
+    if data.labels is None:
+        raise DataError(f"{data.path}: no labels")
+    distinct = set(data.labels)
+    try:
+        names = sorted(distinct, key=int)
+    except ValueError:
+        names = sorted(distinct)
+    if len(names) < 2:
+        raise DataError(f"{data.path}: only one label ({names[0]!r}); classification needs at "
+                        "least two")
+    return names
+
+
+def label_ids(data: ClassificationData, labels: Sequence[str]) -> np.ndarray:
+    """Class id of every row; a label outside `labels` is a DataError with its line."""
+    if data.labels is None:
+        raise DataError(f"{data.path}: no labels")
+    index = {name: i for i, name in enumerate(labels)}
+    ids = np.empty(len(data.labels), np.int64)
+    for row, (label, line) in enumerate(zip(data.labels, data.lines)):
+        if label not in index:
+            raise DataError(f"{data.path}:{line}: unknown label {label!r} (labels: "
+                            f"{', '.join(labels)})")
+        ids[row] = index[label]
+    return ids
+
+
+def _truncate_pair(a: list[int], b: list[int], max_tokens: int) -> None:
+    """Google's run_classifier rule: drop the last token of the longer text until it fits."""
+    while len(a) + len(b) > max_tokens:
+        (a if len(a) > len(b) else b).pop()
+
+
+def encode_classification(data: ClassificationData, tokenizer: WordPieceTokenizer,
+                          max_seq_length: int) -> dict[str, np.ndarray]:
+    """[CLS] a [SEP] (b [SEP]) padded to `max_seq_length`: input_ids, segment_ids, input_mask."""
+    specials = 3 if data.pairs is not None else 2
+    if max_seq_length <= specials:
+        raise DataError(f"--max-seq-length must exceed {specials}, got {max_seq_length}")
+    firsts = tokenizer.encode_batch(data.texts)
+    seconds = tokenizer.encode_batch(data.pairs) if data.pairs is not None else None
+    n = len(firsts)
+    arrays = {name: np.zeros((n, max_seq_length), np.int64)
+              for name in ("input_ids", "segment_ids", "input_mask")}
+    arrays["input_ids"][:] = tokenizer.pad_id
+    truncated = 0
+    for row, a in enumerate(firsts):
+        a = list(a)
+        b = list(seconds[row]) if seconds is not None else []
+        if len(a) + len(b) > max_seq_length - specials:
+            truncated += 1
+            _truncate_pair(a, b, max_seq_length - specials)
+        ids = [tokenizer.cls_id, *a, tokenizer.sep_id]
+        segments = [0] * len(ids)
+        if seconds is not None:
+            ids += [*b, tokenizer.sep_id]
+            segments += [1] * (len(b) + 1)
+        arrays["input_ids"][row, :len(ids)] = ids
+        arrays["segment_ids"][row, :len(ids)] = segments
+        arrays["input_mask"][row, :len(ids)] = 1
+    if truncated:
+        log.info("%s: truncated %d of %d rows to %d tokens", data.path, truncated, n,
+                 max_seq_length)
+    return arrays
+
+
+def classification_metrics(predictions: np.ndarray, labels: np.ndarray, num_labels: int
+                           ) -> dict[str, float]:
+    """Accuracy, and F1: of class 1 with two classes (GLUE's MRPC/QQP convention), else the
+    macro average over classes."""
+    predictions, labels = np.asarray(predictions), np.asarray(labels)
+    if len(labels) == 0:
+        raise DataError("no examples to evaluate")
+    scores = []
+    for c in range(num_labels):
+        tp = int(np.sum((predictions == c) & (labels == c)))
+        fp = int(np.sum((predictions == c) & (labels != c)))
+        fn = int(np.sum((predictions != c) & (labels == c)))
+        scores.append(2 * tp / (2 * tp + fp + fn) if tp else 0.0)
+    f1 = scores[1] if num_labels == 2 else float(np.mean(scores))
+    return {"accuracy": float(np.mean(predictions == labels)), "f1": float(f1)}
+
+
+__all__ = ["ClassificationData", "classification_metrics", "encode_classification",
+           "label_ids", "label_list", "read_classification_file"]

@@ -1,0 +1,391 @@
+"""Hugging Face model directories ↔ popbert checkpoints (`popbert import-hf` / `export-hf`).
+
+A Hugging Face BERT directory is `config.json` + `model.safetensors` (or `pytorch_model.bin`,
+or a sharded index of either) + `vocab.txt`. Import builds the matching popbert run config
+(`model.*` from `config.json`, `data.vocab_file` = the copied `vocab.txt`) and a checkpoint that
+has every weight of the pre-training graph: those the directory holds, converted exactly by
+`popbert.hf`, and the rest (e.g. the MLM/NSP heads a `BertModel` lacks) initialised fresh and
+reported. Export writes the reverse, as the `transformers` class that holds exactly the
+checkpoint's heads, so `from_pretrained` reports no missing or unexpected keys.
+
+Layout of an imported directory (a run directory, so every `--checkpoint` option accepts it):
+`config.yaml`, `vocab.txt`, `import.json` (what was read, initialised fresh, ignored) and
+`checkpoints/step-000000/`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from popbert import hf
+from popbert.atomic import atomic_directory
+from popbert.builders.bert_config import BertConfig
+from popbert.errors import CheckpointError, UsageError
+
+log = logging.getLogger(__name__)
+
+SAFETENSORS = "model.safetensors"
+PYTORCH_BIN = "pytorch_model.bin"
+IMPORT_REPORT = "import.json"
+VOCAB = "vocab.txt"
+# Hidden activations whose math is ONNX `Gelu` (exact, erf-based).
+EXACT_GELU = ("gelu",)
+# config.json key → BertConfig field.
+CONFIG_FIELDS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_heads",
+    "intermediate_size": "intermediate_size",
+    "max_position_embeddings": "max_position_embeddings",
+    "type_vocab_size": "type_vocab_size",
+    "hidden_dropout_prob": "hidden_dropout",
+    "attention_probs_dropout_prob": "attention_dropout",
+    "layer_norm_eps": "layer_norm_eps",
+    "initializer_range": "initializer_range",
+}
+
+
+@dataclass
+class ImportReport:
+    """What `import_hf` wrote and where each weight came from."""
+
+    output_dir: Path
+    checkpoint: Path
+    architecture: str
+    loaded: list[str] = field(default_factory=list)
+    fresh: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading a Hugging Face directory
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise UsageError(f"{path}: not found ({what})")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UsageError(f"{path}: unreadable JSON ({' '.join(str(error).split())})") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"{path}: expected a JSON object")
+    return value
+
+
+def bert_config_from_hf(hf_config: dict[str, Any], source: str,
+                        sequence_length: int | None = None) -> BertConfig:
+    """popbert's `model` section from a Hugging Face BERT `config.json` (checked field by field).
+
+    `sequence_length` defaults to min(128, max_position_embeddings): fine-tuning and export set
+    their own, and phase-1 pre-training uses 128.
+    """
+    model_type = hf_config.get("model_type", "bert")
+    if model_type != "bert":
+        raise UsageError(f"{source}: model_type is {model_type!r}; popbert reads BERT "
+                         "checkpoints (model_type 'bert')")
+    act = hf_config.get("hidden_act", "gelu")
+    if act not in EXACT_GELU:
+        raise UsageError(f"{source}: hidden_act is {act!r}; popbert's graph uses the exact "
+                         "(erf) GELU, Hugging Face's 'gelu'")
+    position_type = hf_config.get("position_embedding_type", "absolute")
+    if position_type != "absolute":
+        raise UsageError(f"{source}: position_embedding_type is {position_type!r}; only "
+                         "'absolute' position embeddings are supported")
+    if hf_config.get("is_decoder") or hf_config.get("add_cross_attention"):
+        raise UsageError(f"{source}: is_decoder/add_cross_attention is set; popbert builds "
+                         "the bidirectional BERT encoder only")
+    values: dict[str, Any] = {}
+    defaults = BertConfig()
+    for theirs, ours in CONFIG_FIELDS.items():
+        value = hf_config.get(theirs, getattr(defaults, ours))
+        expected = type(getattr(defaults, ours))
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, expected) or isinstance(value, bool):
+            raise UsageError(f"{source}: {theirs}: expected {expected.__name__}, got {value!r}")
+        values[ours] = value
+    max_positions = values["max_position_embeddings"]
+    values["sequence_length"] = sequence_length or min(128, max_positions)
+    values["max_predictions_per_seq"] = min(20, values["sequence_length"])
+    config = BertConfig(**values)
+    try:
+        config.validate()
+    except ValueError as error:
+        raise UsageError(f"{source}: {error}") from None
+    return config
+
+
+def hf_config_from_bert(config: BertConfig, architecture: str, pad_token_id: int = 0
+                        ) -> dict[str, Any]:
+    """The `config.json` `transformers.BertConfig.from_pretrained` reads back into `config`."""
+    out: dict[str, Any] = {"architectures": [architecture], "model_type": "bert",
+                           "hidden_act": "gelu", "position_embedding_type": "absolute",
+                           "pad_token_id": pad_token_id, "torch_dtype": "float32"}
+    for theirs, ours in CONFIG_FIELDS.items():
+        out[theirs] = getattr(config, ours)
+    labels = config.extra.get("labels")
+    if architecture == "BertForSequenceClassification":
+        names = [str(x) for x in labels] if labels else [
+            f"LABEL_{i}" for i in range(int(config.extra.get("num_labels", 2)))]
+        out["id2label"] = {str(i): name for i, name in enumerate(names)}
+        out["label2id"] = {name: i for i, name in enumerate(names)}
+    return out
+
+
+def _to_numpy(tensors: dict[str, Any]) -> dict[str, np.ndarray]:
+    """torch tensors → numpy; half-precision floats widened to FP32 (exactly)."""
+    import torch
+
+    out = {}
+    for name, value in tensors.items():
+        if value.is_floating_point() and value.dtype != torch.float32:
+            value = value.float()
+        out[name] = value.numpy()
+    return out
+
+
+def _load_file(path: Path) -> dict[str, np.ndarray]:
+    try:
+        if path.suffix == ".safetensors":
+            import safetensors.torch
+
+            return _to_numpy(safetensors.torch.load_file(str(path)))
+        import torch
+
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # a corrupt file: name it, no traceback
+        raise UsageError(f"{path}: unreadable weights ({type(error).__name__}: "
+                         f"{' '.join(str(error).split())[:200]})") from None
+    if not isinstance(state, dict):
+        raise UsageError(f"{path}: expected a state dict, got {type(state).__name__}")
+    return _to_numpy({k: v for k, v in state.items() if hasattr(v, "is_floating_point")})
+
+
+def load_hf_state(model_dir: Path) -> tuple[dict[str, np.ndarray], Path]:
+    """All tensors of a Hugging Face directory (safetensors preferred; sharded indexes too)."""
+    model_dir = Path(model_dir)
+    for name in (SAFETENSORS, PYTORCH_BIN):
+        single = model_dir / name
+        if single.is_file():
+            return _load_file(single), single
+        index = model_dir / f"{name}.index.json"
+        if index.is_file():
+            weight_map = _read_json(index, "shard index").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise UsageError(f"{index}: no weight_map")
+            state: dict[str, np.ndarray] = {}
+            for shard in sorted(set(weight_map.values())):
+                state.update(_load_file(model_dir / str(shard)))
+            return state, index
+    raise UsageError(f"{model_dir}: no {SAFETENSORS} or {PYTORCH_BIN} (nor a sharded index of "
+                     "either) in this directory")
+
+
+def read_lowercase(model_dir: Path) -> bool:
+    """Whether the checkpoint's tokenizer lowercases (tokenizer_config.json; default True)."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    if not path.is_file():
+        log.info("%s: no tokenizer_config.json; assuming an uncased (lowercasing) vocabulary",
+                 model_dir)
+        return True
+    value = _read_json(path, "tokenizer config").get("do_lower_case", True)
+    return bool(value) if value is not None else True
+
+
+def _count_lines(path: Path) -> int:
+    with open(path, encoding="utf-8") as f:
+        lines = [line.rstrip("\r\n") for line in f]
+    while lines and lines[-1] == "":
+        lines.pop()
+    return len(lines)
+
+
+def _prepare_output(path: Path, marker: str, flag: str) -> None:
+    """Refuse to replace a directory that popbert did not write (atomic writes replace all)."""
+    if path.exists() and (not path.is_dir() or
+                          (any(path.iterdir()) and not (path / marker).exists())):
+        raise UsageError(f"{flag}: {path} exists and is not an empty directory (nor one this "
+                         "command wrote); choose a new directory")
+
+
+# ----------------------------------------------------------------------------------------------
+# Import
+
+
+def import_hf(model_dir: Path, output_dir: Path, sequence_length: int | None = None,
+              seed: int = 0) -> ImportReport:
+    """Convert a Hugging Face BERT directory into a popbert run directory with one checkpoint."""
+    import torch
+    from onnx import numpy_helper
+
+    from popbert import checkpoint as ckpt
+    from popbert.builder import trainable_initializers
+    from popbert.builders.bert import build_bert
+    from popbert.config import RunConfig, config_from_dict, dump_config
+
+    model_dir, output_dir = Path(model_dir), Path(output_dir)
+    if not model_dir.is_dir():
+        raise UsageError(f"--model: not a directory: {model_dir}")
+    _prepare_output(output_dir, IMPORT_REPORT, "--output-dir")
+    config_path = model_dir / "config.json"
+    hf_config = _read_json(config_path, "model config")
+    bert = bert_config_from_hf(hf_config, str(config_path), sequence_length)
+    vocab = model_dir / VOCAB
+    if not vocab.is_file():
+        raise UsageError(f"{model_dir}: no {VOCAB} (popbert tokenizes with the checkpoint's "
+                         "WordPiece vocabulary)")
+    vocab_lines = _count_lines(vocab)
+    if vocab_lines > bert.vocab_size:
+        raise UsageError(f"{vocab}: {vocab_lines} entries but config.json vocab_size is "
+                         f"{bert.vocab_size}")
+    state, weights_file = load_hf_state(model_dir)
+    weights, missing = hf.from_hf(state, bert)
+    # Heads, and the pooler (BertForQuestionAnswering has none), may be initialised fresh; a
+    # missing encoder tensor means the file is not this config's model.
+    optional = {r.ours for r in hf.head_rules()} | {"NSP/Pool/W", "NSP/Pool/B"}
+    absent = [n for n in missing if n not in optional]
+    if absent:
+        raise UsageError(f"{weights_file}: no tensor {_hf_names(absent[0], bert)} "
+                         f"({len(absent)} encoder tensors missing); is this a BERT checkpoint "
+                         "matching its config.json?")
+    ignored = hf.unused_hf_keys(state, bert)
+
+    bert.extra = {"hf_architecture": hf.architecture_for(weights),
+                  "lowercase": read_lowercase(model_dir)}
+    if all(rule.ours in weights for rule in hf.classification_rules()):
+        labels = hf_config.get("id2label") or {}
+        bert.extra["num_labels"] = int(weights["Classifier/B"].shape[0])
+        names = [labels.get(str(i)) for i in range(bert.extra["num_labels"])]
+        if all(isinstance(n, str) for n in names):
+            bert.extra["labels"] = names
+
+    graph = build_bert(bert, task="pretraining", seed=seed)
+    model = graph.model()
+    initial = {t.name: t for t in model.graph.initializer}
+    checkpoint_weights: dict[str, torch.Tensor] = {}
+    for name in trainable_initializers(model):
+        expected = tuple(initial[name].dims)
+        if name in weights:
+            if tuple(weights[name].shape) != expected:
+                raise UsageError(f"{weights_file}: {name} ({_hf_names(name, bert)}) has shape "
+                                 f"{tuple(weights[name].shape)}, config.json implies {expected}")
+            checkpoint_weights[name] = torch.from_numpy(np.ascontiguousarray(weights[name]))
+        else:
+            fresh_value = np.array(numpy_helper.to_array(initial[name]))
+            checkpoint_weights[name] = torch.from_numpy(fresh_value)
+    for name, value in weights.items():  # task heads (qa_outputs, classifier)
+        checkpoint_weights.setdefault(name, torch.from_numpy(np.ascontiguousarray(value)))
+    fresh = [n for n in trainable_initializers(model) if n not in weights]
+
+    cfg = RunConfig(model=bert)
+    final_vocab = output_dir.resolve() / VOCAB
+    cfg.data.vocab_file = str(final_vocab)
+    cfg = config_from_dict(cfg.to_dict(), source=str(config_path))
+    config_yaml = dump_config(cfg)
+    report = ImportReport(output_dir, ckpt.step_dir(output_dir, 0), bert.extra["hf_architecture"],
+                          loaded=sorted(weights), fresh=fresh, ignored=ignored)
+    with atomic_directory(output_dir) as tmp:
+        shutil.copyfile(vocab, tmp / VOCAB)
+        (tmp / "config.yaml").write_text(config_yaml)
+        (tmp / IMPORT_REPORT).write_text(json.dumps({
+            "source": str(model_dir.resolve()), "weights_file": weights_file.name,
+            "architecture": report.architecture, "fresh": fresh, "ignored": ignored,
+            "loaded": report.loaded}, indent=2))
+        ckpt.save_checkpoint(ckpt.step_dir(tmp, 0), ckpt.Checkpoint(step=0,
+                             weights=checkpoint_weights), config_yaml)
+    log.info("imported %s (%s, %d tensors) into %s", model_dir, report.architecture,
+             len(weights), output_dir)
+    if fresh:
+        log.info("initialised fresh (not in the Hugging Face checkpoint): %s", ", ".join(fresh))
+    if ignored:
+        log.info("ignored Hugging Face tensors: %s", ", ".join(ignored))
+    return report
+
+
+def _hf_names(ours: str, config: BertConfig) -> str:
+    for rule in hf.pretraining_rules(config) + hf.task_head_rules():
+        if rule.ours == ours:
+            return "/".join(rule.theirs)
+    return ours
+
+
+# ----------------------------------------------------------------------------------------------
+# Export
+
+
+def checkpoint_vocab(checkpoint: Path, vocab_file: str | None) -> Path | None:
+    """The vocabulary of a checkpoint: the config's `data.vocab_file` if it exists, else the
+    `vocab.txt` of the run directory (import-hf and fine-tuning put one there)."""
+    from popbert.checkpoint import find_checkpoint
+
+    if vocab_file and Path(vocab_file).is_file():
+        return Path(vocab_file)
+    checkpoint = Path(checkpoint)
+    step = find_checkpoint(checkpoint)
+    for directory in (checkpoint, step, step.parent.parent):
+        if (directory / VOCAB).is_file():
+            return directory / VOCAB
+    return None
+
+
+def export_hf(checkpoint: Path, output_dir: Path, architecture: str | None = None) -> Path:
+    """Write a checkpoint as a Hugging Face directory `transformers` loads with no missing or
+    unexpected keys: config.json, model.safetensors, vocab.txt and tokenizer_config.json."""
+    import safetensors.numpy
+
+    from popbert.checkpoint import load_checkpoint
+    from popbert.config import config_from_dict
+
+    restored = load_checkpoint(checkpoint, weights_only=True)
+    cfg = config_from_dict(restored.config, source=f"{checkpoint}/config.yaml")
+    weights = {k: v.numpy() for k, v in restored.weights.items()}
+    if architecture is None:
+        recorded = cfg.model.extra.get("hf_architecture")
+        architecture = recorded if recorded in hf.ARCHITECTURES else hf.architecture_for(weights)
+    if architecture not in hf.ARCHITECTURES:
+        raise UsageError(f"--architecture: expected one of {', '.join(hf.ARCHITECTURES)}, "
+                         f"got {architecture!r}")
+    try:
+        state = hf.to_hf_architecture(weights, cfg.model, architecture)
+    except KeyError as error:
+        raise CheckpointError(f"{checkpoint}: cannot write {architecture}: {error.args[0]}"
+                              ) from None
+    vocab = checkpoint_vocab(checkpoint, cfg.data.vocab_file)
+    output_dir = Path(output_dir)
+    _prepare_output(output_dir, "config.json", "--output-dir")
+    pad_id = 0
+    if vocab is not None:
+        from popbert.data.tokenization import WordPieceTokenizer
+
+        pad_id = WordPieceTokenizer(vocab).pad_id
+    lowercase = bool(cfg.model.extra.get("lowercase", True))
+    with atomic_directory(output_dir) as tmp:
+        (tmp / "config.json").write_text(json.dumps(
+            hf_config_from_bert(cfg.model, architecture, pad_id), indent=2, sort_keys=True))
+        safetensors.numpy.save_file({k: np.ascontiguousarray(v) for k, v in state.items()},
+                                    str(tmp / SAFETENSORS), metadata={"format": "pt"})
+        if vocab is not None:
+            shutil.copyfile(vocab, tmp / VOCAB)
+            (tmp / "tokenizer_config.json").write_text(json.dumps({
+                "tokenizer_class": "BertTokenizer", "do_lower_case": lowercase,
+                "unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]",
+                "cls_token": "[CLS]", "mask_token": "[MASK]",
+                "model_max_length": cfg.model.max_position_embeddings}, indent=2))
+        else:
+            log.warning("no vocabulary found for %s: wrote the model without a tokenizer",
+                        checkpoint)
+    log.info("wrote %s (%s, %d tensors)", output_dir, architecture, len(state))
+    return output_dir
+
+
+__all__ = ["ImportReport", "bert_config_from_hf", "checkpoint_vocab", "export_hf",
+           "hf_config_from_bert", "import_hf", "load_hf_state", "read_lowercase"]

@@ -4,9 +4,13 @@ Layout of ``<output>/checkpoints/step-000010/``:
 
 - ``weights.safetensors``  trainable weights under their ONNX names (`popbert.hf` maps them to
   Hugging Face `BertForPreTraining` names)
-- ``optimizer.pt``         optimizer state (FP32 moments, step counts, rounding generator)
+- ``optimizer.pt``         optimizer state (FP32 moments, step counts, rounding generator), always
+                           in the unsharded optimizer's format: a run with replicated tensor
+                           sharding gathers it, so it loads with or without RTS, on any replica
+                           count
 - ``state.json``           step, data-loader position, loss-scale state
 - ``rng.pt``               torch (and CUDA) RNG states, so dropout masks continue identically
+                           (with replicas: every replica's, under ``replicas``)
 - ``config.yaml``          the resolved run config
 - ``model.onnx``           the annotated training graph
 """
@@ -58,7 +62,24 @@ def capture_rng() -> dict[str, Any]:
     return state
 
 
-def restore_rng(state: Mapping[str, Any]) -> None:
+def replica_rng(own: Mapping[str, Any], every: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """The RNG entry of a data-parallel checkpoint: replica 0's states at the top level (what
+    a 1-process resume restores) and every replica's under ``replicas``."""
+    return {**own, **every[0], "replicas": [dict(s) for s in every]}
+
+
+def restore_rng(state: Mapping[str, Any], replica: int = 0) -> None:
+    """Restore the RNG states replica ``replica`` saved; a replica the checkpoint did not have
+    (resuming on more replicas) keeps its fresh seed."""
+    replicas = state.get("replicas")
+    if replicas is not None:
+        if replica >= len(replicas):
+            log.info("replica %d has no RNG state in the checkpoint (it had %d replicas): "
+                     "its dropout masks start from its seed", replica, len(replicas))
+            return
+        state = replicas[replica]
+    elif replica:
+        return
     if "torch" in state:
         torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
@@ -76,7 +97,7 @@ def save_checkpoint(directory: Path, checkpoint: Checkpoint, config_yaml: str,
     """Write `checkpoint` to `directory` atomically (temporary sibling, fsync, rename)."""
     directory = Path(directory)
     with atomic_directory(directory) as tmp:
-        weights = {k: v.detach().contiguous().cpu() for k, v in checkpoint.weights.items()}
+        weights = {k: _standalone(v) for k, v in checkpoint.weights.items()}
         safetensors.torch.save_file(weights, str(tmp / "weights.safetensors"),
                                     metadata={"format": "popbert", "names": "onnx"})
         (tmp / "optimizer.pt").write_bytes(_torch_bytes(checkpoint.optimizer))
@@ -89,6 +110,15 @@ def save_checkpoint(directory: Path, checkpoint: Checkpoint, config_yaml: str,
             onnx.save(model, str(tmp / "model.onnx"))
     log.info("saved checkpoint %s", directory)
     return directory
+
+
+def _standalone(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor owning its storage (safetensors refuses tensors that share one,
+    such as the views of a sharded run's flat weight buffer)."""
+    tensor = tensor.detach().contiguous().cpu()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    return tensor
 
 
 def find_checkpoint(path: Path) -> Path:

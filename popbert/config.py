@@ -99,6 +99,7 @@ class ExecutionConfig:
     compile: bool = False
     pipeline: bool = False
     replicated_tensor_sharding: bool = False
+    pipeline_schedule: str = "1f1b"  # or "gpipe" (execution.pipeline)
     recompute: bool = False
     threads: int | None = None  # torch intra-op threads; None = torch's default
 
@@ -418,6 +419,7 @@ def _validate(cfg: RunConfig, source: str, key_sources: dict[str, str] | None = 
     check.enum("execution.device", e.device, DEVICES)
     check.enum("execution.weight_dtype", e.weight_dtype, DTYPES)
     check.enum("execution.compute_dtype", e.compute_dtype, DTYPES)
+    check.enum("execution.pipeline_schedule", e.pipeline_schedule, ("1f1b", "gpipe"))
     for key in ("micro_batch_size", "gradient_accumulation", "replicas", "device_iterations"):
         value = getattr(e, key)
         check(value >= 1, f"execution.{key}", f"execution.{key} must be >= 1, got {value}")

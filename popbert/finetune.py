@@ -35,7 +35,7 @@ from popbert.atomic import atomic_write_bytes, atomic_write_text
 from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import BertConfig
 from popbert.config import RunConfig, config_from_dict, dump_config
-from popbert.errors import CheckpointError, UsageError
+from popbert.errors import CheckpointError, ConfigError, UsageError
 from popbert.hf_io import VOCAB, checkpoint_vocab
 from popbert.optimizers import set_lr
 
@@ -175,6 +175,10 @@ def train(cfg: RunConfig, task: str, weights: Mapping[str, torch.Tensor],
     from popbert.session import TrainingSession
     from popbert.tracking import MetricsLogger
 
+    e = cfg.execution
+    if e.replicas != 1 or e.pipeline or e.replicated_tensor_sharding:
+        raise ConfigError("fine-tuning runs in one process: set execution.replicas=1, "
+                          "execution.pipeline=false, execution.replicated_tensor_sharding=false")
     if cfg.execution.threads:
         torch.set_num_threads(cfg.execution.threads)
     torch.manual_seed(cfg.training.seed)

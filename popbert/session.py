@@ -4,6 +4,14 @@ The torch backend lowers the ONNX proto once into a `torch.fx.GraphModule` whose
 the graph's initializers under their ONNX names, then runs optimizer steps with autograd.
 One `run()` performs `device_iterations` optimizer steps, each accumulating gradients over
 `gradient_accumulation` micro-batches (mean reduction, as PopART's accumulation does).
+
+Scale-out options (see docs/scaling.md): `replication_factor` replicas, one process each, given
+as a `popbert.distributed.Replicas` (gradients mean-reduced); `replicated_tensor_sharding`
+(optimizer state and accumulated gradient sharded over the replicas,
+`popbert.distributed.ShardedOptimizer`); `pipeline` (the graph split at its `__pipeline_stage`
+annotations, micro-batches scheduled through the stages, `popbert.pipeline`); `recompute`
+(activation checkpointing between the graph's checkpoint annotations). With none of them a
+session runs exactly as a plain single-process loop.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -20,6 +29,9 @@ import torch
 
 from popbert.builder import frozen_initializers
 from popbert.optimizers import LossScaler
+
+if TYPE_CHECKING:
+    from popbert.distributed import Replicas
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +52,18 @@ class SessionOptions:
     compute_dtype: str = "float32"
     compile: bool = False
     seed: int | None = None
+    replicated_tensor_sharding: bool = False
+    pipeline: bool = False
+    pipeline_schedule: str = "1f1b"  # or "gpipe"
+    # Device of each `__ipu_number` when pipelining (index = ipu); None: all on `device`.
+    pipeline_devices: list[str] | None = None
+    # Worker thread per device when pipelining: None = when the stages span several devices.
+    pipeline_threads: bool | None = None
+    recompute: bool = False
 
     def validate(self) -> None:
+        from popbert.pipeline import SCHEDULES
+
         for key in ("gradient_accumulation", "device_iterations", "replication_factor"):
             if int(getattr(self, key)) < 1:
                 raise ValueError(f"SessionOptions.{key} must be >= 1, got {getattr(self, key)}")
@@ -49,6 +71,9 @@ class SessionOptions:
             if getattr(self, key) not in DTYPES:
                 raise ValueError(f"SessionOptions.{key} must be one of {sorted(DTYPES)}, "
                                  f"got {getattr(self, key)!r}")
+        if self.pipeline_schedule not in SCHEDULES:
+            raise ValueError(f"SessionOptions.pipeline_schedule must be one of {SCHEDULES}, "
+                             f"got {self.pipeline_schedule!r}")
 
 
 def load_model(model: onnx.ModelProto | bytes | str | Path) -> onnx.ModelProto:
@@ -85,6 +110,16 @@ class _Session:
                 param.requires_grad_(False)
         weight_dtype = DTYPES[self.options.weight_dtype]
         self.module.to(self.device)
+        self._half_weights = weight_dtype != torch.float32
+        # Pipelining / recomputation run the graph split at its annotations (popbert.pipeline).
+        self.program = None
+        if self.options.pipeline or (self.options.recompute and training):
+            self.program = self._make_program(training)
+            with torch.no_grad():
+                for name, param in self.module.named_parameters():
+                    device = self.program.param_devices.get(name, self.device)
+                    if param.device != device:
+                        param.data = param.data.to(device)
         if weight_dtype != torch.float32:
             for name, param in self.module.named_parameters():
                 if name not in frozen:
@@ -93,7 +128,24 @@ class _Session:
         self.output_names = list(self.module.output_names)
         self._forward = torch.compile(self.module) if self.options.compile else self.module
         self._compute_dtype = DTYPES[self.options.compute_dtype]
-        self._half_weights = weight_dtype != torch.float32
+
+    def _make_program(self, training: bool):
+        from popbert.pipeline import Program
+
+        devices = self.options.pipeline_devices
+
+        def device_of_ipu(ipu: int) -> torch.device:
+            if not devices:
+                return self.device
+            if ipu >= len(devices):
+                raise ValueError(f"the graph places a stage on device {ipu} but only "
+                                 f"{len(devices)} pipeline device(s) are given: {devices}")
+            return resolve_device(devices[ipu])
+
+        return Program(self.module, pipeline=self.options.pipeline,
+                       recompute=self.options.recompute and training, device=self.device,
+                       device_of_ipu=device_of_ipu, cast_params=self._half_weights,
+                       compile=self.options.compile)
 
     def _autocast(self):
         if self._compute_dtype == torch.float32:
@@ -111,7 +163,9 @@ class _Session:
     def forward(self, batch: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, torch.Tensor]:
         feeds = self._feeds(batch)
         with self._autocast():
-            if self._half_weights:
+            if self.program is not None:  # reads half weights as FP32 views itself
+                outputs = self.program(*feeds)
+            elif self._half_weights:
                 # Weights are stored in FP16/BF16 only (no master copy); the graph computes from
                 # FP32 views of them (autocast then lowers matmuls to the compute dtype), and
                 # gradients flow back through the casts into the half-precision weights.
@@ -165,21 +219,58 @@ class TrainingSession(_Session):
     def __init__(self, model, loss: str, optimizer: OptimizerFactory,
                  options: SessionOptions | None = None,
                  step_hook: Callable[[int], None] | None = None,
-                 loss_scaler: LossScaler | None = None):
+                 loss_scaler: LossScaler | None = None,
+                 replicas: Replicas | None = None):
+        from popbert.distributed import (
+            GradientBuffer,
+            Replicas,
+            ShardedOptimizer,
+            broadcast_parameters,
+        )
+
         super().__init__(model, options, training=True)
         if loss not in self.output_names:
             raise ValueError(f"loss {loss!r} is not a graph output; outputs are "
                              f"{self.output_names}")
         self.loss_name = loss
         self.module.train()
+        self.replicas = replicas if replicas is not None else Replicas.single()
+        if self.replicas.size != self.options.replication_factor:
+            raise ValueError(f"SessionOptions.replication_factor is "
+                             f"{self.options.replication_factor} but the replicas given number "
+                             f"{self.replicas.size}")
         frozen = frozen_initializers(self.proto)
         self.named_parameters: NamedParameters = [
             (n, p) for n, p in self.module.named_parameters() if n not in frozen]
+        # Every replica starts from replica 0's weights.
+        broadcast_parameters([p for _, p in self.named_parameters], self.replicas)
         self.optimizer = optimizer(self.named_parameters)
+        self._grads: GradientBuffer | None = None
+        if self.options.replicated_tensor_sharding:
+            self.optimizer = ShardedOptimizer(self.optimizer, self.replicas)
+        elif self.replicas.distributed:
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            self._grads = GradientBuffer(params, self.replicas)
+        self.engine = None
+        if self.options.pipeline:
+            from popbert.pipeline import PipelineEngine
+
+            self.engine = PipelineEngine(self.program, self.options.pipeline_schedule,
+                                         autocast=self._autocast,
+                                         threads=self.options.pipeline_threads)
+            if self.options.gradient_accumulation < self.program.num_stages:
+                log.warning("pipeline of %d stages fed %d micro-batches per step: most stages "
+                            "idle (raise gradient_accumulation to several times the stages)",
+                            self.program.num_stages, self.options.gradient_accumulation)
         self.step = 0
         # Called before each optimizer step with the step index (learning-rate schedules).
         self.step_hook = step_hook
         self.loss_scaler = loss_scaler
+
+    @property
+    def sharded(self) -> bool:
+        """Whether optimizer state and gradients are sharded over the replicas (RTS)."""
+        return self.options.replicated_tensor_sharding
 
     def micro_batches_per_run(self) -> int:
         return self.options.device_iterations * self.options.gradient_accumulation
@@ -208,24 +299,52 @@ class TrainingSession(_Session):
 
     def train_step(self, micro_batches: Iterable[Mapping[str, torch.Tensor]]
                    ) -> dict[str, torch.Tensor]:
-        """One optimizer step over the accumulated micro-batches (mean of their gradients)."""
+        """One optimizer step over the accumulated micro-batches (mean of their gradients, and
+        over the replicas)."""
         micro_batches = list(micro_batches)
         if self.step_hook is not None:
             self.step_hook(self.step)
-        self.optimizer.zero_grad(set_to_none=True)
+        if self._grads is not None:
+            self._grads.zero_()  # data parallel: .grad are views of one flat, reduced buffer
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = {}
         scale = self.loss_scaler.scale_value if self.loss_scaler is not None else 1.0
-        for micro in micro_batches:
-            outputs = self.forward(micro)
-            (outputs[self.loss_name].float() * (scale / len(micro_batches))).backward()
-            for name, value in outputs.items():
-                if value.dim() == 0:
-                    value = value.detach().float()
-                    totals[name] = totals[name] + value if name in totals else value
-        if self.loss_scaler is None:
+        if self.engine is not None:
+            loss_index = self.output_names.index(self.loss_name)
+            feeds = [self._feeds(micro) for micro in micro_batches]
+            for outputs in self.engine.train(feeds, loss_index, scale):
+                _add_scalars(totals, dict(zip(self.output_names, outputs)))
+            if self.sharded:
+                self.optimizer.accumulate()
+        else:
+            for micro in micro_batches:
+                outputs = self.forward(micro)
+                (outputs[self.loss_name].float() * (scale / len(micro_batches))).backward()
+                if self.sharded:  # reduce-scatter into the FP32 shard after every micro-batch
+                    self.optimizer.accumulate()
+                _add_scalars(totals, outputs)
+        if self._grads is not None:
+            self._grads.all_reduce_mean_()
+        if self.sharded:
+            found_inf = self.loss_scaler is not None and self.optimizer.found_inf()
+            if not found_inf:
+                self.optimizer.step(grad_scale=scale if self.loss_scaler is not None else None)
+            if self.loss_scaler is not None:
+                totals["loss_scale"] = torch.tensor(scale * len(micro_batches))
+                self.loss_scaler.update(found_inf)
+        elif self.loss_scaler is None:
             self.optimizer.step()
         else:  # skips the step (and backs the scale off) when a gradient overflowed
             totals["loss_scale"] = torch.tensor(scale * len(micro_batches))
             self.loss_scaler.step(self.optimizer)
         self.step += 1
         return {k: v / len(micro_batches) for k, v in totals.items()}
+
+
+def _add_scalars(totals: dict[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
+    """Sum the scalar outputs (loss, accuracies) of one micro-batch into ``totals``."""
+    for name, value in outputs.items():
+        if value.dim() == 0:
+            value = value.detach().float()
+            totals[name] = totals[name] + value if name in totals else value

@@ -2,7 +2,8 @@
 
 Tolerances: forward values 1e-5 absolute — both sides are FP32 with the same op order up to
 matmul blocking, so differences are a few ulps of O(1)-O(10) values. Gradients 1e-4 relative to
-each tensor's largest gradient (plus 1e-7 absolute for analytically-zero gradients): backward sums over batch and positions in a different order
+each tensor's largest gradient (plus 1e-7 absolute for analytically-zero gradients): backward
+sums over batch and positions in a different order
 (fused QKV, tied projection) and accumulates more rounding than the forward pass.
 """
 

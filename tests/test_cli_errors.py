@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import subprocess
 import sys
 import types
@@ -34,16 +33,6 @@ def assert_one_line_error(proc: subprocess.CompletedProcess[str], *fragments: st
     for fragment in fragments:
         assert fragment in lines[0]
     return lines[0]
-
-
-@pytest.fixture
-def cli_logging():
-    """In-process main() installs a root handler bound to pytest's stderr; remove it after."""
-    yield
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        if getattr(handler, cli._HANDLER_MARK, False):
-            root.removeHandler(handler)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ export.FP16_TOLERANCE of the output scale in FP16.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -28,15 +27,6 @@ from popbert.session import InferenceSession
 SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",
          "model.intermediate_size=64", "model.sequence_length=32",
          "model.max_position_embeddings=64", "model.max_predictions_per_seq=5"]
-
-
-@pytest.fixture(autouse=True)
-def cli_logging():
-    yield
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        if getattr(handler, cli._HANDLER_MARK, False):
-            root.removeHandler(handler)
 
 
 def fine_tuned(directory: Path, task: str) -> tuple[Path, dict[str, np.ndarray]]:

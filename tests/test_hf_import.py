@@ -44,15 +44,6 @@ SENTENCES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def cli_logging():
-    yield
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        if getattr(handler, cli._HANDLER_MARK, False):
-            root.removeHandler(handler)
-
-
 @pytest.fixture(scope="module")
 def minilm_dir() -> Path:
     return Path(minilm.get_model_path())

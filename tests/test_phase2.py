@@ -35,17 +35,6 @@ PHASE2 = [*TINY, "--set", "model.sequence_length=128", "--set",
           "optimizer.weight_decay=0.0"]
 
 
-@pytest.fixture(autouse=True)
-def cli_logging():
-    yield
-    import logging
-
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        if getattr(handler, cli._HANDLER_MARK, False):
-            root.removeHandler(handler)
-
-
 def records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 

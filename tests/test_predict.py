@@ -8,7 +8,6 @@ answers the SQuAD fixture; the answers are arbitrary but must be exactly those t
 from __future__ import annotations
 
 import json
-import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -41,15 +40,6 @@ SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",
          "model.intermediate_size=64", "model.sequence_length=40",
          "model.max_position_embeddings=64", "model.max_predictions_per_seq=5"]
 EXTRA = {"task": "squad", "lowercase": True, "doc_stride": 8, "max_query_length": 12}
-
-
-@pytest.fixture(autouse=True)
-def cli_logging():
-    yield
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        if getattr(handler, cli._HANDLER_MARK, False):
-            root.removeHandler(handler)
 
 
 @pytest.fixture(scope="module")

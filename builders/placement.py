@@ -12,8 +12,8 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from popbert.builder import Builder
 from popbert.builders.bert_config import BertConfig
+from popbert.graph.builder import Builder
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Importing this module registers the tasks `squad` and `classification` with
 `popbert.builders.bert.register_task`, so `build_bert(config, task="squad")` builds BERT with the
 head (and, with `with_loss`, its loss) in the same ONNX graph as the encoder. Weight names map to
-Hugging Face's `qa_outputs.*` and `classifier.*` (see `popbert.hf`).
+Hugging Face's `qa_outputs.*` and `classifier.*` (see `popbert.io.hf_mapping`).
 
 Task parameters live in `config.extra` (the `model.extra` section of a run config), so a
 fine-tuned checkpoint's config is enough to rebuild its graph: `num_labels` for classification.
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from popbert.builder import Builder
 from popbert.builders import layers
 from popbert.builders.bert import BertGraph, Encoded, register_task
 from popbert.builders.bert_config import BertConfig
+from popbert.graph.builder import Builder
 
 SQUAD = "squad"
 CLASSIFICATION = "classification"

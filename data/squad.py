@@ -1,7 +1,7 @@
 """SQuAD v1.1: training features with answer labels, and the official EM/F1 evaluation.
 
 Windows (document stride, maximum query length) and n-best span decoding are shared with
-serving and live in `popbert.predict`, which must not import torch (this package does, for the
+serving and live in `popbert.serve.predict`, which must not import torch (this package does, for the
 pre-training loader); this module adds what training and evaluation need on top:
 
 - `squad_features`: model inputs for every window plus `start_positions`/`end_positions`
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from popbert.data.errors import DataError
-from popbert.predict import (
+from popbert.serve.predict import (
     Question,
     Window,
     WindowOptions,

@@ -8,7 +8,7 @@
 
 import sys
 
-from popbert.cli import main
+from popbert.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["pretrain", *sys.argv[1:]]))

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from popbert import cli
+from popbert.cli import main as cli
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -18,7 +18,7 @@ def private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 @pytest.fixture(autouse=True)
 def cli_logging():
-    """In-process `popbert.cli.main()` installs a root log handler bound to pytest's captured
+    """In-process `popbert.cli.main.main()` installs a root log handler bound to pytest's captured
     stderr; remove it after each test so later tests do not write to a closed stream."""
     yield
     root = logging.getLogger()

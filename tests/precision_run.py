@@ -13,7 +13,7 @@ from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import BertConfig
 from popbert.data.loader import PretrainingLoader, load_or_create_instances
 from popbert.optimizers import AdamW, Lamb, make_schedule, param_groups_by_name, set_lr
-from popbert.session import SessionOptions, TrainingSession
+from popbert.runtime.session import SessionOptions, TrainingSession
 
 SMALL = dict(vocab_size=8192, hidden_size=64, num_layers=1, num_heads=2, intermediate_size=128,
              max_position_embeddings=64, sequence_length=64, max_predictions_per_seq=10,

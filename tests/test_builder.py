@@ -7,20 +7,18 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from popbert.builder import (
+from popbert.graph.annotations import (
     AVAILABLE_MEMORY,
     IPU_NUMBER,
     PIPELINE_STAGE,
     RECOMPUTE,
     SERIALIZE_FACTOR,
     SERIALIZE_MODE,
-    Builder,
-    BuilderError,
-    TensorInfo,
-    frozen_initializers,
+    constant_initializers,
     strip_annotations,
     trainable_initializers,
 )
+from popbert.graph.builder import Builder, BuilderError, TensorInfo
 
 
 def attrs(node: onnx.NodeProto) -> dict:
@@ -142,7 +140,7 @@ def test_constants_are_frozen_initializers_not_weights() -> None:
     b.addOutputTensor(y)
     assert b.getTensorShape(y) == [3, 2]
     model = b.getModel()
-    assert frozen_initializers(model) == {shape, half}
+    assert constant_initializers(model) == {shape, half}
     assert trainable_initializers(model) == [w]
 
 

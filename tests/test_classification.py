@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from bert_helpers import minilm_checkpoint
 
-from popbert import cli
+from popbert.cli import main as cli
 from popbert.data.classification import (
     classification_metrics,
     encode_classification,
@@ -122,8 +122,8 @@ def test_metrics() -> None:
 
 def test_cli_label_errors_are_one_line(tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
-    from popbert.checkpoint import Checkpoint, save_checkpoint
-    from popbert.config import dump_config, load_config
+    from popbert.config.run_config import dump_config, load_config
+    from popbert.io.checkpoint import Checkpoint, save_checkpoint
 
     checkpoint = tmp_path / "ckpt"  # the data is checked before any weight is needed
     save_checkpoint(checkpoint, Checkpoint(step=0, weights={}), dump_config(load_config("tiny")))
@@ -160,7 +160,7 @@ def test_finetuning_minilm_on_the_fixture_reports_accuracy(tmp_path: Path) -> No
                    (run / "eval_predictions.jsonl").read_text().splitlines()]
     assert [p["label"] for p in predictions] == ["1", "0"] * 8
 
-    from popbert.config import load_config
+    from popbert.config.run_config import load_config
 
     extra = load_config(run / "config.yaml").model.extra
     assert extra["task"] == "classification" and extra["labels"] == ["0", "1"]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from popbert import cli
-from popbert.config import load_config
+from popbert.cli import main as cli
+from popbert.config.run_config import load_config
 from popbert.errors import CheckpointError
 
 
@@ -159,7 +159,7 @@ def test_pretrain_calls_run_pretraining(
 ) -> None:
     calls = []
     fake_module(
-        monkeypatch, "popbert.pretrain", run_pretraining=lambda cfg, **kw: calls.append((cfg, kw))
+        monkeypatch, "popbert.train.pretrain", run_pretraining=lambda cfg, **kw: calls.append((cfg, kw))
     )
     init = tmp_path / "phase1"
     init.mkdir()
@@ -185,7 +185,7 @@ def test_pretrain_calls_run_pretraining(
 def test_pretrain_defaults(monkeypatch: pytest.MonkeyPatch, cli_logging: None) -> None:
     calls = []
     fake_module(
-        monkeypatch, "popbert.pretrain", run_pretraining=lambda cfg, **kw: calls.append((cfg, kw))
+        monkeypatch, "popbert.train.pretrain", run_pretraining=lambda cfg, **kw: calls.append((cfg, kw))
     )
     assert cli.main(["pretrain"]) == 0
     ((cfg, kw),) = calls
@@ -198,11 +198,11 @@ def test_pretrain_defaults(monkeypatch: pytest.MonkeyPatch, cli_logging: None) -
 def test_resume_without_config_uses_the_runs_config(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli_logging: None
 ) -> None:
-    from popbert.config import save_config
+    from popbert.config.run_config import save_config
 
     calls = []
     fake_module(
-        monkeypatch, "popbert.pretrain", run_pretraining=lambda cfg, **kw: calls.append((cfg, kw))
+        monkeypatch, "popbert.train.pretrain", run_pretraining=lambda cfg, **kw: calls.append((cfg, kw))
     )
     ckpt = tmp_path / "ckpt"
     saved = load_config("tiny", ["training.steps=11"])
@@ -220,7 +220,7 @@ def test_export_calls_export_checkpoint(
         calls.append((checkpoint, task, output))
         return output
 
-    fake_module(monkeypatch, "popbert.export", export_checkpoint=export_checkpoint)
+    fake_module(monkeypatch, "popbert.io.export", export_checkpoint=export_checkpoint)
     rc = cli.main(
         [
             "export",
@@ -247,7 +247,7 @@ def test_library_errors_become_exit_2(
     def failing(cfg: object, **kw: object) -> None:
         raise DataError("shard a.hdf5: sequence length 512\ndoes not match model (128)")
 
-    fake_module(monkeypatch, "popbert.pretrain", run_pretraining=failing)
+    fake_module(monkeypatch, "popbert.train.pretrain", run_pretraining=failing)
     assert cli.main(["pretrain"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err == ["popbert: error: shard a.hdf5: sequence length 512 does not match model (128)"]
@@ -255,7 +255,7 @@ def test_library_errors_become_exit_2(
     def bad_checkpoint(cfg: object, **kw: object) -> None:
         raise CheckpointError("checkpoint x: missing weights.safetensors")
 
-    fake_module(monkeypatch, "popbert.pretrain", run_pretraining=bad_checkpoint)
+    fake_module(monkeypatch, "popbert.train.pretrain", run_pretraining=bad_checkpoint)
     assert cli.main(["pretrain"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "popbert: error: checkpoint x: missing weights.safetensors"
@@ -266,7 +266,7 @@ def test_bugs_keep_their_traceback(monkeypatch: pytest.MonkeyPatch, cli_logging:
     def broken(cfg: object, **kw: object) -> None:
         raise RuntimeError("a bug")
 
-    fake_module(monkeypatch, "popbert.pretrain", run_pretraining=broken)
+    fake_module(monkeypatch, "popbert.train.pretrain", run_pretraining=broken)
     with pytest.raises(RuntimeError, match="a bug"):
         cli.main(["pretrain"])
 

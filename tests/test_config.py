@@ -1,4 +1,4 @@
-"""Config loading, presets, validation errors and `--set` overrides (popbert.config)."""
+"""Config loading, presets, validation errors and `--set` overrides (popbert.config.run_config)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from popbert.config import (
+from popbert.config.run_config import (
     RunConfig,
     apply_overrides,
     config_from_dict,
@@ -432,6 +432,6 @@ def test_stochastic_rounding_default_follows_weight_dtype() -> None:
 
 
 def test_warmup_longer_than_run_warns(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="popbert.config"):
+    with caplog.at_level(logging.WARNING, logger="popbert.config.run_config"):
         load_config("tiny", ["training.steps=5"])
     assert "warmup_steps" in caplog.text

@@ -46,7 +46,7 @@ def overrides(**values: object) -> list[str]:
 
 
 def config(replicas: int, accumulation: int, **values: object):
-    from popbert.config import load_config
+    from popbert.config.run_config import load_config
 
     return load_config("tiny", overrides(**{"execution__replicas": replicas,
                                             "execution__gradient_accumulation": accumulation,
@@ -70,8 +70,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    from popbert.distributed import Replicas, optimizer_state_bytes
-    from popbert.pretrain import run_pretraining
+    from popbert.distributed.replicas import Replicas, optimizer_state_bytes
+    from popbert.train.pretrain import run_pretraining
 
     every = Replicas.from_group(None, owns_process_group=True)
     pair = dist.new_group([0, 1])
@@ -101,8 +101,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
     # Optimizer state each replica holds, sharded over 4 and not.
     from popbert.builders.bert import build_bert
-    from popbert.pretrain import optimizer_factory, session_options
-    from popbert.session import TrainingSession
+    from popbert.runtime.session import TrainingSession
+    from popbert.train.pretrain import optimizer_factory, session_options
 
     sizes = {}
     for sharded in (False, True):
@@ -126,7 +126,7 @@ def _toy_optimizers(rank: int, replicas, out: Path) -> None:
     each replica's own gradients, data parallel vs sharded; the gathered sharded state."""
     import torch
 
-    from popbert.distributed import GradientBuffer, ShardedOptimizer, broadcast_parameters
+    from popbert.distributed.replicas import GradientBuffer, ShardedOptimizer, broadcast_parameters
     from popbert.optimizers import Lamb, param_groups_by_name
 
     shapes = {"a/W": (3, 5), "a/B": (7,), "b/W": (2, 17), "b/Gamma": (33,), "c/B": (1,)}
@@ -364,7 +364,7 @@ def test_a_dead_replica_stops_the_job_with_a_clear_message(tmp_path: Path, fate:
 
 
 def test_replica_count_must_match_the_process_count(monkeypatch, capsys, tmp_path) -> None:
-    from popbert.cli import main
+    from popbert.cli.main import main
 
     args = ["pretrain", "--output-dir", str(tmp_path / "unused")]
     for item in overrides(execution__replicas=4, execution__gradient_accumulation=1):

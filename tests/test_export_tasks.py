@@ -16,13 +16,14 @@ import onnxruntime as ort
 import pytest
 
 import popbert.builders.tasks  # noqa: F401
-from popbert import cli, export
-from popbert.builder import trainable_initializers
 from popbert.builders.bert import build_bert
-from popbert.checkpoint import Checkpoint, save_checkpoint
-from popbert.config import dump_config, load_config
+from popbert.cli import main as cli
+from popbert.config.run_config import dump_config, load_config
 from popbert.data.tokenization import bundled_vocab_path
-from popbert.session import InferenceSession
+from popbert.graph.annotations import trainable_initializers
+from popbert.io import export
+from popbert.io.checkpoint import Checkpoint, save_checkpoint
+from popbert.runtime.session import InferenceSession
 
 SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",
          "model.intermediate_size=64", "model.sequence_length=32",

@@ -15,10 +15,10 @@ import pytest
 import torch
 from bert_helpers import hf_labels, hf_model, padded_batch, small_config
 
-from popbert import hf
-from popbert.builder import trainable_initializers
 from popbert.builders.bert import build_bert
-from popbert.session import InferenceSession, TrainingSession
+from popbert.graph.annotations import trainable_initializers
+from popbert.io import hf_mapping as hf
+from popbert.runtime.session import InferenceSession, TrainingSession
 
 
 def initializer_weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:

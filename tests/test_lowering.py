@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 
-from popbert.backends import (
+from popbert.lowering import (
     LoweringError,
     OnnxGraphModule,
     UnsupportedOpError,

@@ -11,7 +11,7 @@ from bert_helpers import small_config
 from popbert.builders import bert as bert_mod
 from popbert.builders.bert import build_bert
 from popbert.data.packing import NSP_IGNORE, pack_instance_arrays
-from popbert.session import TrainingSession
+from popbert.runtime.session import TrainingSession
 
 TOL = 1e-5
 K = 3

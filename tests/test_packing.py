@@ -11,7 +11,7 @@ import torch
 from bert_helpers import small_config
 
 from popbert.builders.bert import build_bert
-from popbert.config import load_config
+from popbert.config.run_config import load_config
 from popbert.data import DataError, PretrainingLoader, read_shard, read_shard_info, write_shard
 from popbert.data.packing import (
     NSP_IGNORE,
@@ -22,7 +22,7 @@ from popbert.data.packing import (
     pack_instance_arrays,
 )
 from popbert.data.pretraining import ShardSet, load_training_data, make_loader
-from popbert.session import TrainingSession
+from popbert.runtime.session import TrainingSession
 
 
 def unpacked(n: int, seq: int = 32, pred: int = 5, seed: int = 0, short: bool = True):

@@ -15,9 +15,9 @@ from bert_helpers import padded_batch, small_config
 
 from popbert.builders.bert import build_bert
 from popbert.optimizers import Lamb, param_groups_by_name
-from popbert.pipeline import Program, schedule_order, stage_actions
-from popbert.recompute import PeakMemory
-from popbert.session import InferenceSession, SessionOptions, TrainingSession
+from popbert.runtime.memory import PeakMemory
+from popbert.runtime.pipeline import Program, schedule_order, stage_actions
+from popbert.runtime.session import InferenceSession, SessionOptions, TrainingSession
 
 STEPS, ACCUMULATION, MICRO = 3, 4, 2
 

@@ -8,9 +8,9 @@ import re
 import onnx
 import pytest
 
-from popbert.builder import IPU_NUMBER, PIPELINE_STAGE, RECOMPUTE
 from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import BertConfig
+from popbert.graph.annotations import IPU_NUMBER, PIPELINE_STAGE, RECOMPUTE
 
 TINY = dict(vocab_size=8192, hidden_size=128, num_layers=2, num_heads=2, intermediate_size=512)
 BASE = dict(vocab_size=30522, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072)

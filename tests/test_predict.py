@@ -18,14 +18,15 @@ import pytest
 import torch
 
 import popbert.builders.tasks  # noqa: F401
-from popbert import cli
-from popbert.builder import trainable_initializers
 from popbert.builders.bert import build_bert
-from popbert.checkpoint import Checkpoint, save_checkpoint
-from popbert.config import dump_config, load_config
+from popbert.cli import main as cli
+from popbert.config.run_config import dump_config, load_config
 from popbert.data.squad import squad_features
 from popbert.data.tokenization import bundled_vocab_path
-from popbert.predict import (
+from popbert.graph.annotations import trainable_initializers
+from popbert.io.checkpoint import Checkpoint, save_checkpoint
+from popbert.runtime.session import InferenceSession
+from popbert.serve.predict import (
     SquadPredictor,
     WindowOptions,
     decode_answers,
@@ -33,7 +34,6 @@ from popbert.predict import (
     parse_vocab,
     read_squad,
 )
-from popbert.session import InferenceSession
 
 FIXTURE = Path(__file__).parent / "fixtures" / "squad" / "squad-v1.1-sample.json"
 SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",
@@ -85,7 +85,7 @@ def test_predict_imports_no_torch(exported: Path, tmp_path: Path) -> None:
     output = tmp_path / "predictions.json"
     code = (
         "import sys\n"
-        "from popbert.cli import main\n"
+        "from popbert.cli.main import main\n"
         f"rc = main(['predict', 'squad', '--model', {str(exported)!r}, '--data', "
         f"{str(FIXTURE)!r}, '--output', {str(output)!r}])\n"
         "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"

@@ -12,8 +12,8 @@ import h5py
 import numpy as np
 import pytest
 
-import popbert.cli as cli
-from popbert.cli_data import add_commands
+from popbert.cli import main as cli
+from popbert.cli.data import add_commands
 from popbert.data import WordPieceTokenizer, read_shard, read_shard_info
 from popbert.data.prepare import shard_statistics
 from popbert.data.wikipedia import iter_pages, read_articles

@@ -14,9 +14,9 @@ import onnxruntime as ort
 import pytest
 import safetensors.numpy
 
-from popbert.cli import main
-from popbert.export import sample_batch
-from popbert.session import InferenceSession
+from popbert.cli.main import main
+from popbert.io.export import sample_batch
+from popbert.runtime.session import InferenceSession
 
 # A smaller tiny: one short run of a few dozen steps, fast on 2 CPU cores.
 SMALL = [
@@ -130,7 +130,7 @@ def test_export_matches_the_torch_backend_in_onnx_runtime(
     model = onnx.load(str(output))
     onnx.checker.check_model(model, full_check=True)
     assert not [a for n in model.graph.node for a in n.attribute if a.name.startswith("__")]
-    from popbert.pretrain import config_of_checkpoint
+    from popbert.train.pretrain import config_of_checkpoint
 
     config = config_of_checkpoint(trained).model
     batch = sample_batch(config, task, batch_size=3, seed=7)

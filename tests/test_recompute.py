@@ -13,9 +13,10 @@ import torch
 from bert_helpers import padded_batch, small_config
 
 from popbert.builders.bert import build_bert
+from popbert.graph.annotations import checkpoint_count
 from popbert.optimizers import AdamW, param_groups_by_name
-from popbert.recompute import PeakMemory, checkpoint_count
-from popbert.session import InferenceSession, SessionOptions, TrainingSession
+from popbert.runtime.memory import PeakMemory
+from popbert.runtime.session import InferenceSession, SessionOptions, TrainingSession
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -83,7 +84,7 @@ def test_a_graph_without_checkpoints_cannot_recompute() -> None:
 
 
 def test_config_without_checkpoints_is_a_one_line_error(tmp_path, capsys) -> None:
-    from popbert.cli import main
+    from popbert.cli.main import main
 
     code = main(["pretrain", "--set", "execution.recompute=true", "--output-dir",
                  str(tmp_path / "out")])

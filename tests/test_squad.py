@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from bert_helpers import minilm_checkpoint
 
-from popbert import cli
+from popbert.cli import main as cli
 from popbert.data.squad import (
     answer_token_span,
     evaluate,
@@ -31,7 +31,7 @@ from popbert.data.squad import (
     squad_features,
 )
 from popbert.data.tokenization import WordPieceTokenizer, bundled_vocab_path
-from popbert.predict import (
+from popbert.serve.predict import (
     WindowOptions,
     decode_answers,
     encode_texts,

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from popbert.errors import ConfigError, UsageError
-from popbert.plotting import plot_metrics
-from popbert.tracking import MetricsLogger, read_metrics
+from popbert.observe.plots import plot_metrics
+from popbert.observe.tracking import MetricsLogger, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

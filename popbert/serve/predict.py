@@ -2,7 +2,7 @@
 
 `popbert predict squad --model squad.onnx --data questions.json --output predictions.json`
 reads the model's `popbert.*` metadata (vocabulary, lowercasing, window sizes; see
-`popbert.export.task_metadata`), cuts each context into overlapping windows, runs ONNX Runtime
+`popbert.io.export.task_metadata`), cuts each context into overlapping windows, runs ONNX Runtime
 and picks the best span over all windows.
 
 This module is also the torch-free core that fine-tuning shares (`popbert.data.squad` builds its
@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from popbert.atomic import atomic_write_text
 from popbert.errors import UsageError
+from popbert.io.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 

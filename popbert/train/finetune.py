@@ -30,13 +30,13 @@ import torch
 from tqdm import tqdm
 
 import popbert.builders.tasks  # noqa: F401  (registers the squad and classification heads)
-from popbert import checkpoint as ckpt
-from popbert.atomic import atomic_write_bytes, atomic_write_text
 from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import BertConfig
-from popbert.config import RunConfig, config_from_dict, dump_config
+from popbert.config.run_config import RunConfig, config_from_dict, dump_config
 from popbert.errors import CheckpointError, ConfigError, UsageError
-from popbert.hf_io import VOCAB, checkpoint_vocab
+from popbert.io import checkpoint as ckpt
+from popbert.io.atomic import atomic_write_bytes, atomic_write_text
+from popbert.io.hf_checkpoint import VOCAB, checkpoint_vocab
 from popbert.optimizers import set_lr
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ def task_model_config(model: BertConfig, sequence_length: int, extra: Mapping[st
 def run_config(pretrained: Pretrained, model: BertConfig, options: TrainOptions, steps: int,
                output_dir: Path) -> RunConfig:
     """The fine-tuning run as a popbert config (saved with the checkpoint; drives the
-    optimizer and schedule through `popbert.pretrain`'s factories)."""
+    optimizer and schedule through `popbert.train.pretrain`'s factories)."""
     base = pretrained.config.to_dict()
     base["model"] = {**model.__dict__}
     base["data"] = {**base["data"], "vocab_file": str(Path(output_dir).resolve() / VOCAB)}
@@ -171,9 +171,9 @@ def train(cfg: RunConfig, task: str, weights: Mapping[str, torch.Tensor],
           arrays: Mapping[str, np.ndarray], output_dir: Path, epochs: int
           ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Train the `task` graph from `weights`; returns (trained weights, fresh weight names)."""
-    from popbert.pretrain import lr_schedule, optimizer_factory, session_options
-    from popbert.session import TrainingSession
-    from popbert.tracking import MetricsLogger
+    from popbert.observe.tracking import MetricsLogger
+    from popbert.runtime.session import TrainingSession
+    from popbert.train.pretrain import lr_schedule, optimizer_factory, session_options
 
     e = cfg.execution
     if e.replicas != 1 or e.pipeline or e.replicated_tensor_sharding:
@@ -218,7 +218,7 @@ def infer(model: BertConfig, task: str, weights: Mapping[str, torch.Tensor],
           arrays: Mapping[str, np.ndarray], batch_size: int, device: str
           ) -> dict[str, np.ndarray]:
     """The task graph's outputs (no dropout) for all rows of `arrays`, in batches."""
-    from popbert.session import InferenceSession, SessionOptions
+    from popbert.runtime.session import InferenceSession, SessionOptions
 
     graph = build_bert(model, task=task, with_loss=False, zeros=True)
     session = InferenceSession(graph.model(), SessionOptions(device=device))
@@ -271,7 +271,7 @@ def finetune_squad(checkpoint: Path, train_file: Path, output_dir: Path,
     """Fine-tune on a SQuAD v1.1 training file; predict (and score, if it has answers)
     `predict_file`."""
     from popbert.data.squad import evaluate, squad_features
-    from popbert.predict import (
+    from popbert.serve.predict import (
         WindowOptions,
         decode_answers,
         make_tokenizer,

@@ -2,7 +2,7 @@
 
 Each converter is a small function ``converter(ctx) -> list[value]`` registered under
 ``(domain, op_type)`` in :data:`CONVERTERS`. It reads its inputs and attributes from the
-:class:`~popbert.backends.torch_lowering.NodeContext` and emits torch calls through
+:class:`~popbert.lowering.lower.NodeContext` and emits torch calls through
 ``ctx.call(...)``; when every argument of a call is a lowering-time constant the call is
 evaluated immediately (constant folding), so shape arithmetic never reaches the generated code.
 
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from popbert.backends.torch_lowering import NodeContext
+    from popbert.lowering.lower import NodeContext
 
 Converter = Callable[["NodeContext"], list[Any]]
 

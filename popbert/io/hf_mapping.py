@@ -8,7 +8,7 @@ so both directions are the same table and round trips are bit-exact.
 `BertForPreTraining` (the `to_hf`/`from_hf` pair) is the default; `ARCHITECTURES` describes the
 other Hugging Face classes a checkpoint can be written as (`BertModel`, `BertForQuestionAnswering`,
 `BertForSequenceClassification`), each with exactly the keys `transformers` expects.
-`popbert.hf_io` reads and writes whole Hugging Face model directories with these tables.
+`popbert.io.hf_checkpoint` reads and writes whole Hugging Face model directories with these tables.
 """
 
 from __future__ import annotations

@@ -1,51 +1,19 @@
-"""Recomputation: the graph's checkpoint annotations, and a meter for the memory they save.
+"""Peak memory of a block, on any device: what recomputation and sharding are measured with.
 
-`Builder.checkpointOutput` marks tensors to keep for the backward pass with PopART's attribute
-``__recompute_output_in_backward_pass = 1`` on an Identity node (BERT: every layer output except
-each device's last, see `builders/placement.py`). The torch backend turns the stretches between
-checkpoints into recompute regions (:class:`popbert.pipeline.Program`): a recomputed region runs
-under ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved, so dropout masks repeat
-exactly), keeps only its inputs, and rebuilds its activations during the backward pass. Results
-are the same; peak activation memory falls by roughly the activations of all but one region, for
-one extra forward pass of the recomputed regions (about a third more compute per step).
-
-:class:`PeakMemory` measures it on any device: on CUDA from the allocator's statistics, on CPU by
-tracking every tensor storage created inside the block until it is freed.
+On CUDA it reads the allocator's statistics; on CPU it tracks every tensor storage created inside
+the block until it is freed (a dispatch mode), so CPU-only machines can measure the activation
+memory that recomputation saves.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 import torch
-import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-RECOMPUTE = "__recompute_output_in_backward_pass"
-CHECKPOINT = 1  # PopART's RecomputeType.Checkpoint
-RECOMPUTE_OUTPUT = 2  # RecomputeType.Recompute
-
-__all__ = ["CHECKPOINT", "RECOMPUTE", "PeakMemory", "annotation", "checkpoint_count",
-           "is_checkpoint"]
-
-
-def annotation(node: fx.Node, key: str) -> Any:
-    """The ONNX annotation ``key`` (``__pipeline_stage``, ...) of an fx node, or None."""
-    meta = node.meta.get("onnx") or {}
-    return (meta.get("attributes") or {}).get(key)
-
-
-def is_checkpoint(node: fx.Node) -> bool:
-    """Whether the node's output is a recomputation checkpoint (kept for backward)."""
-    value = annotation(node, RECOMPUTE)
-    return value is not None and int(value) == CHECKPOINT
-
-
-def checkpoint_count(module: fx.GraphModule) -> int:
-    """Number of checkpoint nodes in a lowered graph."""
-    return sum(is_checkpoint(n) for n in module.graph.nodes)
+__all__ = ["PeakMemory"]
 
 
 class _CpuTracker(TorchDispatchMode):

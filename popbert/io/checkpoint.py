@@ -2,7 +2,7 @@
 
 Layout of ``<output>/checkpoints/step-000010/``:
 
-- ``weights.safetensors``  trainable weights under their ONNX names (`popbert.hf` maps them to
+- ``weights.safetensors``  trainable weights under their ONNX names (`popbert.io.hf_mapping` maps them to
   Hugging Face `BertForPreTraining` names)
 - ``optimizer.pt``         optimizer state (FP32 moments, step counts, rounding generator), always
                            in the unsharded optimizer's format: a run with replicated tensor
@@ -29,8 +29,8 @@ import onnx
 import safetensors.torch
 import torch
 
-from popbert.atomic import atomic_directory
 from popbert.errors import CheckpointError
+from popbert.io.atomic import atomic_directory
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""Backends that run a popbert ONNX graph; ``torch`` lowers it to ``torch.fx`` once."""
+"""ONNX → torch.fx: the graph lowered once into a module whose parameters are its initializers."""
 
-from popbert.backends.torch_lowering import (
+from popbert.lowering.lower import (
     LoweringError,
     OnnxGraphModule,
     UnsupportedOpError,
@@ -8,7 +8,7 @@ from popbert.backends.torch_lowering import (
     lower_to_fx,
     unescape_param_name,
 )
-from popbert.backends.torch_ops import CONVERTERS, register_converter
+from popbert.lowering.ops import CONVERTERS, register_converter
 
 __all__ = [
     "CONVERTERS",

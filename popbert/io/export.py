@@ -12,7 +12,7 @@ torch graph with a half-precision tolerance); `batch_size=None` keeps the batch 
 symbolic, an integer fixes it. Models over the 2 GB protobuf limit are written with their
 weights in one external data file next to the `.onnx` (`<name>.onnx.data`).
 
-Fine-tuned models carry what `popbert.predict` needs to serve them without torch or the
+Fine-tuned models carry what `popbert.serve.predict` needs to serve them without torch or the
 checkpoint in the ONNX metadata (`popbert.*` keys: task, vocabulary, lowercasing, window sizes,
 label names).
 """
@@ -31,11 +31,11 @@ import torch
 from onnx import TensorProto, numpy_helper
 
 import popbert.builders.tasks  # noqa: F401  (registers the squad and classification heads)
-from popbert.atomic import atomic_write_bytes
-from popbert.builder import strip_annotations, trainable_initializers
 from popbert.builders.bert import BATCH, build_bert
 from popbert.builders.bert_config import BertConfig
 from popbert.errors import CheckpointError, UsageError
+from popbert.graph.annotations import strip_annotations, trainable_initializers
+from popbert.io.atomic import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def sample_batch(config: BertConfig, task: str, batch_size: int = 2,
 def torch_outputs(model: onnx.ModelProto, batch: Mapping[str, np.ndarray]
                   ) -> dict[str, np.ndarray]:
     """The torch backend's outputs for `batch` (FP32 reference of the export check)."""
-    from popbert.session import InferenceSession
+    from popbert.runtime.session import InferenceSession
 
     return {k: v.float().numpy() for k, v in InferenceSession(model).run(batch).items()}
 
@@ -262,7 +262,7 @@ def export_weights(weights: Mapping[str, torch.Tensor | np.ndarray], config: Ber
 
 
 def task_metadata(config: BertConfig, vocab: Path | None) -> dict[str, str]:
-    """What serving a fine-tuned model needs besides its weights (`popbert.predict` reads it)."""
+    """What serving a fine-tuned model needs besides its weights (`popbert.serve.predict` reads it)."""
     import json
 
     extra = config.extra
@@ -279,9 +279,9 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
                       batch_size: int | None = None, sequence_length: int | None = None,
                       external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> Path:
     """`popbert export`: a checkpoint directory (or run directory) → inference ONNX file."""
-    from popbert.checkpoint import find_checkpoint, load_checkpoint
-    from popbert.config import config_from_dict
-    from popbert.hf_io import checkpoint_vocab
+    from popbert.config.run_config import config_from_dict
+    from popbert.io.checkpoint import find_checkpoint, load_checkpoint
+    from popbert.io.hf_checkpoint import checkpoint_vocab
 
     restored = load_checkpoint(checkpoint, weights_only=True)
     cfg = config_from_dict(restored.config, source=str(find_checkpoint(checkpoint)))

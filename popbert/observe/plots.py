@@ -12,9 +12,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from popbert.atomic import atomic_write_bytes
 from popbert.errors import UsageError
-from popbert.tracking import read_metrics
+from popbert.io.atomic import atomic_write_bytes
+from popbert.observe.tracking import read_metrics
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:

@@ -6,10 +6,10 @@ One `run()` performs `device_iterations` optimizer steps, each accumulating grad
 `gradient_accumulation` micro-batches (mean reduction, as PopART's accumulation does).
 
 Scale-out options (see docs/scaling.md): `replication_factor` replicas, one process each, given
-as a `popbert.distributed.Replicas` (gradients mean-reduced); `replicated_tensor_sharding`
+as a `popbert.distributed.replicas.Replicas` (gradients mean-reduced); `replicated_tensor_sharding`
 (optimizer state and accumulated gradient sharded over the replicas,
-`popbert.distributed.ShardedOptimizer`); `pipeline` (the graph split at its `__pipeline_stage`
-annotations, micro-batches scheduled through the stages, `popbert.pipeline`); `recompute`
+`popbert.distributed.replicas.ShardedOptimizer`); `pipeline` (the graph split at its `__pipeline_stage`
+annotations, micro-batches scheduled through the stages, `popbert.runtime.pipeline`); `recompute`
 (activation checkpointing between the graph's checkpoint annotations). With none of them a
 session runs exactly as a plain single-process loop.
 """
@@ -27,11 +27,11 @@ import numpy as np
 import onnx
 import torch
 
-from popbert.builder import frozen_initializers
+from popbert.graph.annotations import constant_initializers
 from popbert.optimizers import LossScaler
 
 if TYPE_CHECKING:
-    from popbert.distributed import Replicas
+    from popbert.distributed.replicas import Replicas
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class SessionOptions:
     recompute: bool = False
 
     def validate(self) -> None:
-        from popbert.pipeline import SCHEDULES
+        from popbert.runtime.pipeline import SCHEDULES
 
         for key in ("gradient_accumulation", "device_iterations", "replication_factor"):
             if int(getattr(self, key)) < 1:
@@ -95,7 +95,7 @@ def resolve_device(device: str) -> torch.device:
 
 class _Session:
     def __init__(self, model, options: SessionOptions | None, training: bool):
-        from popbert.backends.torch_lowering import lower_to_fx
+        from popbert.lowering.lower import lower_to_fx
 
         self.options = options or SessionOptions()
         self.options.validate()
@@ -104,14 +104,14 @@ class _Session:
         if self.options.seed is not None:
             torch.manual_seed(self.options.seed)
         self.module = lower_to_fx(self.proto, trainable=training)
-        frozen = frozen_initializers(self.proto)
+        frozen = constant_initializers(self.proto)
         for name, param in self.module.named_parameters():
             if name in frozen:
                 param.requires_grad_(False)
         weight_dtype = DTYPES[self.options.weight_dtype]
         self.module.to(self.device)
         self._half_weights = weight_dtype != torch.float32
-        # Pipelining / recomputation run the graph split at its annotations (popbert.pipeline).
+        # Pipelining / recomputation run the graph split at its annotations (popbert.runtime.pipeline).
         self.program = None
         if self.options.pipeline or (self.options.recompute and training):
             self.program = self._make_program(training)
@@ -130,7 +130,7 @@ class _Session:
         self._compute_dtype = DTYPES[self.options.compute_dtype]
 
     def _make_program(self, training: bool):
-        from popbert.pipeline import Program
+        from popbert.runtime.pipeline import Program
 
         devices = self.options.pipeline_devices
 
@@ -177,7 +177,7 @@ class _Session:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The trainable weights under their ONNX names (detached views)."""
-        frozen = frozen_initializers(self.proto)
+        frozen = constant_initializers(self.proto)
         return {n: p.detach() for n, p in self.module.named_parameters() if n not in frozen}
 
     def load_weights(self, weights: Mapping[str, torch.Tensor | np.ndarray],
@@ -221,7 +221,7 @@ class TrainingSession(_Session):
                  step_hook: Callable[[int], None] | None = None,
                  loss_scaler: LossScaler | None = None,
                  replicas: Replicas | None = None):
-        from popbert.distributed import (
+        from popbert.distributed.replicas import (
             GradientBuffer,
             Replicas,
             ShardedOptimizer,
@@ -239,7 +239,7 @@ class TrainingSession(_Session):
             raise ValueError(f"SessionOptions.replication_factor is "
                              f"{self.options.replication_factor} but the replicas given number "
                              f"{self.replicas.size}")
-        frozen = frozen_initializers(self.proto)
+        frozen = constant_initializers(self.proto)
         self.named_parameters: NamedParameters = [
             (n, p) for n, p in self.module.named_parameters() if n not in frozen]
         # Every replica starts from replica 0's weights.
@@ -253,7 +253,7 @@ class TrainingSession(_Session):
             self._grads = GradientBuffer(params, self.replicas)
         self.engine = None
         if self.options.pipeline:
-            from popbert.pipeline import PipelineEngine
+            from popbert.runtime.pipeline import PipelineEngine
 
             self.engine = PipelineEngine(self.program, self.options.pipeline_schedule,
                                          autocast=self._autocast,

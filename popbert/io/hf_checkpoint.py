@@ -4,7 +4,7 @@ A Hugging Face BERT directory is `config.json` + `model.safetensors` (or `pytorc
 or a sharded index of either) + `vocab.txt`. Import builds the matching popbert run config
 (`model.*` from `config.json`, `data.vocab_file` = the copied `vocab.txt`) and a checkpoint that
 has every weight of the pre-training graph: those the directory holds, converted exactly by
-`popbert.hf`, and the rest (e.g. the MLM/NSP heads a `BertModel` lacks) initialised fresh and
+`popbert.io.hf_mapping`, and the rest (e.g. the MLM/NSP heads a `BertModel` lacks) initialised fresh and
 reported. Export writes the reverse, as the `transformers` class that holds exactly the
 checkpoint's heads, so `from_pretrained` reports no missing or unexpected keys.
 
@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from popbert import hf
-from popbert.atomic import atomic_directory
 from popbert.builders.bert_config import BertConfig
 from popbert.errors import CheckpointError, UsageError
+from popbert.io import hf_mapping as hf
+from popbert.io.atomic import atomic_directory
 
 log = logging.getLogger(__name__)
 
@@ -227,10 +227,10 @@ def import_hf(model_dir: Path, output_dir: Path, sequence_length: int | None = N
     import torch
     from onnx import numpy_helper
 
-    from popbert import checkpoint as ckpt
-    from popbert.builder import trainable_initializers
     from popbert.builders.bert import build_bert
-    from popbert.config import RunConfig, config_from_dict, dump_config
+    from popbert.config.run_config import RunConfig, config_from_dict, dump_config
+    from popbert.graph.annotations import trainable_initializers
+    from popbert.io import checkpoint as ckpt
 
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     if not model_dir.is_dir():
@@ -325,7 +325,7 @@ def _hf_names(ours: str, config: BertConfig) -> str:
 def checkpoint_vocab(checkpoint: Path, vocab_file: str | None) -> Path | None:
     """The vocabulary of a checkpoint: the config's `data.vocab_file` if it exists, else the
     `vocab.txt` of the run directory (import-hf and fine-tuning put one there)."""
-    from popbert.checkpoint import find_checkpoint
+    from popbert.io.checkpoint import find_checkpoint
 
     if vocab_file and Path(vocab_file).is_file():
         return Path(vocab_file)
@@ -342,8 +342,8 @@ def export_hf(checkpoint: Path, output_dir: Path, architecture: str | None = Non
     unexpected keys: config.json, model.safetensors, vocab.txt and tokenizer_config.json."""
     import safetensors.numpy
 
-    from popbert.checkpoint import load_checkpoint
-    from popbert.config import config_from_dict
+    from popbert.config.run_config import config_from_dict
+    from popbert.io.checkpoint import load_checkpoint
 
     restored = load_checkpoint(checkpoint, weights_only=True)
     cfg = config_from_dict(restored.config, source=f"{checkpoint}/config.yaml")

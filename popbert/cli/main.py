@@ -21,7 +21,7 @@ from popbert import __version__
 from popbert.errors import CheckpointError, PopbertError
 
 if TYPE_CHECKING:
-    from popbert.config import RunConfig
+    from popbert.config.run_config import RunConfig
 
 logger = logging.getLogger("popbert")
 
@@ -71,7 +71,7 @@ def _existing_dir(path: Path | None, what: str) -> Path | None:
 
 
 def _load(args: argparse.Namespace) -> RunConfig:
-    from popbert.config import DEFAULT_PRESET, load_config
+    from popbert.config.run_config import DEFAULT_PRESET, load_config
 
     config = args.config
     resume = getattr(args, "resume", None)
@@ -88,7 +88,7 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
     output_dir = args.output_dir
     if output_dir is None:
         output_dir = Path("runs") / time.strftime("pretrain-%Y%m%d-%H%M%S")
-    from popbert.pretrain import run_pretraining
+    from popbert.train.pretrain import run_pretraining
 
     run_pretraining(cfg, output_dir=output_dir, resume=resume, init_from=init_from)
     return 0
@@ -96,7 +96,7 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     checkpoint = _existing_dir(args.checkpoint, "--checkpoint")
-    from popbert.export import export_checkpoint
+    from popbert.io.export import export_checkpoint
 
     # Only options the user set are passed, so export_checkpoint's defaults stay the one source.
     options = {key: getattr(args, key) for key in ("batch_size", "sequence_length")
@@ -110,7 +110,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_import_hf(args: argparse.Namespace) -> int:
-    from popbert.hf_io import import_hf
+    from popbert.io.hf_checkpoint import import_hf
 
     report = import_hf(args.model, args.output_dir, sequence_length=args.sequence_length,
                        seed=args.seed)
@@ -121,7 +121,7 @@ def _cmd_import_hf(args: argparse.Namespace) -> int:
 
 def _cmd_export_hf(args: argparse.Namespace) -> int:
     checkpoint = _existing_dir(args.checkpoint, "--checkpoint")
-    from popbert.hf_io import export_hf
+    from popbert.io.hf_checkpoint import export_hf
 
     export_hf(checkpoint, args.output_dir, architecture=args.architecture)
     return 0
@@ -136,7 +136,7 @@ def _print_json(result: dict) -> None:
 
 
 def _train_options(args: argparse.Namespace):
-    from popbert.finetune import TrainOptions
+    from popbert.train.finetune import TrainOptions
 
     return TrainOptions(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
                         warmup_proportion=args.warmup_proportion,
@@ -148,7 +148,7 @@ def _train_options(args: argparse.Namespace):
 
 def _cmd_finetune_squad(args: argparse.Namespace) -> int:
     checkpoint = _existing_dir(args.checkpoint, "--checkpoint")
-    from popbert.finetune import finetune_squad
+    from popbert.train.finetune import finetune_squad
 
     result = finetune_squad(checkpoint, args.train, args.output_dir, predict_file=args.predict,
                             options=_train_options(args), max_seq_length=args.max_seq_length,
@@ -163,7 +163,7 @@ def _cmd_finetune_squad(args: argparse.Namespace) -> int:
 
 def _cmd_finetune_classify(args: argparse.Namespace) -> int:
     checkpoint = _existing_dir(args.checkpoint, "--checkpoint")
-    from popbert.finetune import finetune_classify
+    from popbert.train.finetune import finetune_classify
 
     labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
     result = finetune_classify(checkpoint, args.train, args.output_dir, eval_file=args.eval,
@@ -184,7 +184,7 @@ def _cmd_evaluate_squad(args: argparse.Namespace) -> int:
 
 
 def _cmd_predict_squad(args: argparse.Namespace) -> int:
-    from popbert.predict import predict_squad  # ONNX Runtime only: no torch on this path
+    from popbert.serve.predict import predict_squad  # ONNX Runtime only: no torch on this path
 
     predict_squad(args.model, args.data, args.output, n_best_size=args.n_best_size,
                   max_answer_length=args.max_answer_length, batch_size=args.batch_size,
@@ -194,7 +194,7 @@ def _cmd_predict_squad(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from popbert.config import dump_config, save_config
+    from popbert.config.run_config import dump_config, save_config
 
     cfg = _load(args)
     if args.output is not None:
@@ -206,7 +206,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from popbert.plotting import plot_metrics
+    from popbert.observe.plots import plot_metrics
 
     output = args.output if args.output is not None else args.metrics.with_suffix(".png")
     path = plot_metrics(args.metrics, output)
@@ -400,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: next to the metrics file, same name with .png")
     p.set_defaults(handler=_cmd_plot)
 
-    from popbert.cli_data import add_commands as add_data_commands
+    from popbert.cli.data import add_commands as add_data_commands
 
     add_data_commands(sub, common)  # prepare-data and its stages
     return parser

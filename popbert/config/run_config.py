@@ -21,9 +21,9 @@ from typing import Any
 
 import yaml
 
-from popbert.atomic import atomic_write_text
 from popbert.builders.bert_config import BertConfig
 from popbert.errors import ConfigError
+from popbert.io.atomic import atomic_write_text
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ Conventions of the lowered :class:`OnnxGraphModule`:
   annotations (``__ipu_number``, ``__pipeline_stage``, ...) as python values; the node bound to
   an ONNX tensor also has ``node.meta["onnx_value"]`` = that tensor's name. Nodes fused from
   several ONNX nodes (MatMul + Add -> ``F.linear``) list the others in ``meta["onnx"]["fused"]``.
-* Dropout is an :class:`~popbert.backends.torch_ops.OnnxDropout` submodule: it follows
+* Dropout is an :class:`~popbert.lowering.ops.OnnxDropout` submodule: it follows
   ``module.train()`` / ``module.eval()`` (identity in eval, or when ``training_mode`` is a
   constant False).
 """
@@ -49,7 +49,7 @@ import torch.fx as fx
 from onnx import numpy_helper
 from torch import nn
 
-from popbert.backends.torch_ops import CONVERTERS, Converter
+from popbert.lowering.ops import CONVERTERS, Converter
 
 logger = logging.getLogger(__name__)
 
@@ -600,7 +600,7 @@ def _run_converter(converter: Converter, ctx: NodeContext) -> list[Any]:
 
 
 def _lower_fused_linear(ctx: NodeContext, matmul: onnx.NodeProto, low: _Lowerer) -> Any:
-    from popbert.backends.torch_ops import emit_fused_linear
+    from popbert.lowering.ops import emit_fused_linear
 
     mm_pos = 0 if ctx.node.input[0] == matmul.output[0] else 1
     bias = ctx.inputs[1 - mm_pos]

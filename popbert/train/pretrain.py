@@ -22,12 +22,10 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from popbert import checkpoint as ckpt
-from popbert.atomic import atomic_write_bytes, atomic_write_text
 from popbert.builders.bert import build_bert
-from popbert.config import RunConfig, config_from_dict
+from popbert.config.run_config import RunConfig, config_from_dict
 from popbert.data.pretraining import load_training_data, make_loader
-from popbert.distributed import (
+from popbert.distributed.replicas import (
     Replicas,
     agree,
     check_world_size,
@@ -37,8 +35,10 @@ from popbert.distributed import (
     world_size_from_env,
 )
 from popbert.errors import CheckpointError, ConfigError
+from popbert.io import checkpoint as ckpt
+from popbert.io.atomic import atomic_write_bytes, atomic_write_text
 from popbert.optimizers import AdamW, Lamb, LossScaler, make_schedule, param_groups_by_name, set_lr
-from popbert.session import NamedParameters, SessionOptions, TrainingSession
+from popbert.runtime.session import NamedParameters, SessionOptions, TrainingSession
 
 log = logging.getLogger(__name__)
 
@@ -244,8 +244,8 @@ def _next_batch(loader, micro_batches: int) -> dict[str, torch.Tensor]:
 
 def _train(cfg: RunConfig, output_dir: Path, session: TrainingSession, loader, model,
            schedule) -> RunResult:
-    from popbert.plotting import plot_metrics
-    from popbert.tracking import MetricsLogger
+    from popbert.observe.plots import plot_metrics
+    from popbert.observe.tracking import MetricsLogger
 
     replicas = session.replicas
     main = replicas.is_main
@@ -300,7 +300,7 @@ def _train(cfg: RunConfig, output_dir: Path, session: TrainingSession, loader, m
     if not main:
         return RunResult(output_dir, last_checkpoint, inference, plot, final)
 
-    from popbert.export import export_weights
+    from popbert.io.export import export_weights
 
     inference = export_weights(session.weights(), cfg.model, "pretraining", inference)
     plot = plot_metrics(output_dir / "metrics.jsonl", plot)

@@ -7,7 +7,7 @@ partitions keyed by (pipeline stage, recompute region):
   its ``__ipu_number`` (a device may hold several stages: Graphcore's BERT puts the MLM/NSP heads
   back on device 0, next to the word embedding they are tied to, which stays one tensor);
 * within a stage, ``__recompute_output_in_backward_pass`` checkpoints (Identity nodes, see
-  :mod:`popbert.recompute`) close recompute regions. A recomputed region runs under
+  :mod:`popbert.graph.annotations`) close recompute regions. A recomputed region runs under
   ``torch.utils.checkpoint``: only its inputs are kept, its activations are recomputed in the
   backward pass.
 
@@ -48,16 +48,14 @@ import torch.fx as fx
 import torch.utils.checkpoint
 from torch.fx.passes.split_module import split_module
 
-from popbert.recompute import CHECKPOINT, RECOMPUTE, annotation, is_checkpoint
+from popbert.graph.annotations import IPU_NUMBER, PIPELINE_STAGE, annotation, is_checkpoint
 
 log = logging.getLogger(__name__)
 
-PIPELINE_STAGE = "__pipeline_stage"
-IPU_NUMBER = "__ipu_number"
 SCHEDULES = ("gpipe", "1f1b")
 _REGIONS = 100_000  # partition key = stage * _REGIONS + region
 
-__all__ = ["CHECKPOINT", "RECOMPUTE", "SCHEDULES", "PipelineEngine", "Program",
+__all__ = ["SCHEDULES", "PipelineEngine", "Program",
            "schedule_order", "stage_actions"]
 
 

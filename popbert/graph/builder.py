@@ -20,25 +20,18 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper, shape_inference
 
-# PopART's node attribute names (REFERENCE.md).
-IPU_NUMBER = "__ipu_number"
-PIPELINE_STAGE = "__pipeline_stage"
-RECOMPUTE = "__recompute_output_in_backward_pass"
-AVAILABLE_MEMORY = "__available_memory"
-SERIALIZE_MODE = "__serialize_matmul_mode"
-SERIALIZE_FACTOR = "__serialize_matmul_factor"
-SERIALIZE_PRECISION = "__serialize_matmul_precision"
-ANNOTATIONS = (IPU_NUMBER, PIPELINE_STAGE, RECOMPUTE, AVAILABLE_MEMORY, SERIALIZE_MODE,
-               SERIALIZE_FACTOR, SERIALIZE_PRECISION)
-
-
-class RecomputeType:
-    """PopART's `popart.RecomputeType` values."""
-
-    Undefined = 0
-    Checkpoint = 1
-    Recompute = 2
-    Recomputed = 3
+from popbert.graph.annotations import (
+    ANNOTATIONS,
+    AVAILABLE_MEMORY,
+    CONSTANTS_KEY,
+    IPU_NUMBER,
+    PIPELINE_STAGE,
+    RECOMPUTE,
+    SERIALIZE_FACTOR,
+    SERIALIZE_MODE,
+    SERIALIZE_PRECISION,
+    RecomputeType,
+)
 
 
 class BuilderError(ValueError):
@@ -46,8 +39,6 @@ class BuilderError(ValueError):
 
 
 GRAPHCORE_DOMAIN = "ai.graphcore"
-# Model metadata key listing the initializers that are constants, not weights.
-FROZEN_KEY = "popbert.frozen"
 # ONNX IR version that ONNX Runtime 1.20+ accepts with opset 23 (the onnx package defaults to a
 # newer IR that current ORT releases reject).
 IR_VERSION = 11
@@ -216,7 +207,7 @@ class Builder:
     def addConstant(self, value: np.ndarray, debugContext: str = "const") -> str:
         """A constant the sessions never train (shape vectors, scales, position ids).
 
-        Stored as an initializer listed in the model's ``popbert.frozen`` metadata rather than as
+        Stored as an initializer listed in the model's ``popbert.constants`` metadata rather than as
         a `Constant` node: a Constant carrying placement attributes is misread by both
         onnx's shape inference and ONNX Runtime, and every node must carry its placement.
         """
@@ -353,7 +344,7 @@ class Builder:
             opsets.append(helper.make_opsetid(GRAPHCORE_DOMAIN, 1))
         model = helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION,
                                   producer_name="popbert")
-        helper.set_model_props(model, {FROZEN_KEY: ",".join(self._constants)})
+        helper.set_model_props(model, {CONSTANTS_KEY: ",".join(self._constants)})
         return model
 
     def getModelProto(self) -> bytes:
@@ -493,37 +484,3 @@ class Builder:
                     input_types[0].tensor_type.elem_type if input_types else TensorProto.FLOAT,
                     None))
         return result
-
-
-def frozen_initializers(model: onnx.ModelProto) -> set[str]:
-    """Names of the initializers a session must treat as constants, not trainable weights."""
-    for prop in model.metadata_props:
-        if prop.key == FROZEN_KEY:
-            return {name for name in prop.value.split(",") if name}
-    return set()
-
-
-def trainable_initializers(model: onnx.ModelProto) -> list[str]:
-    """Floating-point initializers that are weights, in graph order."""
-    frozen = frozen_initializers(model)
-    floats = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE)
-    return [t.name for t in model.graph.initializer
-            if t.data_type in floats and t.name not in frozen]
-
-
-def strip_annotations(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy without PopART's `__` attributes and popbert metadata.
-
-    ONNX Runtime's graph fusions copy node attributes into fused ops and then reject the
-    unknown `__ipu_number`, so anything headed for ORT goes through here.
-    """
-    clean = onnx.ModelProto()
-    clean.CopyFrom(model)
-    for node in clean.graph.node:
-        kept = [a for a in node.attribute if not a.name.startswith("__")]
-        del node.attribute[:]
-        node.attribute.extend(kept)
-    kept_props = [p for p in clean.metadata_props if p.key != FROZEN_KEY]
-    del clean.metadata_props[:]
-    clean.metadata_props.extend(kept_props)
-    return clean

@@ -47,7 +47,7 @@ def variant_overrides(name: str) -> dict:
 
 
 def make_config(args: argparse.Namespace, variant: str, processes: int):
-    from popbert.config.run_config import load_config
+    from popbert.config import load_config
 
     sets = {"execution.device": args.device, "execution.replicas": processes,
             "execution.micro_batch_size": args.micro_batch,

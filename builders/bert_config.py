@@ -1,8 +1,53 @@
-"""Model hyperparameters: one dataclass shared by the builder, the config file and HF mapping."""
+"""Model hyperparameters: one dataclass shared by the builder, the config file and HF mapping.
+
+`BertConfig` is the `model` section of a run config; its `task` (`model.task`, a `TaskConfig`)
+records what a fine-tuned model is for, so a checkpoint's config alone is enough to rebuild,
+export and serve it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+# The fine-tuning tasks a checkpoint can be for (`model.task.name`); None = none (pre-training).
+TASK_NAMES = ("squad", "classification")
+
+
+@dataclass
+class TaskConfig:
+    """Settings of the fine-tuning task a model was trained for (the `model.task` mapping).
+
+    Written by fine-tuning and `popbert import-hf`, read back by export, `export-hf` and
+    serving: they must agree on one typed record, not on keys of a free-form dict. Fields that
+    do not apply to the task stay None.
+    """
+
+    name: str | None = None  # one of TASK_NAMES, or None for a pre-training checkpoint
+    # The Hugging Face class the weights correspond to, e.g. "BertForQuestionAnswering".
+    hf_architecture: str | None = None
+    lowercase: bool = True  # whether the WordPiece tokenizer lowercases (an uncased vocabulary)
+    doc_stride: int | None = None  # squad: tokens between the starts of a context's windows
+    max_query_length: int | None = None  # squad: question tokens kept
+    num_labels: int | None = None  # classification: classes of the head
+    labels: list[str] | None = None  # classification: class names, in label-id order
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending `model.task` key."""
+        if self.name is not None and self.name not in TASK_NAMES:
+            raise ValueError(f"model.task.name must be one of {', '.join(TASK_NAMES)} or null, "
+                             f"got {self.name!r}")
+        for key in ("doc_stride", "max_query_length"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"model.task.{key} must be >= 1 or null, got {value}")
+        if self.num_labels is not None and self.num_labels < 2:
+            raise ValueError(f"model.task.num_labels must be >= 2 or null, got {self.num_labels}")
+        if self.name == "classification" and self.num_labels is None:
+            raise ValueError("model.task.num_labels must be set for model.task.name "
+                             "'classification'")
+        if self.labels is not None and len(self.labels) != (self.num_labels or len(self.labels)):
+            raise ValueError(f"model.task.labels names {len(self.labels)} classes but "
+                             f"model.task.num_labels is {self.num_labels}")
 
 
 @dataclass
@@ -38,7 +83,7 @@ class BertConfig:
     packed: bool = False
     max_sequences_per_pack: int = 3
     architecture: str = "bert"
-    extra: dict = field(default_factory=dict)
+    task: TaskConfig = field(default_factory=TaskConfig)
 
     def validate(self) -> None:
         """Raise ValueError naming the offending key when the shape is impossible."""
@@ -83,3 +128,4 @@ class BertConfig:
                 raise ValueError(
                     f"model.layers_per_ipu {self.layers_per_ipu} places "
                     f"{sum(self.layers_per_ipu)} layers but model.num_layers is {self.num_layers}")
+        self.task.validate()

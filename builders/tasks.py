@@ -5,8 +5,9 @@ Importing this module registers the tasks `squad` and `classification` with
 head (and, with `with_loss`, its loss) in the same ONNX graph as the encoder. Weight names map to
 Hugging Face's `qa_outputs.*` and `classifier.*` (see `popbert.io.hf_mapping`).
 
-Task parameters live in `config.extra` (the `model.extra` section of a run config), so a
-fine-tuned checkpoint's config is enough to rebuild its graph: `num_labels` for classification.
+Task parameters live in `config.task` (a `TaskConfig`, the `model.task` mapping of a run config),
+so a fine-tuned checkpoint's config is enough to rebuild its graph: `num_labels` for
+classification.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ CLASSIFICATION = "classification"
 
 
 def num_labels(config: BertConfig) -> int:
-    """Classes of the classification head, from `model.extra.num_labels`."""
-    value = config.extra.get("num_labels")
-    if not isinstance(value, int) or isinstance(value, bool) or value < 2:
-        raise ValueError(f"model.extra.num_labels must be an integer >= 2 for the classification "
+    """Classes of the classification head, from `model.task.num_labels`."""
+    value = config.task.num_labels
+    if value is None or value < 2:
+        raise ValueError(f"model.task.num_labels must be an integer >= 2 for the classification "
                          f"task, got {value!r}")
     return value
 

@@ -22,7 +22,7 @@ from popbert.data.tokenization import WordPieceTokenizer, bundled_vocab_path
 from popbert.errors import ConfigError
 
 if TYPE_CHECKING:
-    from popbert.config.run_config import RunConfig
+    from popbert.config import RunConfig
 
 SHARD_SUFFIXES = (".h5", ".hdf5")
 

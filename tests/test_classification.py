@@ -122,7 +122,7 @@ def test_metrics() -> None:
 
 def test_cli_label_errors_are_one_line(tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
-    from popbert.config.run_config import dump_config, load_config
+    from popbert.config import dump_config, load_config
     from popbert.io.checkpoint import Checkpoint, save_checkpoint
 
     checkpoint = tmp_path / "ckpt"  # the data is checked before any weight is needed
@@ -160,10 +160,10 @@ def test_finetuning_minilm_on_the_fixture_reports_accuracy(tmp_path: Path) -> No
                    (run / "eval_predictions.jsonl").read_text().splitlines()]
     assert [p["label"] for p in predictions] == ["1", "0"] * 8
 
-    from popbert.config.run_config import load_config
+    from popbert.config import load_config
 
-    extra = load_config(run / "config.yaml").model.extra
-    assert extra["task"] == "classification" and extra["labels"] == ["0", "1"]
+    task = load_config(run / "config.yaml").model.task
+    assert task.name == "classification" and task.labels == ["0", "1"]
     # The fine-tuned model leaves as a Hugging Face classifier that predicts the same.
     out = tmp_path / "hf"
     assert cli.main(["export-hf", "--checkpoint", str(run), "--output-dir", str(out)]) == 0

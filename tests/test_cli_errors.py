@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from popbert.cli import main as cli
-from popbert.config.run_config import load_config
+from popbert.config import load_config
 from popbert.errors import CheckpointError
 
 
@@ -198,7 +198,7 @@ def test_pretrain_defaults(monkeypatch: pytest.MonkeyPatch, cli_logging: None) -
 def test_resume_without_config_uses_the_runs_config(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli_logging: None
 ) -> None:
-    from popbert.config.run_config import save_config
+    from popbert.config import save_config
 
     calls = []
     fake_module(

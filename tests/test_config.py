@@ -1,4 +1,4 @@
-"""Config loading, presets, validation errors and `--set` overrides (popbert.config.run_config)."""
+"""Config loading, presets, validation errors and `--set` overrides (popbert.config)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from popbert.config.run_config import (
+from popbert.config import (
+    DEFAULT_PRESET,
     RunConfig,
+    TaskConfig,
     apply_overrides,
     config_from_dict,
     dump_config,
@@ -20,6 +22,7 @@ from popbert.config.run_config import (
     preset_path,
     save_config,
 )
+from popbert.config.yaml_io import DuplicateKeyError, load_yaml
 from popbert.errors import ConfigError, PopbertError
 
 PRESETS = ["tiny", "base-128", "base-384", "large-128", "large-384"]
@@ -120,19 +123,61 @@ def test_bert_presets_follow_graphcore(
 # Files
 
 
-def test_partial_file_takes_defaults_and_yaml12_floats(tmp_path: Path) -> None:
+def test_partial_file_is_laid_over_tiny_and_reads_yaml12_floats(tmp_path: Path) -> None:
     path = write(
         tmp_path, "optimizer:\n  lr: 1e-3\n  warmup_steps: 5\ntraining:\n  steps: 20\ntracking:\n"
     )
     cfg = load_config(path)
     assert isinstance(cfg.optimizer.lr, float) and cfg.optimizer.lr == 1e-3
-    assert cfg.training.steps == 20
-    assert cfg.model.hidden_size == 768  # BertConfig default
-    assert cfg.data.seed == 12345 and cfg.data.masked_lm_prob == 0.15
-    assert cfg.optimizer.betas == [0.9, 0.999] and cfg.optimizer.bias_correction is False
-    assert cfg.tracking.backend == "none"
+    assert (cfg.training.steps, cfg.optimizer.warmup_steps) == (20, 5)
+    tiny = load_config("tiny")
+    assert cfg.preset == DEFAULT_PRESET == "tiny"
+    assert cfg.model == tiny.model and cfg.model.vocab_size == 8192  # the bundled vocabulary
+    assert cfg.data == tiny.data and cfg.execution == tiny.execution
+    assert cfg.optimizer.name == "adamw" and cfg.optimizer.bias_correction is True
+    assert cfg.tracking == tiny.tracking  # a bare `tracking:` line changes nothing
     assert cfg.training.global_batch_size is None
     assert cfg.global_batch_size == 32
+
+
+def test_steps_only_file_is_a_tiny_run(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "training: {steps: 10}\n"), ["optimizer.warmup_steps=2"])
+    tiny = load_config("tiny")
+    assert cfg.training.steps == 10
+    assert cfg.preset == "tiny" and cfg.model == tiny.model and cfg.data == tiny.data
+
+
+def test_preset_key_picks_the_base(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "preset: base-128\ntraining:\n  steps: 10\n"))
+    base = load_config("base-128")
+    assert cfg.preset == "base-128" and cfg.training.steps == 10
+    assert cfg.model == base.model and cfg.optimizer == base.optimizer
+    assert cfg.training.global_batch_size == 65536
+    # Nested mappings merge key by key over the preset's.
+    cfg = load_config(write(tmp_path, "preset: large-128\nmodel:\n  recompute: false\n", "l.yaml"))
+    assert cfg.model.recompute is False and cfg.model.num_layers == 24
+
+
+def test_null_preset_means_dataclass_defaults(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "preset: null\ntraining:\n  steps: 10\n"))
+    assert cfg.preset is None
+    assert cfg.model.hidden_size == 768 and cfg.model.vocab_size == 30522  # BertConfig defaults
+    assert cfg.optimizer.name == "lamb"
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_by_name_records_itself(name: str) -> None:
+    cfg = load_config(name)
+    assert cfg.preset == name
+    assert dump_config(cfg).startswith(f"preset: {name}\n")
+
+
+def test_unknown_preset_in_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "preset: base-129\ntraining:\n  steps: 10\n")
+    message = error_of(path)
+    assert message == (f"{path}: preset: unknown preset 'base-129'; presets: "
+                       f"{', '.join(sorted(PRESETS))}")
+    assert "unknown preset 3" in error_of(write(tmp_path, "preset: 3\n", "n.yaml"))
 
 
 def test_int_is_accepted_for_float(tmp_path: Path) -> None:
@@ -141,8 +186,10 @@ def test_int_is_accepted_for_float(tmp_path: Path) -> None:
     assert isinstance(cfg.optimizer.loss_scale, float)
 
 
-def test_empty_file_is_all_defaults(tmp_path: Path) -> None:
-    assert load_config(write(tmp_path, "")) == config_from_dict({})
+def test_empty_file_is_the_default_preset(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "")) == load_config(DEFAULT_PRESET)
+    # A dict is not laid over a preset: missing keys take the dataclass defaults.
+    assert config_from_dict({}) == RunConfig()
 
 
 def test_unknown_key_names_file_key_and_valid_keys(tmp_path: Path) -> None:
@@ -163,7 +210,7 @@ def test_unknown_section(tmp_path: Path) -> None:
     message = error_of(path)
     assert message.startswith(f"{path}: unknown key optimiser")
     assert "did you mean 'optimizer'" in message
-    for section in ("model", "data", "optimizer", "execution", "training", "tracking"):
+    for section in ("preset", "model", "data", "optimizer", "execution", "training", "tracking"):
         assert section in message
 
 
@@ -310,7 +357,8 @@ def test_overrides_apply_with_yaml_syntax() -> None:
             "tracking.run_name=my run",
             "execution.compile=true",
             "optimizer.lr_schedule=0:1e-4,100:1e-5",
-            "model.extra.note=hi",
+            "model.task.name=squad",
+            "model.task.doc_stride=64",
             "training.steps=20",
         ],
     )
@@ -321,7 +369,7 @@ def test_overrides_apply_with_yaml_syntax() -> None:
     assert cfg.tracking.run_name == "my run"
     assert cfg.execution.compile is True
     assert cfg.optimizer.lr_schedule == "0:1e-4,100:1e-5"
-    assert cfg.model.extra == {"note": "hi"}
+    assert cfg.model.task == TaskConfig(name="squad", doc_stride=64)
     assert cfg.training.steps == 20
     # The preset itself is untouched.
     assert load_config("tiny").optimizer.max_grad_norm is not None
@@ -391,7 +439,8 @@ def test_saved_config_reloads_equal(tmp_path: Path, name: str) -> None:
             "tracking.run_name=yes",
             "data.input_files=['a b/*.hdf5', '1e-3']",
             "optimizer.lr_schedule=0:1e-4,100:1e-5",
-            "model.extra.k=[1, 2]",
+            "model.task.labels=[a, '1e-3']",
+            "model.task.num_labels=2",
         ],
     )
     assert cfg.tracking.run_name == "yes" and cfg.data.input_files == ["a b/*.hdf5", "1e-3"]
@@ -407,7 +456,9 @@ def test_saved_config_reloads_equal(tmp_path: Path, name: str) -> None:
 
 def test_to_dict_has_every_section() -> None:
     d = load_config("tiny").to_dict()
-    assert list(d) == ["model", "data", "optimizer", "execution", "training", "tracking"]
+    assert list(d) == ["preset", "model", "data", "optimizer", "execution", "training",
+                       "tracking"]
+    assert d["preset"] == "tiny"
     assert d["optimizer"]["betas"] == [0.9, 0.999]
 
 
@@ -432,6 +483,198 @@ def test_stochastic_rounding_default_follows_weight_dtype() -> None:
 
 
 def test_warmup_longer_than_run_warns(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="popbert.config.run_config"):
+    with caplog.at_level(logging.WARNING, logger="popbert.config.sections"):
         load_config("tiny", ["training.steps=5"])
     assert "warmup_steps" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite numbers and duplicate keys
+
+
+@pytest.mark.parametrize("text,shown", [(".inf", "inf"), ("-.inf", "-inf"), (".nan", "nan")])
+def test_non_finite_in_file(tmp_path: Path, text: str, shown: str) -> None:
+    path = write(tmp_path, f"optimizer:\n  lr: {text}\n")
+    assert error_of(path) == f"{path}: optimizer.lr must be a finite number, got {shown}"
+    # Anywhere: in a list, in an int key, in a nested mapping.
+    path = write(tmp_path, f"optimizer:\n  betas: [0.9, {text}]\n", "b.yaml")
+    assert error_of(path) == f"{path}: optimizer.betas[1] must be a finite number, got {shown}"
+    path = write(tmp_path, f"training:\n  steps: {text}\n", "s.yaml")
+    assert error_of(path) == f"{path}: training.steps must be a finite number, got {shown}"
+    path = write(tmp_path, f"model:\n  task:\n    doc_stride: {text}\n", "t.yaml")
+    assert "model.task.doc_stride must be a finite number" in error_of(path)
+
+
+@pytest.mark.parametrize("value,shown", [(".inf", "inf"), ("-.inf", "-inf"), (".nan", "nan"),
+                                         ("inf", "'inf'"), ("-inf", "'-inf'"),
+                                         ("nan", "'nan'")])
+def test_non_finite_in_override(value: str, shown: str) -> None:
+    message = error_of("tiny", [f"optimizer.lr={value}"])
+    assert message == (f"--set optimizer.lr={value}: optimizer.lr must be a finite number, "
+                       f"got {shown}")
+
+
+def test_non_finite_text_is_a_string_where_a_string_is_expected() -> None:
+    assert load_config("tiny", ["tracking.run_name=nan"]).tracking.run_name == "nan"
+
+
+def test_non_finite_in_dict_and_validate() -> None:
+    with pytest.raises(ConfigError, match=r"^<dict>: model.hidden_dropout must be a finite"):
+        config_from_dict({"model": {"hidden_dropout": float("nan")}})
+    cfg = load_config("tiny")
+    cfg.optimizer.max_grad_norm = float("inf")
+    with pytest.raises(ConfigError, match="optimizer.max_grad_norm must be a finite number"):
+        cfg.validate()
+
+
+def test_duplicate_key_names_file_key_and_lines(tmp_path: Path) -> None:
+    path = write(tmp_path, "optimizer:\n  lr: 0.1\n  eps: 1e-6\n  lr: 0.2\ntraining:\n"
+                           "  steps: 3\n")
+    assert error_of(path) == f"{path}: duplicate key optimizer.lr at lines 2 and 4"
+    path = write(tmp_path, "training:\n  steps: 3\nmodel:\n  num_layers: 2\ntraining:\n"
+                           "  log_every: 1\n", "top.yaml")
+    assert error_of(path) == f"{path}: duplicate key training at lines 1 and 5"
+    path = write(tmp_path, "model:\n  task:\n    labels: [a, b]\n    name: classification\n"
+                           "    labels: [c, d]\n", "deep.yaml")
+    assert error_of(path) == f"{path}: duplicate key model.task.labels at lines 3 and 5"
+
+
+def test_duplicate_key_in_override_and_merge_keys_allowed() -> None:
+    assert error_of("tiny", ["model.task={name: squad, name: x}"]).endswith(
+        "duplicate key name")
+    # A key that overrides one brought in by a YAML merge (<<) is not a duplicate.
+    text = "base: &b {a: 1, b: 2}\nderived:\n  <<: *b\n  a: 3\n"
+    assert load_yaml(text)["derived"] == {"a": 3, "b": 2}
+    with pytest.raises(DuplicateKeyError):
+        load_yaml("derived:\n  <<: {a: 1}\n  a: 3\n  a: 4\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Task settings (model.task) and the legacy model.extra
+
+
+def test_model_task_round_trip(tmp_path: Path) -> None:
+    text = ("model:\n  task:\n    name: classification\n    hf_architecture: "
+            "BertForSequenceClassification\n    lowercase: false\n    num_labels: 3\n"
+            "    labels: [neg, neutral, pos]\n")
+    cfg = load_config(write(tmp_path, text))
+    assert cfg.model.task == TaskConfig(name="classification",
+                                        hf_architecture="BertForSequenceClassification",
+                                        lowercase=False, num_labels=3,
+                                        labels=["neg", "neutral", "pos"])
+    path = save_config(cfg, tmp_path / "saved.yaml")
+    assert load_config(path) == cfg
+    assert config_from_dict(yaml.safe_load(path.read_text())) == cfg
+    assert "  task:\n    name: classification\n" in path.read_text()
+
+
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        ("model:\n  task:\n    nme: squad\n",
+         "unknown key model.task.nme (did you mean 'name'?); valid keys: doc_stride, "
+         "hf_architecture, labels, lowercase, max_query_length, name, num_labels"),
+        ("model:\n  task: squad\n", "model.task must be a mapping of keys, got 'squad'"),
+        ("model:\n  task:\n    name: ner\n", "model.task.name must be one of squad, "
+                                             "classification or null, got 'ner'"),
+        ("model:\n  task:\n    lowercase: 1\n", "model.task.lowercase: expected bool, got 1"),
+        ("model:\n  task:\n    name: classification\n",
+         "model.task.num_labels must be set for model.task.name 'classification'"),
+        ("model:\n  task:\n    num_labels: 3\n    labels: [a, b]\n",
+         "model.task.labels names 2 classes but model.task.num_labels is 3"),
+    ],
+)
+def test_model_task_is_validated(tmp_path: Path, text: str, fragment: str) -> None:
+    path = write(tmp_path, text)
+    assert error_of(path) == f"{path}: {fragment}"
+
+
+def test_model_task_overrides() -> None:
+    assert error_of("tiny", ["model.task.nme=squad"]).startswith(
+        "--set model.task.nme=squad: unknown key model.task.nme (did you mean 'name'?)")
+    assert error_of("tiny", ["model.task.name.x=1"]).startswith(
+        "--set model.task.name.x=1: model.task.name is not a mapping")
+    assert error_of("tiny", ["model.task.name=classification"]) == (
+        "--set model.task.name=classification: model.task.num_labels must be set for "
+        "model.task.name 'classification'")
+    cfg = load_config("tiny", ["model.task={name: classification, num_labels: 2}",
+                               "model.task.lowercase=false"])
+    assert cfg.model.task == TaskConfig(name="classification", num_labels=2, lowercase=False)
+
+
+LEGACY_EXTRA = {"task": "squad", "hf_architecture": "BertForQuestionAnswering",
+                "lowercase": False, "doc_stride": 128, "max_query_length": 64}
+
+
+def test_legacy_extra_loads_as_task(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Checkpoints written before model.task hold the task settings in model.extra."""
+    old = load_config("tiny").to_dict()
+    del old["preset"]
+    del old["model"]["task"]
+    old["model"]["extra"] = dict(LEGACY_EXTRA, note="never read")
+    expected = TaskConfig(name="squad", hf_architecture="BertForQuestionAnswering",
+                          lowercase=False, doc_stride=128, max_query_length=64)
+    with caplog.at_level(logging.INFO):
+        from_dict = config_from_dict(old)
+        path = write(tmp_path, yaml.safe_dump(old, sort_keys=False))
+        from_file = load_config(path, ["model.task.doc_stride=96"])
+    assert not caplog.records, "legacy configs load without warnings"
+    assert from_dict.model.task == expected and from_dict.preset is None
+    assert from_file.model.task.doc_stride == 96 and from_file.model.task.name == "squad"
+    # An empty extra (what pre-training checkpoints hold) is the default task settings.
+    old["model"]["extra"] = {}
+    assert config_from_dict(old).model.task == TaskConfig()
+    # Once re-saved, the config speaks model.task.
+    assert "extra" not in dump_config(from_dict) and "task:\n" in dump_config(from_dict)
+
+
+def test_legacy_extra_errors_name_model_task(tmp_path: Path) -> None:
+    path = write(tmp_path, "model:\n  extra:\n    num_labels: one\n")
+    assert error_of(path) == f"{path}: model.task.num_labels: expected int or null, got 'one'"
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the CLI: exit status 2 and one line
+
+
+@pytest.mark.parametrize(
+    "text,overrides,fragment",
+    [
+        ("training:\n  steps: 5\n", ["optimizer.lr=inf"],
+         "--set optimizer.lr=inf: optimizer.lr must be a finite number, got 'inf'"),
+        ("optimizer:\n  lr: -.inf\n", [], "optimizer.lr must be a finite number, got -inf"),
+        ("optimizer:\n  lr: 0.1\n  lr: 0.2\n", [], "duplicate key optimizer.lr at lines 2 and 3"),
+        ("preset: huge\n", [], "preset: unknown preset 'huge'; presets: base-128"),
+        ("model:\n  task:\n    stride: 3\n", [], "unknown key model.task.stride"),
+    ],
+)
+def test_cli_config_errors_exit_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cli_logging: None, text: str,
+    overrides: list[str], fragment: str,
+) -> None:
+    from popbert.cli.main import main
+
+    path = write(tmp_path, text)
+    argv = ["config", "--config", str(path)]
+    for override in overrides:
+        argv += ["--set", override]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("popbert: error: ")
+    assert fragment in lines[0]
+    if not overrides:
+        assert lines[0].startswith(f"popbert: error: {path}: ")
+
+
+def test_cli_config_prints_a_partial_file_over_its_preset(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cli_logging: None
+) -> None:
+    from popbert.cli.main import main
+
+    path = write(tmp_path, "training:\n  steps: 10\n")
+    assert main(["config", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("preset: tiny\nmodel:\n  vocab_size: 8192\n")
+    assert load_config(write(tmp_path, out, "resolved.yaml")) == load_config(path)

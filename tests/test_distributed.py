@@ -46,7 +46,7 @@ def overrides(**values: object) -> list[str]:
 
 
 def config(replicas: int, accumulation: int, **values: object):
-    from popbert.config.run_config import load_config
+    from popbert.config import load_config
 
     return load_config("tiny", overrides(**{"execution__replicas": replicas,
                                             "execution__gradient_accumulation": accumulation,

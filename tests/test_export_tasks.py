@@ -1,7 +1,7 @@
 """`popbert export` for fine-tuned tasks, half precision, fixed batches and external data.
 
 Checkpoints here are small random models saved as a fine-tuning run would save them (task
-entries in `model.extra`, the vocabulary in the config). ONNX Runtime is compared with the
+settings in `model.task`, the vocabulary in the config). ONNX Runtime is compared with the
 torch backend running the same FP32 graph: 1e-4 absolute in FP32 (see export.VERIFY_ATOL),
 export.FP16_TOLERANCE of the output scale in FP16.
 """
@@ -18,7 +18,7 @@ import pytest
 import popbert.builders.tasks  # noqa: F401
 from popbert.builders.bert import build_bert
 from popbert.cli import main as cli
-from popbert.config.run_config import dump_config, load_config
+from popbert.config import TaskConfig, dump_config, load_config
 from popbert.data.tokenization import bundled_vocab_path
 from popbert.graph.annotations import trainable_initializers
 from popbert.io import export
@@ -33,9 +33,9 @@ SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",
 def fine_tuned(directory: Path, task: str) -> tuple[Path, dict[str, np.ndarray]]:
     """A run directory with one checkpoint of a random `task` model."""
     cfg = load_config("tiny", SMALL)
-    cfg.model.extra = {"task": task, "lowercase": True, "num_labels": 3,
-                       "labels": ["neg", "neutral", "pos"], "doc_stride": 8,
-                       "max_query_length": 8}
+    cfg.model.task = TaskConfig(name=task, lowercase=True, num_labels=3,
+                                labels=["neg", "neutral", "pos"], doc_stride=8,
+                                max_query_length=8)
     cfg.data.vocab_file = str(bundled_vocab_path())
     model = build_bert(cfg.model, task=task, seed=11).model()
     values = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
@@ -51,7 +51,7 @@ def fine_tuned(directory: Path, task: str) -> tuple[Path, dict[str, np.ndarray]]
 
 def torch_reference(task: str, weights: dict[str, np.ndarray], batch) -> dict[str, np.ndarray]:
     cfg = load_config("tiny", SMALL)
-    cfg.model.extra = {"num_labels": 3}
+    cfg.model.task = TaskConfig(num_labels=3)
     session = InferenceSession(build_bert(cfg.model, task=task, with_loss=False,
                                           zeros=True).model())
     session.load_weights(weights, strict=False)

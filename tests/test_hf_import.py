@@ -86,7 +86,7 @@ def test_import_reports_the_fresh_heads(imported: Path) -> None:
                                "CLS/LMPrediction/Norm/Gamma", "CLS/LMPrediction/Norm/Beta",
                                "CLS/MLM/Bias", "NSP/Cls/W", "NSP/Cls/B"]
     assert report["ignored"] == []
-    from popbert.config.run_config import load_config
+    from popbert.config import load_config
 
     cfg = load_config(imported / "config.yaml")
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_heads) == (6, 384, 12)
@@ -213,10 +213,10 @@ def test_task_heads_import_export_and_match_transformers(tmp_path: Path, task: s
     if task == "squad":  # BertForQuestionAnswering has no pooler
         assert {"NSP/Pool/W", "NSP/Pool/B"} <= set(report["fresh"])
     else:
-        from popbert.config.run_config import load_config
+        from popbert.config import load_config
 
-        assert load_config(ckpt / "config.yaml").model.extra["labels"] == ["neg", "neutral",
-                                                                            "pos"]
+        assert load_config(ckpt / "config.yaml").model.task.labels == ["neg", "neutral",
+                                                                        "pos"]
 
     onnx_file = tmp_path / f"{task}.onnx"
     assert cli.main(["export", "--checkpoint", str(ckpt), "--task", task, "--output",

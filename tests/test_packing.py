@@ -11,7 +11,7 @@ import torch
 from bert_helpers import small_config
 
 from popbert.builders.bert import build_bert
-from popbert.config.run_config import load_config
+from popbert.config import load_config
 from popbert.data import DataError, PretrainingLoader, read_shard, read_shard_info, write_shard
 from popbert.data.packing import (
     NSP_IGNORE,

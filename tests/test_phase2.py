@@ -18,7 +18,7 @@ import torch
 
 from popbert.builders.bert import build_bert
 from popbert.cli import main as cli
-from popbert.config.run_config import load_config
+from popbert.config import load_config
 
 # The tiny preset made smaller still (1 layer, hidden 64) so both phases take seconds.
 TINY = ["--config", "tiny", "--set", "model.num_layers=1", "--set", "model.hidden_size=64",

@@ -20,7 +20,7 @@ import torch
 import popbert.builders.tasks  # noqa: F401
 from popbert.builders.bert import build_bert
 from popbert.cli import main as cli
-from popbert.config.run_config import dump_config, load_config
+from popbert.config import TaskConfig, dump_config, load_config
 from popbert.data.squad import squad_features
 from popbert.data.tokenization import bundled_vocab_path
 from popbert.graph.annotations import trainable_initializers
@@ -39,14 +39,14 @@ FIXTURE = Path(__file__).parent / "fixtures" / "squad" / "squad-v1.1-sample.json
 SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",
          "model.intermediate_size=64", "model.sequence_length=40",
          "model.max_position_embeddings=64", "model.max_predictions_per_seq=5"]
-EXTRA = {"task": "squad", "lowercase": True, "doc_stride": 8, "max_query_length": 12}
+TASK = TaskConfig(name="squad", lowercase=True, doc_stride=8, max_query_length=12)
 
 
 @pytest.fixture(scope="module")
 def squad_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
     """A run directory holding a random squad model, as `popbert finetune squad` writes it."""
     cfg = load_config("tiny", SMALL)
-    cfg.model.extra = dict(EXTRA)
+    cfg.model.task = TASK
     cfg.data.vocab_file = str(bundled_vocab_path())
     model = build_bert(cfg.model, task="squad", seed=3).model()
     values = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
@@ -68,11 +68,11 @@ def exported(squad_run, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def torch_predictions(weights, n_best_size: int = 20):
     """The training side: popbert.data.squad features, torch backend logits, same decoding."""
     cfg = load_config("tiny", SMALL)
-    cfg.model.extra = dict(EXTRA)
+    cfg.model.task = TASK
     vocab = parse_vocab(bundled_vocab_path().read_text(encoding="utf-8"))
     questions, _ = read_squad(FIXTURE)
     features = squad_features(questions, make_tokenizer(vocab), vocab,
-                              WindowOptions(40, EXTRA["doc_stride"], EXTRA["max_query_length"]))
+                              WindowOptions(40, TASK.doc_stride, TASK.max_query_length))
     session = InferenceSession(build_bert(cfg.model, task="squad", with_loss=False,
                                           zeros=True).model())
     session.load_weights(weights, strict=False)

@@ -21,7 +21,7 @@ from popbert import __version__
 from popbert.errors import CheckpointError, PopbertError
 
 if TYPE_CHECKING:
-    from popbert.config.run_config import RunConfig
+    from popbert.config import RunConfig
 
 logger = logging.getLogger("popbert")
 
@@ -71,7 +71,7 @@ def _existing_dir(path: Path | None, what: str) -> Path | None:
 
 
 def _load(args: argparse.Namespace) -> RunConfig:
-    from popbert.config.run_config import DEFAULT_PRESET, load_config
+    from popbert.config import DEFAULT_PRESET, load_config
 
     config = args.config
     resume = getattr(args, "resume", None)
@@ -194,7 +194,7 @@ def _cmd_predict_squad(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from popbert.config.run_config import dump_config, save_config
+    from popbert.config import dump_config, save_config
 
     cfg = _load(args)
     if args.output is not None:

@@ -45,7 +45,7 @@ from popbert.optimizers.optimizer import AdamFamilyOptimizer
 from popbert.optimizers.stochastic_rounding import round_to_dtype
 
 if TYPE_CHECKING:
-    from popbert.config.run_config import RunConfig
+    from popbert.config import RunConfig
 
 log = logging.getLogger(__name__)
 

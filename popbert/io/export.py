@@ -19,6 +19,7 @@ label names).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import tempfile
@@ -162,7 +163,8 @@ def inference_config(config: BertConfig, sequence_length: int | None = None) -> 
     (dropout is the identity at inference, and without it the fused Attention op is used), no
     packing."""
     values = {**config.__dict__, "layers_per_ipu": None, "recompute": False, "dialect": "onnx",
-              "hidden_dropout": 0.0, "attention_dropout": 0.0, "extra": dict(config.extra),
+              "hidden_dropout": 0.0, "attention_dropout": 0.0,
+              "task": dataclasses.replace(config.task),
               # Packing is a training-time layout; the same weights serve one sequence per row.
               "packed": False}
     if sequence_length is not None:
@@ -229,7 +231,7 @@ def export_weights(weights: Mapping[str, torch.Tensor | np.ndarray], config: Ber
     try:
         graph = build_bert(config, task=task, with_loss=False, zeros=True,
                            batch_size=BATCH if batch_size is None else batch_size)
-    except ValueError as error:  # e.g. classification without model.extra.num_labels
+    except ValueError as error:  # e.g. classification without model.task.num_labels
         raise UsageError(f"cannot build the {task} graph: {error}") from None
     built = graph.model()
     absent = [n for n in trainable_initializers(built) if n not in weights]
@@ -265,11 +267,12 @@ def task_metadata(config: BertConfig, vocab: Path | None) -> dict[str, str]:
     """What serving a fine-tuned model needs besides its weights (`popbert.serve.predict` reads it)."""
     import json
 
-    extra = config.extra
-    meta = {f"{METADATA_PREFIX}lowercase": json.dumps(bool(extra.get("lowercase", True)))}
+    task = config.task
+    meta = {f"{METADATA_PREFIX}lowercase": json.dumps(task.lowercase)}
     for key in ("doc_stride", "max_query_length", "labels"):
-        if key in extra:
-            meta[f"{METADATA_PREFIX}{key}"] = json.dumps(extra[key])
+        value = getattr(task, key)
+        if value is not None:
+            meta[f"{METADATA_PREFIX}{key}"] = json.dumps(value)
     if vocab is not None:
         meta[f"{METADATA_PREFIX}vocab"] = vocab.read_text(encoding="utf-8")
     return meta
@@ -279,7 +282,7 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
                       batch_size: int | None = None, sequence_length: int | None = None,
                       external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> Path:
     """`popbert export`: a checkpoint directory (or run directory) → inference ONNX file."""
-    from popbert.config.run_config import config_from_dict
+    from popbert.config import config_from_dict
     from popbert.io.checkpoint import find_checkpoint, load_checkpoint
     from popbert.io.hf_checkpoint import checkpoint_vocab
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from popbert.builders.bert_config import BertConfig
+from popbert.builders.bert_config import BertConfig, TaskConfig
 from popbert.errors import CheckpointError, UsageError
 from popbert.io import hf_mapping as hf
 from popbert.io.atomic import atomic_directory
@@ -132,10 +132,10 @@ def hf_config_from_bert(config: BertConfig, architecture: str, pad_token_id: int
                            "pad_token_id": pad_token_id, "torch_dtype": "float32"}
     for theirs, ours in CONFIG_FIELDS.items():
         out[theirs] = getattr(config, ours)
-    labels = config.extra.get("labels")
+    labels = config.task.labels
     if architecture == "BertForSequenceClassification":
         names = [str(x) for x in labels] if labels else [
-            f"LABEL_{i}" for i in range(int(config.extra.get("num_labels", 2)))]
+            f"LABEL_{i}" for i in range(config.task.num_labels or 2)]
         out["id2label"] = {str(i): name for i, name in enumerate(names)}
         out["label2id"] = {name: i for i, name in enumerate(names)}
     return out
@@ -228,7 +228,7 @@ def import_hf(model_dir: Path, output_dir: Path, sequence_length: int | None = N
     from onnx import numpy_helper
 
     from popbert.builders.bert import build_bert
-    from popbert.config.run_config import RunConfig, config_from_dict, dump_config
+    from popbert.config import RunConfig, config_from_dict, dump_config
     from popbert.graph.annotations import trainable_initializers
     from popbert.io import checkpoint as ckpt
 
@@ -259,14 +259,14 @@ def import_hf(model_dir: Path, output_dir: Path, sequence_length: int | None = N
                          "matching its config.json?")
     ignored = hf.unused_hf_keys(state, bert)
 
-    bert.extra = {"hf_architecture": hf.architecture_for(weights),
-                  "lowercase": read_lowercase(model_dir)}
+    bert.task = TaskConfig(hf_architecture=hf.architecture_for(weights),
+                           lowercase=read_lowercase(model_dir))
     if all(rule.ours in weights for rule in hf.classification_rules()):
         labels = hf_config.get("id2label") or {}
-        bert.extra["num_labels"] = int(weights["Classifier/B"].shape[0])
-        names = [labels.get(str(i)) for i in range(bert.extra["num_labels"])]
+        bert.task.num_labels = int(weights["Classifier/B"].shape[0])
+        names = [labels.get(str(i)) for i in range(bert.task.num_labels)]
         if all(isinstance(n, str) for n in names):
-            bert.extra["labels"] = names
+            bert.task.labels = names
 
     graph = build_bert(bert, task="pretraining", seed=seed)
     model = graph.model()
@@ -291,7 +291,7 @@ def import_hf(model_dir: Path, output_dir: Path, sequence_length: int | None = N
     cfg.data.vocab_file = str(final_vocab)
     cfg = config_from_dict(cfg.to_dict(), source=str(config_path))
     config_yaml = dump_config(cfg)
-    report = ImportReport(output_dir, ckpt.step_dir(output_dir, 0), bert.extra["hf_architecture"],
+    report = ImportReport(output_dir, ckpt.step_dir(output_dir, 0), bert.task.hf_architecture,
                           loaded=sorted(weights), fresh=fresh, ignored=ignored)
     with atomic_directory(output_dir) as tmp:
         shutil.copyfile(vocab, tmp / VOCAB)
@@ -342,14 +342,14 @@ def export_hf(checkpoint: Path, output_dir: Path, architecture: str | None = Non
     unexpected keys: config.json, model.safetensors, vocab.txt and tokenizer_config.json."""
     import safetensors.numpy
 
-    from popbert.config.run_config import config_from_dict
+    from popbert.config import config_from_dict
     from popbert.io.checkpoint import load_checkpoint
 
     restored = load_checkpoint(checkpoint, weights_only=True)
     cfg = config_from_dict(restored.config, source=f"{checkpoint}/config.yaml")
     weights = {k: v.numpy() for k, v in restored.weights.items()}
     if architecture is None:
-        recorded = cfg.model.extra.get("hf_architecture")
+        recorded = cfg.model.task.hf_architecture
         architecture = recorded if recorded in hf.ARCHITECTURES else hf.architecture_for(weights)
     if architecture not in hf.ARCHITECTURES:
         raise UsageError(f"--architecture: expected one of {', '.join(hf.ARCHITECTURES)}, "
@@ -367,7 +367,7 @@ def export_hf(checkpoint: Path, output_dir: Path, architecture: str | None = Non
         from popbert.data.tokenization import WordPieceTokenizer
 
         pad_id = WordPieceTokenizer(vocab).pad_id
-    lowercase = bool(cfg.model.extra.get("lowercase", True))
+    lowercase = cfg.model.task.lowercase
     with atomic_directory(output_dir) as tmp:
         (tmp / "config.json").write_text(json.dumps(
             hf_config_from_bert(cfg.model, architecture, pad_id), indent=2, sort_keys=True))

@@ -8,7 +8,7 @@ and decay, save a checkpoint, and evaluate: SQuAD writes `predictions.json` in t
 format and the official EM/F1; classification reports accuracy and F1.
 
 Everything a later `popbert export --task squad|classification` or `popbert export-hf` needs
-(task, window sizes, labels, lowercasing) is recorded in the checkpoint's `model.extra`.
+(task, window sizes, labels, lowercasing) is recorded in the checkpoint's `model.task`.
 
 Output directory: `config.yaml`, `vocab.txt`, `metrics.jsonl` (training loss), the checkpoint
 under `checkpoints/step-NNNNNN/`, and `eval_results.json` (+ `predictions.json`,
@@ -31,8 +31,8 @@ from tqdm import tqdm
 
 import popbert.builders.tasks  # noqa: F401  (registers the squad and classification heads)
 from popbert.builders.bert import build_bert
-from popbert.builders.bert_config import BertConfig
-from popbert.config.run_config import RunConfig, config_from_dict, dump_config
+from popbert.builders.bert_config import BertConfig, TaskConfig
+from popbert.config import RunConfig, config_from_dict, dump_config
 from popbert.errors import CheckpointError, ConfigError, UsageError
 from popbert.io import checkpoint as ckpt
 from popbert.io.atomic import atomic_write_bytes, atomic_write_text
@@ -115,21 +115,21 @@ def load_pretrained(checkpoint: Path) -> Pretrained:
     if entries > cfg.model.vocab_size:
         raise CheckpointError(f"{vocab}: {entries} vocabulary entries but the checkpoint's "
                               f"model.vocab_size is {cfg.model.vocab_size}")
-    return Pretrained(cfg, restored.weights, vocab, bool(cfg.model.extra.get("lowercase", True)),
-                      step_dir)
+    return Pretrained(cfg, restored.weights, vocab, cfg.model.task.lowercase, step_dir)
 
 
-def task_model_config(model: BertConfig, sequence_length: int, extra: Mapping[str, object],
+def task_model_config(model: BertConfig, sequence_length: int, task: TaskConfig,
                       dropout: float | None = None) -> BertConfig:
     """The checkpoint's model at `sequence_length` for one process (no placement, unpacked),
-    with the task's `extra` entries (and `dropout` for both dropouts, if given)."""
+    with the fine-tuning `task` settings in place of the checkpoint's (and `dropout` for both
+    dropouts, if given)."""
     if sequence_length > model.max_position_embeddings:
         raise UsageError(f"--max-seq-length ({sequence_length}) exceeds the checkpoint's "
                          f"model.max_position_embeddings ({model.max_position_embeddings})")
     values = {**model.__dict__, "sequence_length": sequence_length, "layers_per_ipu": None,
               "recompute": False, "dialect": "onnx",
               "max_predictions_per_seq": min(model.max_predictions_per_seq, sequence_length),
-              "extra": {**model.extra, **extra}}
+              "task": task}
     if dropout is not None:
         values["hidden_dropout"] = values["attention_dropout"] = dropout
     if "packed" in values:  # fine-tuning features are one sequence per row
@@ -293,9 +293,9 @@ def finetune_squad(checkpoint: Path, train_file: Path, output_dir: Path,
     to_predict = read_squad(predict_file) if predict_file is not None else None
     features = squad_features(questions, tokenizer, vocab, windows, training=True,
                               source=str(train_file))
-    model = task_model_config(pretrained.config.model, max_seq_length, {
-        "task": "squad", "hf_architecture": SQUAD_ARCHITECTURE, "lowercase": pretrained.lowercase,
-        "doc_stride": doc_stride, "max_query_length": max_query_length}, options.dropout)
+    model = task_model_config(pretrained.config.model, max_seq_length, TaskConfig(
+        name="squad", hf_architecture=SQUAD_ARCHITECTURE, lowercase=pretrained.lowercase,
+        doc_stride=doc_stride, max_query_length=max_query_length), options.dropout)
     steps = options.epochs * math.ceil(len(features) / options.batch_size)
     output_dir = Path(output_dir)
     cfg = run_config(pretrained, model, options, steps, output_dir)
@@ -365,10 +365,9 @@ def finetune_classify(checkpoint: Path, train_file: Path, output_dir: Path,
     arrays["labels"] = label_ids(train_data, names)
     eval_arrays = encode_classification(eval_data, tokenizer, max_seq_length)
     eval_labels = label_ids(eval_data, names)
-    model = task_model_config(pretrained.config.model, max_seq_length, {
-        "task": "classification", "hf_architecture": CLASSIFICATION_ARCHITECTURE,
-        "lowercase": pretrained.lowercase, "num_labels": len(names), "labels": names},
-        options.dropout)
+    model = task_model_config(pretrained.config.model, max_seq_length, TaskConfig(
+        name="classification", hf_architecture=CLASSIFICATION_ARCHITECTURE,
+        lowercase=pretrained.lowercase, num_labels=len(names), labels=names), options.dropout)
     steps = options.epochs * math.ceil(len(train_data) / options.batch_size)
     output_dir = Path(output_dir)
     cfg = run_config(pretrained, model, options, steps, output_dir)

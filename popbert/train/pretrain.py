@@ -23,7 +23,7 @@ import yaml
 from tqdm import tqdm
 
 from popbert.builders.bert import build_bert
-from popbert.config.run_config import RunConfig, config_from_dict
+from popbert.config import RunConfig, config_from_dict
 from popbert.data.pretraining import load_training_data, make_loader
 from popbert.distributed.replicas import (
     Replicas,

@@ -1,8 +1,12 @@
 """WordPiece tokenization over a BERT `vocab.txt`, backed by Hugging Face `tokenizers`.
 
-One wrapper so every part of popbert (pre-training data, SQuAD, export checks) agrees on special
-token ids, vocabulary size and the vocabulary's identity (its sha256, recorded in every shard).
-The WordPiece algorithm itself is HF's Rust implementation, never re-implemented here.
+One place for how popbert reads a vocabulary and configures WordPiece, so every part of it
+(pre-training data, SQuAD windows, serving an exported model from the vocabulary in its
+metadata) agrees on special token ids, lowercasing and token offsets. `WordPieceTokenizer` wraps
+a `vocab.txt` file and adds what pre-training needs (vocabulary size, its sha256 recorded in
+every shard); `parse_vocab` + `make_tokenizer` + `encode_texts` are the lighter path SQuAD and
+serving use. The WordPiece algorithm itself is HF's Rust implementation, never re-implemented.
+This module imports no torch: `popbert.serve` depends on it.
 """
 
 from __future__ import annotations
@@ -10,7 +14,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -44,6 +49,75 @@ def bundled_vocab_path() -> Path:
     return _resource("vocab.txt")
 
 
+def vocab_tokens(text: str) -> list[str]:
+    """The entries of `vocab.txt` content, one a line (id = line number), trailing blanks cut.
+
+    Lines end at "\n" only (a stray "\r" before it is dropped): `\u2028` and friends are
+    legitimate characters of a vocabulary entry, so `str.splitlines` would shift the ids.
+    """
+    tokens = [line.rstrip("\r") for line in text.split("\n")]
+    while tokens and tokens[-1] == "":
+        tokens.pop()
+    return tokens
+
+
+def vocab_index(tokens: Sequence[str], source: str = "vocabulary") -> dict[str, int]:
+    """Token → id of a vocabulary's entries; a duplicated token keeps its first id.
+
+    Raises a DataError naming `source` when the vocabulary is empty or lacks one of the special
+    tokens, since every model input starts with [CLS] and the ids are read, not assumed.
+    """
+    if not tokens:
+        raise DataError(f"{source}: vocabulary is empty")
+    index: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        index.setdefault(token, i)
+    missing = [t for t in SPECIAL_TOKENS if t not in index]
+    if missing:
+        raise DataError(f"{source}: vocabulary lacks special tokens {', '.join(missing)}")
+    return index
+
+
+def parse_vocab(text: str, source: str = "vocabulary") -> dict[str, int]:
+    """`vocab.txt` content → token → id, exactly as `WordPieceTokenizer` reads the file."""
+    return vocab_index(vocab_tokens(text), source)
+
+
+def make_tokenizer(vocab: Mapping[str, int], lowercase: bool = True) -> BertWordPieceTokenizer:
+    """A Hugging Face WordPiece tokenizer over `vocab` with BERT's normalisation.
+
+    `lowercase=True` also strips accents (BERT "uncased"). `WordPieceTokenizer` uses it as its
+    backend, so pre-training data, SQuAD windows and serving tokenize text identically.
+    """
+    tokenizer = BertWordPieceTokenizer(
+        dict(vocab), unk_token=UNK_TOKEN, sep_token=SEP_TOKEN, cls_token=CLS_TOKEN,
+        pad_token=PAD_TOKEN, mask_token=MASK_TOKEN, clean_text=True, handle_chinese_chars=True,
+        strip_accents=lowercase, lowercase=lowercase, wordpieces_prefix=WORDPIECE_PREFIX)
+    # Text is data: a literal "[SEP]" in a sentence or question is tokenized as characters (as
+    # Google's tokenizer does), never turned into the control token.
+    tokenizer._tokenizer.encode_special_tokens = True
+    return tokenizer
+
+
+@dataclass
+class Encoding:
+    """A text's WordPiece ids and each token's (start, end) character offsets in the text.
+
+    The offsets let SQuAD cut answers out of the original context, not out of normalised text.
+    """
+
+    ids: list[int]
+    offsets: list[tuple[int, int]]
+
+
+def encode_texts(tokenizer: BertWordPieceTokenizer, texts: Sequence[str]) -> list[Encoding]:
+    """Encode many texts at once (Rust, parallel), without special tokens."""
+    if not texts:
+        return []
+    return [Encoding(list(e.ids), [tuple(o) for o in e.offsets])
+            for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+
 def file_sha256(path: str | os.PathLike) -> str:
     """Hex sha256 of a file's bytes: the identity of a vocabulary recorded in shards."""
     digest = hashlib.sha256()
@@ -64,18 +138,9 @@ class WordPieceTokenizer:
         path = Path(vocab_path) if vocab_path is not None else bundled_vocab_path()
         if not path.is_file():
             raise DataError(f"{path}: vocabulary file not found")
-        with open(path, encoding="utf-8") as f:
-            tokens = [line.rstrip("\n").rstrip("\r") for line in f]
-        while tokens and tokens[-1] == "":
-            tokens.pop()
-        if not tokens:
-            raise DataError(f"{path}: vocabulary file is empty")
-        index = {}
-        for i, token in enumerate(tokens):
-            index.setdefault(token, i)
-        missing = [t for t in SPECIAL_TOKENS if t not in index]
-        if missing:
-            raise DataError(f"{path}: vocabulary lacks special tokens {', '.join(missing)}")
+        # Text mode turns "\r\n" and a lone "\r" into "\n", as reading the file line by line did.
+        tokens = vocab_tokens(path.read_text(encoding="utf-8"))
+        index = vocab_index(tokens, str(path))
         if len(index) != len(tokens):
             log.warning("%s: %d duplicate vocabulary entries; the first id of each is used",
                         path, len(tokens) - len(index))
@@ -95,14 +160,7 @@ class WordPieceTokenizer:
         self.is_continuation = np.fromiter(
             (t.startswith(WORDPIECE_PREFIX) and len(t) > len(WORDPIECE_PREFIX) for t in tokens),
             dtype=bool, count=len(tokens))
-        self.backend = BertWordPieceTokenizer(
-            index, unk_token=UNK_TOKEN, sep_token=SEP_TOKEN, cls_token=CLS_TOKEN,
-            pad_token=PAD_TOKEN, mask_token=MASK_TOKEN, clean_text=True,
-            handle_chinese_chars=True, strip_accents=lowercase, lowercase=lowercase,
-            wordpieces_prefix=WORDPIECE_PREFIX)
-        # Text is data: a literal "[SEP]" in a sentence is tokenized as characters (as Google's
-        # tokenizer does), never turned into the control token.
-        self.backend._tokenizer.encode_special_tokens = True
+        self.backend = make_tokenizer(index, lowercase)
 
     @property
     def vocab_size(self) -> int:

@@ -23,21 +23,19 @@ from bert_helpers import minilm_checkpoint
 
 from popbert.cli import main as cli
 from popbert.data.squad import (
+    WindowOptions,
     answer_token_span,
-    evaluate,
-    exact_match_score,
-    f1_score,
-    normalize_answer,
+    decode_answers,
+    read_squad,
     squad_features,
 )
-from popbert.data.tokenization import WordPieceTokenizer, bundled_vocab_path
-from popbert.serve.predict import (
-    WindowOptions,
-    decode_answers,
+from popbert.data.squad_metric import evaluate, exact_match_score, f1_score, normalize_answer
+from popbert.data.tokenization import (
+    WordPieceTokenizer,
+    bundled_vocab_path,
     encode_texts,
     make_tokenizer,
     parse_vocab,
-    read_squad,
 )
 
 FIXTURE = Path(__file__).parent / "fixtures" / "squad" / "squad-v1.1-sample.json"

@@ -870,8 +870,8 @@ def test_int_initializers_are_buffers_not_parameters():
     model, feeds, names = _bert_block()
     gm = lower_to_fx(model)
     assert "split_sizes" not in dict(gm.named_parameters())
-    frozen = lower_to_fx(model, trainable=False)
-    assert not any(p.requires_grad for p in frozen.parameters())
+    untrainable = lower_to_fx(model, trainable=False)
+    assert not any(p.requires_grad for p in untrainable.parameters())
 
 
 def test_dropout_follows_train_and_eval():
@@ -898,9 +898,10 @@ def test_dropout_mask_output_and_initializer_ratio():
     x = f32(32, 32, low=0.5)
     model, _ = op_model("Dropout", [(x, "in"), (np.array(0.5, np.float32), "init")], n_out=2)
     gm = lower_to_fx(model)
-    # a float initializer read only as the ratio stays a parameter, frozen at its value
+    # a float initializer read only as the ratio stays a parameter, its value folded in
     assert list(dict(gm.named_parameters())) == ["x1"]
-    assert gm.frozen_initializers == ["x1"] and not gm.get_parameter("x1").requires_grad
+    assert gm.folded_initializers == ["x1"] and not gm.get_parameter("x1").requires_grad
+    assert copy.deepcopy(gm).folded_initializers == ["x1"]
     gm.train()
     y, mask = gm(torch.from_numpy(x))
     assert mask.dtype == torch.bool

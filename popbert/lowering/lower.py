@@ -2,7 +2,10 @@
 
 The annotated ONNX graph is popbert's program; the torch backend runs it by translating every
 ONNX node into plain torch calls ahead of time (no interpretation of the proto per step), so the
-result trains with autograd and is ``torch.compile``-friendly.
+result trains with autograd and is ``torch.compile``-friendly. This module drives that
+translation: :func:`lower_to_fx` binds initializers and inputs, infers static shapes, runs the
+fusion pass (:mod:`popbert.lowering.fusion`), hands each node to its converter
+(:mod:`popbert.lowering.converters`) and wraps the result in :class:`OnnxGraphModule`.
 
 Conventions of the lowered :class:`OnnxGraphModule`:
 
@@ -20,13 +23,16 @@ Conventions of the lowered :class:`OnnxGraphModule`:
   or python scalars. Shape-like inputs (Reshape shape, Split sizes, axes, Slice bounds, Expand
   shape, Dropout ratio) are folded into python constants. A float initializer read only in such
   a position keeps its parameter but with ``requires_grad=False`` (listed in
-  ``frozen_initializers``): its value is baked in at lowering time.
+  ``folded_initializers``): its value is baked in at lowering time. (Not to be confused with the
+  graph's *constant* initializers, :func:`popbert.graph.annotations.constant_initializers`,
+  which the model's metadata declares and sessions never train.)
 * Every fx node emitted for an ONNX node carries ``node.meta["onnx"] = {"op_type", "name",
   "domain", "attributes", "inputs", "outputs"}`` where ``attributes`` holds the ``__``
-  annotations (``__ipu_number``, ``__pipeline_stage``, ...) as python values; the node bound to
-  an ONNX tensor also has ``node.meta["onnx_value"]`` = that tensor's name. Nodes fused from
-  several ONNX nodes (MatMul + Add -> ``F.linear``) list the others in ``meta["onnx"]["fused"]``.
-* Dropout is an :class:`~popbert.lowering.ops.OnnxDropout` submodule: it follows
+  annotations (:mod:`popbert.graph.annotations`: ``IPU_NUMBER``, ``PIPELINE_STAGE``, ...) as
+  python values; the node bound to an ONNX tensor also has ``node.meta["onnx_value"]`` = that
+  tensor's name. Nodes fused from several ONNX nodes (MatMul + Add -> ``F.linear``) list the
+  others in ``meta["onnx"]["fused"]``.
+* Dropout is an :class:`~popbert.lowering.functional.OnnxDropout` submodule: it follows
   ``module.train()`` / ``module.eval()`` (identity in eval, or when ``training_mode`` is a
   constant False).
 """
@@ -36,349 +42,45 @@ from __future__ import annotations
 import copy
 import keyword
 import logging
-import operator
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import onnx
 import torch
 import torch.fx as fx
-from onnx import numpy_helper
 from torch import nn
 
-from popbert.lowering.ops import CONVERTERS, Converter
+from popbert.lowering.context import (
+    ANNOTATION_PREFIX,
+    FLOAT_DTYPES,
+    ONNX_TO_TORCH,
+    Converter,
+    LoweringError,
+    NodeContext,
+    ParamRef,
+    UnsupportedOpError,
+    ValueInfo,
+    escape_param_name,
+    normalize_domain,
+    tensor_from_numpy,
+    unescape_param_name,
+)
+from popbert.lowering.converters import CONVERTERS
+from popbert.lowering.fusion import emit_fused_linear, find_linear_fusions
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "LoweringError",
-    "NodeContext",
-    "OnnxGraphModule",
-    "UnsupportedOpError",
-    "escape_param_name",
-    "lower_to_fx",
-    "onnx_dtype_to_torch",
-    "unescape_param_name",
-]
-
-_ONNX_TO_TORCH: dict[int, torch.dtype] = {
-    onnx.TensorProto.FLOAT: torch.float32,
-    onnx.TensorProto.DOUBLE: torch.float64,
-    onnx.TensorProto.FLOAT16: torch.float16,
-    onnx.TensorProto.BFLOAT16: torch.bfloat16,
-    onnx.TensorProto.INT64: torch.int64,
-    onnx.TensorProto.INT32: torch.int32,
-    onnx.TensorProto.INT16: torch.int16,
-    onnx.TensorProto.INT8: torch.int8,
-    onnx.TensorProto.UINT8: torch.uint8,
-    onnx.TensorProto.UINT16: torch.uint16,
-    onnx.TensorProto.UINT32: torch.uint32,
-    onnx.TensorProto.UINT64: torch.uint64,
-    onnx.TensorProto.BOOL: torch.bool,
-}
-
-_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_STANDARD_DOMAINS = ("", "ai.onnx")
-
-
-class UnsupportedOpError(NotImplementedError):
-    """An ONNX op (or an op variant) that the torch lowering has no converter for."""
-
-
-class LoweringError(RuntimeError):
-    """A converter failed on a node; the message names the node and its op type."""
-
-
-def onnx_dtype_to_torch(elem_type: int) -> torch.dtype:
-    """Map an ONNX ``TensorProto`` element type to the torch dtype."""
-    try:
-        return _ONNX_TO_TORCH[elem_type]
-    except KeyError:
-        name = onnx.TensorProto.DataType.Name(elem_type)
-        raise UnsupportedOpError(f"ONNX element type {name} has no torch equivalent") from None
-
-
-_RESERVED = frozenset(dir(fx.GraphModule))
-
-
-def escape_param_name(name: str) -> str:
-    """Reversibly turn an ONNX tensor name into a legal module attribute name.
-
-    Only ``%`` and ``.`` are rewritten (``%25``, ``%2E``); names that would shadow a module
-    attribute get a ``%%`` prefix (unambiguous: escaped names never contain ``%%``).
-    """
-    escaped = name.replace("%", "%25").replace(".", "%2E")
-    if escaped in _RESERVED or not escaped:
-        escaped = "%%" + escaped
-    return escaped
-
-
-def unescape_param_name(name: str) -> str:
-    """Inverse of :func:`escape_param_name`: module attribute name -> ONNX tensor name."""
-    if name.startswith("%%"):
-        name = name[2:]
-    return name.replace("%2E", ".").replace("%25", "%")
-
-
-def _tensor_from_numpy(arr: np.ndarray) -> torch.Tensor:
-    if arr.dtype.name == "bfloat16":  # ml_dtypes bfloat16, which torch cannot import directly
-        return torch.from_numpy(np.ascontiguousarray(arr).view(np.int16).copy()).view(
-            torch.bfloat16
-        )
-    if arr.dtype.kind in "OUS":
-        raise UnsupportedOpError("string tensors are not supported by the torch lowering")
-    return torch.from_numpy(np.array(arr, copy=True))
-
-
-@dataclass(frozen=True)
-class ParamRef:
-    """A float initializer, materialised as a ``get_attr`` node by each ONNX node using it."""
-
-    name: str
-    attr: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-class _Scalar:
-    """A one-element constant that a converter allows to be passed as a python number."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-
-_ValueInfo = tuple[tuple[int | None, ...] | None, torch.dtype | None]
-
-
-class NodeContext:
-    """What a converter sees of one ONNX node, and how it emits torch calls.
-
-    Values are ``fx.Node`` (computed at run time), :class:`ParamRef` (a parameter) or
-    ``torch.Tensor`` (a constant known at lowering time). ``call`` folds calls whose arguments
-    are all constants and otherwise appends an fx node tagged with this node's annotations.
-    """
-
-    def __init__(self, lowerer: _Lowerer, node: onnx.NodeProto, index: int) -> None:
-        self._low = lowerer
-        self.node = node
-        self.index = index
-        self.op_type = node.op_type
-        self.domain = "" if node.domain in _STANDARD_DOMAINS else node.domain
-        self.name = node.name or f"{node.op_type}_{index}"
-        self.opset = lowerer.opsets.get(self.domain, lowerer.opsets.get("", 23))
-        self.static_shapes = lowerer.static_shapes
-        self.attrs: dict[str, Any] = {}
-        self.annotations: dict[str, Any] = {}
-        for attr in node.attribute:
-            value = onnx.helper.get_attribute_value(attr)
-            if isinstance(value, bytes):
-                value = value.decode()
-            elif isinstance(value, list) and value and isinstance(value[0], bytes):
-                value = [v.decode() for v in value]
-            if attr.name.startswith("__"):
-                self.annotations[attr.name] = value
-            else:
-                self.attrs[attr.name] = value
-        self.inputs: list[Any] = [lowerer.lookup(n, self.name) if n else None for n in node.input]
-        self.num_outputs = len(node.output)
-        self.created: list[fx.Node] = []
-        self._attr_nodes: dict[str, fx.Node] = {}
-        self.meta: dict[str, Any] = {
-            "op_type": node.op_type,
-            "name": node.name,
-            "domain": node.domain,
-            "attributes": dict(self.annotations),
-            "inputs": list(node.input),
-            "outputs": list(node.output),
-        }
-
-    # -- inputs and static information ---------------------------------------------------------
-    def has_input(self, i: int) -> bool:
-        """Whether optional input ``i`` is present (ONNX marks absent inputs with '')."""
-        return i < len(self.node.input) and bool(self.node.input[i])
-
-    def input_or_none(self, i: int) -> Any:
-        return self.inputs[i] if self.has_input(i) else None
-
-    def output_used(self, i: int) -> bool:
-        """Whether output ``i`` exists and is consumed (by a node or as a graph output)."""
-        if i >= self.num_outputs or not self.node.output[i]:
-            return False
-        return self._low.use_count.get(self.node.output[i], 0) > 0
-
-    def is_const(self, i: int) -> bool:
-        """Input ``i`` is a lowering-time constant tensor (not a parameter, not a node)."""
-        return self.has_input(i) and isinstance(self.inputs[i], torch.Tensor)
-
-    def is_static(self, i: int) -> bool:
-        """Input ``i`` has a value at lowering time (constant or initial parameter value)."""
-        return self.has_input(i) and isinstance(self.inputs[i], torch.Tensor | ParamRef)
-
-    def is_node(self, i: int) -> bool:
-        """Input ``i`` is computed at run time (graph input, node output or parameter)."""
-        return self.has_input(i) and isinstance(self.inputs[i], fx.Node | ParamRef)
-
-    def is_param(self, i: int) -> bool:
-        return self.has_input(i) and isinstance(self.inputs[i], ParamRef)
-
-    def const_value(self, i: int, what: str | None = None) -> torch.Tensor:
-        """The lowering-time value of input ``i``; a clear error if it is computed at run time."""
-        v = self.inputs[i] if self.has_input(i) else None
-        if isinstance(v, torch.Tensor):
-            return v
-        if isinstance(v, ParamRef):
-            self._low.folded_params.add(v.name)
-            return self._low.params[v.name].detach()
-        label = what or f"input {i}"
-        raise UnsupportedOpError(
-            f"{self.op_type} node {self.name!r}: {label} ({self.node.input[i]!r}) must be a "
-            "constant (initializer or Constant node) for the torch lowering"
-        )
-
-    def const_ints(self, i: int, what: str | None = None) -> list[int]:
-        return [int(x) for x in self.const_value(i, what).reshape(-1).tolist()]
-
-    def const_scalar(self, i: int) -> Any:
-        return self.const_value(i).reshape(-1)[0].item()
-
-    def _info(self, i: int) -> _ValueInfo:
-        if not self.has_input(i):
-            return None, None
-        v = self.inputs[i]
-        if isinstance(v, torch.Tensor):
-            return tuple(v.shape), v.dtype
-        if isinstance(v, ParamRef):
-            return v.shape, v.dtype
-        shape, dtype = self._low.value_info.get(self.node.input[i], (None, None))
-        if shape is not None and not self.static_shapes:
-            shape = (None,) * len(shape)  # only the rank is trusted
-        return shape, dtype
-
-    def shape(self, i: int) -> tuple[int | None, ...] | None:
-        """Static shape of input ``i`` (None for unknown dims), or None if the rank is unknown."""
-        return self._info(i)[0]
-
-    def rank(self, i: int) -> int | None:
-        s = self.shape(i)
-        return None if s is None else len(s)
-
-    def dtype(self, i: int) -> torch.dtype | None:
-        return self._info(i)[1]
-
-    def scalarish(self, i: int, *others: int) -> Any:
-        """Input ``i``, marked as passable as a python number if it is a one-element constant
-        whose broadcast cannot change the result's rank (compared with inputs ``others``)."""
-        v = self.inputs[i]
-        if not isinstance(v, torch.Tensor) or v.numel() != 1:
-            return v
-        if v.dim() > 0:
-            ranks = [self.rank(o) for o in others if self.has_input(o)]
-            if not ranks or any(r is None or r < v.dim() for r in ranks):
-                return v
-        return _Scalar(v)
-
-    # -- helpers for converters ----------------------------------------------------------------
-    @staticmethod
-    def torch_dtype(elem_type: int) -> torch.dtype:
-        return onnx_dtype_to_torch(elem_type)
-
-    @staticmethod
-    def tensor_from_numpy(arr: Any) -> torch.Tensor:
-        if isinstance(arr, onnx.TensorProto):
-            arr = numpy_helper.to_array(arr)
-        return _tensor_from_numpy(np.asarray(arr))
-
-    def constant_attribute_value(self) -> torch.Tensor:
-        """The value of a ``Constant`` node, from whichever ``value*`` attribute it uses."""
-        a = self.attrs
-        if "value" in a:
-            return self.tensor_from_numpy(a["value"])
-        if "value_float" in a:
-            return torch.tensor(float(a["value_float"]), dtype=torch.float32)
-        if "value_floats" in a:
-            return torch.tensor([float(x) for x in a["value_floats"]], dtype=torch.float32)
-        if "value_int" in a:
-            return torch.tensor(int(a["value_int"]), dtype=torch.int64)
-        if "value_ints" in a:
-            return torch.tensor([int(x) for x in a["value_ints"]], dtype=torch.int64)
-        raise UnsupportedOpError(
-            f"Constant node {self.name!r}: attribute {sorted(a)} is not supported"
-        )
-
-    # -- emitting ------------------------------------------------------------------------------
-    def _tag(self, node: fx.Node) -> fx.Node:
-        node.meta["onnx"] = {**self.meta, "attributes": dict(self.meta["attributes"])}
-        self.created.append(node)
-        return node
-
-    def _get_attr(self, target: str) -> fx.Node:
-        node = self._attr_nodes.get(target)
-        if node is None:
-            node = self._tag(self._low.graph.get_attr(target))
-            self._attr_nodes[target] = node
-        return node
-
-    def _to_arg(self, v: Any) -> Any:
-        if isinstance(v, _Scalar):
-            return v.tensor.item()
-        if isinstance(v, ParamRef):
-            self._low.used_params.add(v.name)
-            return self._get_attr(v.attr)
-        if isinstance(v, torch.Tensor):
-            return self._get_attr(self._low.buffer_for(v))
-        return v
-
-    @staticmethod
-    def _is_runtime(args: Any) -> bool:
-        found = False
-
-        def visit(a: Any) -> Any:
-            nonlocal found
-            if isinstance(a, fx.Node | ParamRef):
-                found = True
-            return a
-
-        fx.node.map_aggregate(args, visit)
-        return found
-
-    def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Emit ``fn(*args, **kwargs)``; evaluated now if no argument is a run-time value."""
-        if not self._is_runtime((args, kwargs)):
-
-            def unwrap(a: Any) -> Any:
-                return a.tensor if isinstance(a, _Scalar) else a
-
-            with torch.no_grad():
-                return fn(
-                    *fx.node.map_aggregate(args, unwrap), **fx.node.map_aggregate(kwargs, unwrap)
-                )
-        node = self._low.graph.call_function(
-            fn,
-            fx.node.map_aggregate(args, self._to_arg),
-            fx.node.map_aggregate(kwargs, self._to_arg),
-        )
-        return self._tag(node)
-
-    def call_module(self, module: nn.Module, *args: Any) -> fx.Node:
-        """Register ``module`` on the lowered module and emit a call to it."""
-        target = self._low.add_module(module, self.op_type)
-        node = self._low.graph.call_module(target, fx.node.map_aggregate(args, self._to_arg))
-        return self._tag(node)
-
-    def item(self, value: Any, i: int) -> Any:
-        """Element ``i`` of a multi-output value (a node, or a folded tuple)."""
-        if isinstance(value, fx.Node):
-            return self._tag(self._low.graph.call_function(operator.getitem, (value, i)))
-        return value[i]
+__all__ = ["OnnxGraphModule", "lower_to_fx"]
 
 
 class _Lowerer:
-    """Holds the state of one lowering: the fx graph, the module under construction, values."""
+    """Holds the state of one lowering: the fx graph, the module under construction, values.
+
+    It is the :class:`~popbert.lowering.context.LoweringState` that each node's
+    :class:`~popbert.lowering.context.NodeContext` emits into.
+    """
 
     def __init__(
         self, model: onnx.ModelProto, *, trainable: bool, static_shapes: bool, fuse_linear: bool
@@ -389,14 +91,14 @@ class _Lowerer:
         self.fuse_linear = fuse_linear
         self.opsets: dict[str, int] = {}
         for imp in model.opset_import:
-            domain = "" if imp.domain in _STANDARD_DOMAINS else imp.domain
-            self.opsets[domain] = int(imp.version)
+            self.opsets[normalize_domain(imp.domain)] = int(imp.version)
         self.graph = fx.Graph()
         self.root = nn.Module()
         self.env: dict[str, Any] = {}
         self.params: dict[str, nn.Parameter] = {}
         self.param_attr: dict[str, str] = {}
         self.persistent_buffers: set[str] = set()
+        self.non_persistent_buffers: set[str] = set()
         self.used_params: set[str] = set()
         self.folded_params: set[str] = set()
         self._buffers_by_id: dict[int, str] = {}
@@ -404,7 +106,7 @@ class _Lowerer:
         self._n_modules = 0
         self._n_consts = 0
         self.use_count: dict[str, int] = {}
-        self.value_info: dict[str, _ValueInfo] = {}
+        self.value_info: dict[str, ValueInfo] = {}
 
     # -- values --------------------------------------------------------------------------------
     def lookup(self, name: str, consumer: str) -> Any:
@@ -431,6 +133,8 @@ class _Lowerer:
             attr += "_"
         persistent = onnx_name is not None and onnx_name in self.persistent_buffers
         self.root.register_buffer(attr, tensor, persistent=persistent)
+        if not persistent:
+            self.non_persistent_buffers.add(attr)
         self._buffers_by_id[key] = attr
         return attr
 
@@ -456,45 +160,6 @@ class _Lowerer:
         for out in self.model.graph.output:
             self.use_count[out.name] = self.use_count.get(out.name, 0) + 1
 
-    def _fusable_linears(self) -> dict[int, int]:
-        """Map Add-node index -> MatMul-node index for MatMul(x, W) + b pairs to fuse."""
-        if not self.fuse_linear:
-            return {}
-        nodes = list(self.model.graph.node)
-        producer = {out: i for i, n in enumerate(nodes) for out in n.output if out}
-        pairs: dict[int, int] = {}
-        for j, add in enumerate(nodes):
-            if add.op_type != "Add" or add.domain not in _STANDARD_DOMAINS or len(add.input) != 2:
-                continue
-            for mm_pos in (0, 1):
-                mm_out, bias = add.input[mm_pos], add.input[1 - mm_pos]
-                i = producer.get(mm_out)
-                if i is None or self.use_count.get(mm_out, 0) != 1:
-                    continue
-                mm = nodes[i]
-                if mm.op_type != "MatMul" or mm.domain not in _STANDARD_DOMAINS:
-                    continue
-                # W: a 2-D parameter, or any 2-D value of known shape (e.g. the tied MLM
-                # projection's Transpose of the embedding); b: a 1-D parameter.
-                b = self.params.get(bias)
-                w = self.params.get(mm.input[1])
-                w_shape, w_dtype = (
-                    (tuple(w.shape), w.dtype)
-                    if w is not None
-                    else self.value_info.get(mm.input[1], (None, None))
-                )
-                if b is None or b.dim() != 1 or w_shape is None or len(w_shape) != 2:
-                    continue
-                if w_shape[1] != b.shape[0] or w_dtype != b.dtype:
-                    continue
-                ann = sorted((a.name, a.SerializeToString()) for a in mm.attribute)
-                ann_add = sorted((a.name, a.SerializeToString()) for a in add.attribute)
-                if ann != ann_add:
-                    continue
-                pairs[j] = i
-                break
-        return pairs
-
     # -- main ----------------------------------------------------------------------------------
     def lower(self) -> OnnxGraphModule:
         g = self.model.graph
@@ -504,8 +169,8 @@ class _Lowerer:
         init_names: set[str] = set()
         for init in g.initializer:
             init_names.add(init.name)
-            value = _tensor_from_numpy(numpy_helper.to_array(init))
-            if value.dtype in _FLOAT_DTYPES:
+            value = tensor_from_numpy(init)
+            if value.dtype in FLOAT_DTYPES:
                 attr = escape_param_name(init.name)
                 param = nn.Parameter(value, requires_grad=self.trainable)
                 self.root.register_parameter(attr, param)
@@ -525,14 +190,19 @@ class _Lowerer:
             node.meta["onnx_value"] = name
             self.env[name] = node
 
-        fused = self._fusable_linears()
-        skipped = set(fused.values())
         nodes = list(g.node)
+        fused = (
+            find_linear_fusions(
+                nodes, use_count=self.use_count, params=self.params, value_info=self.value_info
+            )
+            if self.fuse_linear
+            else {}
+        )
+        skipped = set(fused.values())
         for index, node in enumerate(nodes):
             if index in skipped:
                 continue
-            key = ("" if node.domain in _STANDARD_DOMAINS else node.domain, node.op_type)
-            converter = CONVERTERS.get(key)
+            converter = CONVERTERS.get((normalize_domain(node.domain), node.op_type))
             if converter is None:
                 raise UnsupportedOpError(
                     f"no torch lowering for ONNX op {node.domain or 'ai.onnx'}::{node.op_type} "
@@ -542,7 +212,7 @@ class _Lowerer:
                 self.env[nodes[fused[index]].output[0]] = None
             ctx = NodeContext(self, node, index)
             if index in fused:
-                outs = [_lower_fused_linear(ctx, nodes[fused[index]], self)]
+                outs = [emit_fused_linear(ctx, nodes[fused[index]])]
             else:
                 outs = _run_converter(converter, ctx)
             for name, value in zip(node.output, outs, strict=False):
@@ -561,8 +231,8 @@ class _Lowerer:
             results.append(value)
         self.graph.output(tuple(results))
 
-        frozen = sorted(self.folded_params - self.used_params)
-        for name in frozen:
+        folded = sorted(self.folded_params - self.used_params)
+        for name in folded:
             self.params[name].requires_grad_(False)
         gm = OnnxGraphModule(
             self.root,
@@ -571,7 +241,8 @@ class _Lowerer:
             output_names=output_names,
             param_order=[self.param_attr[n] for n in self.params],
             opset=self.opsets.get("", 0),
-            frozen_initializers=frozen,
+            folded_initializers=folded,
+            non_persistent_buffers=self.non_persistent_buffers,
         )
         # Dead ONNX branches (and converter by-products) cost nothing at run time.
         gm.graph.eliminate_dead_code()
@@ -599,19 +270,6 @@ def _run_converter(converter: Converter, ctx: NodeContext) -> list[Any]:
         ) from exc
 
 
-def _lower_fused_linear(ctx: NodeContext, matmul: onnx.NodeProto, low: _Lowerer) -> Any:
-    from popbert.lowering.ops import emit_fused_linear
-
-    mm_pos = 0 if ctx.node.input[0] == matmul.output[0] else 1
-    bias = ctx.inputs[1 - mm_pos]
-    x = low.lookup(matmul.input[0], ctx.name)
-    weight = low.lookup(matmul.input[1], ctx.name)
-    ctx.meta["fused"] = [
-        {"op_type": matmul.op_type, "name": matmul.name, "outputs": list(matmul.output)}
-    ]
-    return emit_fused_linear(ctx, x, weight, bias)
-
-
 def _sanitize_all(names: Sequence[str]) -> list[str]:
     out: list[str] = []
     seen: set[str] = set()
@@ -630,7 +288,7 @@ def _sanitize_all(names: Sequence[str]) -> list[str]:
     return out
 
 
-def _infer_value_info(model: onnx.ModelProto) -> dict[str, _ValueInfo]:
+def _infer_value_info(model: onnx.ModelProto) -> dict[str, ValueInfo]:
     """Static shapes/dtypes from ONNX shape inference, on a weight-free copy of the graph.
 
     Float initializers become typed graph inputs (so BERT-Large's weights are never copied),
@@ -661,7 +319,7 @@ def _infer_value_info(model: onnx.ModelProto) -> dict[str, _ValueInfo]:
     for node in g.node:
         n = light.node.add()
         n.CopyFrom(node)
-        keep = [a for a in n.attribute if not a.name.startswith("__")]
+        keep = [a for a in n.attribute if not a.name.startswith(ANNOTATION_PREFIX)]
         del n.attribute[:]
         n.attribute.extend(keep)
     light.output.extend(g.output)
@@ -674,13 +332,13 @@ def _infer_value_info(model: onnx.ModelProto) -> dict[str, _ValueInfo]:
     except Exception as exc:  # noqa: BLE001 - inference is best effort
         logger.warning("ONNX shape inference failed (%s); lowering without static shapes", exc)
         inferred = m
-    info: dict[str, _ValueInfo] = {}
+    info: dict[str, ValueInfo] = {}
     ig = inferred.graph
     for vi in list(ig.input) + list(ig.value_info) + list(ig.output):
         tt = vi.type.tensor_type
         if not vi.type.HasField("tensor_type"):
             continue
-        dtype = _ONNX_TO_TORCH.get(tt.elem_type)
+        dtype = ONNX_TO_TORCH.get(tt.elem_type)
         shape: tuple[int | None, ...] | None = None
         if tt.HasField("shape"):
             shape = tuple(
@@ -698,7 +356,7 @@ class OnnxGraphModule(fx.GraphModule):
     works too.
     """
 
-    _EXTRA_ATTRS = ("input_names", "output_names", "opset", "frozen_initializers")
+    _EXTRA_ATTRS = ("input_names", "output_names", "opset", "folded_initializers")
 
     def __init__(
         self,
@@ -709,7 +367,8 @@ class OnnxGraphModule(fx.GraphModule):
         output_names: Sequence[str],
         param_order: Sequence[str] = (),
         opset: int = 0,
-        frozen_initializers: Sequence[str] = (),
+        folded_initializers: Sequence[str] = (),
+        non_persistent_buffers: Iterable[str] = (),
     ) -> None:
         super().__init__(root, graph, class_name="OnnxGraphModule")
         # Parameters no node reads (folded or dead) are still part of the model's state.
@@ -720,17 +379,21 @@ class OnnxGraphModule(fx.GraphModule):
         ordered.update(self._parameters)
         self._parameters.clear()
         self._parameters.update(ordered)
-        self._non_persistent_buffers_set = {
-            n for n in root._non_persistent_buffers_set if n in self._buffers
-        }
+        # fx copies the root's buffers as persistent ones; restore the lowering's choice.
+        self._non_persistent_buffers_set = {n for n in non_persistent_buffers if n in self._buffers}
         self.input_names: list[str] = list(input_names)
         self.output_names: list[str] = list(output_names)
         self.opset = opset
-        self.frozen_initializers: list[str] = list(frozen_initializers)
+        # Float initializers whose value was baked in at lowering time (requires_grad=False).
+        self.folded_initializers: list[str] = list(folded_initializers)
 
     @property
     def graph_module(self) -> OnnxGraphModule:
         return self
+
+    def non_persistent_buffers(self) -> set[str]:
+        """Names of the buffers left out of ``state_dict`` (constants made at lowering time)."""
+        return set(self._non_persistent_buffers_set)
 
     def onnx_parameters(self) -> dict[str, nn.Parameter]:
         """Parameters keyed by their ONNX initializer names (escaping undone)."""
@@ -759,7 +422,9 @@ class OnnxGraphModule(fx.GraphModule):
         res = super().__deepcopy__(memo)
         for attr in self._EXTRA_ATTRS:
             setattr(res, attr, copy.deepcopy(getattr(self, attr), memo))
-        res._non_persistent_buffers_set = set(self._non_persistent_buffers_set)
+        copied = dict(res.named_buffers(recurse=False))
+        for name in self.non_persistent_buffers() & copied.keys():
+            res.register_buffer(name, copied[name], persistent=False)
         return res  # type: ignore[return-value]
 
 

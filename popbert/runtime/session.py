@@ -95,7 +95,7 @@ def resolve_device(device: str) -> torch.device:
 
 class _Session:
     def __init__(self, model, options: SessionOptions | None, training: bool):
-        from popbert.lowering.lower import lower_to_fx
+        from popbert.lowering import lower_to_fx
 
         self.options = options or SessionOptions()
         self.options.validate()

@@ -59,6 +59,21 @@ def expand_input_files(input_files: PathsLike) -> list[Path]:
     return unique
 
 
+def name_files(files: Sequence[str | os.PathLike]) -> str:
+    """How a one-line error names its input: the file itself, or the first few of many."""
+    if len(files) == 1:
+        return os.fspath(files[0])
+    shown = ", ".join(os.fspath(f) for f in files[:3])
+    return f"{shown}{', ...' if len(files) > 3 else ''} ({len(files)} files)"
+
+
+def has_text(path: str | os.PathLike) -> bool:
+    """Whether a text file has a non-blank line; reads only up to the first one, so checking a
+    multi-GB corpus costs nothing while an empty file is caught before any work."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return any(line.strip() for line in f)
+
+
 def read_text_documents(input_files: PathsLike) -> list[list[str]]:
     """Documents as lists of sentence strings; blank lines split documents, empties dropped.
 
@@ -103,9 +118,20 @@ def tokenize_documents(documents: Iterable[Sequence[str]], tokenizer: WordPieceT
 
 def read_documents(input_files: PathsLike,
                    tokenizer: WordPieceTokenizer) -> list[list[list[int]]]:
-    """Google-format files -> documents -> sentences -> token ids (no special tokens)."""
-    text = read_text_documents(input_files)
+    """Google-format files -> documents -> sentences -> token ids (no special tokens).
+
+    An empty corpus is a DataError naming the file(s): pointing a run at an empty or wrong file
+    is a day-one mistake, and "no documents to create instances from" would not say which.
+    """
+    files = expand_input_files(input_files)
+    text = read_text_documents(files)
+    if not text:
+        raise DataError(f"{name_files(files)}: empty corpus: no text to make pre-training "
+                        f"instances from (expected UTF-8 text, one sentence per line, a blank "
+                        f"line between documents)")
     documents = tokenize_documents(text, tokenizer)
+    if not documents:
+        raise DataError(f"{name_files(files)}: empty corpus: its text has no WordPiece tokens")
     log.info("read %d documents, %d sentences, %d tokens", len(documents),
              sum(len(d) for d in documents), sum(len(s) for d in documents for s in d))
     return documents

@@ -24,7 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-from popbert.data.corpus import expand_input_files, read_text_documents, tokenize_documents
+from popbert.data.corpus import (
+    expand_input_files,
+    name_files,
+    read_text_documents,
+    tokenize_documents,
+)
 from popbert.data.errors import DataError
 from popbert.data.hdf5 import read_shard, read_shard_info, write_shard
 from popbert.data.instances import InstanceOptions, create_instance_arrays
@@ -79,7 +84,11 @@ def instances_part(in_path: str, out_path: str, vocab_path: str, options: dict,
 def create_instances(sentence_parts: list[Path], vocab: str | os.PathLike,
                      output_dir: str | os.PathLike, options: InstanceOptions,
                      workers: int = 1) -> dict:
-    """Stage `instances`: sentence parts → `output_dir/part-*.h5`; returns the record."""
+    """Stage `instances`: sentence parts → `output_dir/part-*.h5`; returns the record.
+
+    A part without documents writes no shard (logged), but a stage without any shard is a
+    DataError naming the input, with no completion marker and no directory left behind.
+    """
     options.validate()
     if not sentence_parts:
         raise DataError("no sentence parts to create instances from")
@@ -99,6 +108,10 @@ def create_instances(sentence_parts: list[Path], vocab: str | os.PathLike,
              options.max_predictions_per_seq, options.dupe_factor, workers,
              len(sentence_parts) - len(jobs))
     results = run_units(instances_part, jobs, workers, desc="instances", total=len(jobs))
+    if not stage.parts(SHARD_SUFFIX):  # shards of an earlier run count too
+        raise stage.abandon(f"{name_files(sentence_parts)}: empty corpus: no documents to "
+                            f"make instances from (expected UTF-8 text, one sentence per line, "
+                            f"a blank line between documents)")
     totals = {key: sum(r[key] for r in results) for key in
               ("documents", "sentences", "instances", "tokens", "predictions", "random_next")}
     stats = {"parts": len(sentence_parts), "parts_skipped": len(sentence_parts) - len(jobs),

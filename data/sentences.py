@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from popbert.data.corpus import name_files
 from popbert.data.errors import DataError
 from popbert.data.stages import StageDir, atomic_output, run_units
 from popbert.data.wikipedia import read_articles
@@ -82,12 +83,12 @@ def write_documents(documents: Iterable[list[str]], path: Path) -> tuple[int, in
 def split_part(in_path: str, out_path: str, splitter: str, min_sentences: int) -> dict:
     """One extracted part → one sentence part; returns counts."""
     split = make_splitter(splitter)
-    chars = 0
-    dropped = 0
+    articles = chars = dropped = 0
 
     def documents() -> Iterable[list[str]]:
-        nonlocal chars, dropped
+        nonlocal articles, chars, dropped
         for article in read_articles(in_path):
+            articles += 1
             sentences = document_sentences(article["text"], split)
             if len(sentences) < min_sentences:
                 dropped += 1
@@ -96,13 +97,18 @@ def split_part(in_path: str, out_path: str, splitter: str, min_sentences: int) -
             yield sentences
 
     docs, sents = write_documents(documents(), Path(out_path))
-    return {"documents": docs, "sentences": sents, "chars": chars, "dropped": dropped}
+    return {"articles": articles, "documents": docs, "sentences": sents, "chars": chars,
+            "dropped": dropped}
 
 
 def split_sentences(input_parts: list[Path], output_dir: str | os.PathLike, workers: int = 1,
                     splitter: str = "nupunkt",
                     min_sentences: int = DEFAULT_MIN_SENTENCES) -> dict:
-    """Stage `sentences`: extracted parts → `output_dir/part-*.txt`; returns the record."""
+    """Stage `sentences`: extracted parts → `output_dir/part-*.txt`; returns the record.
+
+    Parts may come out empty (every article filtered out), but a stage without any document is
+    a DataError naming the input, with no completion marker and no directory left behind.
+    """
     make_splitter(splitter)  # fail fast on an unknown or missing splitter
     if min_sentences < 1:
         raise DataError(f"min_sentences must be >= 1, got {min_sentences}")
@@ -119,6 +125,17 @@ def split_sentences(input_parts: list[Path], output_dir: str | os.PathLike, work
     log.info("splitting %d parts into sentences (%s, %d worker(s); %d already done)",
              len(jobs), splitter, workers, len(input_parts) - len(jobs))
     results = run_units(split_part, jobs, workers, desc="sentences", total=len(jobs))
+    # A part without documents is an empty file (parts written by an earlier run count too).
+    if not any(part.stat().st_size for part in stage.parts(SENTENCES_SUFFIX)):
+        articles = sum(r["articles"] for r in results)
+        if articles:
+            detail = (f"all {articles} articles have fewer than {min_sentences} sentences "
+                      f"(--min-sentences)")
+        elif len(jobs) == len(input_parts):
+            detail = "the extracted parts hold no articles"
+        else:  # only parts an earlier run wrote (empty): their article counts are gone
+            detail = f"no article has {min_sentences} or more sentences (--min-sentences)"
+        raise stage.abandon(f"{name_files(input_parts)}: empty corpus: no documents: {detail}")
     stats = {"parts": len(input_parts), "parts_skipped": len(input_parts) - len(jobs),
              "documents_written_now": sum(r["documents"] for r in results),
              "sentences_written_now": sum(r["sentences"] for r in results)}

@@ -11,7 +11,10 @@ work unit per part, so that
   renamed), so a re-run skips finished parts and an interrupted run resumes;
 - a stage directory records the parameters it was made with (`_stage.json`); re-running with
   different parameters is a one-line error instead of a directory of mixed shards; `_SUCCESS.json`
-  marks a finished stage and lists its parts.
+  marks a finished stage and lists its parts;
+- a stage that produced nothing (an empty dump, every document filtered out) is an error, never a
+  finished stage: `StageDir.abandon` removes what the run created, so neither a `_SUCCESS.json`
+  over no data nor a half-written directory is left to confuse the next stage or a re-run.
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ class StageDir:
         self.path = Path(path)
         self.stage = stage
         self.params = json.loads(json.dumps(dict(params), sort_keys=True, default=str))
+        # Directories `open` created (deepest first): what `abandon` may remove again.
+        self.created: list[Path] = []
 
     def open(self) -> StageDir:
         """Create the directory, or check that an existing one was made with these parameters."""
@@ -87,7 +92,9 @@ class StageDir:
                                 f"parameters ({detail or 'stage differs'}); use another output "
                                 f"directory or delete this one")
         else:
+            missing = [d for d in (self.path, *self.path.parents) if not d.exists()]
             self.path.mkdir(parents=True, exist_ok=True)
+            self.created = missing
             atomic_write_text(record, json.dumps({"stage": self.stage, "params": self.params},
                                                  indent=1, sort_keys=True) + "\n")
         return self
@@ -108,6 +115,27 @@ class StageDir:
         record = {"stage": self.stage, "parts": parts, "stats": dict(stats)}
         atomic_write_text(self.path / SUCCESS_FILE, json.dumps(record, indent=1) + "\n")
         return record
+
+    def abandon(self, message: str) -> DataError:
+        """The error for a stage that produced nothing, after removing what this run created.
+
+        A directory this run made holds only its own parts, temporary files and record; they go,
+        and so do the directories (then empty) made for it. A directory that existed before is
+        left as it was. Either way no completion marker is written. Use `raise stage.abandon(...)`.
+        """
+        if self.created:
+            for child in self.path.iterdir():
+                if child.name == STAGE_FILE or child.name.lstrip(".").startswith("part-"):
+                    with contextlib.suppress(FileNotFoundError):
+                        child.unlink()
+            for directory in self.created:
+                try:
+                    directory.rmdir()
+                except OSError:  # something else was put there meanwhile: keep it
+                    log.warning("%s: not removed (not empty)", directory)
+                    break
+            self.created = []
+        return DataError(message)
 
     def pending(self, inputs: list[Path], suffix: str) -> list[tuple[int, Path, Path]]:
         """(index, input part, output part) for each input whose output is not written yet.

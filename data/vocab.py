@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from popbert.data.corpus import has_text, name_files
 from popbert.data.errors import DataError
 from popbert.data.tokenization import SPECIAL_TOKENS, WordPieceTokenizer
 from popbert.io.atomic import atomic_write_text
@@ -43,6 +44,8 @@ def train_vocab(files: Sequence[str | os.PathLike], output: str | os.PathLike,
         raise DataError(f"{missing[0]}: vocabulary training input not found")
     if not paths:
         raise DataError("no text files to train a vocabulary on")
+    if not any(has_text(p) for p in paths):  # the trainer would write the 5 specials alone
+        raise DataError(f"{name_files(paths)}: empty corpus: no text to train a vocabulary on")
     trainer = BertWordPieceTokenizer(clean_text=True, handle_chinese_chars=True,
                                      strip_accents=True, lowercase=True)
     log.info("training a %d-entry WordPiece vocabulary on %d file(s)", vocab_size, len(paths))

@@ -179,7 +179,8 @@ def extract_dump(dump: str | os.PathLike, output_dir: str | os.PathLike, workers
     """Stage `extract`: `dump` → `output_dir/part-*.jsonl`; returns the completion record.
 
     Finished parts are skipped (their pages are still read from the dump, which is cheap next
-    to cleaning them), so an interrupted run resumes where it stopped.
+    to cleaning them), so an interrupted run resumes where it stopped. A dump that yields no
+    article is a DataError naming it, with no completion marker and no directory left behind.
     """
     dump = Path(dump)
     if part_bytes < 1:
@@ -223,6 +224,15 @@ def extract_dump(dump: str | os.PathLike, output_dir: str | os.PathLike, workers
              "articles": articles}
     log.info("extract: %d parts (%d already there), %d pages, %d articles", len(part_paths),
              len(skipped), stats["pages"], articles)
+    if articles == 0:
+        # An empty or wrong dump (say a talk-pages or stub export) must stop here, naming it,
+        # rather than leave a finished stage that makes every later stage fail obscurely.
+        if stats["pages"] == 0:
+            detail = "no articles (pages of namespace 0 that are not redirects and have text)"
+        else:
+            detail = (f"none of its {stats['pages']} article pages has text left after "
+                      f"cleaning (paragraphs of at least {MIN_PARAGRAPH_CHARS} characters)")
+        raise stage.abandon(f"{dump}: {detail}; nothing to extract")
     parts = [p.name for p in part_paths]
     return stage.finish(parts, stats)
 

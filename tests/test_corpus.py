@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 
 import pytest
 
@@ -16,6 +17,8 @@ from popbert.data import (
     read_text_documents,
 )
 from popbert.data.corpus import tokenize_documents
+from popbert.data.loader import load_or_create_instances
+from popbert.data.tokenization import parse_vocab
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
@@ -118,6 +121,22 @@ def test_vocab_without_specials_is_a_data_error(tmp_path):
         WordPieceTokenizer(tmp_path / "missing.txt")
 
 
+def test_vocab_text_and_vocab_file_parse_alike(tmp_path):
+    """Serving parses the vocabulary from ONNX metadata, training from the file: same ids."""
+    path = tmp_path / "vocab.txt"
+    path.write_bytes("\r\n".join([*SPECIALS, "the", "caf\u00e9", "the", "\u2028x", ""])
+                     .encode("utf-8"))
+    tokenizer = WordPieceTokenizer(path)
+    index = parse_vocab(path.read_text(encoding="utf-8"))
+    assert index == {t: tokenizer.token_to_id(t) for t in index}
+    assert index["the"] == 5 and index["\u2028x"] == 8 and tokenizer.vocab_size == 9
+    with pytest.raises(DataError, match=r"^metadata: vocabulary lacks special tokens \[MASK\]$"):
+        parse_vocab("\n".join(SPECIALS[:4]), "metadata")
+    path.write_text("\n\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"vocab\.txt: vocabulary is empty"):
+        WordPieceTokenizer(path)
+
+
 def test_read_text_documents_blank_lines_and_file_boundaries(tmp_path):
     (tmp_path / "b.txt").write_text("Third doc one.\n", encoding="utf-8")
     (tmp_path / "a.txt").write_text(
@@ -164,3 +183,25 @@ def test_read_bundled_documents(tokenizer):
     assert 250_000 < n_tokens < 500_000
     unk = sum(s.count(tokenizer.unk_id) for d in docs for s in d)
     assert unk / n_tokens < 0.005
+
+
+def test_an_empty_corpus_is_an_error_naming_the_file(tokenizer, tmp_path):
+    """Pointing a run at an empty file fails at once, saying which file, not deep in instance
+    creation with "no documents"."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n\n", encoding="utf-8")
+    with pytest.raises(DataError, match=rf"^{re.escape(str(empty))}: empty corpus: no text"
+                       ) as error:
+        read_documents(empty, tokenizer)
+    assert "\n" not in str(error.value)
+    with pytest.raises(DataError, match=rf"^{re.escape(str(empty))}: empty corpus"):
+        load_or_create_instances([str(empty)], None, 64, 10, seed=1, use_cache=False)
+    invisible = tmp_path / "invisible.txt"
+    invisible.write_text("\u200b\n", encoding="utf-8")  # text, but no WordPiece token
+    with pytest.raises(DataError, match=re.escape(f"{empty}, {invisible} (2 files): empty "
+                                                  "corpus: its text has no WordPiece tokens")):
+        read_documents([empty, invisible], tokenizer)
+    # One empty file among others with text is no error: its documents are simply absent.
+    text = tmp_path / "text.txt"
+    text.write_text("One sentence.\nAnother one.\n", encoding="utf-8")
+    assert len(read_documents([empty, text], tokenizer)) == 1

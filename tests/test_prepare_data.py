@@ -264,6 +264,98 @@ def test_not_a_dump_is_a_one_line_error(tmp_path, capsys):
     assert len(err) == 1 and "dump.xml.bz2" in err[0] and "MediaWiki" in err[0]
 
 
+def fake_dump(path: Path, pages: list[tuple[int, str, str, bool]]) -> Path:
+    """A bz2 MediaWiki export of (namespace, title, wikitext, is_redirect) pages."""
+    redirect_tag = '<redirect title="X" />'
+    body = "".join(
+        f"<page><title>{title}</title><ns>{ns}</ns><id>{i + 1}</id>"
+        f"{redirect_tag if redirect else ''}"
+        f"<revision><id>{i + 10}</id><timestamp>2020-01-01T00:00:00Z</timestamp>"
+        f"<text>{text}</text></revision></page>"
+        for i, (ns, title, text, redirect) in enumerate(pages))
+    path.write_bytes(bz2.compress(
+        '<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/"><siteinfo><sitename>'
+        f"Wikipedia</sitename></siteinfo>{body}</mediawiki>".encode()))
+    return path
+
+
+PROSE = ("The river rises in the northern hills and flows south for many kilometres. "
+         "It passes three towns before it reaches the sea.")
+
+
+@pytest.mark.parametrize("pages, fragment", [
+    ([], "no articles"),
+    ([(1, "Talk:River", PROSE, False), (0, "Stream", "#REDIRECT [[River]]", True)],
+     "no articles"),
+    ([(0, "Stub", "{{stub}}", False)], "none of its 1 article pages has text left"),
+])
+@pytest.mark.parametrize("command", ["extract", "wikipedia"])
+def test_a_dump_without_articles_is_a_one_line_error_leaving_nothing(command, pages, fragment,
+                                                                     tmp_path, capsys):
+    dump = fake_dump(tmp_path / "enwiki-empty.xml.bz2", pages)
+    out = tmp_path / "out" / "wiki"
+    argv = ["prepare-data", command, "--input", dump, "--output-dir", out, "-j", "1"]
+    if command == "wikipedia":
+        argv += ["--sequence-length", "64", "--max-predictions", "10"]
+    assert popbert(*argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if line.startswith("popbert: error:")]
+    assert len(errors) == 1 and str(dump) in errors[0] and fragment in errors[0], err
+    assert not [line for line in err if "Traceback" in line]
+    # No completion marker, no half-written stage: the output directory was never there.
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_existing_output_directory_is_kept_but_never_marked_complete(tmp_path, capsys):
+    dump = fake_dump(tmp_path / "enwiki-empty.xml.bz2", [])
+    out = tmp_path / "extracted"
+    (out / "notes").mkdir(parents=True)
+    assert popbert("prepare-data", "extract", "--input", dump, "--output-dir", out) == 2
+    assert "no articles" in capsys.readouterr().err
+    assert (out / "notes").is_dir() and not list(out.glob("_SUCCESS*"))
+
+
+@pytest.mark.parametrize("stage", ["sentences", "short", "instances", "vocab"])
+def test_an_empty_corpus_stops_the_stage_naming_the_file(stage, tmp_path, capsys, prepared):
+    """Each stage that reads text refuses an input without any, naming it, instead of writing
+    a finished stage over nothing for the next stage to trip on."""
+    out = tmp_path / "stage"
+    if stage in ("sentences", "short"):
+        source = tmp_path / "part-00000.jsonl"
+        text = "" if stage == "sentences" else json.dumps(
+            {"id": "1", "title": "Short", "text": "Only one sentence here."}) + "\n"
+        source.write_text(text, encoding="utf-8")
+        argv = ["sentences", "--input", source, "--output-dir", out, "-j", "1"]
+        fragment = ("the extracted parts hold no articles" if stage == "sentences"
+                    else "all 1 articles have fewer than 2 sentences")
+    else:
+        source = tmp_path / "empty.txt"
+        source.write_text("\n\n", encoding="utf-8")
+        fragment = "empty corpus"
+        if stage == "instances":
+            argv = ["instances", "--input", source, "--vocab", prepared / "vocab.txt",
+                    "--output-dir", out, "--sequence-length", "64", "--max-predictions", "10",
+                    "-j", "1"]
+        else:
+            argv = ["vocab", "--input", source, "--output", out / "vocab.txt"]
+    assert popbert("prepare-data", *argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if line.startswith("popbert: error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"popbert: error: {source}: "), err
+    assert fragment in errors[0], errors[0]
+    assert not out.exists()
+
+
+def test_pretraining_on_an_empty_text_file_is_a_one_line_error_naming_it(tmp_path, capsys):
+    empty = tmp_path / "corpus.txt"
+    empty.write_text("", encoding="utf-8")
+    assert popbert("pretrain", *SMALL, "--set", f"data.input_files=['{empty}']",
+                   "--output-dir", tmp_path / "run") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"popbert: error: {empty}: empty corpus"), err
+    assert not (tmp_path / "run").exists()
+
+
 def train_args(tmp_path: Path, shard_glob: str, vocab: Path, *extra: str) -> list[str]:
     return ["pretrain", *SMALL, "--set", f"data.input_files=['{shard_glob}']",
             "--set", f"data.vocab_file={vocab}", "--set", f"model.vocab_size={VOCAB_SIZE}",

@@ -21,19 +21,12 @@ import popbert.builders.tasks  # noqa: F401
 from popbert.builders.bert import build_bert
 from popbert.cli import main as cli
 from popbert.config import TaskConfig, dump_config, load_config
-from popbert.data.squad import squad_features
-from popbert.data.tokenization import bundled_vocab_path
+from popbert.data.squad import WindowOptions, decode_answers, read_squad, squad_features
+from popbert.data.tokenization import bundled_vocab_path, make_tokenizer, parse_vocab
 from popbert.graph.annotations import trainable_initializers
 from popbert.io.checkpoint import Checkpoint, save_checkpoint
 from popbert.runtime.session import InferenceSession
-from popbert.serve.predict import (
-    SquadPredictor,
-    WindowOptions,
-    decode_answers,
-    make_tokenizer,
-    parse_vocab,
-    read_squad,
-)
+from popbert.serve.predict import SquadPredictor
 
 FIXTURE = Path(__file__).parent / "fixtures" / "squad" / "squad-v1.1-sample.json"
 SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",

@@ -6,7 +6,7 @@ shards); :class:`Lamb` and :class:`AdamW` are ``torch.optim.Optimizer`` subclass
 """
 
 from popbert.optimizers import functional
-from popbert.optimizers.loss_scaling import LossScaler, grads_have_overflow
+from popbert.optimizers.loss_scaling import LossScaler, grads_have_overflow, unscale_grads_
 from popbert.optimizers.optimizer import AdamFamilyOptimizer, AdamW, Lamb
 from popbert.optimizers.param_groups import (
     DEFAULT_NO_DECAY,
@@ -44,5 +44,6 @@ __all__ = [
     "round_to_dtype",
     "set_lr",
     "stochastic_round",
+    "unscale_grads_",
     "warmup_decay",
 ]

@@ -1,8 +1,9 @@
 """LAMB and AdamW math in FP32 on lists of tensors, written once.
 
 Building blocks take lists of FP32 tensors on one device and update them in place with
-``torch._foreach_*`` kernels. A sharded data-parallel caller can compose them on its 1/N
-slices of flattened parameters: LAMB's per-tensor norms are split out, so
+``torch._foreach_*`` kernels (torch.optim's multi-tensor path; they have no public name, hence
+the ``noqa: SLF001`` where a result is read). A sharded data-parallel caller can compose them
+on its 1/N slices of flattened parameters: LAMB's per-tensor norms are split out, so
 :func:`per_tensor_sq_norms` returns *partial* squared norms (sum them over shards, e.g. with
 an all-reduce), :func:`lamb_trust_ratios` turns the completed squared norms into ratios and
 :func:`apply_updates_` applies them. Gradient clipping likewise: :func:`per_tensor_sq_norms`
@@ -86,7 +87,7 @@ def adam_denominators(
     """
     if not exp_avg_sqs:
         return []
-    denoms = list(torch._foreach_sqrt(exp_avg_sqs))
+    denoms = list(torch._foreach_sqrt(exp_avg_sqs))  # noqa: SLF001
     if bias_correction:
         bc2 = _bias_corrections(beta2, steps, True)
         torch._foreach_add_(denoms, [eps * math.sqrt(bc) for bc in bc2])
@@ -150,7 +151,7 @@ def lamb_updates(
             torch.div(m, d, out=d)
         updates = denoms
     else:
-        updates = list(torch._foreach_div(exp_avgs, denoms))
+        updates = list(torch._foreach_div(exp_avgs, denoms))  # noqa: SLF001
     if weight_decay != 0.0:
         torch._foreach_add_(updates, params, alpha=weight_decay)
     return updates
@@ -163,7 +164,7 @@ def per_tensor_sq_norms(tensors: Sequence[Tensor]) -> Tensor:
     """
     if not tensors:
         return torch.zeros(0, dtype=torch.float32)
-    norms = torch._foreach_norm(list(tensors), 2, dtype=torch.float32)
+    norms = torch._foreach_norm(list(tensors), 2, dtype=torch.float32)  # noqa: SLF001
     return torch.stack(norms).square()
 
 

@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 
 from popbert.optimizers.optimizer import AdamFamilyOptimizer
 
-__all__ = ["LossScaler", "grads_have_overflow"]
+__all__ = ["LossScaler", "grads_have_overflow", "unscale_grads_"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +51,27 @@ def grads_have_overflow(grads: GradsT) -> bool:
         if g.numel():
             by_device.setdefault(g.device, []).append(g)
     for tensors in by_device.values():
-        max_abs = torch._foreach_norm(tensors, float("inf"))  # propagates NaN and inf
+        # torch's multi-tensor kernel (what torch.optim uses; it has no public name).
+        max_abs = torch._foreach_norm(tensors, float("inf"))  # noqa: SLF001  propagates NaN/inf
         if not bool(torch.stack([m.float() for m in max_abs]).isfinite().all()):
             return True
     return False
+
+
+def unscale_grads_(grads: GradsT, scale: float) -> None:
+    """Divide gradients by ``scale`` in place (half-precision ones in FP32, rounded back).
+
+    For optimizers that cannot take ``grad_scale`` themselves; popbert's optimizers unscale
+    inside their FP32 update instead, where small half-precision gradients cannot underflow.
+    """
+    tensors = _collect_grads(grads)
+    inv_scale = 1.0 / scale
+    fp32 = [g for g in tensors if g.dtype == torch.float32]
+    if fp32:
+        torch._foreach_mul_(fp32, inv_scale)
+    for g in tensors:
+        if g.dtype != torch.float32:
+            g.copy_(g.float() * inv_scale)
 
 
 class LossScaler:
@@ -131,13 +148,7 @@ class LossScaler:
         """
         tensors = _collect_grads(grads)
         found_inf = grads_have_overflow(tensors)
-        inv_scale = 1.0 / self._scale
-        fp32 = [g for g in tensors if g.dtype == torch.float32]
-        if fp32:
-            torch._foreach_mul_(fp32, inv_scale)
-        for g in tensors:
-            if g.dtype != torch.float32:
-                g.copy_(g.float() * inv_scale)
+        unscale_grads_(tensors, self._scale)
         return found_inf
 
     def step(self, optimizer: Optimizer) -> bool:
@@ -152,7 +163,7 @@ class LossScaler:
             if isinstance(optimizer, AdamFamilyOptimizer):
                 optimizer.step(grad_scale=self._scale)
             else:
-                self.unscale_(grads)
+                unscale_grads_(grads, self._scale)
                 optimizer.step()
         self.update(found_inf)
         return not found_inf

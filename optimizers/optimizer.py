@@ -92,6 +92,25 @@ class AdamFamilyOptimizer(Optimizer):
         if generator is not None:
             self._generators[_device_key(generator.device)] = generator
 
+    # ------------------------------------------------------------------ public accessors
+
+    @property
+    def seed(self) -> int:
+        """Seed of the stochastic-rounding generators (a sharded optimizer derives each
+        replica's from it)."""
+        return self._seed
+
+    def rounding_generators(self) -> dict[str, torch.Generator]:
+        """The stochastic-rounding generator of each device used so far (or restored), by
+        device key; a copy of the mapping, the generators themselves are shared."""
+        return dict(self._generators)
+
+    def tile_numel_for(self, device: torch.device) -> int | None:
+        """Elements per tile of the step on ``device`` (resolves ``tile_numel="auto"``)."""
+        if self.tile_numel == "auto":
+            return F.default_tile_numel(device)
+        return self.tile_numel
+
     # ------------------------------------------------------------------ groups and state
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -143,10 +162,19 @@ class AdamFamilyOptimizer(Optimizer):
         """
         state_dict = dict(state_dict)
         rng = state_dict.pop(_RNG_KEY, None)
-        super().load_state_dict(state_dict)
-        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+        params = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        if len(saved_ids) != len(params):
+            raise ValueError(f"the state holds {len(saved_ids)} parameters, this optimizer "
+                             f"{len(params)}")
         id_map = dict(zip(saved_ids, params, strict=True))
+        for key, saved in state_dict["state"].items():  # checked before anything is loaded
+            p = id_map.get(key)
+            for name in _MOMENT_KEYS:
+                if p is not None and name in saved and tuple(saved[name].shape) != p.shape:
+                    raise ValueError(f"{name} of parameter {key} has shape "
+                                     f"{tuple(saved[name].shape)}, the parameter {tuple(p.shape)}")
+        super().load_state_dict(state_dict)
         for key, saved in state_dict["state"].items():
             p = id_map.get(key)
             if p is None:
@@ -249,7 +277,7 @@ class AdamFamilyOptimizer(Optimizer):
             "weight_decay": group["weight_decay"],
             "bias_correction": group["bias_correction"],
             "grad_factor": grad_factor,
-            "tile_numel": self._tile_numel(device),
+            "tile_numel": self.tile_numel_for(device),
             "round_fn": round_fn,
         }
         grads = [p.grad for p in params]
@@ -266,11 +294,6 @@ class AdamFamilyOptimizer(Optimizer):
             )
         else:
             F.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, steps, **common)
-
-    def _tile_numel(self, device: torch.device) -> int | None:
-        if self.tile_numel == "auto":
-            return F.default_tile_numel(device)
-        return self.tile_numel
 
 
 class Lamb(AdamFamilyOptimizer):

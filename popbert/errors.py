@@ -20,8 +20,13 @@ class CheckpointError(PopbertError):
     """A checkpoint directory that is missing, incomplete or does not match the run's config."""
 
 
+class InputError(PopbertError, ValueError):
+    """A batch a session cannot run: a graph input missing, of the wrong shape, or holding an
+    id outside the table it indexes (a token id beyond the vocabulary)."""
+
+
 class UsageError(PopbertError):
     """A command-line or API call that cannot be honoured as given (e.g. nothing to plot)."""
 
 
-__all__ = ["CheckpointError", "ConfigError", "PopbertError", "UsageError"]
+__all__ = ["CheckpointError", "ConfigError", "InputError", "PopbertError", "UsageError"]

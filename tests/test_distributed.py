@@ -70,7 +70,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    from popbert.distributed.replicas import Replicas, optimizer_state_bytes
+    from popbert.distributed import Replicas, optimizer_state_bytes
     from popbert.train.pretrain import run_pretraining
 
     every = Replicas.from_group(None, owns_process_group=True)
@@ -101,15 +101,16 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
     # Optimizer state each replica holds, sharded over 4 and not.
     from popbert.builders.bert import build_bert
+    from popbert.runtime.options import SessionOptions
     from popbert.runtime.session import TrainingSession
-    from popbert.train.pretrain import optimizer_factory, session_options
+    from popbert.train.factories import optimizer_factory
 
     sizes = {}
     for sharded in (False, True):
         cfg = config(4, 1, execution__replicated_tensor_sharding=sharded)
         graph = build_bert(cfg.model, seed=0)
         session = TrainingSession(graph.model(), graph.loss, optimizer_factory(cfg),
-                                  session_options(cfg, every), replicas=every)
+                                  SessionOptions.from_config(cfg, every), replicas=every)
         from bert_helpers import padded_batch
 
         session.run(padded_batch(cfg.model, batch_size=4, seed=rank))
@@ -126,7 +127,7 @@ def _toy_optimizers(rank: int, replicas, out: Path) -> None:
     each replica's own gradients, data parallel vs sharded; the gathered sharded state."""
     import torch
 
-    from popbert.distributed.replicas import GradientBuffer, ShardedOptimizer, broadcast_parameters
+    from popbert.distributed import GradientBuffer, ShardedOptimizer, broadcast_parameters
     from popbert.optimizers import Lamb, param_groups_by_name
 
     shapes = {"a/W": (3, 5), "a/B": (7,), "b/W": (2, 17), "b/Gamma": (33,), "c/B": (1,)}

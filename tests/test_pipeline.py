@@ -16,8 +16,10 @@ from bert_helpers import padded_batch, small_config
 from popbert.builders.bert import build_bert
 from popbert.optimizers import Lamb, param_groups_by_name
 from popbert.runtime.memory import PeakMemory
-from popbert.runtime.pipeline import Program, schedule_order, stage_actions
-from popbert.runtime.session import InferenceSession, SessionOptions, TrainingSession
+from popbert.runtime.options import SessionOptions
+from popbert.runtime.partition import Program
+from popbert.runtime.schedules import schedule_order, stage_actions
+from popbert.runtime.session import InferenceSession, TrainingSession
 
 STEPS, ACCUMULATION, MICRO = 3, 4, 2
 
@@ -180,4 +182,4 @@ def test_one_f_one_b_holds_fewer_activations_than_gpipe() -> None:
 
 def test_schedule_name_is_checked() -> None:
     with pytest.raises(ValueError, match="pipeline_schedule"):
-        SessionOptions(pipeline_schedule="zigzag").validate()
+        SessionOptions(pipeline_schedule="zigzag")

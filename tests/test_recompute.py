@@ -16,7 +16,8 @@ from popbert.builders.bert import build_bert
 from popbert.graph.annotations import checkpoint_count
 from popbert.optimizers import AdamW, param_groups_by_name
 from popbert.runtime.memory import PeakMemory
-from popbert.runtime.session import InferenceSession, SessionOptions, TrainingSession
+from popbert.runtime.options import SessionOptions
+from popbert.runtime.session import InferenceSession, TrainingSession
 
 
 @pytest.fixture(autouse=True, scope="module")

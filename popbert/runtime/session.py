@@ -2,78 +2,60 @@
 
 The torch backend lowers the ONNX proto once into a `torch.fx.GraphModule` whose parameters are
 the graph's initializers under their ONNX names, then runs optimizer steps with autograd.
-One `run()` performs `device_iterations` optimizer steps, each accumulating gradients over
-`gradient_accumulation` micro-batches (mean reduction, as PopART's accumulation does).
+One `run()` checks its batch against the graph's inputs (`popbert.runtime.inputs`), then performs
+`device_iterations` optimizer steps, each accumulating gradients over `gradient_accumulation`
+micro-batches (mean reduction, as PopART's accumulation does).
 
-Scale-out options (see docs/scaling.md): `replication_factor` replicas, one process each, given
-as a `popbert.distributed.replicas.Replicas` (gradients mean-reduced); `replicated_tensor_sharding`
-(optimizer state and accumulated gradient sharded over the replicas,
-`popbert.distributed.replicas.ShardedOptimizer`); `pipeline` (the graph split at its `__pipeline_stage`
-annotations, micro-batches scheduled through the stages, `popbert.runtime.pipeline`); `recompute`
-(activation checkpointing between the graph's checkpoint annotations). With none of them a
-session runs exactly as a plain single-process loop.
+Every training step is the same sequence, whatever the layout: step hook → zero the gradients →
+forward and backward each micro-batch → finish the gradients → overflow check and loss-scale
+update → optimizer step. Two things are chosen once, when the session is made:
+
+* who runs the forward and backward passes: a plain loop over the micro-batches, or the
+  `PipelineEngine` (`pipeline`: the graph split at its `__pipeline_stage` annotations,
+  micro-batches scheduled through the stages, `popbert.runtime.schedules`);
+* how gradients are synchronised (`popbert.distributed.gradients`): locally, mean-all-reduced over
+  `replication_factor` replicas (one process each, given as `popbert.distributed.Replicas`), or
+  sharded with the optimizer state over them (`replicated_tensor_sharding`).
+
+`recompute` adds activation checkpointing between the graph's checkpoint annotations
+(`popbert.runtime.partition`). With none of the options a session runs exactly as a plain
+single-process loop. `TrainingSession.state_dict()` is everything a resumed run needs from the
+session (see docs/scaling.md for the layouts).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import onnx
 import torch
 
+from popbert.distributed import Replicas, broadcast_parameters, gradient_sync
+from popbert.dtypes import torch_dtype
+from popbert.errors import CheckpointError, InputError
 from popbert.graph.annotations import constant_initializers
 from popbert.optimizers import LossScaler
-
-if TYPE_CHECKING:
-    from popbert.distributed.replicas import Replicas
+from popbert.runtime.devices import resolve_device
+from popbert.runtime.inputs import InputChecker
+from popbert.runtime.options import SessionOptions
+from popbert.runtime.partition import Program
+from popbert.runtime.rng import capture_rng, replica_rng, restore_rng
+from popbert.runtime.schedules import PipelineEngine
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 NamedParameters = list[tuple[str, torch.nn.Parameter]]
 OptimizerFactory = Callable[[NamedParameters], torch.optim.Optimizer]
+Batch = Mapping[str, torch.Tensor | np.ndarray]
+STATE_KEYS = ("step", "weights", "optimizer", "loss_scaler", "rng")
 
-
-@dataclass
-class SessionOptions:
-    """Execution options (PopART's `SessionOptions`, for what the torch backend honours)."""
-
-    device: str = "cpu"
-    gradient_accumulation: int = 1
-    device_iterations: int = 1
-    replication_factor: int = 1
-    weight_dtype: str = "float32"
-    compute_dtype: str = "float32"
-    compile: bool = False
-    seed: int | None = None
-    replicated_tensor_sharding: bool = False
-    pipeline: bool = False
-    pipeline_schedule: str = "1f1b"  # or "gpipe"
-    # Device of each `__ipu_number` when pipelining (index = ipu); None: all on `device`.
-    pipeline_devices: list[str] | None = None
-    # Worker thread per device when pipelining: None = when the stages span several devices.
-    pipeline_threads: bool | None = None
-    recompute: bool = False
-
-    def validate(self) -> None:
-        from popbert.runtime.pipeline import SCHEDULES
-
-        for key in ("gradient_accumulation", "device_iterations", "replication_factor"):
-            if int(getattr(self, key)) < 1:
-                raise ValueError(f"SessionOptions.{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("weight_dtype", "compute_dtype"):
-            if getattr(self, key) not in DTYPES:
-                raise ValueError(f"SessionOptions.{key} must be one of {sorted(DTYPES)}, "
-                                 f"got {getattr(self, key)!r}")
-        if self.pipeline_schedule not in SCHEDULES:
-            raise ValueError(f"SessionOptions.pipeline_schedule must be one of {SCHEDULES}, "
-                             f"got {self.pipeline_schedule!r}")
+__all__ = ["InferenceSession", "NamedParameters", "OptimizerFactory", "SessionOptions",
+           "TrainingSession", "load_model"]
 
 
 def load_model(model: onnx.ModelProto | bytes | str | Path) -> onnx.ModelProto:
@@ -85,34 +67,26 @@ def load_model(model: onnx.ModelProto | bytes | str | Path) -> onnx.ModelProto:
     return onnx.load(str(model))
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"execution.device is {device!r} but CUDA is not available here")
-    return torch.device(device)
-
-
 class _Session:
-    def __init__(self, model, options: SessionOptions | None, training: bool):
+    def __init__(self, model: onnx.ModelProto | bytes | str | Path,
+                 options: SessionOptions | None, training: bool):
         from popbert.lowering import lower_to_fx
 
         self.options = options or SessionOptions()
-        self.options.validate()
         self.proto = load_model(model)
         self.device = resolve_device(self.options.device)
         if self.options.seed is not None:
             torch.manual_seed(self.options.seed)
         self.module = lower_to_fx(self.proto, trainable=training)
-        frozen = constant_initializers(self.proto)
+        self._frozen = constant_initializers(self.proto)
         for name, param in self.module.named_parameters():
-            if name in frozen:
+            if name in self._frozen:
                 param.requires_grad_(False)
-        weight_dtype = DTYPES[self.options.weight_dtype]
+        weight_dtype = torch_dtype(self.options.weight_dtype)
         self.module.to(self.device)
         self._half_weights = weight_dtype != torch.float32
-        # Pipelining / recomputation run the graph split at its annotations (popbert.runtime.pipeline).
-        self.program = None
+        # Pipelining / recomputation run the graph split at its annotations (runtime.partition).
+        self.program: Program | None = None
         if self.options.pipeline or (self.options.recompute and training):
             self.program = self._make_program(training)
             with torch.no_grad():
@@ -122,16 +96,15 @@ class _Session:
                         param.data = param.data.to(device)
         if weight_dtype != torch.float32:
             for name, param in self.module.named_parameters():
-                if name not in frozen:
+                if name not in self._frozen:
                     param.data = param.data.to(weight_dtype)
         self.input_names = list(self.module.input_names)
         self.output_names = list(self.module.output_names)
+        self.inputs = InputChecker(self.proto, self.input_names)
         self._forward = torch.compile(self.module) if self.options.compile else self.module
-        self._compute_dtype = DTYPES[self.options.compute_dtype]
+        self._compute_dtype = torch_dtype(self.options.compute_dtype)
 
-    def _make_program(self, training: bool):
-        from popbert.runtime.pipeline import Program
-
+    def _make_program(self, training: bool) -> Program:
         devices = self.options.pipeline_devices
 
         def device_of_ipu(ipu: int) -> torch.device:
@@ -147,20 +120,18 @@ class _Session:
                        device_of_ipu=device_of_ipu, cast_params=self._half_weights,
                        compile=self.options.compile)
 
-    def _autocast(self):
+    def _autocast(self) -> contextlib.AbstractContextManager:
         if self._compute_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self._compute_dtype)
 
-    def _feeds(self, batch: Mapping[str, torch.Tensor | np.ndarray]) -> list[torch.Tensor]:
-        missing = [n for n in self.input_names if n not in batch]
-        if missing:
-            raise KeyError(f"batch is missing graph input(s) {missing}; "
-                           f"the graph takes {self.input_names}")
+    def _feeds(self, batch: Batch) -> list[torch.Tensor]:
+        """The graph's inputs of a (checked) batch, in order, on the session's device."""
         return [torch.as_tensor(batch[n]).to(self.device, non_blocking=True)
                 for n in self.input_names]
 
-    def forward(self, batch: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, torch.Tensor]:
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Run the graph on ``batch`` as given (``run`` checks it first)."""
         feeds = self._feeds(batch)
         with self._autocast():
             if self.program is not None:  # reads half weights as FP32 views itself
@@ -177,11 +148,13 @@ class _Session:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The trainable weights under their ONNX names (detached views)."""
-        frozen = constant_initializers(self.proto)
-        return {n: p.detach() for n, p in self.module.named_parameters() if n not in frozen}
+        return {n: p.detach() for n, p in self.module.named_parameters()
+                if n not in self._frozen}
 
     def load_weights(self, weights: Mapping[str, torch.Tensor | np.ndarray],
                      strict: bool = True) -> None:
+        """Copy ``weights`` (ONNX names) into the graph's; ``strict``: unknown names are an
+        error. Shapes must match; dtypes are cast to the stored weight dtype."""
         params = dict(self.module.named_parameters())
         unknown = sorted(set(weights) - set(params))
         if unknown and strict:
@@ -200,13 +173,16 @@ class _Session:
 class InferenceSession(_Session):
     """Run a graph forward without gradients (dropout off)."""
 
-    def __init__(self, model, options: SessionOptions | None = None):
+    def __init__(self, model: onnx.ModelProto | bytes | str | Path,
+                 options: SessionOptions | None = None):
         super().__init__(model, options, training=False)
         self.module.eval()
 
     @torch.no_grad()
-    def run(self, batch: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, torch.Tensor]:
-        return self.forward(batch)
+    def run(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """The graph's outputs for ``batch`` (checked first: an InputError names what is
+        wrong)."""
+        return self.forward(self.inputs.check(batch))
 
 
 class TrainingSession(_Session):
@@ -216,18 +192,11 @@ class TrainingSession(_Session):
     can apply per-tensor options by name (no weight decay on biases and norms, ...).
     """
 
-    def __init__(self, model, loss: str, optimizer: OptimizerFactory,
-                 options: SessionOptions | None = None,
+    def __init__(self, model: onnx.ModelProto | bytes | str | Path, loss: str,
+                 optimizer: OptimizerFactory, options: SessionOptions | None = None,
                  step_hook: Callable[[int], None] | None = None,
                  loss_scaler: LossScaler | None = None,
                  replicas: Replicas | None = None):
-        from popbert.distributed.replicas import (
-            GradientBuffer,
-            Replicas,
-            ShardedOptimizer,
-            broadcast_parameters,
-        )
-
         super().__init__(model, options, training=True)
         if loss not in self.output_names:
             raise ValueError(f"loss {loss!r} is not a graph output; outputs are "
@@ -239,25 +208,22 @@ class TrainingSession(_Session):
             raise ValueError(f"SessionOptions.replication_factor is "
                              f"{self.options.replication_factor} but the replicas given number "
                              f"{self.replicas.size}")
-        frozen = constant_initializers(self.proto)
         self.named_parameters: NamedParameters = [
-            (n, p) for n, p in self.module.named_parameters() if n not in frozen]
+            (n, p) for n, p in self.module.named_parameters() if n not in self._frozen]
         # Every replica starts from replica 0's weights.
         broadcast_parameters([p for _, p in self.named_parameters], self.replicas)
-        self.optimizer = optimizer(self.named_parameters)
-        self._grads: GradientBuffer | None = None
-        if self.options.replicated_tensor_sharding:
-            self.optimizer = ShardedOptimizer(self.optimizer, self.replicas)
-        elif self.replicas.distributed:
-            params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            self._grads = GradientBuffer(params, self.replicas)
-        self.engine = None
+        # How gradients are zeroed, combined over micro-batches and replicas, and applied.
+        self.gradients = gradient_sync(optimizer(self.named_parameters), self.replicas,
+                                       sharded=self.options.replicated_tensor_sharding)
+        self.optimizer = self.gradients.optimizer
+        # Who runs the forward and backward passes of a step's micro-batches.
+        self.engine: PipelineEngine | None = None
+        self._passes = self._plain_passes
         if self.options.pipeline:
-            from popbert.runtime.pipeline import PipelineEngine
-
             self.engine = PipelineEngine(self.program, self.options.pipeline_schedule,
                                          autocast=self._autocast,
                                          threads=self.options.pipeline_threads)
+            self._passes = self._pipelined_passes
             if self.options.gradient_accumulation < self.program.num_stages:
                 log.warning("pipeline of %d stages fed %d micro-batches per step: most stages "
                             "idle (raise gradient_accumulation to several times the stages)",
@@ -273,73 +239,142 @@ class TrainingSession(_Session):
         return self.options.replicated_tensor_sharding
 
     def micro_batches_per_run(self) -> int:
+        """Micro-batches one `run()` takes: `device_iterations × gradient_accumulation`."""
         return self.options.device_iterations * self.options.gradient_accumulation
 
-    def _split(self, batch: Mapping[str, torch.Tensor | np.ndarray]) -> list[list[dict]]:
-        """[iterations × accumulation × micro, ...] → nested lists of micro-batch dicts."""
+    def run(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Train on `batch` ([iterations × accumulation × micro, ...], checked first: an
+        InputError names what is wrong); returns each output averaged per optimizer step:
+        shape [iterations]."""
         iterations, accumulation = (self.options.device_iterations,
                                     self.options.gradient_accumulation)
-        first = torch.as_tensor(batch[self.input_names[0]])
-        total = first.shape[0]
-        if total % (iterations * accumulation):
-            raise ValueError(f"batch of {total} samples does not divide into device_iterations "
+        tensors = self.inputs.check(
+            batch, self.micro_batches_per_run(),
+            f" (device_iterations {iterations} × gradient_accumulation {accumulation})")
+        total = next(iter(tensors.values())).shape[0]
+        if total % (iterations * accumulation):  # a graph that declares no input shapes
+            raise InputError(f"batch of {total} samples does not divide into device_iterations "
                              f"({iterations}) × gradient_accumulation ({accumulation})")
         micro = total // (iterations * accumulation)
-        tensors = {n: torch.as_tensor(batch[n]) for n in self.input_names}
-        return [[{n: t[(i * accumulation + a) * micro:(i * accumulation + a + 1) * micro]
-                  for n, t in tensors.items()}
-                 for a in range(accumulation)] for i in range(iterations)]
-
-    def run(self, batch: Mapping[str, torch.Tensor | np.ndarray]) -> dict[str, torch.Tensor]:
-        """Train on `batch`; returns each output averaged per optimizer step: shape [iterations]."""
         per_step: list[dict[str, torch.Tensor]] = []
-        for micro_batches in self._split(batch):
-            per_step.append(self.train_step(micro_batches))
+        for i in range(iterations):
+            starts = [(i * accumulation + a) * micro for a in range(accumulation)]
+            per_step.append(self.train_step(
+                [{n: t[s:s + micro] for n, t in tensors.items()} for s in starts]))
         return {k: torch.stack([s[k] for s in per_step]) for k in per_step[0]}
 
     def train_step(self, micro_batches: Iterable[Mapping[str, torch.Tensor]]
                    ) -> dict[str, torch.Tensor]:
         """One optimizer step over the accumulated micro-batches (mean of their gradients, and
-        over the replicas)."""
+        over the replicas); returns the scalar outputs averaged over the micro-batches."""
         micro_batches = list(micro_batches)
         if self.step_hook is not None:
             self.step_hook(self.step)
-        if self._grads is not None:
-            self._grads.zero_()  # data parallel: .grad are views of one flat, reduced buffer
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, torch.Tensor] = {}
+        self.gradients.zero_grad()
         scale = self.loss_scaler.scale_value if self.loss_scaler is not None else 1.0
-        if self.engine is not None:
-            loss_index = self.output_names.index(self.loss_name)
-            feeds = [self._feeds(micro) for micro in micro_batches]
-            for outputs in self.engine.train(feeds, loss_index, scale):
-                _add_scalars(totals, dict(zip(self.output_names, outputs)))
-            if self.sharded:
-                self.optimizer.accumulate()
-        else:
-            for micro in micro_batches:
-                outputs = self.forward(micro)
-                (outputs[self.loss_name].float() * (scale / len(micro_batches))).backward()
-                if self.sharded:  # reduce-scatter into the FP32 shard after every micro-batch
-                    self.optimizer.accumulate()
-                _add_scalars(totals, outputs)
-        if self._grads is not None:
-            self._grads.all_reduce_mean_()
-        if self.sharded:
-            found_inf = self.loss_scaler is not None and self.optimizer.found_inf()
-            if not found_inf:
-                self.optimizer.step(grad_scale=scale if self.loss_scaler is not None else None)
-            if self.loss_scaler is not None:
-                totals["loss_scale"] = torch.tensor(scale * len(micro_batches))
-                self.loss_scaler.update(found_inf)
-        elif self.loss_scaler is None:
-            self.optimizer.step()
-        else:  # skips the step (and backs the scale off) when a gradient overflowed
+        totals: dict[str, torch.Tensor] = {}
+        for outputs in self._passes(micro_batches, scale):
+            _add_scalars(totals, outputs)
+        self.gradients.finish()
+        # With a loss scaler a step whose gradients overflowed is skipped (and the scale backs
+        # off); without one there is nothing to check.
+        found_inf = self.loss_scaler is not None and self.gradients.found_inf()
+        if not found_inf:
+            self.gradients.step(scale if self.loss_scaler is not None else None)
+        if self.loss_scaler is not None:
             totals["loss_scale"] = torch.tensor(scale * len(micro_batches))
-            self.loss_scaler.step(self.optimizer)
+            self.loss_scaler.update(found_inf)
         self.step += 1
         return {k: v / len(micro_batches) for k, v in totals.items()}
+
+    def _plain_passes(self, micro_batches: list[Mapping[str, torch.Tensor]],
+                      scale: float) -> Iterator[dict[str, torch.Tensor]]:
+        """Forward and backward one micro-batch after the other."""
+        for micro in micro_batches:
+            outputs = self.forward(micro)
+            (outputs[self.loss_name].float() * (scale / len(micro_batches))).backward()
+            self.gradients.after_micro_batch()
+            yield outputs
+
+    def _pipelined_passes(self, micro_batches: list[Mapping[str, torch.Tensor]],
+                          scale: float) -> Iterator[dict[str, torch.Tensor]]:
+        """All micro-batches through the pipeline schedule (their backward passes interleave,
+        so the gradients are handed on once, after all of them)."""
+        feeds = [self._feeds(micro) for micro in micro_batches]
+        results = self.engine.train(feeds, self.output_names.index(self.loss_name), scale)
+        self.gradients.after_micro_batch()
+        for outputs in results:
+            yield dict(zip(self.output_names, outputs))
+
+    # -- state -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs from the session, as CPU copies (a snapshot: training
+        on does not change it): ``step``, ``weights`` (trainable, ONNX names), ``optimizer``
+        (under RTS the gathered state in the ordinary optimizer's format), ``loss_scaler``
+        ({} without one) and ``rng`` (with replicas: every replica's, under ``replicas``).
+
+        A collective under replicas: every replica must call it.
+        """
+        optimizer = _cpu_copy(self.optimizer.state_dict())
+        rng = capture_rng()
+        if self.replicas.distributed:
+            rng = replica_rng(rng, self.replicas.all_gather_object(rng))
+        return {"step": self.step,
+                "weights": {n: _cpu_copy(w) for n, w in self.weights().items()},
+                "optimizer": optimizer,
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else {},
+                "rng": _cpu_copy(rng)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s ``state`` (from any replica count, sharded or
+        not); this replica restores its own RNG states. A state that does not fit this model
+        or optimizer is a one-line CheckpointError (the weights and the optimizer state are
+        checked before either is loaded)."""
+        missing = [k for k in ("step", "weights", "optimizer") if k not in state]
+        if missing:
+            raise CheckpointError(f"session state lacks {', '.join(missing)} (it holds "
+                                  f"{', '.join(map(str, state)) or 'nothing'}; expected "
+                                  f"{', '.join(STATE_KEYS)})")
+        weights = dict(state["weights"])
+        self._check_weights(weights)
+        if not state["optimizer"]:
+            raise CheckpointError("session state holds no optimizer state (a weights-only "
+                                  "checkpoint?): load its weights with load_weights instead")
+        try:
+            self.optimizer.load_state_dict(_cpu_copy(state["optimizer"]))
+        except (KeyError, ValueError, TypeError, RuntimeError) as error:
+            raise CheckpointError(f"the optimizer state does not fit this optimizer: "
+                                  f"{_one_line(error)}") from None
+        self.load_weights(weights)
+        scaler = state.get("loss_scaler") or {}
+        if self.loss_scaler is not None and scaler:
+            try:
+                self.loss_scaler.load_state_dict(scaler)
+            except (KeyError, ValueError, TypeError) as error:
+                raise CheckpointError(f"the loss-scaler state is unreadable: "
+                                      f"{_one_line(error)}") from None
+        try:
+            restore_rng(state.get("rng") or {}, self.replicas.rank)
+        except (KeyError, ValueError, TypeError, RuntimeError) as error:
+            raise CheckpointError(f"the RNG state is unreadable: {_one_line(error)}") from None
+        self.step = int(state["step"])
+
+    def _check_weights(self, weights: Mapping[str, Any]) -> None:
+        ours = {n: tuple(w.shape) for n, w in self.weights().items()}
+        absent = sorted(set(ours) - set(weights))
+        extra = sorted(set(weights) - set(ours))
+        if absent or extra:
+            parts = []
+            if absent:
+                parts.append(f"{len(absent)} of this model's weights missing ({_few(absent)})")
+            if extra:
+                parts.append(f"{len(extra)} weights this model does not have ({_few(extra)})")
+            raise CheckpointError(f"the weights do not fit this model: {'; '.join(parts)}")
+        for name, shape in ours.items():
+            given = tuple(torch.as_tensor(weights[name]).shape)
+            if given != shape:
+                raise CheckpointError(f"the weights do not fit this model: {name!r} has shape "
+                                      f"{given}, this model {shape}")
 
 
 def _add_scalars(totals: dict[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
@@ -348,3 +383,24 @@ def _add_scalars(totals: dict[str, torch.Tensor], outputs: Mapping[str, torch.Te
         if value.dim() == 0:
             value = value.detach().float()
             totals[name] = totals[name] + value if name in totals else value
+
+
+def _cpu_copy(value: Any) -> Any:
+    """``value`` with every tensor replaced by a CPU copy (dicts, lists and tuples walked)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cpu_copy(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_cpu_copy(v) for v in value)
+    return value
+
+
+def _few(names: list[str], count: int = 3) -> str:
+    return ", ".join(names[:count]) + (", ..." if len(names) > count else "")
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())[:300] or type(error).__name__

@@ -1,0 +1,168 @@
+"""What a session checks of a batch before running it, read once from the graph's inputs.
+
+A batch that does not fit the graph fails deep inside the lowered graph otherwise: a token id
+past the vocabulary is an index error in an embedding gather (on CUDA, a device-side assert that
+poisons the process), a wrong sequence length a broadcasting error in attention. Each is one
+:class:`~popbert.errors.InputError` line here instead, naming the input:
+
+* a missing input, with the graph's inputs;
+* a wrong rank or static dimension, with the shape the graph declares; symbolic dimensions
+  (``batch_size``) take any size but the same one in every input;
+* an integer input holding a value outside the table it indexes: inputs used as ``Gather``
+  indices into an initializer (word, position and segment embeddings) must lie in
+  ``0 .. rows - 1``. One min/max per such input and batch keeps the check cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import torch
+
+from popbert.errors import InputError
+
+__all__ = ["InputChecker", "InputSpec", "input_specs"]
+
+Dim = int | str | None  # static size, symbolic name, or unknown
+# Ops that pass their first input's values through unchanged (only the layout may change).
+_VALUE_PRESERVING = {"Identity", "Cast", "Reshape", "Flatten", "Squeeze", "Unsqueeze",
+                     "Transpose"}
+_INTEGER_TYPES = {onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.INT32,
+                  onnx.TensorProto.INT64, onnx.TensorProto.UINT8, onnx.TensorProto.UINT16,
+                  onnx.TensorProto.UINT32, onnx.TensorProto.UINT64}
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One graph input: its declared dims and, for an index input, the rows it may address."""
+
+    name: str
+    dims: tuple[Dim, ...] | None  # None: the graph declares no shape
+    integer: bool
+    bound: int | None = None  # values must lie in 0 .. bound - 1
+    table: str | None = None  # the initializer the values index
+
+    def shape_text(self) -> str:
+        dims = self.dims or ()
+        inner = ", ".join("?" if d is None else str(d) for d in dims)
+        return f"({inner},)" if len(dims) == 1 else f"({inner})"
+
+
+def input_specs(proto: onnx.ModelProto, names: Sequence[str]) -> list[InputSpec]:
+    """The specs of the graph inputs ``names`` (in that order)."""
+    declared = {i.name: i for i in proto.graph.input}
+    bounds = _index_bounds(proto)
+    specs = []
+    for name in names:
+        info = declared.get(name)
+        dims: tuple[Dim, ...] | None = None
+        integer = False
+        if info is not None and info.type.HasField("tensor_type"):
+            tensor = info.type.tensor_type
+            integer = tensor.elem_type in _INTEGER_TYPES
+            if tensor.HasField("shape"):
+                dims = tuple(d.dim_value if d.HasField("dim_value")
+                             else (d.dim_param or None) for d in tensor.shape.dim)
+        bound, table = bounds.get(name, (None, None)) if integer else (None, None)
+        specs.append(InputSpec(name, dims, integer, bound, table))
+    return specs
+
+
+def _index_bounds(proto: onnx.ModelProto) -> dict[str, tuple[int, str]]:
+    """For each graph input whose values (through layout-only ops) are ``Gather`` indices
+    into an initializer: (rows on the gather axis, initializer name); the smallest if several."""
+    initializers = {t.name: tuple(t.dims) for t in proto.graph.initializer}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in proto.graph.node:
+        for value in node.input:
+            consumers.setdefault(value, []).append(node)
+    bounds: dict[str, tuple[int, str]] = {}
+    for graph_input in proto.graph.input:
+        if graph_input.name in initializers:
+            continue
+        frontier, seen = [graph_input.name], set()
+        while frontier:
+            value = frontier.pop()
+            if value in seen:
+                continue
+            seen.add(value)
+            for node in consumers.get(value, []):
+                if node.op_type in _VALUE_PRESERVING and node.input[0] == value:
+                    frontier.extend(node.output)
+                elif (node.op_type == "Gather" and len(node.input) > 1
+                      and node.input[1] == value and node.input[0] in initializers):
+                    shape = initializers[node.input[0]]
+                    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+                    rows = shape[axis % len(shape)] if shape else 0
+                    known = bounds.get(graph_input.name)
+                    if known is None or rows < known[0]:
+                        bounds[graph_input.name] = (int(rows), node.input[0])
+    return bounds
+
+
+class InputChecker:
+    """Checks batches against a graph's inputs (see the module docstring)."""
+
+    def __init__(self, proto: onnx.ModelProto, names: Sequence[str]):
+        self.names = list(names)
+        self.specs = input_specs(proto, self.names)
+
+    def check(self, batch: Mapping[str, torch.Tensor | np.ndarray], micro_batches: int = 1,
+              per_run: str = "") -> dict[str, torch.Tensor]:
+        """The graph's inputs of ``batch`` as tensors, or an InputError.
+
+        ``micro_batches``: the leading dimension holds that many micro-batches back to back
+        (a training run), each of which must fit the graph; ``per_run`` says where the count
+        comes from, for the messages.
+        """
+        missing = [n for n in self.names if n not in batch]
+        if missing:
+            raise InputError(f"batch is missing graph input(s) {', '.join(map(repr, missing))}; "
+                             f"the graph's inputs are {', '.join(self.names)}")
+        tensors = {n: torch.as_tensor(batch[n]) for n in self.names}
+        bound_dims: dict[str, tuple[int, str]] = {}  # symbolic name -> (size, first input)
+        for spec in self.specs:
+            tensor = tensors[spec.name]
+            if spec.dims is not None:
+                self._check_shape(spec, tuple(tensor.shape), micro_batches, per_run, bound_dims)
+            if spec.bound is not None and tensor.numel() and tensor.dtype != torch.bool:
+                low, high = (int(v) for v in torch.aminmax(tensor.detach()))
+                if low < 0 or high >= spec.bound:
+                    value = low if low < 0 else high
+                    if spec.name == "input_ids":
+                        what = f"the vocabulary size {spec.bound} (ids 0..{spec.bound - 1})"
+                    else:
+                        what = (f"0..{spec.bound - 1} (the {spec.bound} rows of "
+                                f"{spec.table!r} it indexes)")
+                    raise InputError(f"input {spec.name!r} holds {value}, outside {what}")
+        return tensors
+
+    @staticmethod
+    def _check_shape(spec: InputSpec, shape: tuple[int, ...], micro_batches: int, per_run: str,
+                     bound_dims: dict[str, tuple[int, str]]) -> None:
+        dims = spec.dims or ()
+        per_micro = f" per micro-batch, {micro_batches} micro-batches per run{per_run}" \
+            if micro_batches > 1 else ""
+        if len(shape) != len(dims):
+            raise InputError(f"input {spec.name!r} has shape {shape} but the graph takes "
+                             f"{spec.shape_text()}{per_micro}")
+        for axis, (size, dim) in enumerate(zip(shape, dims)):
+            if axis == 0 and micro_batches > 1:
+                if size % micro_batches:
+                    raise InputError(f"input {spec.name!r} has {size} rows, which do not divide "
+                                     f"into {micro_batches} micro-batches per run{per_run}")
+                checked = size // micro_batches
+            else:
+                checked = size
+            if isinstance(dim, int) and checked != dim:
+                raise InputError(f"input {spec.name!r} has shape {shape} but the graph takes "
+                                 f"{spec.shape_text()}{per_micro}")
+            if isinstance(dim, str):
+                known = bound_dims.setdefault(dim, (size, spec.name))
+                if known[0] != size:
+                    raise InputError(f"input {spec.name!r} has {size} as its {dim} (dimension "
+                                     f"{axis}, shape {shape}) but input {known[1]!r} has "
+                                     f"{known[0]}: every input holds the same {dim}")

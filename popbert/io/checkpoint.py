@@ -20,7 +20,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,37 +52,6 @@ class Checkpoint:
 
 def step_dir(output_dir: Path, step: int) -> Path:
     return Path(output_dir) / "checkpoints" / f"step-{step:06d}"
-
-
-def capture_rng() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def replica_rng(own: Mapping[str, Any], every: list[Mapping[str, Any]]) -> dict[str, Any]:
-    """The RNG entry of a data-parallel checkpoint: replica 0's states at the top level (what
-    a 1-process resume restores) and every replica's under ``replicas``."""
-    return {**own, **every[0], "replicas": [dict(s) for s in every]}
-
-
-def restore_rng(state: Mapping[str, Any], replica: int = 0) -> None:
-    """Restore the RNG states replica ``replica`` saved; a replica the checkpoint did not have
-    (resuming on more replicas) keeps its fresh seed."""
-    replicas = state.get("replicas")
-    if replicas is not None:
-        if replica >= len(replicas):
-            log.info("replica %d has no RNG state in the checkpoint (it had %d replicas): "
-                     "its dropout masks start from its seed", replica, len(replicas))
-            return
-        state = replicas[replica]
-    elif replica:
-        return
-    if "torch" in state:
-        torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _torch_bytes(obj: Any) -> bytes:

@@ -32,11 +32,11 @@ from typing import Any
 import numpy as np
 from tokenizers import BertWordPieceTokenizer
 
+from popbert.atomic import atomic_write_text
 from popbert.data.errors import DataError
 from popbert.data.squad_metric import evaluate
 from popbert.data.tokenization import Encoding, encode_texts
 from popbert.errors import UsageError
-from popbert.io.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 

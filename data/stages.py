@@ -31,8 +31,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from popbert.atomic import atomic_write_text
 from popbert.data.errors import DataError
-from popbert.io.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 

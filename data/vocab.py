@@ -16,10 +16,10 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from popbert.atomic import atomic_write_text
 from popbert.data.corpus import has_text, name_files
 from popbert.data.errors import DataError
 from popbert.data.tokenization import SPECIAL_TOKENS, WordPieceTokenizer
-from popbert.io.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Atomic files and directories: a failure or a kill never leaves a torn result (popbert.io.atomic)."""
+"""Atomic files and directories: a failure or a kill never leaves a torn result (popbert.atomic)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from popbert.io import atomic
-from popbert.io.atomic import (
+from popbert import atomic
+from popbert.atomic import (
     atomic_directory,
     atomic_write_bytes,
     atomic_write_text,
@@ -145,7 +145,7 @@ def test_existing_file_is_not_replaced_by_directory(tmp_path: Path) -> None:
 WRITER = """
 import sys
 from pathlib import Path
-from popbert.io.atomic import atomic_directory
+from popbert.atomic import atomic_directory
 
 final = Path(sys.argv[1])
 version = 0

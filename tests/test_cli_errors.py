@@ -159,7 +159,8 @@ def test_pretrain_calls_run_pretraining(
 ) -> None:
     calls = []
     fake_module(
-        monkeypatch, "popbert.train.pretrain", run_pretraining=lambda cfg, **kw: calls.append((cfg, kw))
+        monkeypatch, "popbert.train.pretrain",
+        run_pretraining=lambda cfg, **kw: calls.append((cfg, kw))
     )
     init = tmp_path / "phase1"
     init.mkdir()
@@ -185,7 +186,8 @@ def test_pretrain_calls_run_pretraining(
 def test_pretrain_defaults(monkeypatch: pytest.MonkeyPatch, cli_logging: None) -> None:
     calls = []
     fake_module(
-        monkeypatch, "popbert.train.pretrain", run_pretraining=lambda cfg, **kw: calls.append((cfg, kw))
+        monkeypatch, "popbert.train.pretrain",
+        run_pretraining=lambda cfg, **kw: calls.append((cfg, kw))
     )
     assert cli.main(["pretrain"]) == 0
     ((cfg, kw),) = calls
@@ -198,15 +200,17 @@ def test_pretrain_defaults(monkeypatch: pytest.MonkeyPatch, cli_logging: None) -
 def test_resume_without_config_uses_the_runs_config(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli_logging: None
 ) -> None:
-    from popbert.config import save_config
+    from popbert.atomic import atomic_write_text
+    from popbert.config import dump_config
 
     calls = []
     fake_module(
-        monkeypatch, "popbert.train.pretrain", run_pretraining=lambda cfg, **kw: calls.append((cfg, kw))
+        monkeypatch, "popbert.train.pretrain",
+        run_pretraining=lambda cfg, **kw: calls.append((cfg, kw))
     )
     ckpt = tmp_path / "ckpt"
     saved = load_config("tiny", ["training.steps=11"])
-    save_config(saved, ckpt / "config.yaml")
+    atomic_write_text(ckpt / "config.yaml", dump_config(saved))
     assert cli.main(["pretrain", "--resume", str(ckpt), "-o", str(tmp_path)]) == 0
     assert calls[0][0] == saved and calls[0][1]["resume"] == ckpt
 

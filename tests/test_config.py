@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from popbert.atomic import atomic_write_text
 from popbert.config import (
     DEFAULT_PRESET,
     RunConfig,
@@ -20,7 +21,6 @@ from popbert.config import (
     parse_lr_schedule,
     parse_override,
     preset_path,
-    save_config,
 )
 from popbert.config.yaml_io import DuplicateKeyError, load_yaml
 from popbert.errors import ConfigError, PopbertError
@@ -444,7 +444,7 @@ def test_saved_config_reloads_equal(tmp_path: Path, name: str) -> None:
         ],
     )
     assert cfg.tracking.run_name == "yes" and cfg.data.input_files == ["a b/*.hdf5", "1e-3"]
-    path = save_config(cfg, tmp_path / "run" / "config.yaml")
+    path = atomic_write_text(tmp_path / "run" / "config.yaml", dump_config(cfg))
     assert path.is_file()
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".tmp")]
     assert load_config(path) == cfg
@@ -562,7 +562,7 @@ def test_model_task_round_trip(tmp_path: Path) -> None:
                                         hf_architecture="BertForSequenceClassification",
                                         lowercase=False, num_labels=3,
                                         labels=["neg", "neutral", "pos"])
-    path = save_config(cfg, tmp_path / "saved.yaml")
+    path = atomic_write_text(tmp_path / "saved.yaml", dump_config(cfg))
     assert load_config(path) == cfg
     assert config_from_dict(yaml.safe_load(path.read_text())) == cfg
     assert "  task:\n    name: classification\n" in path.read_text()

@@ -13,7 +13,7 @@ import argparse
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -70,27 +70,38 @@ def _existing_dir(path: Path | None, what: str) -> Path | None:
     return path
 
 
-def _load(args: argparse.Namespace) -> RunConfig:
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """--config (default: the preset tiny, or the resumed run's own config) under --set."""
     from popbert.config import DEFAULT_PRESET, load_config
 
     config = args.config
     resume = getattr(args, "resume", None)
     if config is None and resume is not None and (resume / "config.yaml").is_file():
-        # Resuming without --config continues with the config the run was started with.
+        # Resuming without --config continues with the config the run was started with (a run
+        # directory and each of its checkpoints hold it).
         config = resume / "config.yaml"
     return load_config(config if config is not None else DEFAULT_PRESET, args.overrides)
+
+
+def pretrain_output_dir(args: argparse.Namespace) -> Path:
+    """--output-dir; else the resumed run's own directory; else runs/pretrain-<timestamp>."""
+    if args.output_dir is not None:
+        return args.output_dir
+    if args.resume is not None:
+        from popbert.io.run_dir import run_dir_of
+
+        return run_dir_of(args.resume)  # a resumed run continues where it was
+    return Path("runs") / time.strftime("pretrain-%Y%m%d-%H%M%S")
 
 
 def _cmd_pretrain(args: argparse.Namespace) -> int:
     resume = _existing_dir(args.resume, "--resume")
     init_from = _existing_dir(args.init_from, "--init-from")
-    cfg = _load(args)
-    output_dir = args.output_dir
-    if output_dir is None:
-        output_dir = Path("runs") / time.strftime("pretrain-%Y%m%d-%H%M%S")
+    cfg = config_from_args(args)
     from popbert.train.pretrain import run_pretraining
 
-    run_pretraining(cfg, output_dir=output_dir, resume=resume, init_from=init_from)
+    run_pretraining(cfg, output_dir=pretrain_output_dir(args), resume=resume,
+                    init_from=init_from)
     return 0
 
 
@@ -194,11 +205,12 @@ def _cmd_predict_squad(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from popbert.config import dump_config, save_config
+    from popbert.atomic import atomic_write_text
+    from popbert.config import dump_config
 
-    cfg = _load(args)
+    cfg = config_from_args(args)
     if args.output is not None:
-        save_config(cfg, args.output)
+        atomic_write_text(args.output, dump_config(cfg))
         logger.info("wrote %s", args.output)
     else:
         sys.stdout.write(dump_config(cfg))
@@ -221,6 +233,20 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append",
                    default=[], help="override one config value, in YAML syntax, e.g. "
                                     "--set optimizer.lr=1e-3 --set 'model.layers_per_ipu=[1,1]'")
+
+
+def add_pretrain_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `popbert pretrain` (examples/pretrain.py takes the same)."""
+    _add_config_args(p)
+    p.add_argument("--output-dir", "-o", type=Path, default=None, metavar="DIR",
+                   help="run directory (checkpoints, metrics); default runs/pretrain-<timestamp>")
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--resume", type=Path, default=None, metavar="DIR",
+                       help="continue a run (its directory, or one of its checkpoints) from "
+                            "the checkpoint: weights, optimizer, data position, RNG; the run "
+                            "continues in that directory unless --output-dir says otherwise")
+    start.add_argument("--init-from", type=Path, default=None, metavar="DIR",
+                       help="start a new run from a checkpoint's weights only (e.g. phase 2)")
 
 
 def _add_training_args(p: argparse.ArgumentParser, max_seq_length: int, epochs: int,
@@ -327,15 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pretrain", parents=[common], help="pre-train BERT (MLM + NSP)",
                        description="Pre-train BERT. With no arguments: the tiny preset on the "
                                    "bundled corpus, on CPU, in a couple of minutes.")
-    _add_config_args(p)
-    p.add_argument("--output-dir", "-o", type=Path, default=None, metavar="DIR",
-                   help="run directory (checkpoints, metrics); default runs/pretrain-<timestamp>")
-    start = p.add_mutually_exclusive_group()
-    start.add_argument("--resume", type=Path, default=None, metavar="DIR",
-                       help="continue a run from its checkpoint (weights, optimizer, data "
-                            "position, RNG)")
-    start.add_argument("--init-from", type=Path, default=None, metavar="DIR",
-                       help="start a new run from a checkpoint's weights only (e.g. phase 2)")
+    add_pretrain_arguments(p)
     p.set_defaults(handler=_cmd_pretrain)
 
     _add_finetune_commands(sub, common)
@@ -406,16 +424,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (2 for user errors, with a one-line message)."""
-    parser = build_parser()
+def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run one command the CLI way: logging set up, a user error is one line on stderr and
+    exit status 2 (a traceback means a bug), Ctrl-C is 130."""
+    _configure_logging(getattr(args, "verbose", False))
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse: usage error (2) or --help/--version (0)
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
-    _configure_logging(args.verbose)
-    try:
-        return int(args.handler(args))
+        return int(handler(args))
     except KeyboardInterrupt:
         sys.stderr.write("popbert: interrupted\n")
         return 130
@@ -426,4 +440,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
 
 
-__all__ = ["build_parser", "main"]
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (2 for user errors, with a one-line message)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: usage error (2) or --help/--version (0)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    return run_command(args.handler, args)
+
+
+__all__ = ["add_pretrain_arguments", "build_parser", "config_from_args", "main",
+           "pretrain_output_dir", "run_command"]

@@ -16,7 +16,6 @@ from popbert.config.loading import (
     load_config,
     parse_override,
     preset_path,
-    save_config,
 )
 from popbert.config.sections import (
     SECTIONS,
@@ -34,5 +33,5 @@ __all__ = [
     "DEFAULT_PRESET", "PRESETS_DIR", "SECTIONS", "BertConfig", "ConfigError", "DataConfig",
     "ExecutionConfig", "OptimizerConfig", "RunConfig", "TaskConfig", "TrackingConfig",
     "TrainingConfig", "apply_overrides", "config_from_dict", "dump_config", "list_presets",
-    "load_config", "parse_lr_schedule", "parse_override", "preset_path", "save_config",
+    "load_config", "parse_lr_schedule", "parse_override", "preset_path",
 ]

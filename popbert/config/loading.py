@@ -32,7 +32,6 @@ from popbert.config.sections import (
 )
 from popbert.config.yaml_io import DuplicateKeyError, dump_yaml, load_yaml, parse_yaml
 from popbert.errors import ConfigError
-from popbert.io.atomic import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -418,12 +417,7 @@ def dump_config(cfg: RunConfig) -> str:
     return dump_yaml(cfg.to_dict())
 
 
-def save_config(cfg: RunConfig, path: str | os.PathLike[str]) -> Path:
-    """Write the resolved config as YAML, atomically; `load_config(path)` gives an equal config."""
-    return atomic_write_text(path, dump_config(cfg))
-
-
 __all__ = [
     "DEFAULT_PRESET", "PRESETS_DIR", "apply_overrides", "config_from_dict", "dump_config",
-    "list_presets", "load_config", "parse_override", "preset_path", "save_config",
+    "list_presets", "load_config", "parse_override", "preset_path",
 ]

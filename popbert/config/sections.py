@@ -107,6 +107,11 @@ class TrainingConfig:
     # None = derived: micro_batch_size x replicas x gradient_accumulation.
     global_batch_size: int | None = None
     checkpoint_every: int = 0  # 0 = only at the end
+    # Checkpoints kept besides the final one (the newest); 0 keeps every checkpoint.
+    keep_checkpoints: int = 3
+    # Stop when the loss exceeds this multiple of the first step's (at least 1.0): a run that
+    # blew up, even if its numbers stay finite. 0 = only a non-finite loss stops the run.
+    divergence_factor: float = 100.0
     log_every: int = 10
     seed: int = 42
 
@@ -321,6 +326,10 @@ def validate_run_config(cfg: RunConfig, source: str = "<config>",
     check(t.checkpoint_every >= 0, "training.checkpoint_every",
           f"training.checkpoint_every must be >= 0 (0 = only at the end), "
           f"got {t.checkpoint_every}")
+    check(t.keep_checkpoints >= 0, "training.keep_checkpoints",
+          f"training.keep_checkpoints must be >= 0 (0 keeps all), got {t.keep_checkpoints}")
+    check(t.divergence_factor == 0 or t.divergence_factor > 1, "training.divergence_factor",
+          f"training.divergence_factor must be 0 (off) or > 1, got {t.divergence_factor}")
     check(t.log_every >= 1, "training.log_every",
           f"training.log_every must be >= 1, got {t.log_every}")
     if t.global_batch_size is not None:

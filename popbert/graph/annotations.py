@@ -18,7 +18,8 @@ from typing import Any
 import onnx
 from onnx import TensorProto
 
-# PopART's node attribute names (REFERENCE.md).
+# PopART's node attribute names (REFERENCE.md); every one starts with ANNOTATION_PREFIX.
+ANNOTATION_PREFIX = "__"
 IPU_NUMBER = "__ipu_number"
 PIPELINE_STAGE = "__pipeline_stage"
 RECOMPUTE = "__recompute_output_in_backward_pass"
@@ -29,8 +30,10 @@ SERIALIZE_PRECISION = "__serialize_matmul_precision"
 ANNOTATIONS = (IPU_NUMBER, PIPELINE_STAGE, RECOMPUTE, AVAILABLE_MEMORY, SERIALIZE_MODE,
                SERIALIZE_FACTOR, SERIALIZE_PRECISION)
 
+# popbert's keys in the model's metadata_props (the exports record their task settings there).
+METADATA_PREFIX = "popbert."
 # Model metadata key listing the initializers that are constants, not weights.
-CONSTANTS_KEY = "popbert.constants"
+CONSTANTS_KEY = f"{METADATA_PREFIX}constants"
 _LEGACY_CONSTANTS_KEY = "popbert.frozen"  # graphs saved before 0.2 (checkpoints' model.onnx)
 
 
@@ -93,7 +96,7 @@ def strip_annotations(model: onnx.ModelProto) -> onnx.ModelProto:
     clean = onnx.ModelProto()
     clean.CopyFrom(model)
     for node in clean.graph.node:
-        kept = [a for a in node.attribute if not a.name.startswith("__")]
+        kept = [a for a in node.attribute if not a.name.startswith(ANNOTATION_PREFIX)]
         del node.attribute[:]
         node.attribute.extend(kept)
     kept_props = [p for p in clean.metadata_props

@@ -32,25 +32,27 @@ import torch
 from onnx import TensorProto, numpy_helper
 
 import popbert.builders.tasks  # noqa: F401  (registers the squad and classification heads)
+from popbert.atomic import atomic_write_bytes
 from popbert.builders.bert import BATCH, build_bert
 from popbert.builders.bert_config import BertConfig
 from popbert.errors import CheckpointError, UsageError
-from popbert.graph.annotations import strip_annotations, trainable_initializers
-from popbert.io.atomic import atomic_write_bytes
+from popbert.graph.annotations import METADATA_PREFIX, strip_annotations, trainable_initializers
 
 log = logging.getLogger(__name__)
 
 TASKS = ("pretraining", "encoder", "squad", "classification")
-DTYPES = ("float32", "float16")
+# The float formats an inference export may be written in (`popbert export --dtype`).
+EXPORT_DTYPES = ("float32", "float16")
 # ORT's fused CPU kernels (Attention, LayerNorm, GELU) reorder FP32 sums; logits of O(10) agree
-# to a few 1e-6 in practice; 1e-4 absolute leaves margin without hiding a wrong weight.
+# to a few 1e-6 in practice; 1e-4 of the output's scale (at least 1e-4 absolute) leaves margin
+# without hiding a wrong weight. Relative, because FP32 rounding is: a model with huge weights
+# (a run trained with far too high a learning rate) has logits of 1e5 that agree to 1e-6 of that.
 VERIFY_ATOL = 1e-4
 # FP16 has 11 significant bits (relative step 9.8e-4); over a dozen layers rounding compounds to
 # about 1e-2 of an output's scale, while a wrong or missing weight changes outputs by O(1).
 FP16_TOLERANCE = 3e-2
 # Protobuf cannot serialize 2 GiB; above this many bytes of weights, use external data.
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**27
-METADATA_PREFIX = "popbert."
 
 
 def with_weights(model: onnx.ModelProto, weights: Mapping[str, torch.Tensor | np.ndarray]
@@ -142,8 +144,8 @@ def compare(reference: Mapping[str, np.ndarray], theirs: Mapping[str, np.ndarray
     for name, value in theirs.items():
         expected = reference[name]
         difference = float(np.abs(expected - value).max())
-        allowed = VERIFY_ATOL if dtype == "float32" else \
-            FP16_TOLERANCE * max(1.0, float(np.abs(expected).max()))
+        scale = max(1.0, float(np.abs(expected).max()))
+        allowed = (VERIFY_ATOL if dtype == "float32" else FP16_TOLERANCE) * scale
         worst = max(worst, difference)
         if not difference <= allowed:
             raise RuntimeError(f"export check failed: output {name!r} differs between ONNX "
@@ -223,8 +225,8 @@ def export_weights(weights: Mapping[str, torch.Tensor | np.ndarray], config: Ber
     """
     if task not in TASKS:
         raise UsageError(f"--task: expected one of {', '.join(TASKS)}, got {task!r}")
-    if dtype not in DTYPES:
-        raise UsageError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype not in EXPORT_DTYPES:
+        raise UsageError(f"--dtype: expected one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
     if batch_size is not None and batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
     config = inference_config(config, sequence_length)
@@ -264,7 +266,7 @@ def export_weights(weights: Mapping[str, torch.Tensor | np.ndarray], config: Ber
 
 
 def task_metadata(config: BertConfig, vocab: Path | None) -> dict[str, str]:
-    """What serving a fine-tuned model needs besides its weights (`popbert.serve.predict` reads it)."""
+    """What serving a fine-tuned model needs besides its weights (read by `popbert.serve`)."""
     import json
 
     task = config.task

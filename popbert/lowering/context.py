@@ -23,6 +23,7 @@ import torch.fx as fx
 from onnx import numpy_helper
 from torch import nn
 
+from popbert.graph.annotations import ANNOTATION_PREFIX
 from popbert.graph.builder import GRAPHCORE_DOMAIN
 
 __all__ = [
@@ -51,10 +52,8 @@ __all__ = [
 STANDARD_DOMAINS = ("", "ai.onnx")
 #: Spellings of PopART's op domain: the Builder's ``ai.graphcore`` and the older ``com.graphcore``.
 GRAPHCORE_DOMAINS = (GRAPHCORE_DOMAIN, "com.graphcore")
-#: Node attributes starting with this are PopART's annotations (the names are defined in
-#: :mod:`popbert.graph.annotations`): kept in ``node.meta["onnx"]["attributes"]``, never passed to
-#: a converter as an op attribute.
-ANNOTATION_PREFIX = "__"
+# Node attributes starting with ANNOTATION_PREFIX (popbert.graph.annotations) are PopART's
+# annotations: kept in ``node.meta["onnx"]["attributes"]``, never passed to a converter.
 
 ONNX_TO_TORCH: dict[int, torch.dtype] = {
     onnx.TensorProto.FLOAT: torch.float32,

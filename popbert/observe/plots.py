@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from popbert.atomic import atomic_write_bytes
 from popbert.errors import UsageError
-from popbert.io.atomic import atomic_write_bytes
 from popbert.observe.tracking import read_metrics
 
 

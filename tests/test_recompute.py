@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bert_helpers import padded_batch, small_config
+from bert_helpers import one_thread, padded_batch, small_config  # noqa: F401 (one_thread: autouse)
 
 from popbert.builders.bert import build_bert
 from popbert.graph.annotations import checkpoint_count
@@ -18,16 +18,6 @@ from popbert.optimizers import AdamW, param_groups_by_name
 from popbert.runtime.memory import PeakMemory
 from popbert.runtime.options import SessionOptions
 from popbert.runtime.session import InferenceSession, TrainingSession
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread (two spin-wait badly on a shared 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 CONFIG = small_config(num_layers=4, layers_per_ipu=[4], recompute=True, sequence_length=64,
                       max_position_embeddings=64, hidden_dropout=0.1, attention_dropout=0.1)

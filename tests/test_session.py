@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from bert_helpers import padded_batch, small_config
+from bert_helpers import one_thread, padded_batch, small_config  # noqa: F401 (one_thread: autouse)
 
 from popbert.builders.bert import build_bert
 from popbert.distributed import (
@@ -31,15 +31,6 @@ from popbert.runtime.session import InferenceSession, TrainingSession
 
 CONFIG = small_config(hidden_dropout=0.1, attention_dropout=0.1)
 MICRO, ACCUMULATION = 2, 2
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread (two spin-wait badly on a shared 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -135,10 +135,10 @@ class _OpSet:
         key = name.lower()
         if key.startswith("opset") and key[5:].isdigit():  # builder.aiOnnxOpset11 style
             return self
-        self._builder._lookup(self._domain, key)  # raises BuilderError for unknown ops
+        self._builder.op_schema(self._domain, key)  # raises BuilderError for unknown ops
 
         def emit(args: Sequence[str], debugContext: str = "", **attributes: Any):
-            return self._builder._add_node(self._domain, key, list(args), attributes,
+            return self._builder.add_node(self._domain, key, list(args), attributes,
                                            debugContext)
 
         emit.__name__ = name
@@ -290,7 +290,7 @@ class Builder:
         self._require(list(tensors), "checkpointOutput")
         outputs = []
         for tensor in tensors:
-            out = self._add_node("", "identity", [tensor], {}, "checkpoint")
+            out = self.add_node("", "identity", [tensor], {}, "checkpoint")
             self._producer[out].attribute.append(helper.make_attribute(RECOMPUTE,
                                                                        RecomputeType.Checkpoint))
             outputs.append(out)
@@ -383,7 +383,8 @@ class Builder:
         del node.attribute[:]
         node.attribute.extend(kept + [helper.make_attribute(key, value)])
 
-    def _lookup(self, domain: str, key: str):
+    def op_schema(self, domain: str, key: str) -> Any:
+        """The schema of op `key` (lower case) in `domain`; BuilderError for an unknown op."""
         if domain == GRAPHCORE_DOMAIN:
             if key not in GRAPHCORE_OPS:
                 raise BuilderError(f"aiGraphcore.{key}: unknown op; known: {sorted(GRAPHCORE_OPS)}")
@@ -400,9 +401,11 @@ class Builder:
             attrs[PIPELINE_STAGE] = self._pipeline_stage[-1]
         return attrs
 
-    def _add_node(self, domain: str, key: str, inputs: list[str], attributes: dict[str, Any],
-                  debug: str) -> str | list[str]:
-        schema = self._lookup(domain, key)
+    def add_node(self, domain: str, key: str, inputs: list[str], attributes: dict[str, Any],
+                 debug: str) -> str | list[str]:
+        """Check and append one node (what `aiOnnx.<op>` / `aiGraphcore.<op>` call); returns its
+        output name(s)."""
+        schema = self.op_schema(domain, key)
         op_type = schema.name
         where = f"{'aiGraphcore' if domain else 'aiOnnx'}.{key}({debug or op_type})"
         self._require(inputs, where)

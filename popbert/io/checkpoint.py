@@ -2,8 +2,8 @@
 
 Layout of ``<output>/checkpoints/step-000010/``:
 
-- ``weights.safetensors``  trainable weights under their ONNX names (`popbert.io.hf_mapping` maps them to
-  Hugging Face `BertForPreTraining` names)
+- ``weights.safetensors``  trainable weights under their ONNX names (`popbert.io.hf_mapping` maps
+                           them to Hugging Face `BertForPreTraining` names)
 - ``optimizer.pt``         optimizer state (FP32 moments, step counts, rounding generator), always
                            in the unsharded optimizer's format: a run with replicated tensor
                            sharding gathers it, so it loads with or without RTS, on any replica
@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,8 @@ import onnx
 import safetensors.torch
 import torch
 
+from popbert.atomic import atomic_directory
 from popbert.errors import CheckpointError
-from popbert.io.atomic import atomic_directory
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,23 @@ class Checkpoint:
     rng: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def from_state(cls, state: Mapping[str, Mapping[str, Any]]) -> Checkpoint:
+        """The checkpoint of a run's stateful parts: ``{"session": session.state_dict(),
+        "loader": loader.state_dict()}`` (the shape PyTorch's Distributed Checkpoint uses)."""
+        session = state["session"]
+        return cls(step=int(session["step"]), weights=dict(session["weights"]),
+                   optimizer=dict(session.get("optimizer", {})),
+                   loss_scaler=dict(session.get("loss_scaler", {})),
+                   rng=dict(session.get("rng", {})), loader=dict(state.get("loader", {})))
 
-def step_dir(output_dir: Path, step: int) -> Path:
-    return Path(output_dir) / "checkpoints" / f"step-{step:06d}"
+    def state(self) -> dict[str, dict[str, Any]]:
+        """The inverse of :meth:`from_state`: what each stateful part's ``load_state_dict``
+        takes."""
+        return {"session": {"step": self.step, "weights": self.weights,
+                            "optimizer": self.optimizer, "loss_scaler": self.loss_scaler,
+                            "rng": self.rng},
+                "loader": self.loader}
 
 
 def _torch_bytes(obj: Any) -> bytes:

@@ -4,8 +4,8 @@ A Hugging Face BERT directory is `config.json` + `model.safetensors` (or `pytorc
 or a sharded index of either) + `vocab.txt`. Import builds the matching popbert run config
 (`model.*` from `config.json`, `data.vocab_file` = the copied `vocab.txt`) and a checkpoint that
 has every weight of the pre-training graph: those the directory holds, converted exactly by
-`popbert.io.hf_mapping`, and the rest (e.g. the MLM/NSP heads a `BertModel` lacks) initialised fresh and
-reported. Export writes the reverse, as the `transformers` class that holds exactly the
+`popbert.io.hf_mapping`, and the rest (e.g. the MLM/NSP heads a `BertModel` lacks) initialised
+fresh and reported. Export writes the reverse, as the `transformers` class that holds exactly the
 checkpoint's heads, so `from_pretrained` reports no missing or unexpected keys.
 
 Layout of an imported directory (a run directory, so every `--checkpoint` option accepts it):
@@ -24,10 +24,11 @@ from typing import Any
 
 import numpy as np
 
+from popbert.atomic import atomic_directory
 from popbert.builders.bert_config import BertConfig, TaskConfig
 from popbert.errors import CheckpointError, UsageError
 from popbert.io import hf_mapping as hf
-from popbert.io.atomic import atomic_directory
+from popbert.io.run_dir import step_dir
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +292,7 @@ def import_hf(model_dir: Path, output_dir: Path, sequence_length: int | None = N
     cfg.data.vocab_file = str(final_vocab)
     cfg = config_from_dict(cfg.to_dict(), source=str(config_path))
     config_yaml = dump_config(cfg)
-    report = ImportReport(output_dir, ckpt.step_dir(output_dir, 0), bert.task.hf_architecture,
+    report = ImportReport(output_dir, step_dir(output_dir, 0), bert.task.hf_architecture,
                           loaded=sorted(weights), fresh=fresh, ignored=ignored)
     with atomic_directory(output_dir) as tmp:
         shutil.copyfile(vocab, tmp / VOCAB)
@@ -300,7 +301,7 @@ def import_hf(model_dir: Path, output_dir: Path, sequence_length: int | None = N
             "source": str(model_dir.resolve()), "weights_file": weights_file.name,
             "architecture": report.architecture, "fresh": fresh, "ignored": ignored,
             "loaded": report.loaded}, indent=2))
-        ckpt.save_checkpoint(ckpt.step_dir(tmp, 0), ckpt.Checkpoint(step=0,
+        ckpt.save_checkpoint(step_dir(tmp, 0), ckpt.Checkpoint(step=0,
                              weights=checkpoint_weights), config_yaml)
     log.info("imported %s (%s, %d tensors) into %s", model_dir, report.architecture,
              len(weights), output_dir)

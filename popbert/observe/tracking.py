@@ -16,6 +16,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from popbert.atomic import atomic_write_text
 from popbert.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -44,19 +45,22 @@ def _jsonable(value: Any) -> Any:
 class MetricsLogger:
     """Append metrics dicts to `<output_dir>/metrics.jsonl` and, with backend "wandb", to W&B.
 
-    On resume the file is appended to, so a run's history stays in one file (`plot_metrics`
-    keeps the last entry of any step logged twice).
+    On resume (``resume_step``) the file is first cut back to the records up to that step, then
+    appended to: the steps trained after the checkpoint and lost in the crash are trained again,
+    and a run's history stays one line per step.
     """
 
     def __init__(self, output_dir: str | os.PathLike[str], config_dict: Mapping[str, Any],
                  backend: str = "none", project: str = "popbert",
-                 run_name: str | None = None) -> None:
+                 run_name: str | None = None, resume_step: int | None = None) -> None:
         if backend not in ("none", "wandb"):
             raise ConfigError(f"tracking.backend: expected one of none, wandb, got {backend!r}")
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.output_dir / METRICS_FILE
         self.backend = backend
+        if resume_step is not None and self.path.is_file():
+            truncate_metrics(self.path, resume_step)
         self._wandb_run: Any = None
         if backend == "wandb":
             self._wandb_run = self._init_wandb(dict(config_dict), project, run_name)
@@ -120,6 +124,15 @@ class MetricsLogger:
         self.close()
 
 
+def truncate_metrics(path: str | os.PathLike[str], last_step: int) -> int:
+    """Drop the records after ``last_step`` (atomically); returns how many were dropped."""
+    records = read_metrics(path)
+    kept = [r for r in records if not isinstance(r.get("step"), int) or r["step"] <= last_step]
+    if len(kept) != len(records):
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+    return len(records) - len(kept)
+
+
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Records of a metrics.jsonl, skipping a torn last line left by a killed run."""
     records: list[dict[str, Any]] = []
@@ -138,4 +151,4 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return records
 
 
-__all__ = ["METRICS_FILE", "MetricsLogger", "read_metrics"]
+__all__ = ["METRICS_FILE", "MetricsLogger", "read_metrics", "truncate_metrics"]

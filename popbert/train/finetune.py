@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,14 +29,21 @@ import torch
 from tqdm import tqdm
 
 import popbert.builders.tasks  # noqa: F401  (registers the squad and classification heads)
+from popbert.atomic import atomic_write_bytes, atomic_write_text
 from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import BertConfig, TaskConfig
 from popbert.config import RunConfig, config_from_dict, dump_config
 from popbert.errors import CheckpointError, ConfigError, UsageError
 from popbert.io import checkpoint as ckpt
-from popbert.io.atomic import atomic_write_bytes, atomic_write_text
+from popbert.io import run_dir
 from popbert.io.hf_checkpoint import VOCAB, checkpoint_vocab
+from popbert.io.run_dir import step_dir
+from popbert.observe.tracking import MetricsLogger
 from popbert.optimizers import set_lr
+from popbert.runtime.options import SessionOptions
+from popbert.runtime.session import InferenceSession, TrainingSession
+from popbert.train.factories import lr_schedule, optimizer_factory
+from popbert.train.loop import train_loop
 
 log = logging.getLogger(__name__)
 
@@ -170,11 +176,8 @@ def _batches(arrays: Mapping[str, np.ndarray], batch_size: int, epochs: int, see
 def train(cfg: RunConfig, task: str, weights: Mapping[str, torch.Tensor],
           arrays: Mapping[str, np.ndarray], output_dir: Path, epochs: int
           ) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Train the `task` graph from `weights`; returns (trained weights, fresh weight names)."""
-    from popbert.observe.tracking import MetricsLogger
-    from popbert.runtime.session import TrainingSession
-    from popbert.train.pretrain import lr_schedule, optimizer_factory, session_options
-
+    """Train the `task` graph from `weights` through the training loop; returns (trained
+    weights, fresh weight names)."""
     e = cfg.execution
     if e.replicas != 1 or e.pipeline or e.replicated_tensor_sharding:
         raise ConfigError("fine-tuning runs in one process: set execution.replicas=1, "
@@ -184,7 +187,7 @@ def train(cfg: RunConfig, task: str, weights: Mapping[str, torch.Tensor],
     torch.manual_seed(cfg.training.seed)
     graph = build_bert(cfg.model, task=task, seed=cfg.training.seed)
     session = TrainingSession(graph.model(), graph.loss, optimizer_factory(cfg),
-                              session_options(cfg))
+                              SessionOptions.from_config(cfg))
     params = dict(session.named_parameters)
     for name, value in weights.items():
         if name in params and tuple(value.shape) != tuple(params[name].shape):
@@ -197,20 +200,11 @@ def train(cfg: RunConfig, task: str, weights: Mapping[str, torch.Tensor],
     schedule = lr_schedule(cfg)
     session.step_hook = lambda step: set_lr(session.optimizer, schedule, step)
     t = cfg.training
-    window: dict[str, list[float]] = {}
-    with MetricsLogger(output_dir, cfg.to_dict()) as tracker, \
-            tqdm(total=t.steps, desc=f"finetune {task}", unit="step", dynamic_ncols=True) as bar:
-        for batch in _batches(arrays, cfg.execution.micro_batch_size, epochs, t.seed):
-            outputs = session.run(batch)
-            for key, value in outputs.items():
-                window.setdefault(key, []).extend(value.tolist())
-            bar.update(1)
-            if session.step % t.log_every == 0 or session.step == t.steps:
-                record = {"step": session.step, "lr": schedule(session.step - 1),
-                          **{k: float(np.mean(v)) for k, v in window.items()}}
-                tracker.log(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}")
-                window = {}
+    with MetricsLogger(output_dir, cfg.to_dict()) as tracker:
+        train_loop(session, _batches(arrays, e.micro_batch_size, epochs, t.seed),
+                   steps=t.steps, log_every=t.log_every, schedule=schedule, tracker=tracker,
+                   samples_per_step=e.micro_batch_size, desc=f"finetune {task}",
+                   divergence_factor=t.divergence_factor)
     return session.weights(), fresh
 
 
@@ -218,7 +212,6 @@ def infer(model: BertConfig, task: str, weights: Mapping[str, torch.Tensor],
           arrays: Mapping[str, np.ndarray], batch_size: int, device: str
           ) -> dict[str, np.ndarray]:
     """The task graph's outputs (no dropout) for all rows of `arrays`, in batches."""
-    from popbert.runtime.session import InferenceSession, SessionOptions
 
     graph = build_bert(model, task=task, with_loss=False, zeros=True)
     session = InferenceSession(graph.model(), SessionOptions(device=device))
@@ -242,7 +235,7 @@ def _save(output_dir: Path, cfg: RunConfig, weights: Mapping[str, torch.Tensor],
         atomic_write_bytes(output_dir / VOCAB, vocab.read_bytes())
     # No model.onnx: the task graph is rebuilt from config.yaml (export, export-hf), and a copy
     # would double the checkpoint's size.
-    return ckpt.save_checkpoint(ckpt.step_dir(output_dir, cfg.training.steps),
+    return ckpt.save_checkpoint(step_dir(output_dir, cfg.training.steps),
                                 ckpt.Checkpoint(step=cfg.training.steps, weights=dict(weights)),
                                 config_yaml)
 
@@ -250,13 +243,11 @@ def _save(output_dir: Path, cfg: RunConfig, weights: Mapping[str, torch.Tensor],
 def _run_in(output_dir: Path, body: Callable[[], FinetuneResult]) -> FinetuneResult:
     """Run `body()` writing into `output_dir`; a failure before any checkpoint leaves no
     half-written directory behind (like `popbert pretrain`)."""
-    created = not output_dir.exists()
-    output_dir.mkdir(parents=True, exist_ok=True)
+    created = run_dir.create_output_dir(output_dir)
     try:
         return body()
     except BaseException:
-        if created and not (output_dir / "checkpoints").exists():
-            shutil.rmtree(output_dir, ignore_errors=True)
+        run_dir.remove_if_empty_run(output_dir, created)
         raise
 
 
@@ -270,15 +261,15 @@ def finetune_squad(checkpoint: Path, train_file: Path, output_dir: Path,
                    n_best_size: int = 20, max_answer_length: int = 30) -> FinetuneResult:
     """Fine-tune on a SQuAD v1.1 training file; predict (and score, if it has answers)
     `predict_file`."""
-    from popbert.data.squad import evaluate, squad_features
-    from popbert.serve.predict import (
+    from popbert.data.squad import (
         WindowOptions,
         decode_answers,
-        make_tokenizer,
-        parse_vocab,
         read_squad,
+        squad_features,
         write_predictions,
     )
+    from popbert.data.squad_metric import evaluate
+    from popbert.data.tokenization import make_tokenizer, parse_vocab
 
     options = options or TrainOptions()
     options.validate()
@@ -298,6 +289,7 @@ def finetune_squad(checkpoint: Path, train_file: Path, output_dir: Path,
         doc_stride=doc_stride, max_query_length=max_query_length), options.dropout)
     steps = options.epochs * math.ceil(len(features) / options.batch_size)
     output_dir = Path(output_dir)
+    run_dir.check_output_dir(output_dir)
     cfg = run_config(pretrained, model, options, steps, output_dir)
     log.info("SQuAD: %d questions → %d training windows of %d tokens; %d steps", len(questions),
              len(features), max_seq_length, steps)
@@ -370,6 +362,7 @@ def finetune_classify(checkpoint: Path, train_file: Path, output_dir: Path,
         lowercase=pretrained.lowercase, num_labels=len(names), labels=names), options.dropout)
     steps = options.epochs * math.ceil(len(train_data) / options.batch_size)
     output_dir = Path(output_dir)
+    run_dir.check_output_dir(output_dir)
     cfg = run_config(pretrained, model, options, steps, output_dir)
     log.info("classification: %d examples, labels %s; %d steps", len(train_data), names, steps)
 

@@ -1,0 +1,64 @@
+"""What a run config turns into: the optimizer, the learning-rate schedule and the loss scaler.
+
+Pre-training, fine-tuning and sweeps build these the same way, so a config means one thing
+everywhere. (The session options come from `SessionOptions.from_config`, next to the options.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from popbert.config import RunConfig
+from popbert.optimizers import AdamW, Lamb, LossScaler, make_schedule, param_groups_by_name
+
+NamedParameters = list[tuple[str, torch.nn.Parameter]]
+
+
+def optimizer_factory(cfg: RunConfig) -> Callable[[NamedParameters], torch.optim.Optimizer]:
+    """Our LAMB / AdamW with Graphcore's per-tensor exclusions (no decay on biases and norms).
+
+    A factory rather than an optimizer: the session creates the parameters (from the graph's
+    initializers) and hands them over by ONNX name.
+    """
+    o = cfg.optimizer
+    stochastic = cfg.execution.stochastic_rounding
+
+    def make(named: NamedParameters) -> torch.optim.Optimizer:
+        groups = param_groups_by_name(named, o.weight_decay)
+        common = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                      bias_correction=o.bias_correction, max_grad_norm=o.max_grad_norm,
+                      stochastic_rounding=stochastic, seed=cfg.training.seed)
+        if o.name == "lamb":
+            return Lamb(groups, max_trust_ratio=o.max_trust_ratio, **common)
+        return AdamW(groups, **common)
+
+    return make
+
+
+def lr_schedule(cfg: RunConfig) -> Callable[[int], float]:
+    """The learning rate of each optimizer step (0-based)."""
+    o = cfg.optimizer
+    if o.lr_schedule:
+        return make_schedule("piecewise", piecewise=o.lr_schedule)
+    kind = {"linear": "linear", "polynomial": "poly", "none": "constant"}[o.decay]
+    # A run shorter than its warmup (a quick `--set training.steps=20` on a preset) warms up
+    # over the whole run rather than failing.
+    return make_schedule(kind, peak_lr=o.lr, total_steps=cfg.training.steps,
+                         warmup_steps=min(o.warmup_steps, cfg.training.steps),
+                         warmup_start_lr=o.warmup_start_lr,
+                         end_lr=o.end_lr, power=o.power)
+
+
+def loss_scaler(cfg: RunConfig) -> LossScaler | None:
+    """Static or dynamic loss scaling, or None (`optimizer.loss_scaling: none`)."""
+    o = cfg.optimizer
+    if o.loss_scaling == "static":
+        return LossScaler.static(o.loss_scale)
+    if o.loss_scaling == "dynamic":
+        return LossScaler(o.loss_scale, dynamic=True)
+    return None
+
+
+__all__ = ["NamedParameters", "loss_scaler", "lr_schedule", "optimizer_factory"]

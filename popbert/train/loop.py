@@ -1,0 +1,234 @@
+"""The one training loop: pre-training, fine-tuning and sweeps all step a session through it.
+
+Each turn feeds one batch to `TrainingSession.run` (which may perform several optimizer steps:
+`device_iterations`), logs the window's mean metrics every `log_every` steps (to the progress bar
+and `metrics.jsonl`), and asks for a checkpoint every `checkpoint_every` steps. A run ends early
+when the batches run out, or when it diverged: a loss that is not finite (or weights that are not
+finite when a checkpoint is due), or a loss more than `divergence_factor` times the first step's.
+A diverged run stops at once with one line naming the last good checkpoint.
+
+A checkpoint holds the weights the *next* step's loss is computed from, so it counts as good only
+once that loss passed: until then it is pending, pruning never removes the last good one for it,
+and if that loss shows the run diverged, the pending checkpoint is discarded.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from popbert.errors import PopbertError
+from popbert.observe.tracking import MetricsLogger
+from popbert.runtime.session import TrainingSession
+
+log = logging.getLogger(__name__)
+
+Batch = Mapping[str, torch.Tensor]
+# Progress-bar fields: metric key → short label.
+POSTFIX = {"loss": "loss", "mlm_accuracy": "mlm_acc", "seq_per_s": "seq_s"}
+
+
+class TrainingDiverged(PopbertError):
+    """The loss or the weights stopped being finite and loss scaling did not absorb it."""
+
+    def __init__(self, step: int, what: str, last_good: Path | None):
+        where = (f"the last good checkpoint is {last_good}" if last_good is not None
+                 else "no checkpoint was written before it")
+        super().__init__(f"training diverged at step {step}: {what}; {where} (lower "
+                         "optimizer.lr, raise optimizer.warmup_steps, or use loss scaling)")
+        self.step = step
+        self.last_good = last_good
+
+
+@dataclass
+class LoopResult:
+    """What a finished loop leaves: the steps this call trained and the last logged record."""
+
+    steps_trained: int
+    seconds: float
+    record: dict[str, float] = field(default_factory=dict)
+    checkpoint: Path | None = None  # the last good checkpoint
+
+
+def _nothing(*_: Any) -> None:
+    return None
+
+
+@dataclass
+class Checkpointing:
+    """When and how the loop saves, and which checkpoint is known to be good.
+
+    ``save()`` writes the run's state at the session's step; ``prune(newest_good, final)`` may
+    delete old checkpoints; ``discard(path)`` removes a checkpoint the run diverged from.
+    """
+
+    every: int
+    save: Callable[[], Path]
+    prune: Callable[[Path, bool], None] = _nothing
+    discard: Callable[[Path], None] = _nothing
+    last_good: Path | None = None
+    pending: Path | None = None
+
+    def confirm(self) -> None:
+        """The step after the pending checkpoint trained to a good loss: it is good."""
+        if self.pending is not None:
+            self.last_good, self.pending = self.pending, None
+            self.prune(self.last_good, False)
+
+    def diverged(self) -> Path | None:
+        """Drop the pending checkpoint (its weights made the bad loss); the last good one."""
+        if self.pending is not None:
+            self.discard(self.pending)
+            self.pending = None
+        return self.last_good
+
+
+def train_loop(session: TrainingSession, batches: Iterator[Batch], *, steps: int,
+               log_every: int, schedule: Callable[[int], float] | None = None,
+               tracker: MetricsLogger | None = None, samples_per_step: int = 0,
+               checkpointing: Checkpointing | None = None, desc: str = "train",
+               divergence_factor: float = 0.0) -> LoopResult:
+    """Train until the session reaches `steps` optimizer steps (or `batches` runs out).
+
+    The final checkpoint is the caller's: it knows what else the run writes. Under replicas
+    every replica runs this loop; only replica 0 logs and shows the bar. `divergence_factor`:
+    see `training.divergence_factor` (0: only a non-finite loss counts as diverged).
+    """
+    replicas = session.replicas
+    first_step = session.step
+    window: dict[str, list[float]] = {}
+    record: dict[str, float] = {}
+    bar = tqdm(total=steps, initial=session.step, desc=desc, unit="step", dynamic_ncols=True,
+               disable=not replicas.is_main)
+    started = window_start = time.perf_counter()
+    limit: float | None = None  # the loss above which the run has blown up
+    try:
+        while session.step < steps:
+            batch = next(batches, None)
+            if batch is None:
+                break
+            outputs = session.run(batch)
+            steps_done = int(outputs[session.loss_name].shape[0])
+            for key, values in outputs.items():
+                window.setdefault(key, []).extend(values.float().tolist())
+            losses = outputs[session.loss_name].float()
+            if limit is None and divergence_factor and bool(torch.isfinite(losses[0])):
+                limit = divergence_factor * max(float(losses[0]), 1.0)
+            bad = _first_bad(losses, limit, session)
+            if bad is not None:
+                step = session.step - steps_done + bad + 1
+                record = _log(session, window, step, schedule, tracker, samples_per_step,
+                              time.perf_counter() - window_start)
+                loss = float(losses[bad])
+                what = ("the loss is not finite" if not math.isfinite(loss) else
+                        f"the loss {loss:.4g} exceeds {divergence_factor:g}× the first step's "
+                        f"(training.divergence_factor)")
+                raise TrainingDiverged(step, what,
+                                       checkpointing.diverged() if checkpointing else None)
+            if checkpointing is not None:
+                checkpointing.confirm()
+            bar.update(steps_done)
+            if session.step % log_every < steps_done or session.step >= steps:
+                record = _log(session, window, session.step, schedule, tracker,
+                              samples_per_step, time.perf_counter() - window_start)
+                bar.set_postfix({label: f"{record[key]:.3f}" if key != "seq_per_s"
+                                 else f"{record[key]:.0f}"
+                                 for key, label in POSTFIX.items() if key in record})
+                window, window_start = {}, time.perf_counter()
+            if checkpointing is not None and checkpointing.every \
+                    and session.step % checkpointing.every < steps_done and session.step < steps:
+                save_checked(session, checkpointing)
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - started
+    trained = session.step - first_step
+    log.info("trained %d steps (%d → %d) in %.1f s", trained, first_step, session.step, seconds)
+    return LoopResult(trained, seconds, record,
+                      checkpointing.last_good if checkpointing else None)
+
+
+def save_checked(session: TrainingSession, checkpointing: Checkpointing) -> Path:
+    """Save a (pending) checkpoint unless a weight stopped being finite (gradients that
+    overflowed without loss scaling show up in the weights first)."""
+    finite = all(bool(torch.isfinite(w).all()) for w in session.weights().values())
+    if not _all_replicas(session, finite):
+        raise TrainingDiverged(session.step, "a weight is not finite", checkpointing.diverged())
+    checkpointing.pending = checkpointing.save()
+    return checkpointing.pending
+
+
+def save_final(session: TrainingSession, checkpointing: Checkpointing) -> Path:
+    """The run's last checkpoint: saved like any other, then kept by pruning as the final one."""
+    final = save_checked(session, checkpointing)
+    checkpointing.last_good, checkpointing.pending = final, None
+    checkpointing.prune(final, True)
+    return final
+
+
+def _first_bad(losses: torch.Tensor, limit: float | None, session: TrainingSession
+               ) -> int | None:
+    """Index of the first loss of a run() that is not finite or above `limit` (agreed over the
+    replicas: they all stop, or none), or None."""
+    good = torch.isfinite(losses)
+    if limit is not None:
+        good &= losses <= limit
+    if _all_replicas(session, bool(good.all())):
+        return None
+    bad = (~good).nonzero()
+    return int(bad[0]) if len(bad) else 0
+
+
+def _all_replicas(session: TrainingSession, flag: bool) -> bool:
+    replicas = session.replicas
+    if not replicas.distributed:
+        return flag
+    value = torch.tensor([0.0 if flag else 1.0], device=_collective_device(session))
+    replicas.all_reduce_(value)
+    return float(value) == 0.0
+
+
+def _collective_device(session: TrainingSession) -> torch.device:
+    return session.device if session.device.type == "cuda" else torch.device("cpu")
+
+
+def _log(session: TrainingSession, window: dict[str, list[float]], step: int,
+         schedule: Callable[[int], float] | None, tracker: MetricsLogger | None,
+         samples_per_step: int, elapsed: float) -> dict[str, Any]:
+    """One metrics record: the window's means (over the replicas too), lr, throughput."""
+    record: dict[str, Any] = {"step": step}
+    if schedule is not None:
+        record["lr"] = schedule(step - 1)
+    record.update(_window_means(window, session))
+    if samples_per_step and window:
+        steps_in_window = len(next(iter(window.values())))
+        record["seq_per_s"] = steps_in_window * samples_per_step / max(elapsed, 1e-9)
+    if session.loss_scaler is not None:
+        record["skipped_steps"] = session.loss_scaler.skipped_steps
+    if tracker is not None:
+        tracker.log(record)
+    return record
+
+
+def _window_means(window: dict[str, list[float]], session: TrainingSession) -> dict[str, float]:
+    """Each metric's mean over the log window, and over the replicas (one small all-reduce)."""
+    means = {k: float(np.mean(v)) if v else math.nan for k, v in window.items()}
+    replicas = session.replicas
+    if not replicas.distributed or not means:
+        return means
+    values = torch.tensor(list(means.values()), dtype=torch.float64,
+                          device=_collective_device(session))
+    replicas.all_reduce_(values)
+    return dict(zip(means, (values / replicas.size).tolist()))
+
+
+__all__ = ["Checkpointing", "LoopResult", "TrainingDiverged", "save_checked", "save_final",
+           "train_loop"]

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tokenizers import BertWordPieceTokenizer
+from tokenizers import Tokenizer
 
 from popbert.atomic import atomic_write_text
 from popbert.data.errors import DataError
@@ -231,7 +231,7 @@ def make_windows(question_index: int, question: Encoding, context: Encoding,
     return windows
 
 
-def build_windows(questions: Sequence[Question], tokenizer: BertWordPieceTokenizer,
+def build_windows(questions: Sequence[Question], tokenizer: Tokenizer,
                   vocab: Mapping[str, int], options: WindowOptions) -> list[Window]:
     """Windows of every question, in question order (each context encoded once)."""
     options.validate()
@@ -304,7 +304,7 @@ def _usable(question: Question, path: str) -> bool:
     return True
 
 
-def squad_features(questions: Sequence[Question], tokenizer: BertWordPieceTokenizer,
+def squad_features(questions: Sequence[Question], tokenizer: Tokenizer,
                    vocab: Mapping[str, int], options: WindowOptions, training: bool = False,
                    source: str = "<squad>") -> SquadFeatures:
     """Windows and model inputs; with `training`, also the labels of each window.

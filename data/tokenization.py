@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
-from tokenizers import BertWordPieceTokenizer
+from tokenizers import BertWordPieceTokenizer, Tokenizer
 
 from popbert.data.errors import DataError
 
@@ -83,19 +83,21 @@ def parse_vocab(text: str, source: str = "vocabulary") -> dict[str, int]:
     return vocab_index(vocab_tokens(text), source)
 
 
-def make_tokenizer(vocab: Mapping[str, int], lowercase: bool = True) -> BertWordPieceTokenizer:
+def make_tokenizer(vocab: Mapping[str, int], lowercase: bool = True) -> Tokenizer:
     """A Hugging Face WordPiece tokenizer over `vocab` with BERT's normalisation.
 
     `lowercase=True` also strips accents (BERT "uncased"). `WordPieceTokenizer` uses it as its
     backend, so pre-training data, SQuAD windows and serving tokenize text identically.
     """
-    tokenizer = BertWordPieceTokenizer(
+    bert = BertWordPieceTokenizer(
         dict(vocab), unk_token=UNK_TOKEN, sep_token=SEP_TOKEN, cls_token=CLS_TOKEN,
         pad_token=PAD_TOKEN, mask_token=MASK_TOKEN, clean_text=True, handle_chinese_chars=True,
         strip_accents=lowercase, lowercase=lowercase, wordpieces_prefix=WORDPIECE_PREFIX)
+    # The wrapper keeps its `Tokenizer` private; its serialised form rebuilds one we may set.
+    tokenizer = Tokenizer.from_str(bert.to_str())
     # Text is data: a literal "[SEP]" in a sentence or question is tokenized as characters (as
     # Google's tokenizer does), never turned into the control token.
-    tokenizer._tokenizer.encode_special_tokens = True
+    tokenizer.encode_special_tokens = True
     return tokenizer
 
 
@@ -110,7 +112,7 @@ class Encoding:
     offsets: list[tuple[int, int]]
 
 
-def encode_texts(tokenizer: BertWordPieceTokenizer, texts: Sequence[str]) -> list[Encoding]:
+def encode_texts(tokenizer: Tokenizer, texts: Sequence[str]) -> list[Encoding]:
     """Encode many texts at once (Rust, parallel), without special tokens."""
     if not texts:
         return []

@@ -71,7 +71,7 @@ def main(args) -> int:
                        steps=cfg.training.steps, log_every=cfg.training.log_every,
                        schedule=schedule, tracker=metrics,
                        samples_per_step=cfg.global_batch_size, checkpointing=saving,
-                       divergence_factor=cfg.training.divergence_factor)
+                       divergence_factor=cfg.training.divergence_factor, desc="pretrain")
         finally:
             metrics.close()
             pretrain.plot_if_logged(out / "metrics.jsonl", out / "metrics.png")

@@ -78,9 +78,9 @@ class _Session:
         if self.options.seed is not None:
             torch.manual_seed(self.options.seed)
         self.module = lower_to_fx(self.proto, trainable=training)
-        self._frozen = constant_initializers(self.proto)
+        self._constants = constant_initializers(self.proto)
         for name, param in self.module.named_parameters():
-            if name in self._frozen:
+            if name in self._constants:
                 param.requires_grad_(False)
         weight_dtype = torch_dtype(self.options.weight_dtype)
         self.module.to(self.device)
@@ -96,7 +96,7 @@ class _Session:
                         param.data = param.data.to(device)
         if weight_dtype != torch.float32:
             for name, param in self.module.named_parameters():
-                if name not in self._frozen:
+                if name not in self._constants:
                     param.data = param.data.to(weight_dtype)
         self.input_names = list(self.module.input_names)
         self.output_names = list(self.module.output_names)
@@ -149,7 +149,7 @@ class _Session:
     def weights(self) -> dict[str, torch.Tensor]:
         """The trainable weights under their ONNX names (detached views)."""
         return {n: p.detach() for n, p in self.module.named_parameters()
-                if n not in self._frozen}
+                if n not in self._constants}
 
     def load_weights(self, weights: Mapping[str, torch.Tensor | np.ndarray],
                      strict: bool = True) -> None:
@@ -209,7 +209,7 @@ class TrainingSession(_Session):
                              f"{self.options.replication_factor} but the replicas given number "
                              f"{self.replicas.size}")
         self.named_parameters: NamedParameters = [
-            (n, p) for n, p in self.module.named_parameters() if n not in self._frozen]
+            (n, p) for n, p in self.module.named_parameters() if n not in self._constants]
         # Every replica starts from replica 0's weights.
         broadcast_parameters([p for _, p in self.named_parameters], self.replicas)
         # How gradients are zeroed, combined over micro-batches and replicas, and applied.

@@ -5,6 +5,11 @@ fixed deterministically: the five special tokens first (`[PAD]`=0 ... `[MASK]`=4
 checkpoints and popbert's shards assume), every other entry in code-point order, because the
 trainer emits tokens with tied merge counts in a run-dependent order. WordPiece tokenization is
 greedy longest-match, so it depends on the set only, never on the ids.
+
+The set itself is not always reproducible: the trainer breaks ties between equally frequent merges
+by ids it assigns in hash-map order, which differs between processes (huggingface/tokenizers
+issue 1794), so two runs on a small corpus can learn a few different tokens. Every later stage is
+deterministic for a given vocabulary: keep `vocab.txt` (or pass `--vocab`) to reproduce shards.
 """
 
 from __future__ import annotations

@@ -126,7 +126,9 @@ def test_shard_statistics(prepared, tokenizer):
     assert abs(stats["mask_fraction"] - 0.8) < 0.03
     assert abs(stats["keep_fraction"] - 0.1) < 0.03
     assert abs(stats["random_fraction"] - 0.1) < 0.03
-    assert abs(stats["random_next_fraction"] - 0.5) < 0.07
+    # NSP pairs are Bernoulli(0.5) per instance; the vocabulary trained by the fixture can differ
+    # between runs (data/vocab.py), so allow 4 standard deviations of the binomial fraction.
+    assert abs(stats["random_next_fraction"] - 0.5) < 4 * (0.25 / stats["instances"]) ** 0.5
     assert stats["special_masked"] == 0
     assert stats["max_id"] < tokenizer.vocab_size
     for path in paths:

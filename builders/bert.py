@@ -11,6 +11,15 @@ block-diagonal in it) and `cls_positions` [B, K] (each sequence's [CLS], where i
 is made); `next_sentence_labels` is [B, K] with `NSP_IGNORE` in unused slots and
 `max_predictions_per_seq` counts MLM slots per row. Weights and their names are the same as
 unpacked, so checkpoints move between the two.
+
+`config.dialect` picks the ops (`layers` decides; nothing here branches on it): "onnx" is the
+standard opset 23, "popart" ai.onnx opset 11 + ai.graphcore for PopART, with static shapes, so
+it needs `batch_size` = the micro batch. Both dialects take the same inputs in the same layout
+and create the same weights under the same names: the masked-LM head gathers
+`masked_lm_positions` in both (an opset-11 Gather in the popart dialect rather than Graphcore's
+masked-tokens-first layout with a static slice; see `popbert.builders.layers`), so data,
+loaders and checkpoints are shared, and the placement, stage and recompute annotations are the
+same node for node.
 """
 
 from __future__ import annotations
@@ -85,11 +94,14 @@ def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = 
     out); with_loss=False gives MLM/NSP logits for inference. task="encoder" outputs the last
     hidden state and the pooled [CLS] output like `transformers.BertModel`. Other tasks come
     from `register_task`. `zeros=True` skips random initialisation (fast structural builds).
+    `batch_size` is the batch dimension of every input: symbolic by default, an int for a graph
+    compiled for one micro batch (required by `model.dialect: popart`).
     """
     config.validate()
     if task not in TASK_HEADS:
         raise ValueError(f"unknown task {task!r}; expected one of {sorted(TASK_HEADS)}")
     b = Builder(dialect=config.dialect, graph_name=f"bert_{task}")
+    layers.check_batch_size(b, batch_size)
     init = layers.WeightInit(config.initializer_range, seed=seed, zeros=zeros)
     plan = PlacementPlan(config)
     graph = BertGraph(b, config, task, batch_size=batch_size)
@@ -200,7 +212,7 @@ def encoder_layer(b: Builder, config: BertConfig, init: layers.WeightInit, x: st
     with b.nameScope(f"Layer{index}"):
         with b.nameScope("Attention"):
             qkv = layers.dense(b, x, h, 3 * h, init, "QKV")
-            q, k, v = b.aiOnnx.split([qkv], "Split", axis=-1, num_outputs=3)
+            q, k, v = layers.split(b, qkv, 3, -1, "Split")
             context = layers.multi_head_attention(b, q, k, v, mask, h, heads,
                                                   config.sequence_length,
                                                   config.attention_dropout)
@@ -230,26 +242,23 @@ def packed_pooler(b: Builder, config: BertConfig, init: layers.WeightInit, hidde
                   cls_positions: str) -> str:
     """tanh(W · h[CLS] + B) at each packed sequence's [CLS]: [B, K, H], same weights as `pooler`."""
     with b.nameScope("NSP"):
-        index = b.aiOnnx.unsqueeze(
-            [cls_positions, b.addConstant(np.array([2], np.int64), "axis")], "CLSIndex")
-        cls = b.aiOnnx.gathernd([hidden, index], "CLS", batch_dims=1)  # [B, K, H]
+        cls = layers.gather_positions(b, hidden, cls_positions, "CLS",
+                                      index_name="CLSIndex")  # [B, K, H]
         return b.aiOnnx.tanh([layers.dense(b, cls, config.hidden_size, config.hidden_size,
                                            init, "Pool")], "Pooled")
 
 
 def mlm_head(b: Builder, config: BertConfig, init: layers.WeightInit, hidden: str,
              positions: str, word_table: str) -> str:
-    """Logits [B, P, V] at the masked positions only; projection tied to the word embedding."""
+    """Logits [B, P, V] at the masked positions only; projection tied to the word embedding
+    (serialised over the vocabulary for PopART, `layers.tied_projection`)."""
     h = config.hidden_size
     with b.nameScope("CLS"):
-        index = b.aiOnnx.unsqueeze([positions, b.addConstant(np.array([2], np.int64), "axis")],
-                                   "Index")
-        masked = b.aiOnnx.gathernd([hidden, index], "Gather", batch_dims=1)  # [B, P, H]
+        masked = layers.gather_positions(b, hidden, positions, "Gather")  # [B, P, H]
         with b.nameScope("LMPrediction"):
             x = layers.gelu(b, layers.dense(b, masked, h, h, init, "Dense"))
             x = layers.layer_norm(b, x, h, config.layer_norm_eps, init)
-        projection = b.aiOnnx.transpose([word_table], "TiedProjection", perm=[1, 0])
-        logits = b.aiOnnx.matmul([x, projection], "MLM/MatMul")
+        logits = layers.tied_projection(b, x, word_table, "MLM/MatMul")
         with b.nameScope("MLM"):
             bias = b.addInitializedInputTensor(init.constant([config.vocab_size], 0.0), "Bias")
         return b.aiOnnx.add([logits, bias], "mlm_logits")

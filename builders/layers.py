@@ -2,8 +2,22 @@
 
 `onnx` dialect: standard opset 23 ops (LayerNormalization, Gelu, Attention,
 SoftmaxCrossEntropyLoss) that ONNX Runtime and the torch lowering run fused. `popart` dialect:
-ai.onnx opset 11 plus ai.graphcore ops (GroupNormalization as LayerNorm, Gelu, Nll), which is
-what PopART accepts. Model code calls these helpers and never branches on the dialect itself.
+ai.onnx opset 11 plus ai.graphcore ops, which is what PopART accepts: GroupNormalization with one
+group as LayerNorm, GeluErf, Softmax + Nll (`reduction`, `ignoreIndex`), Detach; axes and split
+sizes as attributes (inputs only from opset 13), and static shapes, the micro batch included.
+Model code calls these helpers and never branches on the dialect itself.
+
+Two choices in the popart dialect, made so that both dialects compute the same function with the
+same weights (checked to 1e-5 in `tests/test_popart_dialect.py`):
+
+* GELU is `ai.graphcore::GeluErf` (poplibs' exact erf GELU, as BERT and Hugging Face define it),
+  not `ai.graphcore::Gelu`, which is poplibs' tanh approximation that Graphcore's BERT used and
+  which differs from the erf form by up to ~1e-3.
+* The masked-LM head reads the masked positions with an opset-11 `Gather` on the flattened
+  [B·S, H] activations at `positions + row · S` (`gather_positions`), not Graphcore's layout
+  (the data moves masked tokens to the first slots and the head takes a static slice): the
+  Gather keeps the data layout, the loader and checkpoints identical to the onnx dialect's
+  (NVIDIA's `masked_lm_positions`), while opset 11 has no `GatherND` with `batch_dims`.
 """
 
 from __future__ import annotations
@@ -13,6 +27,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from popbert.graph.builder import Builder
+
+# The tied MLM projection is serialised into this many vocabulary chunks, as Graphcore did
+# (`setSerializeMatMul(..., "output_channels", 5)`), or the largest divisor of the vocabulary
+# below it: PopART requires the output channels to be a multiple of the factor.
+MLM_SERIALIZATION_STEPS = 5
 
 # Large negative logit for masked-out keys: exp() underflows to exactly 0 in FP32 and FP16, and
 # unlike finfo.min it cannot overflow when added to a score in half precision.
@@ -73,9 +92,11 @@ def layer_norm(b: Builder, x: str, hidden: int, eps: float, init: WeightInit,
 
 
 def gelu(b: Builder, x: str) -> str:
+    """Exact (erf) GELU: opset-20 `Gelu`, or `ai.graphcore::GeluErf` (see the module docstring
+    for why not `ai.graphcore::Gelu`)."""
     if b.dialect == "onnx":
         return b.aiOnnx.gelu([x], "Gelu")
-    return b.aiGraphcore.gelu([x], "Gelu")
+    return b.aiGraphcore.geluerf([x], "Gelu")
 
 
 def dropout(b: Builder, x: str, probability: float, name: str = "Dropout") -> str:
@@ -88,6 +109,85 @@ def dropout(b: Builder, x: str, probability: float, name: str = "Dropout") -> st
     return b.aiOnnx.dropout([x], name, ratio=float(probability))
 
 
+def check_batch_size(b: Builder, batch_size: int | str) -> None:
+    """The popart dialect compiles for one micro batch, as IPUs do: a symbolic batch is refused
+    before any input exists, with what to pass instead."""
+    if b.dialect == "popart" and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"model.dialect 'popart' builds static shapes: pass the micro batch, "
+                         f"build_bert(..., batch_size=execution.micro_batch_size), "
+                         f"not batch_size={batch_size!r}")
+
+
+def unsqueeze(b: Builder, x: str, axes: Sequence[int], name: str,
+              axes_name: str = "axes") -> str:
+    """Insert size-1 axes: `axes` is an input from opset 13, an attribute before."""
+    if b.opset >= 13:
+        return b.aiOnnx.unsqueeze([x, b.addConstant(np.array(axes, np.int64), axes_name)], name)
+    return b.aiOnnx.unsqueeze([x], name, axes=list(axes))
+
+
+def squeeze(b: Builder, x: str, axes: Sequence[int], name: str,
+            axes_name: str = "axes") -> str:
+    """Remove size-1 axes: `axes` is an input from opset 13, an attribute before."""
+    if b.opset >= 13:
+        return b.aiOnnx.squeeze([x, b.addConstant(np.array(axes, np.int64), axes_name)], name)
+    return b.aiOnnx.squeeze([x], name, axes=list(axes))
+
+
+def split(b: Builder, x: str, parts: int, axis: int, name: str) -> list[str]:
+    """Split into `parts` equal pieces along `axis`: `num_outputs` from opset 18; before, the
+    sizes as the `split` attribute (static, so the axis must be)."""
+    if b.opset >= 18:
+        return b.aiOnnx.split([x], name, axis=axis, num_outputs=parts)
+    size = _static(b.getTensorShape(x), x)[axis]
+    if size % parts:
+        raise ValueError(f"split {x!r}: axis {axis} of size {size} is not {parts} equal parts")
+    return b.aiOnnx.split([x], name, axis=axis, split=[size // parts] * parts)
+
+
+def gather_positions(b: Builder, hidden: str, positions: str, name: str,
+                     axis_name: str = "axis", index_name: str = "Index") -> str:
+    """Rows of `hidden` [B, S, H] at `positions` [B, P] per batch row → [B, P, H].
+
+    onnx: `GatherND` with `batch_dims=1` (opset 12+). popart (opset 11): `Gather` on the
+    flattened [B·S, H] activations at `positions + row · S`; B and S are static there.
+    """
+    if b.opset >= 12:
+        index = unsqueeze(b, positions, [2], index_name, axis_name)
+        return b.aiOnnx.gathernd([hidden, index], name, batch_dims=1)
+    batch, seq, width = _static(b.getTensorShape(hidden), hidden)
+    flat = b.aiOnnx.reshape(
+        [hidden, b.addConstant(np.array([batch * seq, width], np.int64), "flat_shape")],
+        f"{name}/Flatten")
+    offsets = b.addConstant((np.arange(batch, dtype=np.int64) * seq)[:, None], "row_offsets")
+    index = b.aiOnnx.add([positions, offsets], index_name)
+    return b.aiOnnx.gather([flat, index], name, axis=0)
+
+
+def tied_projection(b: Builder, x: str, table: str, name: str) -> str:
+    """x @ tableᵀ: the MLM projection tied to the word embedding `table` [V, H].
+
+    In the popart dialect the MatMul carries PopART's serialisation annotation (the vocabulary
+    in `MLM_SERIALIZATION_STEPS` chunks of output channels, keeping precision): PopART needs it
+    to fit the [B·P, V] logits and their gradient in tile memory. The torch lowering reads
+    nothing from it. The onnx dialect leaves it off: it would only stop the lowering from
+    fusing the projection with its bias (that fusion requires both nodes' annotations equal).
+    """
+    projection = b.aiOnnx.transpose([table], "TiedProjection", perm=[1, 0])
+    logits = b.aiOnnx.matmul([x, projection], name)
+    if b.dialect == "popart":
+        vocab = _static(b.getTensorShape(table), table)[0]
+        b.setSerializeMatMul({logits}, "output_channels", serialization_factor(vocab),
+                             keep_precision=True)
+    return logits
+
+
+def serialization_factor(vocab_size: int, steps: int = MLM_SERIALIZATION_STEPS) -> int:
+    """The largest factor <= `steps` that divides `vocab_size` (PopART's requirement):
+    5 for Graphcore's 30400-entry vocabulary, 4 for the bundled 8192, 3 for BERT's 30522."""
+    return next(f for f in range(min(steps, vocab_size), 0, -1) if vocab_size % f == 0)
+
+
 def attention_mask(b: Builder, input_mask: str, seq_len: int) -> str:
     """[B, S] 1/0 mask → additive [B, 1, S, S] float mask (0 keep, -10000 drop).
 
@@ -98,8 +198,7 @@ def attention_mask(b: Builder, input_mask: str, seq_len: int) -> str:
         one = scalar(b, 1.0, np.float32, "one")
         inverted = b.aiOnnx.sub([one, as_float], "Invert")
         additive = b.aiOnnx.mul([inverted, scalar(b, MASK_VALUE, np.float32, "big")], "Scale")
-        axes = b.addConstant(np.array([1, 2], np.int64), "axes")
-        mask = b.aiOnnx.unsqueeze([additive, axes], "Unsqueeze")
+        mask = unsqueeze(b, additive, [1, 2], "Unsqueeze")
         shape = b.addConstant(np.array([1, 1, seq_len, seq_len], np.int64), "shape")
         return b.aiOnnx.expand([mask, shape], "Expand")
 
@@ -112,10 +211,8 @@ def packed_attention_mask(b: Builder, sequence_index: str, seq_len: int) -> str:
     never read.
     """
     with b.nameScope("AttentionMask"):
-        queries = b.aiOnnx.unsqueeze(
-            [sequence_index, b.addConstant(np.array([2], np.int64), "query_axis")], "Queries")
-        keys = b.aiOnnx.unsqueeze(
-            [sequence_index, b.addConstant(np.array([1], np.int64), "key_axis")], "Keys")
+        queries = unsqueeze(b, sequence_index, [2], "Queries", "query_axis")
+        keys = unsqueeze(b, sequence_index, [1], "Keys", "key_axis")
         same = b.aiOnnx.equal([queries, keys], "SameSequence")  # [B, S, S]
         real = b.aiOnnx.greater([keys, b.addConstant(np.array(0, np.int64), "zero")],
                                 "RealKey")  # [B, 1, S]
@@ -123,8 +220,7 @@ def packed_attention_mask(b: Builder, sequence_index: str, seq_len: int) -> str:
         one = scalar(b, 1.0, np.float32, "one")
         inverted = b.aiOnnx.sub([one, allowed], "Invert")
         additive = b.aiOnnx.mul([inverted, scalar(b, MASK_VALUE, np.float32, "big")], "Scale")
-        return b.aiOnnx.unsqueeze(
-            [additive, b.addConstant(np.array([1], np.int64), "head_axis")], "Unsqueeze")
+        return unsqueeze(b, additive, [1], "Unsqueeze", "head_axis")
 
 
 def multi_head_attention(b: Builder, q: str, k: str, v: str, mask: str, hidden: int,
@@ -162,7 +258,12 @@ def multi_head_attention(b: Builder, q: str, k: str, v: str, mask: str, hidden: 
 
 def softmax_cross_entropy(b: Builder, logits: str, labels: str, ignore_index: int | None,
                           name: str) -> str:
-    """Mean cross-entropy of [N, C] logits against [N] labels, skipping `ignore_index`."""
+    """Mean cross-entropy of [N, C] logits against [N] labels, skipping `ignore_index`.
+
+    popart: Softmax + `ai.graphcore::Nll` (mean over the labels not ignored), as Graphcore's
+    BERT wrote it; PopART fuses the pair's gradient (NlllWithSoftmaxGradDirect) and so does the
+    torch lowering (`log_softmax` + NLL), so the loss is as stable as the fused onnx op.
+    """
     if b.dialect == "onnx":
         return b.aiOnnx.softmaxcrossentropyloss([logits, labels], name, reduction="mean",
                                                 ignore_index=ignore_index)
@@ -172,8 +273,14 @@ def softmax_cross_entropy(b: Builder, logits: str, labels: str, ignore_index: in
 
 
 def accuracy(b: Builder, logits: str, labels: str, ignore_index: int | None, name: str) -> str:
-    """Fraction of argmax predictions equal to the labels, over labels != ignore_index."""
+    """Fraction of argmax predictions equal to the labels, over labels != ignore_index.
+
+    popart: the logits are read through `ai.graphcore::Detach`, so PopART's autodiff never
+    walks back through the ArgMax of a metric (it has no gradient).
+    """
     with b.nameScope(name):
+        if b.dialect == "popart":
+            logits = b.aiGraphcore.detach([logits], "Detach")
         predictions = b.aiOnnx.argmax([logits], "ArgMax", axis=-1, keepdims=0)
         correct = b.aiOnnx.cast([b.aiOnnx.equal([predictions, labels], "Equal")], "Correct",
                                 to=1)

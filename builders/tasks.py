@@ -44,10 +44,9 @@ def span_head(b: Builder, config: BertConfig, init: layers.WeightInit, graph: Be
     h = config.hidden_size
     with b.nameScope("Squad"):
         logits = layers.dense(b, encoded.hidden, h, 2, init, "Logits")  # [B, S, 2]
-        start, end = b.aiOnnx.split([logits], "Split", axis=-1, num_outputs=2)
-        last = b.addConstant(np.array([-1], np.int64), "last_axis")
-        start_logits = b.aiOnnx.squeeze([start, last], "StartLogits")
-        end_logits = b.aiOnnx.squeeze([end, last], "EndLogits")
+        start, end = layers.split(b, logits, 2, -1, "Split")
+        start_logits = layers.squeeze(b, start, [-1], "StartLogits", "last_axis")
+        end_logits = layers.squeeze(b, end, [-1], "EndLogits", "last_axis")
     graph.outputs["start_logits"] = start_logits
     graph.outputs["end_logits"] = end_logits
     if not with_loss:

@@ -111,9 +111,13 @@ def _nll_outputs(inputs: list[onnx.TypeProto], attrs: dict) -> list[onnx.TypePro
     return [helper.make_tensor_type_proto(x.elem_type, [])]
 
 
-# The ai.graphcore ops BERT needs in the popart dialect (PopART's own op set, version 1).
+# The ai.graphcore ops BERT needs in the popart dialect (PopART's own op set, version 1), with
+# their input/output counts, attributes and shape inference: onnx knows no schema for them, so
+# the Builder infers their outputs itself and writes them to the graph's value_info.
+# `Gelu` is poplibs' tanh approximation, `GeluErf` the exact erf form.
 GRAPHCORE_OPS = {
     "gelu": _GraphcoreOp("Gelu", 1, 1, 1, [], _same_as_input),
+    "geluerf": _GraphcoreOp("GeluErf", 1, 1, 1, [], _same_as_input),
     "detach": _GraphcoreOp("Detach", 1, 1, 1, [], _same_as_input),
     "groupnormalization": _GraphcoreOp("GroupNormalization", 3, 3, 3, ["num_groups", "epsilon"],
                                        _groupnorm_outputs),
@@ -188,6 +192,11 @@ class Builder:
         else:
             info, name = tensorInfo, shape_or_debug or debugContext
         name = self._unique(self._scoped(name or "input"))
+        if self.dialect == "popart" and any(
+                isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in info.shape):
+            # PopART compiles for fixed shapes (the micro batch included).
+            raise BuilderError(f"addInputTensor({name!r}): the popart dialect needs static "
+                               f"shapes, got {list(info.shape)}")
         self._types[name] = helper.make_tensor_type_proto(info.elem_type(), list(info.shape))
         self._inputs.append(name)
         return name
@@ -440,7 +449,9 @@ class Builder:
         if schema.name == "Split":
             if "num_outputs" in attributes:
                 return int(attributes["num_outputs"])
-            raise BuilderError(f"{where}: Split needs num_outputs=")
+            if "split" in attributes:  # opset < 13: the sizes are an attribute
+                return len(attributes["split"])
+            raise BuilderError(f"{where}: Split needs num_outputs= (or split= before opset 13)")
         if schema.name in ("Dropout", "LayerNormalization", "SoftmaxCrossEntropyLoss",
                            "Attention", "BatchNormalization", "MaxPool"):
             return 1  # optional extra outputs are not requested

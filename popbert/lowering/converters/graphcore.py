@@ -1,7 +1,9 @@
 """Converters of PopART's own ``ai.graphcore`` ops, which the Builder's ``popart`` dialect emits.
 
-They follow what PopART runs on the IPU: ``Gelu`` is poplibs' tanh approximation, ``Nll`` takes
-probabilities with the class axis last. Each is registered under every spelling of the domain in
+They follow what PopART runs on the IPU: ``Gelu`` is poplibs' tanh approximation, ``GeluErf`` the
+exact erf form (what the popart dialect emits for BERT), ``Nll`` takes probabilities with the
+class axis last (fed by a Softmax, the pair lowers to ``log_softmax`` + NLL, as PopART fuses its
+gradient). Each is registered under every spelling of the domain in
 :data:`~popbert.lowering.context.GRAPHCORE_DOMAINS`.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 
 from popbert.lowering.context import GRAPHCORE_DOMAINS, NodeContext, register_converter
@@ -61,7 +64,30 @@ def convert_gc_nll(ctx: NodeContext) -> list[Any]:
     ignore = ctx.attrs.get("ignoreIndex")
     ignore_index = -100 if ignore is None else int(ignore)
     probs = ctx.inputs[0]
-    log_probs = (
-        probs if int(ctx.attrs.get("inputIsLogProbability", 0)) else ctx.call(torch.log, probs)
-    )
+    if int(ctx.attrs.get("inputIsLogProbability", 0)):
+        log_probs = probs
+    else:
+        logits = _softmax_logits(probs)
+        log_probs = (
+            ctx.call(torch.log, probs) if logits is None else ctx.call(F.log_softmax, logits, -1)
+        )
     return [ctx.call(onnx_nll_class_last, log_probs, ctx.inputs[1], ignore_index, reduction)]
+
+
+def _softmax_logits(probs: Any) -> Any:
+    """The logits when ``probs`` is a last-axis Softmax node's output, else None.
+
+    Softmax + Nll is how PopART spells a cross-entropy (Graphcore's BERT does), and PopART
+    fuses the pair's gradient into ``p - onehot`` (its NlllWithSoftmaxGradDirect pattern). The
+    lowering does the same with ``log_softmax``: ``log(softmax(x))`` is -inf once a probability
+    underflows and its gradient divides by ``p``, while ``log_softmax`` is stable and equals
+    the fused onnx ``SoftmaxCrossEntropyLoss`` bit for bit. The Softmax node itself is left to
+    dead-code elimination when nothing else reads it.
+    """
+    if not isinstance(probs, fx.Node) or probs.op != "call_function":
+        return None
+    if probs.meta.get("onnx", {}).get("op_type") != "Softmax" or probs.target is not F.softmax:
+        return None
+    if len(probs.args) != 2 or probs.args[1] != -1 or probs.kwargs:
+        return None
+    return probs.args[0]

@@ -122,7 +122,10 @@ def _run(cfg: RunConfig, output_dir: Path, restored: ckpt.Checkpoint | None,
          initial: ckpt.Checkpoint | None, data: dict[str, np.ndarray] | ShardSet,
          replicas: Replicas) -> RunResult:
     torch.manual_seed(cfg.training.seed)
-    graph = build_bert(cfg.model, seed=cfg.training.seed)
+    # PopART compiles for one micro batch: the popart dialect's inputs have it as their batch.
+    static = ({"batch_size": cfg.execution.micro_batch_size} if cfg.model.dialect == "popart"
+              else {})
+    graph = build_bert(cfg.model, seed=cfg.training.seed, **static)
     model = graph.model()
     session = TrainingSession(model, graph.loss, optimizer_factory(cfg),
                               SessionOptions.from_config(cfg, replicas),

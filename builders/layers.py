@@ -184,7 +184,7 @@ def tied_projection(b: Builder, x: str, table: str, name: str) -> str:
 
 def serialization_factor(vocab_size: int, steps: int = MLM_SERIALIZATION_STEPS) -> int:
     """The largest factor <= `steps` that divides `vocab_size` (PopART's requirement):
-    5 for Graphcore's 30400-entry vocabulary, 4 for the bundled 8192, 3 for BERT's 30522."""
+    5 for a 30400-entry vocabulary, 4 for the bundled 8192, 3 for BERT's 30522."""
     return next(f for f in range(min(steps, vocab_size), 0, -1) if vocab_size % f == 0)
 
 

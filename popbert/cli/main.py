@@ -217,6 +217,25 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    """Memory and FLOPs per device and stage from the graph and config alone (no torch)."""
+    from popbert.plan import custom_device, device_named, plan_dict, plan_run, plan_table
+
+    target = None
+    if args.device is not None:  # checked before the graph is built: a typo fails at once
+        target = device_named(args.device)
+    elif args.memory_gb is not None:
+        target = custom_device(args.memory_gb)
+    cfg = config_from_args(args)
+    name = Path(args.config).name if args.config is not None else "tiny"
+    plan = plan_run(cfg, target, config_name=name)
+    if args.json:
+        _print_json(plan_dict(plan))
+    else:
+        sys.stdout.write(plan_table(plan))
+    return 0
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     from popbert.observe.plots import plot_metrics
 
@@ -411,6 +430,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--output", "-o", type=Path, default=None, metavar="FILE.yaml")
     p.set_defaults(handler=_cmd_config)
+
+    p = sub.add_parser("plan", parents=[common],
+                       help="memory and FLOPs per device and pipeline stage, without training",
+                       description="From the annotated graph and the config alone: parameters, "
+                                   "weights, gradients, optimizer state (with and without RTS), "
+                                   "activations (with and without recompute) and training "
+                                   "FLOPs per device and stage; whether it fits a device.")
+    _add_config_args(p)
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--device", default=None, metavar="NAME",
+                        help="check against a device: ipu-mk2, h100, a100-40gb, a100-80gb")
+    target.add_argument("--memory-gb", type=float, default=None, metavar="X",
+                        help="check against X GB (10^9 bytes) per device")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
+    p.set_defaults(handler=_cmd_plan)
 
     p = sub.add_parser("plot", parents=[common], help="plot a run's metrics.jsonl to PNG")
     p.add_argument("metrics", type=Path, metavar="METRICS.jsonl")

@@ -1,0 +1,267 @@
+"""Activation memory of one micro-batch, read off the graph: what autograd keeps, region by region.
+
+Training memory beyond the weights is what the forward pass leaves behind for the backward pass.
+That is not every tensor the forward produces: an Add keeps nothing, a MatMul keeps its
+activation input (the weight is already counted), LayerNorm and GELU keep their input, Softmax
+and Tanh their output, Dropout a one-byte mask. :data:`SAVES` writes those rules down for the ops
+BERT graphs use (torch's autograd formulas, which the lowering maps every op onto); an op it does
+not know is assumed to keep all its activation inputs and its output (an over-estimate, never an
+under-estimate). Views (Reshape, Transpose, Split, Identity, ...) share their input's storage, so
+a kept view is charged to the tensor it views, once.
+
+The tensors alive at the end of the forward pass are then: the kept tensors, the graph inputs and
+the graph outputs. The backward pass adds gradients of activations; its peak is modelled as two
+tensors the size of the largest activation (an op's output gradient and its input gradient exist
+together; measured: the MLM loss's backward is the step's peak).
+
+Recomputation (``popbert.runtime.partition``): within a pipeline stage, every checkpoint
+(``__recompute_output_in_backward_pass`` = 1) closes a region; every region except the last one of
+the graph runs under ``torch.utils.checkpoint``, which keeps only the region's inputs. So with
+recomputation, what stays alive through the forward pass is the regions' inputs plus the last
+region's kept tensors, and the backward pass materialises one region's kept tensors at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import onnx
+from onnx import TensorProto
+
+from popbert.graph.annotations import RECOMPUTE, RecomputeType, node_annotation
+from popbert.plan.shapes import TensorShape
+
+__all__ = ["ActivationModel", "PeakActivations", "RegionMemory", "SAVES", "activation_model",
+           "peak_of_regions", "region_keys"]
+
+FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE)
+
+# Ops whose outputs are views of their first input (torch returns views for them).
+VIEW_OPS = frozenset({"Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten",
+                      "Split", "Expand", "Detach"})
+# Ops that keep nothing for the backward pass, or whose outputs carry no gradient.
+KEEPS_NOTHING = frozenset({"Add", "Sub", "Neg", "Concat", "Cast", "ReduceSum", "ReduceMean",
+                           "Gather", "GatherND", "Where", "Equal", "Not", "And", "Or", "Greater",
+                           "Less", "ArgMax", "ArgMin", "Shape", "Max", "Min", "Scale"})
+NO_GRADIENT = frozenset({"Equal", "Not", "And", "Or", "Greater", "Less", "ArgMax", "ArgMin",
+                         "Shape", "Detach"})
+
+# What an op keeps: a function of (node, needs_grad of its inputs) -> [("in"|"out", index)] and
+# extra bytes-per-output-element (statistics) handled below. Only activations are charged.
+Saved = list[tuple[str, int]]
+
+
+def _matmul(node: onnx.NodeProto, grads: Sequence[bool]) -> Saved:
+    # d(a@b)/da needs b and d/db needs a: each input is kept when the *other* needs a gradient.
+    kept = []
+    if len(grads) > 1 and grads[1]:
+        kept.append(("in", 0))
+    if grads and grads[0]:
+        kept.append(("in", 1))
+    return kept
+
+
+def _input0(node: onnx.NodeProto, grads: Sequence[bool]) -> Saved:
+    return [("in", 0)]
+
+
+def _output0(node: onnx.NodeProto, grads: Sequence[bool]) -> Saved:
+    return [("out", 0)]
+
+
+def _div(node: onnx.NodeProto, grads: Sequence[bool]) -> Saved:
+    return [("in", 1)] + ([("out", 0)] if len(grads) > 1 and grads[1] else [])
+
+
+def _attention(node: onnx.NodeProto, grads: Sequence[bool]) -> Saved:
+    # scaled_dot_product_attention keeps q, k, v, the mask, the output (and a small logsumexp).
+    return [("in", 0), ("in", 1), ("in", 2), ("in", 3), ("out", 0)]
+
+
+SAVES: dict[str, Callable[[onnx.NodeProto, Sequence[bool]], Saved]] = {
+    "MatMul": _matmul, "Gemm": _matmul, "Mul": _matmul, "Div": _div,
+    "LayerNormalization": _input0, "GroupNormalization": _input0, "Gelu": _input0,
+    "GeluErf": _input0, "Erf": _input0, "Relu": _output0, "Softmax": _output0,
+    "LogSoftmax": _output0, "Tanh": _output0, "Sigmoid": _output0, "Exp": _output0,
+    "Attention": _attention,
+    # Nll (ai.graphcore) reads the probabilities Softmax already keeps.
+    "Nll": lambda node, grads: [("in", 0)],
+}
+
+
+@dataclass
+class RegionMemory:
+    """Bytes of one recompute region for one micro-batch."""
+
+    stage: int
+    region: int
+    kept: set[str] = field(default_factory=set)  # storages kept for backward (view bases)
+    inputs: set[str] = field(default_factory=set)  # activations read from outside the region
+    produced: set[str] = field(default_factory=set)  # activations its nodes produce
+    extra_bytes: int = 0  # statistics and masks that are no graph tensor (LayerNorm, Dropout)
+    largest: int = 0  # bytes of the largest activation it produces
+    recomputed: bool = False
+
+
+@dataclass
+class ActivationModel:
+    """The graph's activations: tensor sizes, view bases and the regions of each stage."""
+
+    nbytes: dict[str, int]
+    base: dict[str, str]
+    regions: list[RegionMemory]
+    graph_inputs: set[str]
+    graph_outputs: set[str]
+
+    def bytes_of(self, names: set[str]) -> int:
+        """Bytes of the distinct storages behind ``names``."""
+        return sum(self.nbytes.get(b, 0) for b in {self.base.get(n, n) for n in names})
+
+
+def region_keys(model: onnx.ModelProto, stage_of: Sequence[int]) -> list[tuple[int, int]]:
+    """(stage, region) of each node: checkpoints close a region within their stage (the rule
+    of ``popbert.runtime.partition._assign_regions``)."""
+    counter: dict[int, int] = {}
+    keys = []
+    for node, stage in zip(model.graph.node, stage_of):
+        region = counter.get(stage, 0)
+        keys.append((stage, region))
+        value = node_annotation(node, RECOMPUTE)
+        if value is not None and int(value) == RecomputeType.Checkpoint:
+            counter[stage] = region + 1
+    return keys
+
+
+def activation_model(model: onnx.ModelProto, shapes: dict[str, TensorShape],
+                     stage_of: Sequence[int], activation_bytes: int = 4,
+                     mask_bytes: int = 1) -> ActivationModel:
+    """Charge every node's kept tensors to its (stage, region).
+
+    ``stage_of``: the stage of each node (all 0 for a run without pipelining: its regions then
+    span the whole graph). ``activation_bytes``: width of a float activation (4 for FP32
+    compute, 2 for FP16/BF16); ids and statistics keep their own widths. ``mask_bytes``: bytes
+    per element of a dropout mask (1: CUDA's fused dropout keeps a bool mask; torch's CPU
+    dropout keeps its scaled noise at the activation width; PopART keeps a seed and regenerates
+    the mask, 0).
+    """
+    g = model.graph
+    trainable = {t.name for t in g.initializer if t.data_type in FLOAT_TYPES}
+    graph_inputs = {vi.name for vi in g.input} - {t.name for t in g.initializer}
+    needs_grad: dict[str, bool] = {name: True for name in trainable}
+    activation = set(graph_inputs)  # tensors that depend on the batch
+    base: dict[str, str] = {}
+    nbytes: dict[str, int] = {}
+
+    def size(name: str) -> int:
+        s = shapes.get(name)
+        if s is None or s.nbytes is None:
+            return 0
+        if s.elem_type in FLOAT_TYPES:
+            return int(s.numel or 0) * activation_bytes
+        return s.nbytes
+
+    for name in graph_inputs:
+        nbytes[name] = size(name)
+    keys = region_keys(model, stage_of)
+    regions: dict[tuple[int, int], RegionMemory] = {}
+    producer_key: dict[str, tuple[int, int]] = {}
+    for node, key in zip(g.node, keys):
+        region = regions.setdefault(key, RegionMemory(*key))
+        inputs = [i for i in node.input if i]
+        if not any(i in activation for i in inputs):
+            continue  # weight-only (the tied projection's transpose): no batch memory
+        grads = [needs_grad.get(i, False) for i in node.input]
+        out_grad = any(grads) and node.op_type not in NO_GRADIENT
+        for out in node.output:
+            if not out:
+                continue
+            activation.add(out)
+            region.produced.add(out)
+            s = shapes.get(out)
+            needs_grad[out] = out_grad and s is not None and s.elem_type in FLOAT_TYPES
+            producer_key[out] = key
+            if node.op_type in VIEW_OPS and inputs:
+                base[out] = base.get(inputs[0], inputs[0])
+            else:
+                nbytes[out] = size(out)
+                region.largest = max(region.largest, nbytes[out])
+        for i in inputs:
+            if i in activation and producer_key.get(i) != key:
+                region.inputs.add(i)
+        if not out_grad:
+            continue
+        if node.op_type == "Dropout" and _dropout_active(node):
+            s = shapes.get(node.output[0])
+            region.extra_bytes += int(s.numel or 0) * mask_bytes if s is not None else 0
+            continue
+        if node.op_type in ("LayerNormalization", "GroupNormalization"):
+            s = shapes.get(inputs[0])
+            if s is not None and s.shape:
+                region.extra_bytes += 2 * 4 * (int(s.numel or 0) // max(s.shape[-1], 1))
+        if node.op_type == "SoftmaxCrossEntropyLoss":
+            s = shapes.get(inputs[0])  # the log-probabilities, FP32, shaped like the scores
+            region.extra_bytes += int(s.numel or 0) * 4 if s is not None else 0
+            continue
+        if node.op_type in KEEPS_NOTHING or node.op_type in VIEW_OPS:
+            continue
+        rule = SAVES.get(node.op_type)
+        saved = rule(node, grads) if rule is not None else (
+            [("in", k) for k in range(len(node.input))]
+            + [("out", k) for k in range(len(node.output))])
+        for where, index in saved:
+            names = node.input if where == "in" else node.output
+            if index < len(names) and names[index] in activation:
+                region.kept.add(names[index])
+
+    ordered = [regions[k] for k in sorted(regions)]
+    if ordered:
+        for r in ordered[:-1]:
+            r.recomputed = True  # every partition but the graph's last one (partition.py)
+    graph_outputs = {vi.name for vi in g.output} & activation
+    return ActivationModel(nbytes, base, ordered, graph_inputs, graph_outputs)
+
+
+def _dropout_active(node: onnx.NodeProto) -> bool:
+    """Dropout keeps a mask unless its ratio attribute is 0 (opset < 12; from opset 12 the
+    ratio is an input, and the builder emits no Dropout for a ratio of 0)."""
+    for attr in node.attribute:
+        if attr.name == "ratio" and attr.f == 0.0:
+            return False
+    return True
+
+
+@dataclass
+class PeakActivations:
+    """Activation bytes of one micro-batch over a set of regions (a stage, or a whole run)."""
+
+    kept: int  # alive from the forward pass to the backward pass
+    peak: int  # kept + the backward pass's largest transient
+
+
+def peak_of_regions(model: ActivationModel, regions: Sequence[RegionMemory],
+                    recompute: bool) -> PeakActivations:
+    """Kept and peak activation bytes of one micro-batch through ``regions``.
+
+    Without recomputation every region's kept tensors stay alive until its backward pass. With
+    it, a recomputed region keeps only its inputs until its backward pass recomputes it, so one
+    region's kept tensors are alive at a time, next to every region's inputs and the last
+    region's kept tensors.
+    """
+    if not regions:
+        return PeakActivations(0, 0)
+    stage_inputs = set().union(*(r.inputs for r in regions))
+    outputs = model.graph_outputs & set().union(*(r.produced for r in regions))
+    if not recompute or not any(r.recomputed for r in regions):
+        names = set().union(*(r.kept for r in regions)) | stage_inputs | outputs
+        kept = model.bytes_of(names) + sum(r.extra_bytes for r in regions)
+        return PeakActivations(kept, kept + 2 * max(r.largest for r in regions))
+    plain = [r for r in regions if not r.recomputed]
+    names = stage_inputs | outputs | set().union(*(r.kept for r in plain), set())
+    kept = model.bytes_of(names) + sum(r.extra_bytes for r in plain)
+    boundary = model.bytes_of(stage_inputs | outputs)
+    live = max((model.bytes_of(r.kept - stage_inputs - outputs) + r.extra_bytes + 2 * r.largest
+                for r in regions), default=0)
+    return PeakActivations(kept, max(kept + 2 * max((r.largest for r in plain), default=0),
+                                     boundary + live))
+

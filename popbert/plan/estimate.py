@@ -1,0 +1,333 @@
+"""The numbers of a plan: what a run holds per device and pipeline stage, before it runs.
+
+Everything is read from the annotated graph and the config: the graph's initializers give the
+parameters of each ``(__ipu_number, __pipeline_stage)``, onnx shape inference at the config's
+micro batch gives the activations (:mod:`popbert.plan.activations`) and the matmul FLOPs
+(:mod:`popbert.plan.flops`). Bytes per parameter follow what popbert's torch backend really
+allocates (``popbert.optimizers``, ``popbert.distributed``), ``w`` being the weight dtype's
+width (4 for FP32, 2 for FP16/BF16):
+
+=========================  ========================  ===========================================
+                           without RTS               with RTS over N replicas
+=========================  ========================  ===========================================
+weights                    w                         w (every replica holds all weights)
+gradients                  w (``.grad`` / the flat   w (flat buffer) + 4/N (FP32 accumulated
+                           buffer, weight dtype)     shard) + w/N (reduce-scatter output, N > 1)
+optimizer state            8 (FP32 m and v)          8/N
+=========================  ========================  ===========================================
+
+There is no FP32 master copy of half weights; but the torch backend computes from FP32 views of
+them, which live through each micro-batch's forward and backward pass: 4 bytes per parameter on
+top of the activations (not on the IPU, which computes in the weights' own dtype). The optimizer
+step needs a workspace while no activations are alive: FP32 copies, denominators and updates,
+measured at 4 bytes per parameter for FP32 weights and 15 for half weights with whole-tensor
+steps (GPUs), bounded by 2M-element tiles on the CPU, and one tensor at a time on the IPU
+(PopART updates each weight with its own op).
+
+A device's peak is weights + gradients + optimizer state + the larger of (activations of the
+micro-batches in flight) and (the optimizer step's workspace). Pipelined with 1F1B, the stage at
+position p of S holds ``min(S - p, gradient_accumulation)`` micro-batches in flight; with GPipe
+all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnx
+
+from popbert.graph.annotations import (
+    IPU_NUMBER,
+    PIPELINE_STAGE,
+    node_annotation,
+    trainable_initializers,
+)
+from popbert.plan.activations import ActivationModel, activation_model, peak_of_regions
+from popbert.plan.devices import Device
+from popbert.plan.flops import BACKWARD_FACTOR, forward_flops_by_node
+from popbert.plan.shapes import infer_tensor_shapes
+
+if TYPE_CHECKING:
+    from popbert.config import RunConfig
+
+__all__ = ["CPU_TILE_NUMEL", "DevicePlan", "Plan", "StagePlan", "WORKSPACE_BYTES_PER_PARAM",
+           "build_training_graph", "plan_run", "state_bytes_per_param"]
+
+# popbert.optimizers.functional.CPU_TILE_NUMEL (kept in step by tests/test_plan.py; importing it
+# here would make `popbert plan` pay for importing torch).
+CPU_TILE_NUMEL = 1 << 21
+# Optimizer-step workspace per parameter stepped at once, by weight width (measured with
+# whole-tensor steps: benchmarks/plan_accuracy.py).
+WORKSPACE_BYTES_PER_PARAM = {4: 4, 2: 15}
+MOMENT_BYTES = 8  # FP32 m and v
+FP32_VIEW_BYTES = 4  # the FP32 view of a half weight the torch backend computes from
+_WIDTH = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass
+class StateBytes:
+    """Bytes per parameter of weights, gradients and optimizer state on one replica."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+
+
+def state_bytes_per_param(weight_dtype: str, replicas: int, sharded: bool) -> StateBytes:
+    """Weights, gradients and optimizer state per parameter (see the module's table)."""
+    w = _WIDTH[weight_dtype]
+    if not sharded:
+        return StateBytes(w, w, MOMENT_BYTES)
+    scatter = w / replicas if replicas > 1 else 0.0
+    return StateBytes(w, w + 4 / replicas + scatter, MOMENT_BYTES / replicas)
+
+
+@dataclass
+class StagePlan:
+    """One ``(__ipu_number, __pipeline_stage)`` of the graph (or the totals: ipu/stage None)."""
+
+    ipu: int | None
+    stage: int | None
+    parameters: int
+    weight_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    gradient_bytes_rts: int  # with RTS over execution.replicas
+    optimizer_bytes_rts: int
+    activation_bytes: int  # peak of one micro-batch, no recomputation
+    activation_bytes_recompute: int  # peak of one micro-batch with recomputation
+    training_flops_per_sequence: int
+
+
+@dataclass
+class DevicePlan:
+    """One device of one replica as the run places the graph, and its peak."""
+
+    device: int  # the __ipu_number (0 when the run does not pipeline)
+    stages: list[int]
+    micro_batches_in_flight: dict[int, int]
+    parameters: int
+    weight_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int  # micro-batches in flight, recomputation as configured
+    weight_view_bytes: int  # FP32 views of half weights during forward/backward (torch)
+    workspace_bytes: int  # the optimizer step's transient
+    total_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.total_bytes = (self.weight_bytes + self.gradient_bytes + self.optimizer_bytes
+                            + max(self.activation_bytes + self.weight_view_bytes,
+                                  self.workspace_bytes))
+
+
+@dataclass
+class Plan:
+    """What a run needs, per stage and per device, and whether it fits ``target``."""
+
+    config_name: str
+    model: dict[str, int]
+    execution: dict[str, object]
+    stages: list[StagePlan]
+    totals: StagePlan
+    devices: list[DevicePlan]
+    kind: str  # "ipu" | "gpu" | "cpu": what the activation and workspace numbers assume
+    target: Device | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether every device fits the target's memory (None without a target)."""
+        if self.target is None:
+            return None
+        return all(d.total_bytes <= self.target.memory_bytes for d in self.devices)
+
+
+def build_training_graph(cfg: RunConfig) -> onnx.ModelProto:
+    """The pre-training graph of ``cfg`` at its micro batch (zero weights: only shapes matter,
+    and zeros skip drawing hundreds of millions of random numbers)."""
+    from popbert.builders.bert import build_bert
+
+    return build_bert(cfg.model, zeros=True,
+                      batch_size=cfg.execution.micro_batch_size).model()
+
+
+def _stages_and_ipus(model: onnx.ModelProto) -> tuple[list[int], list[int]]:
+    """Each node's pipeline stage and device, by ``popbert.runtime.partition``'s rules: a
+    node's annotation, else the latest stage of its inputs (0 without any); a stage's device is
+    the ``__ipu_number`` of its annotated nodes (0 without any)."""
+    stage_of_tensor: dict[str, int] = {}
+    stages, ipu_annotations = [], []
+    for node in model.graph.node:
+        annotated = node_annotation(node, PIPELINE_STAGE)
+        inputs = [stage_of_tensor[i] for i in node.input if i in stage_of_tensor]
+        stage = int(annotated) if annotated is not None else max(inputs, default=0)
+        for out in node.output:
+            stage_of_tensor[out] = stage
+        stages.append(stage)
+        ipu_annotations.append(node_annotation(node, IPU_NUMBER))
+    ipu_of_stage: dict[int, int] = {}
+    for stage, ipu in zip(stages, ipu_annotations):
+        if ipu is not None:
+            ipu_of_stage.setdefault(stage, int(ipu))
+    return stages, [ipu_of_stage.get(s, 0) for s in stages]
+
+
+def _in_flight(schedule: str, position: int, num_stages: int, accumulation: int) -> int:
+    """Micro-batches whose activations a stage holds at once (runtime.schedules)."""
+    if schedule == "gpipe":
+        return accumulation
+    return min(num_stages - position, accumulation)
+
+
+def _kind(cfg: RunConfig, target: Device | None) -> str:
+    """What the target runs like: its own kind, else the config's device (cpu, else GPU)."""
+    if target is not None and target.kind:
+        return target.kind
+    return "cpu" if cfg.execution.device == "cpu" else "gpu"
+
+
+def plan_run(cfg: RunConfig, target: Device | None = None,
+             model: onnx.ModelProto | None = None, config_name: str = "") -> Plan:
+    """The plan of ``cfg``'s pre-training run, checked against ``target`` when given.
+
+    ``model``: the pre-training graph when the caller has it (else built from ``cfg.model``
+    at ``execution.micro_batch_size``; its batch must be that micro batch).
+    """
+    e = cfg.execution
+    if model is None:
+        model = build_training_graph(cfg)
+    kind = _kind(cfg, target)
+    if target is not None and not target.kind:
+        target = dataclasses.replace(target, kind=kind)
+    width = _WIDTH[e.compute_dtype]
+    mask_bytes = width if kind == "cpu" else 1
+    batch = e.micro_batch_size
+    shapes = infer_tensor_shapes(model, batch)
+    flops = forward_flops_by_node(model, shapes)
+    stage_of, ipu_of = _stages_and_ipus(model)
+    key_of = list(zip(ipu_of, stage_of))
+    keys = sorted(set(key_of), key=lambda k: (k[1], k[0]))
+
+    # Parameters: each weight belongs to the first node that reads it.
+    inits = {t.name: t for t in model.graph.initializer}
+    trainable = trainable_initializers(model)
+    first_reader: dict[str, tuple[int, int]] = {}
+    for node, key in zip(model.graph.node, key_of):
+        for name in node.input:
+            first_reader.setdefault(name, key)
+    params: dict[tuple[int, int], int] = {k: 0 for k in keys}
+    largest: dict[tuple[int, int], int] = {}
+    for name in trainable:
+        key = first_reader.get(name, keys[0] if keys else (0, 0))
+        numel = int(np.prod(inits[name].dims, dtype=np.int64))
+        params[key] = params.get(key, 0) + numel
+        largest[key] = max(largest.get(key, 0), numel)
+    if not keys:
+        keys = sorted(params)
+
+    plain = state_bytes_per_param(e.weight_dtype, e.replicas, sharded=False)
+    rts = state_bytes_per_param(e.weight_dtype, e.replicas, sharded=True)
+    per_stage = activation_model(model, shapes, stage_of, width, mask_bytes)
+    stages = []
+    for ipu, stage in keys:
+        n = params.get((ipu, stage), 0)
+        regions = [r for r in per_stage.regions if r.stage == stage]
+        stages.append(StagePlan(
+            ipu, stage, n, _bytes(n, plain.weights), _bytes(n, plain.gradients),
+            _bytes(n, plain.optimizer), _bytes(n, rts.gradients), _bytes(n, rts.optimizer),
+            peak_of_regions(per_stage, regions, recompute=False).peak,
+            peak_of_regions(per_stage, regions, recompute=True).peak,
+            BACKWARD_FACTOR * sum(f for f, k in zip(flops, key_of) if k == (ipu, stage))
+            // batch))
+    total_params = sum(params.values())
+    whole = activation_model(model, shapes, [0] * len(stage_of), width, mask_bytes)
+    totals = StagePlan(
+        None, None, total_params, sum(s.weight_bytes for s in stages),
+        sum(s.gradient_bytes for s in stages), sum(s.optimizer_bytes for s in stages),
+        sum(s.gradient_bytes_rts for s in stages), sum(s.optimizer_bytes_rts for s in stages),
+        peak_of_regions(whole, whole.regions, recompute=False).peak,
+        peak_of_regions(whole, whole.regions, recompute=True).peak,
+        sum(s.training_flops_per_sequence for s in stages))
+
+    notes: list[str] = []
+    checkpoints = len(whole.regions) - 1
+    if e.recompute and checkpoints == 0:
+        notes.append("execution.recompute is on but the graph has no checkpoints (set "
+                     "model.recompute=true with model.layers_per_ipu): the run would refuse it")
+    devices = _devices(cfg, kind, stages, per_stage, whole, params, largest)
+    if kind == "ipu" and not e.pipeline and len({k[0] for k in keys}) > 1:
+        notes.append("execution.pipeline is off: the whole graph is planned on one device; "
+                     "set execution.pipeline=true to place each __ipu_number on its own IPU")
+    if e.weight_dtype != "float32" and kind != "ipu":
+        notes.append("activations include the FP32 views of the half weights the torch backend "
+                     "computes from (4 bytes/parameter)")
+    if e.compute_dtype != "float32" and kind != "ipu":
+        notes.append(f"activations are counted at {e.compute_dtype} width; torch's autocast "
+                     "keeps LayerNorm, softmax and the loss in FP32, so expect up to 1.4x more")
+    model_info = {"layers": cfg.model.num_layers, "hidden": cfg.model.hidden_size,
+                  "heads": cfg.model.num_heads, "intermediate": cfg.model.intermediate_size,
+                  "vocab": cfg.model.vocab_size, "sequence_length": cfg.model.sequence_length,
+                  "max_predictions_per_seq": cfg.model.max_predictions_per_seq,
+                  "checkpoints": checkpoints}
+    execution = {"micro_batch_size": batch, "replicas": e.replicas,
+                 "gradient_accumulation": e.gradient_accumulation,
+                 "replicated_tensor_sharding": e.replicated_tensor_sharding,
+                 "pipeline": e.pipeline, "pipeline_schedule": e.pipeline_schedule,
+                 "recompute": e.recompute, "weight_dtype": e.weight_dtype,
+                 "compute_dtype": e.compute_dtype}
+    return Plan(config_name, model_info, execution, stages, totals, devices, kind, target, notes)
+
+
+def _bytes(numel: int, per_param: float) -> int:
+    return int(math.ceil(numel * per_param))
+
+
+def _devices(cfg: RunConfig, kind: str, stages: list[StagePlan], per_stage: ActivationModel,
+             whole: ActivationModel, params: dict[tuple[int, int], int],
+             largest: dict[tuple[int, int], int]) -> list[DevicePlan]:
+    """The devices of one replica: one per ``__ipu_number`` when pipelining, else one."""
+    e = cfg.execution
+    state = state_bytes_per_param(e.weight_dtype, e.replicas, e.replicated_tensor_sharding)
+    width = _WIDTH[e.weight_dtype]
+    views = FP32_VIEW_BYTES if width == 2 and kind != "ipu" else 0
+    groups: dict[int, list[StagePlan]] = {}
+    for s in stages:
+        groups.setdefault(s.ipu if e.pipeline else 0, []).append(s)
+    order = sorted({s.stage for s in stages})
+    devices = []
+    for device, members in sorted(groups.items()):
+        n = sum(s.parameters for s in members)
+        in_flight: dict[int, int] = {}
+        if e.pipeline:
+            kept_total, extra = 0, 0
+            for s in members:
+                regions = [r for r in per_stage.regions if r.stage == s.stage]
+                act = peak_of_regions(per_stage, regions, recompute=e.recompute)
+                flight = _in_flight(e.pipeline_schedule, order.index(s.stage), len(order),
+                                    e.gradient_accumulation)
+                in_flight[s.stage] = flight
+                kept_total += flight * act.kept
+                extra = max(extra, act.peak - act.kept)
+            activations = kept_total + extra
+        else:
+            activations = peak_of_regions(whole, whole.regions, recompute=e.recompute).peak
+            in_flight = {s.stage: 1 for s in members}
+        biggest = max((largest.get((s.ipu, s.stage), 0) for s in members), default=0)
+        stepped = n
+        if e.replicated_tensor_sharding:
+            stepped = math.ceil(n / e.replicas)  # a shard's updates wait for the norms
+        elif kind == "cpu":
+            stepped = min(n, CPU_TILE_NUMEL + biggest)
+        elif kind == "ipu":
+            stepped = biggest
+        workspace = stepped * WORKSPACE_BYTES_PER_PARAM[width]
+        devices.append(DevicePlan(
+            device, [s.stage for s in members], in_flight, n, _bytes(n, state.weights),
+            _bytes(n, state.gradients), _bytes(n, state.optimizer), activations, n * views,
+            workspace))
+    return devices

@@ -41,7 +41,8 @@ def main(args) -> int:
 
     # 3. Graph: BERT emitted op by op; every node carries its device and pipeline stage.
     torch.manual_seed(cfg.training.seed)
-    graph = popbert.build_bert(cfg.model, seed=cfg.training.seed)
+    graph = popbert.build_bert(cfg.model, seed=cfg.training.seed,
+                               batch_size=factories.graph_batch_size(cfg))
 
     # 4. Session: the graph lowered to torch, trained with our LAMB / AdamW.
     session = popbert.TrainingSession(graph.model(), graph.loss,

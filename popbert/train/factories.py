@@ -1,4 +1,5 @@
-"""What a run config turns into: the optimizer, the learning-rate schedule and the loss scaler.
+"""What a run config turns into: the graph's batch size, the optimizer, the learning-rate schedule
+and the loss scaler.
 
 Pre-training, fine-tuning and sweeps build these the same way, so a config means one thing
 everywhere. (The session options come from `SessionOptions.from_config`, next to the options.)
@@ -10,10 +11,17 @@ from collections.abc import Callable
 
 import torch
 
+from popbert.builders.bert import BATCH
 from popbert.config import RunConfig
 from popbert.optimizers import AdamW, Lamb, LossScaler, make_schedule, param_groups_by_name
 
 NamedParameters = list[tuple[str, torch.nn.Parameter]]
+
+
+def graph_batch_size(cfg: RunConfig) -> int | str:
+    """The batch dimension of the training graph: the micro batch in the popart dialect (static
+    shapes, as on IPUs), else symbolic (any batch)."""
+    return cfg.execution.micro_batch_size if cfg.model.dialect == "popart" else BATCH
 
 
 def optimizer_factory(cfg: RunConfig) -> Callable[[NamedParameters], torch.optim.Optimizer]:
@@ -61,4 +69,5 @@ def loss_scaler(cfg: RunConfig) -> LossScaler | None:
     return None
 
 
-__all__ = ["NamedParameters", "loss_scaler", "lr_schedule", "optimizer_factory"]
+__all__ = ["NamedParameters", "graph_batch_size", "loss_scaler", "lr_schedule",
+           "optimizer_factory"]

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 
 from popbert.atomic import atomic_write_bytes, atomic_write_text
+from popbert.backends import BackendUnavailable, import_popart
+from popbert.backends.popart import check_run_config
 from popbert.builders.bert import build_bert
 from popbert.config import RunConfig, config_from_dict, dump_config
 from popbert.data.loader import PretrainingLoader
@@ -43,7 +45,7 @@ from popbert.optimizers import set_lr
 from popbert.runtime.devices import resolve_device
 from popbert.runtime.options import SessionOptions
 from popbert.runtime.session import TrainingSession
-from popbert.train.factories import loss_scaler, lr_schedule, optimizer_factory
+from popbert.train.factories import graph_batch_size, loss_scaler, lr_schedule, optimizer_factory
 from popbert.train.loop import Checkpointing, TrainingDiverged, save_final, train_loop
 
 log = logging.getLogger(__name__)
@@ -62,11 +64,15 @@ class RunResult:
 
 
 def check_supported(cfg: RunConfig) -> None:
-    """What this build cannot run, said before anything starts."""
+    """What this machine or backend cannot run, said before anything starts: the PopART backend
+    where Graphcore's SDK is not importable, or a setting it cannot translate."""
     e = cfg.execution
-    if e.backend != "torch":
-        raise ConfigError(f"execution.backend is {e.backend!r}: only 'torch' runs here "
-                          "(the PopART backend needs Graphcore's SDK and IPUs)")
+    if e.backend == "popart":
+        try:
+            import_popart()
+        except BackendUnavailable as error:
+            raise BackendUnavailable(f"execution.backend is 'popart': {error}") from None
+        check_run_config(cfg)
     if e.recompute and not e.pipeline:
         m = cfg.model
         checkpoints = sum(max(n - 1, 0) for n in m.layers_per_ipu or []) if m.recompute else 0
@@ -77,7 +83,8 @@ def check_supported(cfg: RunConfig) -> None:
                 f"every layer output except each device's last; got model.recompute="
                 f"{str(m.recompute).lower()}, model.layers_per_ipu={m.layers_per_ipu}), or "
                 "execution.pipeline=true")
-    resolve_device(e.device)  # a device that is not there: one line, now
+    if e.backend == "torch":
+        resolve_device(e.device)  # a device that is not there: one line, now
 
 
 def run_pretraining(cfg: RunConfig, output_dir: Path, resume: Path | None = None,
@@ -89,7 +96,12 @@ def run_pretraining(cfg: RunConfig, output_dir: Path, resume: Path | None = None
     name the process group of a program that set torch.distributed up itself.
     """
     check_supported(cfg)
-    if replicas is None:
+    if cfg.execution.backend == "popart":  # PopART runs every replica from this one process
+        if (replicas.size if replicas is not None else world_size_from_env()) != 1:
+            raise ConfigError("execution.backend 'popart' runs its execution.replicas inside "
+                              "one process: start it once, not under torchrun")
+        replicas = replicas or Replicas.single()
+    elif replicas is None:
         check_world_size(cfg, world_size_from_env())
     elif replicas.size != cfg.execution.replicas:
         raise ConfigError(f"execution.replicas is {cfg.execution.replicas} but the given "
@@ -123,9 +135,7 @@ def _run(cfg: RunConfig, output_dir: Path, restored: ckpt.Checkpoint | None,
          replicas: Replicas) -> RunResult:
     torch.manual_seed(cfg.training.seed)
     # PopART compiles for one micro batch: the popart dialect's inputs have it as their batch.
-    static = ({"batch_size": cfg.execution.micro_batch_size} if cfg.model.dialect == "popart"
-              else {})
-    graph = build_bert(cfg.model, seed=cfg.training.seed, **static)
+    graph = build_bert(cfg.model, seed=cfg.training.seed, batch_size=graph_batch_size(cfg))
     model = graph.model()
     session = TrainingSession(model, graph.loss, optimizer_factory(cfg),
                               SessionOptions.from_config(cfg, replicas),

@@ -233,7 +233,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         _print_json(plan_dict(plan))
     else:
         sys.stdout.write(plan_table(plan))
-    return 0
+    return 1 if plan.fits is False else 0  # like a compile that runs out of memory
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
@@ -436,7 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="From the annotated graph and the config alone: parameters, "
                                    "weights, gradients, optimizer state (with and without RTS), "
                                    "activations (with and without recompute) and training "
-                                   "FLOPs per device and stage; whether it fits a device.")
+                                   "FLOPs per device and stage; whether it fits a device "
+                                   "(exit status 1 when it does not).")
     _add_config_args(p)
     target = p.add_mutually_exclusive_group()
     target.add_argument("--device", default=None, metavar="NAME",

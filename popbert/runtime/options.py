@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from popbert.backends import BACKENDS
 from popbert.distributed.replicas import devices_per_replica
 from popbert.dtypes import FLOAT_FORMATS
 from popbert.errors import ConfigError
@@ -34,9 +35,12 @@ class SessionOptions:
 
     ``device`` is resolved by :func:`popbert.runtime.devices.resolve_device` when the session
     starts ("auto": CUDA when present). ``weight_dtype`` / ``compute_dtype`` are formats of
-    :data:`popbert.dtypes.FLOAT_FORMATS`.
+    :data:`popbert.dtypes.FLOAT_FORMATS`. ``backend``: who runs the graph, ``"torch"`` (the
+    lowering) or ``"popart"`` (Graphcore's PopART on IPUs, :mod:`popbert.backends.popart`, which
+    reads the other options in its own terms and ignores ``device``).
     """
 
+    backend: str = "torch"
     device: str = "cpu"
     gradient_accumulation: int = 1
     device_iterations: int = 1
@@ -67,6 +71,9 @@ class SessionOptions:
             if getattr(self, key) not in FLOAT_FORMATS:
                 raise ValueError(f"SessionOptions.{key} must be one of {list(FLOAT_FORMATS)}, "
                                  f"got {getattr(self, key)!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"SessionOptions.backend must be one of {list(BACKENDS)}, "
+                             f"got {self.backend!r}")
         if self.pipeline_schedule not in SCHEDULES:
             raise ValueError(f"SessionOptions.pipeline_schedule must be one of {SCHEDULES}, "
                              f"got {self.pipeline_schedule!r}")
@@ -81,6 +88,8 @@ class SessionOptions:
         when this replica sees fewer. A device that is not there is a ConfigError.
         """
         e = cfg.execution
+        if e.backend != "torch":  # PopART places the graph on its own devices
+            return cls(**cls._execution_fields(cfg))
         resolved = resolve_device(e.device)
         device, pipeline_devices = str(resolved), None
         if resolved.type == "cuda":
@@ -101,9 +110,16 @@ class SessionOptions:
                     log.warning("the pipeline spans %d devices but only %d GPU(s) are visible "
                                 "to this replica: every stage runs on %s (the schedule, not a "
                                 "speed-up)", span, available - first, device)
-        return cls(device=device, gradient_accumulation=e.gradient_accumulation,
-                   device_iterations=e.device_iterations, replication_factor=e.replicas,
-                   weight_dtype=e.weight_dtype, compute_dtype=e.compute_dtype,
-                   compile=e.compile, replicated_tensor_sharding=e.replicated_tensor_sharding,
-                   pipeline=e.pipeline, pipeline_schedule=e.pipeline_schedule,
-                   pipeline_devices=pipeline_devices, recompute=e.recompute)
+        return cls(device=device, pipeline_devices=pipeline_devices,
+                   **cls._execution_fields(cfg))
+
+    @staticmethod
+    def _execution_fields(cfg: RunConfig) -> dict:
+        """The options read straight from ``cfg.execution`` (every backend's)."""
+        e = cfg.execution
+        return dict(backend=e.backend, gradient_accumulation=e.gradient_accumulation,
+                    device_iterations=e.device_iterations, replication_factor=e.replicas,
+                    weight_dtype=e.weight_dtype, compute_dtype=e.compute_dtype,
+                    compile=e.compile, replicated_tensor_sharding=e.replicated_tensor_sharding,
+                    pipeline=e.pipeline, pipeline_schedule=e.pipeline_schedule,
+                    recompute=e.recompute)

@@ -21,11 +21,16 @@ update → optimizer step. Two things are chosen once, when the session is made:
 (`popbert.runtime.partition`). With none of the options a session runs exactly as a plain
 single-process loop. `TrainingSession.state_dict()` is everything a resumed run needs from the
 session (see docs/scaling.md for the layouts).
+
+`TrainingSession(..., backend="popart")` (or `SessionOptions.backend`) makes a PopART session
+instead, from the same arguments: the choice is made once, in `TrainingSession.__new__`, so this
+module's training step has no backend branches (the reasons: `popbert.backends`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -35,6 +40,7 @@ import numpy as np
 import onnx
 import torch
 
+from popbert.backends.popart import PopartTrainingSession
 from popbert.distributed import Replicas, broadcast_parameters, gradient_sync
 from popbert.dtypes import torch_dtype
 from popbert.errors import CheckpointError, InputError
@@ -190,13 +196,34 @@ class TrainingSession(_Session):
 
     `optimizer` is a factory taking the named trainable parameters (ONNX names), so optimizers
     can apply per-tensor options by name (no weight decay on biases and norms, ...).
+
+    `backend` ("torch" or "popart"; None: `options.backend`) picks who trains the graph. For
+    "popart" the result is a `popbert.backends.popart.PopartTrainingSession` made from these
+    arguments (plus `popart_options`), with the same `run` / `weights` / `state_dict` face; where
+    Graphcore's SDK is not importable that is a one-line `popbert.backends.BackendUnavailable`.
     """
+
+    def __new__(cls, model: onnx.ModelProto | bytes | str | Path, loss: str,
+                optimizer: OptimizerFactory, options: SessionOptions | None = None,
+                step_hook: Callable[[int], None] | None = None,
+                loss_scaler: LossScaler | None = None, replicas: Replicas | None = None, *,
+                backend: str | None = None, **backend_options: Any) -> Any:
+        chosen = backend or (options.backend if options is not None else "torch")
+        if chosen == "torch":
+            return super().__new__(cls)
+        if chosen != "popart":
+            raise ValueError(f"unknown backend {chosen!r}; expected 'torch' or 'popart'")
+        if options is None or options.backend != chosen:
+            options = dataclasses.replace(options or SessionOptions(), backend=chosen)
+        return PopartTrainingSession(load_model(model), loss, optimizer, options, step_hook,
+                                     loss_scaler, replicas, input_checker=InputChecker,
+                                     **backend_options)
 
     def __init__(self, model: onnx.ModelProto | bytes | str | Path, loss: str,
                  optimizer: OptimizerFactory, options: SessionOptions | None = None,
                  step_hook: Callable[[int], None] | None = None,
                  loss_scaler: LossScaler | None = None,
-                 replicas: Replicas | None = None):
+                 replicas: Replicas | None = None, *, backend: str | None = None):
         super().__init__(model, options, training=True)
         if loss not in self.output_names:
             raise ValueError(f"loss {loss!r} is not a graph output; outputs are "

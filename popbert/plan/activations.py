@@ -29,7 +29,12 @@ from dataclasses import dataclass, field
 import onnx
 from onnx import TensorProto
 
-from popbert.graph.annotations import RECOMPUTE, RecomputeType, node_annotation
+from popbert.graph.annotations import (
+    RECOMPUTE,
+    RecomputeType,
+    node_annotation,
+    trainable_initializers,
+)
 from popbert.plan.shapes import TensorShape
 
 __all__ = ["ActivationModel", "PeakActivations", "RegionMemory", "SAVES", "activation_model",
@@ -146,7 +151,7 @@ def activation_model(model: onnx.ModelProto, shapes: dict[str, TensorShape],
     the mask, 0).
     """
     g = model.graph
-    trainable = {t.name for t in g.initializer if t.data_type in FLOAT_TYPES}
+    trainable = set(trainable_initializers(model))  # constants (scales, ratios) need no grad
     graph_inputs = {vi.name for vi in g.input} - {t.name for t in g.initializer}
     needs_grad: dict[str, bool] = {name: True for name in trainable}
     activation = set(graph_inputs)  # tensors that depend on the batch

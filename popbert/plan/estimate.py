@@ -116,13 +116,18 @@ class DevicePlan:
     optimizer_bytes: int
     activation_bytes: int  # micro-batches in flight, recomputation as configured
     weight_view_bytes: int  # FP32 views of half weights during forward/backward (torch)
+    retained_output_bytes: int  # earlier micro-batches' graph outputs still referenced
     workspace_bytes: int  # the optimizer step's transient
     total_bytes: int = 0
 
+    @property
+    def forward_backward_bytes(self) -> int:
+        """Everything a micro-batch's forward and backward pass adds to the state."""
+        return self.activation_bytes + self.weight_view_bytes + self.retained_output_bytes
+
     def __post_init__(self) -> None:
         self.total_bytes = (self.weight_bytes + self.gradient_bytes + self.optimizer_bytes
-                            + max(self.activation_bytes + self.weight_view_bytes,
-                                  self.workspace_bytes))
+                            + max(self.forward_backward_bytes, self.workspace_bytes))
 
 
 @dataclass
@@ -263,6 +268,11 @@ def plan_run(cfg: RunConfig, target: Device | None = None,
     if kind == "ipu" and not e.pipeline and len({k[0] for k in keys}) > 1:
         notes.append("execution.pipeline is off: the whole graph is planned on one device; "
                      "set execution.pipeline=true to place each __ipu_number on its own IPU")
+    if e.pipeline and e.gradient_accumulation > 1 and kind != "ipu":
+        held = max(d.retained_output_bytes for d in devices)
+        notes.append(f"the pipeline engine keeps every micro-batch's graph outputs (mlm_logits "
+                     f"[batch, positions, vocab] among them) until the step ends: "
+                     f"{held / 1e9:.2f} GB counted in the activations")
     if e.weight_dtype != "float32" and kind != "ipu":
         notes.append("activations include the FP32 views of the half weights the torch backend "
                      "computes from (4 bytes/parameter)")
@@ -295,6 +305,9 @@ def _devices(cfg: RunConfig, kind: str, stages: list[StagePlan], per_stage: Acti
     state = state_bytes_per_param(e.weight_dtype, e.replicas, e.replicated_tensor_sharding)
     width = _WIDTH[e.weight_dtype]
     views = FP32_VIEW_BYTES if width == 2 and kind != "ipu" else 0
+    output_bytes = whole.bytes_of(whole.graph_outputs)
+    output_stage = max((r.stage for r in per_stage.regions
+                        if r.produced & per_stage.graph_outputs), default=0)
     groups: dict[int, list[StagePlan]] = {}
     for s in stages:
         groups.setdefault(s.ipu if e.pipeline else 0, []).append(s)
@@ -326,8 +339,14 @@ def _devices(cfg: RunConfig, kind: str, stages: list[StagePlan], per_stage: Acti
         elif kind == "ipu":
             stepped = biggest
         workspace = stepped * WORKSPACE_BYTES_PER_PARAM[width]
+        retained = 0
+        if e.gradient_accumulation > 1 and kind != "ipu":
+            if not e.pipeline:
+                retained = output_bytes  # the previous micro-batch's, during the next one
+            elif output_stage in in_flight:
+                retained = (e.gradient_accumulation - 1) * output_bytes
         devices.append(DevicePlan(
             device, [s.stage for s in members], in_flight, n, _bytes(n, state.weights),
             _bytes(n, state.gradients), _bytes(n, state.optimizer), activations, n * views,
-            workspace))
+            retained, workspace))
     return devices

@@ -75,7 +75,7 @@ def _device_row(d: DevicePlan) -> list[str]:
     return [str(d.device), ",".join(map(str, d.stages)), flight, _count(d.parameters),
             format_bytes(d.weight_bytes), format_bytes(d.gradient_bytes),
             format_bytes(d.optimizer_bytes),
-            format_bytes(d.activation_bytes + d.weight_view_bytes),
+            format_bytes(d.forward_backward_bytes),
             format_bytes(d.workspace_bytes), format_bytes(d.total_bytes)]
 
 

@@ -331,13 +331,15 @@ def _devices(cfg: RunConfig, kind: str, stages: list[StagePlan], per_stage: Acti
             activations = peak_of_regions(whole, whole.regions, recompute=e.recompute).peak
             in_flight = {s.stage: 1 for s in members}
         biggest = max((largest.get((s.ipu, s.stage), 0) for s in members), default=0)
-        stepped = n
-        if e.replicated_tensor_sharding:
-            stepped = math.ceil(n / e.replicas)  # a shard's updates wait for the norms
+        shards = e.replicas if e.replicated_tensor_sharding else 1
+        if kind == "ipu":
+            stepped = math.ceil(biggest / shards)  # PopART: one update op per weight
+        elif e.replicated_tensor_sharding:
+            stepped = math.ceil(n / shards)  # a shard's updates wait for LAMB's norms
         elif kind == "cpu":
             stepped = min(n, CPU_TILE_NUMEL + biggest)
-        elif kind == "ipu":
-            stepped = biggest
+        else:
+            stepped = n  # whole-tensor steps
         workspace = stepped * WORKSPACE_BYTES_PER_PARAM[width]
         retained = 0
         if e.gradient_accumulation > 1 and kind != "ipu":

@@ -203,11 +203,13 @@ class TrainingSession(_Session):
     Graphcore's SDK is not importable that is a one-line `popbert.backends.BackendUnavailable`.
     """
 
-    def __new__(cls, model: onnx.ModelProto | bytes | str | Path, loss: str,
-                optimizer: OptimizerFactory, options: SessionOptions | None = None,
+    def __new__(cls, model: onnx.ModelProto | bytes | str | Path | None = None,
+                loss: str | None = None, optimizer: OptimizerFactory | None = None,
+                options: SessionOptions | None = None,
                 step_hook: Callable[[int], None] | None = None,
                 loss_scaler: LossScaler | None = None, replicas: Replicas | None = None, *,
                 backend: str | None = None, **backend_options: Any) -> Any:
+        # Defaults only so that copy/pickle (which call cls.__new__(cls)) get a torch session.
         chosen = backend or (options.backend if options is not None else "torch")
         if chosen == "torch":
             return super().__new__(cls)

@@ -586,8 +586,12 @@ class PopartTrainingSession:
                 "weights": {n: torch.from_numpy(a) for n, a in weights.items()},
                 "optimizer": {"popart": {t: torch.from_numpy(a) for t, a in state.items()}},
                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else {},
-                "rng": {"popart": {"seed": self.seed,
-                                   "state": [int(v) for v in self._session.getRNGState()]}}}
+                "rng": {"popart": {"seed": self.seed, "state": self._rng_state()}}}
+
+    def _rng_state(self) -> list[int]:
+        """The device RNG state (``getRNGState``; [] where this SDK has none)."""
+        get = getattr(self._session, "getRNGState", None)
+        return [int(v) for v in get()] if get is not None else []
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict`'s ``state``; a state that does not fit (another
@@ -630,7 +634,7 @@ class PopartTrainingSession:
         if self.loss_scaler is not None and scaler:
             self.loss_scaler.load_state_dict(scaler)
         rng = (state.get("rng") or {}).get("popart")
-        if rng and rng.get("state"):
+        if rng and rng.get("state") and hasattr(self._session, "setRNGState"):
             self._session.setRNGState(list(rng["state"]))
         self.step = int(state["step"])
 

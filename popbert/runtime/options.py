@@ -40,7 +40,6 @@ class SessionOptions:
     reads the other options in its own terms and ignores ``device``).
     """
 
-    backend: str = "torch"
     device: str = "cpu"
     gradient_accumulation: int = 1
     device_iterations: int = 1
@@ -57,6 +56,7 @@ class SessionOptions:
     # Worker thread per device when pipelining: None = when the stages span several devices.
     pipeline_threads: bool | None = None
     recompute: bool = False
+    backend: str = "torch"  # last: positional construction keeps its meaning
 
     def __post_init__(self) -> None:
         self.validate()

@@ -57,6 +57,9 @@ CASES: dict[str, list[str]] = {
     "tiny, FP16 weights": ["execution.weight_dtype=float16"],
     "tiny, no dropout (fused Attention op)": ["model.hidden_dropout=0",
                                               "model.attention_dropout=0"],
+    "tiny, BF16 compute (autocast)": ["execution.compute_dtype=bfloat16"],
+    "L4 H256 A4, BF16 weights + compute": [*L4_H256, "execution.weight_dtype=bfloat16",
+                                           "execution.compute_dtype=bfloat16"],
 }
 
 

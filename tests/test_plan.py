@@ -217,6 +217,18 @@ def test_recompute_keeps_less_than_the_whole_forward_pass() -> None:
     assert any("no checkpoints" in note for note in tiny.notes)
 
 
+def test_half_compute_keeps_between_half_and_all_of_the_fp32_activations() -> None:
+    fp32 = plan_of("tiny").devices[0]
+    for kind in ("cpu", "cuda"):
+        half = plan_of("tiny", "execution.compute_dtype=bfloat16",
+                       f"execution.device={kind}").devices[0]
+        # Matmuls run in BF16; the loss (and on CUDA LayerNorm and softmax) in FP32.
+        assert 0.5 * fp32.activation_bytes < half.activation_bytes < 0.95 * fp32.activation_bytes
+        assert half.weight_view_bytes > 0  # autocast's BF16 copies of the matmul weights
+    ipu = plan_of("tiny", "execution.compute_dtype=float16", target=device_named("ipu-mk2"))
+    assert ipu.totals.activation_bytes < 0.55 * fp32.activation_bytes  # FP16 throughout
+
+
 def test_activations_grow_with_the_micro_batch() -> None:
     small = plan_of("tiny", "execution.micro_batch_size=8").totals.activation_bytes
     large = plan_of("tiny", "execution.micro_batch_size=32").totals.activation_bytes

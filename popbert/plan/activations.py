@@ -37,8 +37,8 @@ from popbert.graph.annotations import (
 )
 from popbert.plan.shapes import TensorShape
 
-__all__ = ["ActivationModel", "PeakActivations", "RegionMemory", "SAVES", "activation_model",
-           "peak_of_regions", "region_keys"]
+__all__ = ["ActivationModel", "PeakActivations", "Precision", "RegionMemory", "SAVES",
+           "activation_model", "peak_of_regions", "region_keys"]
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE)
 
@@ -138,18 +138,41 @@ def region_keys(model: onnx.ModelProto, stage_of: Sequence[int]) -> list[tuple[i
     return keys
 
 
+@dataclass(frozen=True)
+class Precision:
+    """How wide the float activations are.
+
+    ``autocast`` None: every float activation is ``width`` bytes (FP32 compute, or the IPU
+    computing in FP16 throughout). ``"cpu"`` / ``"cuda"``: torch's autocast to a ``width``-byte
+    type: matmuls and attention produce half outputs and keep half copies of FP32 inputs, the
+    device's FP32 ops (CUDA: LayerNorm, softmax, the loss; CPU: the loss) produce FP32, and
+    elementwise ops promote to the widest input (an FP32 weight of rank >= 1 included).
+    ``dropout_mask``: bytes per element of a dropout mask; None = the input's width (torch's
+    CPU dropout keeps its scaled noise; CUDA keeps a 1-byte mask).
+    """
+
+    width: int = 4
+    autocast: str | None = None
+    dropout_mask: int | None = 1
+
+
+LOWER_PRECISION_OPS = frozenset({"MatMul", "Gemm", "Attention"})
+FP32_OPS = {"cuda": frozenset({"LayerNormalization", "GroupNormalization", "Softmax",
+                               "LogSoftmax", "SoftmaxCrossEntropyLoss", "Nll", "Exp", "Pow",
+                               "ReduceSum"}),
+            "cpu": frozenset({"SoftmaxCrossEntropyLoss", "Nll"})}
+
+
 def activation_model(model: onnx.ModelProto, shapes: dict[str, TensorShape],
-                     stage_of: Sequence[int], activation_bytes: int = 4,
-                     mask_bytes: int = 1) -> ActivationModel:
+                     stage_of: Sequence[int], precision: Precision | None = None
+                     ) -> ActivationModel:
     """Charge every node's kept tensors to its (stage, region).
 
     ``stage_of``: the stage of each node (all 0 for a run without pipelining: its regions then
-    span the whole graph). ``activation_bytes``: width of a float activation (4 for FP32
-    compute, 2 for FP16/BF16); ids and statistics keep their own widths. ``mask_bytes``: bytes
-    per element of a dropout mask (1: CUDA's fused dropout keeps a bool mask; torch's CPU
-    dropout keeps its scaled noise at the activation width; PopART keeps a seed and regenerates
-    the mask, 0).
+    span the whole graph). ``precision``: the width of float activations (default FP32); ids
+    and statistics keep their own widths.
     """
+    precision = precision or Precision()
     g = model.graph
     trainable = set(trainable_initializers(model))  # constants (scales, ratios) need no grad
     graph_inputs = {vi.name for vi in g.input} - {t.name for t in g.initializer}
@@ -157,17 +180,51 @@ def activation_model(model: onnx.ModelProto, shapes: dict[str, TensorShape],
     activation = set(graph_inputs)  # tensors that depend on the batch
     base: dict[str, str] = {}
     nbytes: dict[str, int] = {}
+    width: dict[str, int] = {}  # bytes per element of each float activation
+    producer_op: dict[str, str] = {}
+    use_count: dict[str, int] = {}
+    for node in g.node:
+        for i in node.input:
+            use_count[i] = use_count.get(i, 0) + 1
+    half = precision.width
 
-    def size(name: str) -> int:
+    def numel(name: str) -> int:
         s = shapes.get(name)
-        if s is None or s.nbytes is None:
-            return 0
-        if s.elem_type in FLOAT_TYPES:
-            return int(s.numel or 0) * activation_bytes
-        return s.nbytes
+        return int(s.numel or 0) if s is not None else 0
+
+    def is_float(name: str) -> bool:
+        s = shapes.get(name)
+        return s is not None and s.elem_type in FLOAT_TYPES
+
+    def weight_like(name: str) -> bool:
+        """An FP32 weight (or its view) of rank >= 1: promotes elementwise ops under autocast."""
+        s = shapes.get(name)
+        return (name not in activation and is_float(name) and s is not None
+                and s.shape is not None and len(s.shape) >= 1)
+
+    def out_width(node: onnx.NodeProto, inputs: list[str]) -> int:
+        if precision.autocast is None:
+            return precision.width
+        op = node.op_type
+        if op in LOWER_PRECISION_OPS:
+            return half
+        if op in FP32_OPS.get(precision.autocast, ()):
+            return 4
+        if op == "Cast" or op in ("Gather", "GatherND"):
+            return 4  # an explicit FLOAT cast; a gather from an FP32 table
+        if op in VIEW_OPS or op == "Dropout":
+            return width.get(inputs[0], 4)
+        if (op == "Add" and len(inputs) == 2 and any(
+                producer_op.get(i) == "MatMul" and use_count.get(i) == 1 for i in inputs)
+                and any(i in trainable for i in inputs)):
+            return half  # MatMul + bias: lowered to one F.linear
+        widths = [width[i] for i in inputs if i in width]
+        widths += [4 for i in inputs if weight_like(i)]
+        return max(widths, default=4)
 
     for name in graph_inputs:
-        nbytes[name] = size(name)
+        s = shapes.get(name)
+        nbytes[name] = s.nbytes or 0 if s is not None else 0
     keys = region_keys(model, stage_of)
     regions: dict[tuple[int, int], RegionMemory] = {}
     producer_key: dict[str, tuple[int, int]] = {}
@@ -178,35 +235,43 @@ def activation_model(model: onnx.ModelProto, shapes: dict[str, TensorShape],
             continue  # weight-only (the tied projection's transpose): no batch memory
         grads = [needs_grad.get(i, False) for i in node.input]
         out_grad = any(grads) and node.op_type not in NO_GRADIENT
+        w = out_width(node, inputs)
         for out in node.output:
             if not out:
                 continue
             activation.add(out)
             region.produced.add(out)
-            s = shapes.get(out)
-            needs_grad[out] = out_grad and s is not None and s.elem_type in FLOAT_TYPES
+            producer_op[out] = node.op_type
+            needs_grad[out] = out_grad and is_float(out)
             producer_key[out] = key
+            if is_float(out):
+                width[out] = w
             if node.op_type in VIEW_OPS and inputs:
                 base[out] = base.get(inputs[0], inputs[0])
             else:
-                nbytes[out] = size(out)
+                s = shapes.get(out)
+                nbytes[out] = numel(out) * w if is_float(out) else (
+                    s.nbytes or 0 if s is not None else 0)
                 region.largest = max(region.largest, nbytes[out])
         for i in inputs:
             if i in activation and producer_key.get(i) != key:
                 region.inputs.add(i)
+        if precision.autocast is not None and node.op_type in FP32_OPS[precision.autocast]:
+            # It runs on an FP32 copy of its input, so its input's gradient is FP32 too.
+            region.largest = max(region.largest, numel(inputs[0]) * 4)
         if not out_grad:
             continue
         if node.op_type == "Dropout" and _dropout_active(node):
-            s = shapes.get(node.output[0])
-            region.extra_bytes += int(s.numel or 0) * mask_bytes if s is not None else 0
+            mask = precision.dropout_mask
+            region.extra_bytes += numel(inputs[0]) * (
+                width.get(inputs[0], 4) if mask is None else mask)
             continue
         if node.op_type in ("LayerNormalization", "GroupNormalization"):
             s = shapes.get(inputs[0])
-            if s is not None and s.shape:
-                region.extra_bytes += 2 * 4 * (int(s.numel or 0) // max(s.shape[-1], 1))
+            if s is not None and s.shape:  # mean and 1/std, FP32
+                region.extra_bytes += 2 * 4 * (numel(inputs[0]) // max(s.shape[-1], 1))
         if node.op_type == "SoftmaxCrossEntropyLoss":
-            s = shapes.get(inputs[0])  # the log-probabilities, FP32, shaped like the scores
-            region.extra_bytes += int(s.numel or 0) * 4 if s is not None else 0
+            region.extra_bytes += numel(inputs[0]) * 4  # the FP32 log-probabilities
             continue
         if node.op_type in KEEPS_NOTHING or node.op_type in VIEW_OPS:
             continue
@@ -216,8 +281,14 @@ def activation_model(model: onnx.ModelProto, shapes: dict[str, TensorShape],
             + [("out", k) for k in range(len(node.output))])
         for where, index in saved:
             names = node.input if where == "in" else node.output
-            if index < len(names) and names[index] in activation:
-                region.kept.add(names[index])
+            if index >= len(names) or names[index] not in activation:
+                continue
+            name = names[index]
+            if (where == "in" and precision.autocast is not None
+                    and node.op_type in LOWER_PRECISION_OPS and width.get(name, half) > half):
+                region.extra_bytes += numel(name) * half  # autocast keeps its half copy
+            else:
+                region.kept.add(name)
 
     ordered = [regions[k] for k in sorted(regions)]
     if ordered:

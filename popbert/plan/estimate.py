@@ -17,8 +17,11 @@ optimizer state            8 (FP32 m and v)          8/N
 =========================  ========================  ===========================================
 
 There is no FP32 master copy of half weights; but the torch backend computes from FP32 views of
-them, which live through each micro-batch's forward and backward pass: 4 bytes per parameter on
-top of the activations (not on the IPU, which computes in the weights' own dtype). The optimizer
+them: 4 bytes per parameter on top of the activations, through the backward pass (FP32 matmuls
+keep them) or, under autocast, through the forward pass only (the matmuls keep half copies, 2
+bytes per matmul weight, which autocast also keeps of FP32 weights). Not on the IPU, which
+computes in the weights' own dtype. Activations are counted at the compute dtype's width; under
+the torch backend's autocast, per op as torch's CPU or CUDA autocast lists place it. The optimizer
 step needs a workspace while no activations are alive: FP32 copies, denominators and updates,
 measured at 4 bytes per parameter for FP32 weights and 15 for half weights with whole-tensor
 steps (GPUs), bounded by 2M-element tiles on the CPU, and one tensor at a time on the IPU
@@ -46,7 +49,12 @@ from popbert.graph.annotations import (
     node_annotation,
     trainable_initializers,
 )
-from popbert.plan.activations import ActivationModel, activation_model, peak_of_regions
+from popbert.plan.activations import (
+    ActivationModel,
+    Precision,
+    activation_model,
+    peak_of_regions,
+)
 from popbert.plan.devices import Device
 from popbert.plan.flops import BACKWARD_FACTOR, forward_flops_by_node
 from popbert.plan.shapes import infer_tensor_shapes
@@ -114,16 +122,22 @@ class DevicePlan:
     weight_bytes: int
     gradient_bytes: int
     optimizer_bytes: int
-    activation_bytes: int  # micro-batches in flight, recomputation as configured
-    weight_view_bytes: int  # FP32 views of half weights during forward/backward (torch)
+    activation_bytes: int  # micro-batches in flight, recomputation as configured (peak)
+    activation_kept_bytes: int  # the same without the backward pass's transient
+    weight_view_bytes: int  # weight copies alive through forward and backward (torch)
+    forward_view_bytes: int  # weight copies alive during the forward pass only (torch)
     retained_output_bytes: int  # earlier micro-batches' graph outputs still referenced
     workspace_bytes: int  # the optimizer step's transient
     total_bytes: int = 0
 
     @property
     def forward_backward_bytes(self) -> int:
-        """Everything a micro-batch's forward and backward pass adds to the state."""
-        return self.activation_bytes + self.weight_view_bytes + self.retained_output_bytes
+        """Everything a micro-batch's forward and backward pass adds to the state at its peak:
+        the end of the forward pass (its weight copies, half the backward transient: the loss's
+        input copy) or the start of the backward pass (the whole transient)."""
+        transient = self.activation_bytes - self.activation_kept_bytes
+        return (self.activation_kept_bytes + self.weight_view_bytes + self.retained_output_bytes
+                + max(transient, self.forward_view_bytes + transient // 2))
 
     def __post_init__(self) -> None:
         self.total_bytes = (self.weight_bytes + self.gradient_bytes + self.optimizer_bytes
@@ -210,7 +224,10 @@ def plan_run(cfg: RunConfig, target: Device | None = None,
     if target is not None and not target.kind:
         target = dataclasses.replace(target, kind=kind)
     width = _WIDTH[e.compute_dtype]
-    mask_bytes = width if kind == "cpu" else 1
+    autocast = None
+    if width < 4 and kind != "ipu":  # the torch backend runs half compute under autocast
+        autocast = "cpu" if kind == "cpu" else "cuda"
+    precision = Precision(width, autocast, dropout_mask=None if kind == "cpu" else 1)
     batch = e.micro_batch_size
     shapes = infer_tensor_shapes(model, batch)
     flops = forward_flops_by_node(model, shapes)
@@ -227,17 +244,21 @@ def plan_run(cfg: RunConfig, target: Device | None = None,
             first_reader.setdefault(name, key)
     params: dict[tuple[int, int], int] = {k: 0 for k in keys}
     largest: dict[tuple[int, int], int] = {}
+    cast: dict[tuple[int, int], int] = {}  # autocast's half copies of matmul weights
+    matmul_weights = _matmul_weights(model)
     for name in trainable:
         key = first_reader.get(name, keys[0] if keys else (0, 0))
         numel = int(np.prod(inits[name].dims, dtype=np.int64))
         params[key] = params.get(key, 0) + numel
         largest[key] = max(largest.get(key, 0), numel)
+        if autocast is not None and name in matmul_weights:
+            cast[key] = cast.get(key, 0) + numel
     if not keys:
         keys = sorted(params)
 
     plain = state_bytes_per_param(e.weight_dtype, e.replicas, sharded=False)
     rts = state_bytes_per_param(e.weight_dtype, e.replicas, sharded=True)
-    per_stage = activation_model(model, shapes, stage_of, width, mask_bytes)
+    per_stage = activation_model(model, shapes, stage_of, precision)
     stages = []
     for ipu, stage in keys:
         n = params.get((ipu, stage), 0)
@@ -250,7 +271,7 @@ def plan_run(cfg: RunConfig, target: Device | None = None,
             BACKWARD_FACTOR * sum(f for f, k in zip(flops, key_of) if k == (ipu, stage))
             // batch))
     total_params = sum(params.values())
-    whole = activation_model(model, shapes, [0] * len(stage_of), width, mask_bytes)
+    whole = activation_model(model, shapes, [0] * len(stage_of), precision)
     totals = StagePlan(
         None, None, total_params, sum(s.weight_bytes for s in stages),
         sum(s.gradient_bytes for s in stages), sum(s.optimizer_bytes for s in stages),
@@ -264,7 +285,7 @@ def plan_run(cfg: RunConfig, target: Device | None = None,
     if e.recompute and checkpoints == 0:
         notes.append("execution.recompute is on but the graph has no checkpoints (set "
                      "model.recompute=true with model.layers_per_ipu): the run would refuse it")
-    devices = _devices(cfg, kind, stages, per_stage, whole, params, largest)
+    devices = _devices(cfg, kind, stages, per_stage, whole, largest, cast, width)
     if kind == "ipu" and not e.pipeline and len({k[0] for k in keys}) > 1:
         notes.append("execution.pipeline is off: the whole graph is planned on one device; "
                      "set execution.pipeline=true to place each __ipu_number on its own IPU")
@@ -276,9 +297,10 @@ def plan_run(cfg: RunConfig, target: Device | None = None,
     if e.weight_dtype != "float32" and kind != "ipu":
         notes.append("activations include the FP32 views of the half weights the torch backend "
                      "computes from (4 bytes/parameter)")
-    if e.compute_dtype != "float32" and kind != "ipu":
-        notes.append(f"activations are counted at {e.compute_dtype} width; torch's autocast "
-                     "keeps LayerNorm, softmax and the loss in FP32, so expect up to 1.4x more")
+    if autocast == "cuda":
+        notes.append(f"{e.compute_dtype} compute runs under torch's CUDA autocast: its FP32 ops "
+                     "(LayerNorm, softmax, the loss) are modelled from torch's op lists; the "
+                     "CPU model was measured (benchmarks/plan_accuracy.py), the CUDA one not yet")
     model_info = {"layers": cfg.model.num_layers, "hidden": cfg.model.hidden_size,
                   "heads": cfg.model.num_heads, "intermediate": cfg.model.intermediate_size,
                   "vocab": cfg.model.vocab_size, "sequence_length": cfg.model.sequence_length,
@@ -297,9 +319,20 @@ def _bytes(numel: int, per_param: float) -> int:
     return int(math.ceil(numel * per_param))
 
 
+def _matmul_weights(model: onnx.ModelProto) -> set[str]:
+    """Weights a MatMul/Gemm reads, directly or through views (the tied projection's
+    Transpose): autocast keeps a half copy of each through the backward pass."""
+    view_of = {}
+    for node in model.graph.node:
+        if node.op_type in ("Transpose", "Reshape", "Identity") and node.input:
+            view_of[node.output[0]] = view_of.get(node.input[0], node.input[0])
+    return {view_of.get(i, i) for node in model.graph.node if node.op_type in ("MatMul", "Gemm")
+            for i in node.input}
+
+
 def _devices(cfg: RunConfig, kind: str, stages: list[StagePlan], per_stage: ActivationModel,
-             whole: ActivationModel, params: dict[tuple[int, int], int],
-             largest: dict[tuple[int, int], int]) -> list[DevicePlan]:
+             whole: ActivationModel, largest: dict[tuple[int, int], int],
+             cast: dict[tuple[int, int], int], compute_width: int) -> list[DevicePlan]:
     """The devices of one replica: one per ``__ipu_number`` when pipelining, else one."""
     e = cfg.execution
     state = state_bytes_per_param(e.weight_dtype, e.replicas, e.replicated_tensor_sharding)
@@ -326,9 +359,10 @@ def _devices(cfg: RunConfig, kind: str, stages: list[StagePlan], per_stage: Acti
                 in_flight[s.stage] = flight
                 kept_total += flight * act.kept
                 extra = max(extra, act.peak - act.kept)
-            activations = kept_total + extra
+            activations, kept = kept_total + extra, kept_total
         else:
-            activations = peak_of_regions(whole, whole.regions, recompute=e.recompute).peak
+            act = peak_of_regions(whole, whole.regions, recompute=e.recompute)
+            activations, kept = act.peak, act.kept
             in_flight = {s.stage: 1 for s in members}
         biggest = max((largest.get((s.ipu, s.stage), 0) for s in members), default=0)
         shards = e.replicas if e.replicated_tensor_sharding else 1
@@ -347,8 +381,14 @@ def _devices(cfg: RunConfig, kind: str, stages: list[StagePlan], per_stage: Acti
                 retained = output_bytes  # the previous micro-batch's, during the next one
             elif output_stage in in_flight:
                 retained = (e.gradient_accumulation - 1) * output_bytes
+        # Half weights are read through FP32 views: kept for the backward pass by FP32 matmuls;
+        # under autocast the matmuls keep half copies instead and the views die with the
+        # forward pass. Autocast also keeps half copies of FP32 matmul weights.
+        copies = compute_width * sum(cast.get((s.ipu, s.stage), 0) for s in members)
+        autocast = compute_width < 4 and kind != "ipu"
+        always, forward_only = (copies, n * views) if autocast else (n * views, 0)
         devices.append(DevicePlan(
             device, [s.stage for s in members], in_flight, n, _bytes(n, state.weights),
-            _bytes(n, state.gradients), _bytes(n, state.optimizer), activations, n * views,
-            retained, workspace))
+            _bytes(n, state.gradients), _bytes(n, state.optimizer), activations, kept, always,
+            forward_only, retained, workspace))
     return devices

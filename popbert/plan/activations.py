@@ -3,11 +3,11 @@
 Training memory beyond the weights is what the forward pass leaves behind for the backward pass.
 That is not every tensor the forward produces: an Add keeps nothing, a MatMul keeps its
 activation input (the weight is already counted), LayerNorm and GELU keep their input, Softmax
-and Tanh their output, Dropout a one-byte mask. :data:`SAVES` writes those rules down for the ops
-BERT graphs use (torch's autograd formulas, which the lowering maps every op onto); an op it does
-not know is assumed to keep all its activation inputs and its output (an over-estimate, never an
-under-estimate). Views (Reshape, Transpose, Split, Identity, ...) share their input's storage, so
-a kept view is charged to the tensor it views, once.
+and Tanh their output, Dropout its mask (see :class:`Precision`). :data:`SAVES` writes those
+rules down for the ops BERT graphs use (torch's autograd formulas, which the lowering maps every
+op onto); an op it does not know is assumed to keep all its activation inputs and its output
+(an over-estimate, never an under-estimate). Views (Reshape, Transpose, Split, Identity, ...)
+share their input's storage, so a kept view is charged to the tensor it views, once.
 
 The tensors alive at the end of the forward pass are then: the kept tensors, the graph inputs and
 the graph outputs. The backward pass adds gradients of activations; its peak is modelled as two

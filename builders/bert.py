@@ -51,7 +51,10 @@ class BertGraph:
     outputs: dict[str, str] = field(default_factory=dict)
     batch_size: int | str = BATCH
 
-    def add_input(self, name: str, shape: list, dtype: str = "INT64") -> str:
+    def add_input(self, name: str, shape: list, signed: bool = False) -> str:
+        """An integer input; `signed` if it can hold negative values. Its type follows the
+        dialect (`layers.input_dtype`: INT64, or UINT32/INT32 for PopART)."""
+        dtype = layers.input_dtype(self.builder, signed)
         self.inputs[name] = self.builder.addInputTensor(TensorInfo(dtype, shape), name)
         return self.inputs[name]
 
@@ -174,7 +177,8 @@ def pretraining_head(b: Builder, config: BertConfig, init: layers.WeightInit, gr
         mlm_labels = graph.add_input("masked_lm_ids", [graph.batch_size, preds])
         nsp_shape = ([graph.batch_size, config.max_sequences_per_pack] if config.packed
                      else [graph.batch_size])
-        nsp_labels = graph.add_input("next_sentence_labels", nsp_shape)
+        # Packed rows label unused NSP slots NSP_IGNORE (-100): a signed input.
+        nsp_labels = graph.add_input("next_sentence_labels", nsp_shape, signed=config.packed)
         graph.outputs.update(losses(b, config, mlm_logits, nsp_logits, mlm_labels, nsp_labels))
 
 
@@ -192,12 +196,16 @@ def embeddings(b: Builder, config: BertConfig, init: layers.WeightInit, input_id
             init.normal([config.max_position_embeddings, h]), "Positional_Dict")
         segment_table = b.addInitializedInputTensor(init.normal([config.type_vocab_size, h]),
                                                     "Segment_Dict")
-        words = b.aiOnnx.gather([word_table, input_ids], "Words", axis=0)
+        words = b.aiOnnx.gather([word_table, layers.as_index(b, input_ids, "WordIndex")],
+                                "Words", axis=0)
         if position_ids is None:
             position_ids = b.addConstant(np.arange(config.sequence_length, dtype=np.int64),
                                          "position_ids")
-        positions = b.aiOnnx.gather([position_table, position_ids], "Positions", axis=0)
-        segments = b.aiOnnx.gather([segment_table, segment_ids], "Segments", axis=0)
+        positions = b.aiOnnx.gather(
+            [position_table, layers.as_index(b, position_ids, "PositionIndex")], "Positions",
+            axis=0)
+        segments = b.aiOnnx.gather(
+            [segment_table, layers.as_index(b, segment_ids, "SegmentIndex")], "Segments", axis=0)
         x = b.aiOnnx.add([b.aiOnnx.add([words, positions], "AddPositions"), segments],
                          "AddSegments")
         x = layers.layer_norm(b, x, h, config.layer_norm_eps, init)

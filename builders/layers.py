@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from onnx import TensorProto
 
 from popbert.graph.builder import Builder
 
@@ -59,6 +60,35 @@ class WeightInit:
 
 def scalar(b: Builder, value: float | int, dtype: type, name: str) -> str:
     return b.addConstant(np.array(value, dtype), name)
+
+
+def input_dtype(b: Builder, signed: bool = False) -> str:
+    """The declared type of an integer graph input (ids, positions, masks, labels).
+
+    onnx: INT64, what ONNX Runtime, the exports and the loaders use. popart: 32-bit, because
+    IPUs stream 32-bit integers: UINT32 as Graphcore's BERT fed its inputs
+    (`popart.TensorInfo("UINT32", shape)`), INT32 for an input that can hold negative values
+    (`signed`, e.g. packed NSP labels with their -100 ignore index). The one place the choice
+    is made; model code passes only `signed`.
+    """
+    if b.dialect == "onnx":
+        return "INT64"
+    return "INT32" if signed else "UINT32"
+
+
+def as_index(b: Builder, x: str, name: str) -> str:
+    """Integer tensor `x` in a type every op reading it accepts: INT32/INT64 unchanged (the onnx
+    dialect's inputs never change); anything else (the popart dialect's UINT32 inputs) Cast to
+    INT32, because opset 11 takes only int32/int64 `Gather` indices and `Equal` operands."""
+    if b.getTensorDtypeString(x) in ("int32", "int64"):
+        return x
+    return b.aiOnnx.cast([x], name, to=TensorProto.INT32)
+
+
+def _int_dtype(b: Builder, x: str) -> np.dtype:
+    """The numpy dtype of integer tensor `x`, for constants it meets in arithmetic/compares
+    (opset 11 requires both operands of the same type)."""
+    return np.dtype(b.getTensorDtypeString(x))
 
 
 def dense(b: Builder, x: str, in_features: int, out_features: int, init: WeightInit,
@@ -159,7 +189,9 @@ def gather_positions(b: Builder, hidden: str, positions: str, name: str,
     flat = b.aiOnnx.reshape(
         [hidden, b.addConstant(np.array([batch * seq, width], np.int64), "flat_shape")],
         f"{name}/Flatten")
-    offsets = b.addConstant((np.arange(batch, dtype=np.int64) * seq)[:, None], "row_offsets")
+    positions = as_index(b, positions, f"{index_name}/Cast")
+    offsets = b.addConstant((np.arange(batch, dtype=_int_dtype(b, positions)) * seq)[:, None],
+                            "row_offsets")
     index = b.aiOnnx.add([positions, offsets], index_name)
     return b.aiOnnx.gather([flat, index], name, axis=0)
 
@@ -211,10 +243,11 @@ def packed_attention_mask(b: Builder, sequence_index: str, seq_len: int) -> str:
     never read.
     """
     with b.nameScope("AttentionMask"):
+        sequence_index = as_index(b, sequence_index, "Index")
         queries = unsqueeze(b, sequence_index, [2], "Queries", "query_axis")
         keys = unsqueeze(b, sequence_index, [1], "Keys", "key_axis")
         same = b.aiOnnx.equal([queries, keys], "SameSequence")  # [B, S, S]
-        real = b.aiOnnx.greater([keys, b.addConstant(np.array(0, np.int64), "zero")],
+        real = b.aiOnnx.greater([keys, b.addConstant(np.array(0, _int_dtype(b, keys)), "zero")],
                                 "RealKey")  # [B, 1, S]
         allowed = b.aiOnnx.cast([b.aiOnnx.And([same, real], "Allowed")], "Cast", to=1)
         one = scalar(b, 1.0, np.float32, "one")
@@ -281,13 +314,16 @@ def accuracy(b: Builder, logits: str, labels: str, ignore_index: int | None, nam
     with b.nameScope(name):
         if b.dialect == "popart":
             logits = b.aiGraphcore.detach([logits], "Detach")
-        predictions = b.aiOnnx.argmax([logits], "ArgMax", axis=-1, keepdims=0)
+        predictions = b.aiOnnx.argmax([logits], "ArgMax", axis=-1, keepdims=0)  # INT64
+        labels = as_index(b, labels, "Labels")
+        if b.getTensorDtypeString(labels) != "int64":  # 32-bit labels: compare in INT32
+            predictions = b.aiOnnx.cast([predictions], "Predictions", to=TensorProto.INT32)
         correct = b.aiOnnx.cast([b.aiOnnx.equal([predictions, labels], "Equal")], "Correct",
                                 to=1)
         if ignore_index is None:
             return b.aiOnnx.reducemean([correct], "Mean", keepdims=0)
-        ignored = b.aiOnnx.equal([labels, b.addConstant(np.array(ignore_index, np.int64),
-                                                        "ignore")], "Ignored")
+        ignore = b.addConstant(np.array(ignore_index, _int_dtype(b, labels)), "ignore")
+        ignored = b.aiOnnx.equal([labels, ignore], "Ignored")
         weight = b.aiOnnx.cast([b.aiOnnx.Not([ignored], "Valid")], "Weight", to=1)
         hits = b.aiOnnx.reducesum([b.aiOnnx.mul([correct, weight], "Hits")], "HitSum",
                                   keepdims=0)

@@ -142,6 +142,24 @@ def test_every_model_builds_as_opset_11_with_graphcore_ops(name: str, with_loss:
         assert all(d.HasField("dim_value") and d.dim_value > 0 for d in dims), value.name
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_integer_inputs_are_32_bit_as_graphcore_fed_them(name: str) -> None:
+    """popart: UINT32 inputs (`popart.TensorInfo("UINT32", shape)`, as Graphcore's BERT fed
+    them), INT32 where negative values are legal (packed NSP labels, NSP_IGNORE = -100); onnx:
+    INT64. The 32-bit graph passes strict, type-checked shape inference (opset 11 Gather and
+    Equal take no uint32, so the layers Cast where an op needs it)."""
+    popart = popart_model(name)
+    signed = {"next_sentence_labels"} if name == "packed" else set()
+    declared = {i.name: i.type.tensor_type.elem_type for i in popart.graph.input}
+    assert declared == {n: onnx.TensorProto.INT32 if n in signed else onnx.TensorProto.UINT32
+                        for n in declared}
+    onnx.shape_inference.infer_shapes(popart, check_type=True, strict_mode=True)
+    config = model_config(name, "onnx")
+    reference = build_bert(config, task=task_of(name), zeros=True).model()
+    assert {i.name: i.type.tensor_type.elem_type for i in reference.graph.input} == {
+        n: onnx.TensorProto.INT64 for n in declared}
+
+
 def test_opset_11_spellings() -> None:
     """Axes and split sizes are attributes; the losses are Softmax + Nll with PopART's enums."""
     model = popart_model("pretraining")
@@ -275,6 +293,13 @@ def run_lowered(model: onnx.ModelProto, batch: dict[str, np.ndarray],
         n: p.detach().clone() for n, p in params.items()}
 
 
+def as_declared(model: onnx.ModelProto, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`batch` (the loaders' int64) in each graph input's declared dtype, as PopART gets it."""
+    dtypes = {i.name: onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
+              for i in model.graph.input}
+    return {n: v.astype(dtypes[n]) if n in dtypes else v for n, v in batch.items()}
+
+
 def assert_gradients_close(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor],
                            floor: float = 0.0) -> float:
     """Each gradient within 1e-4 of its tensor's largest (+ `floor`); returns the worst ratio."""
@@ -298,6 +323,10 @@ def test_outputs_and_gradients_equal_the_onnx_dialect(name: str) -> None:
     # Built from another seed, then given the onnx graph's weights by name.
     popart = popart_model(name, batch_size=rows(batch), layers_per_ipu=[1, 1], recompute=True)
     ours, our_grads, _ = run_lowered(popart, batch, weights)
+    # The lowering runs the inputs in their declared UINT32/INT32 too, with the same result.
+    typed, _, _ = run_lowered(popart, as_declared(popart, batch), weights)
+    for output, value in typed.items():
+        torch.testing.assert_close(value, ours[output], atol=0, rtol=0, msg=output)
     assert set(ours) == set(theirs)
     for output, expected in theirs.items():
         torch.testing.assert_close(ours[output], expected, atol=1e-5, rtol=0, msg=output)

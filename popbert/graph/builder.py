@@ -48,6 +48,7 @@ _DTYPES = {
     "FLOAT": TensorProto.FLOAT, "FLOAT32": TensorProto.FLOAT, "FLOAT16": TensorProto.FLOAT16,
     "BFLOAT16": TensorProto.BFLOAT16, "DOUBLE": TensorProto.DOUBLE, "FLOAT64": TensorProto.DOUBLE,
     "INT32": TensorProto.INT32, "INT64": TensorProto.INT64, "UINT8": TensorProto.UINT8,
+    "UINT32": TensorProto.UINT32,
     "INT8": TensorProto.INT8, "BOOL": TensorProto.BOOL,
 }
 

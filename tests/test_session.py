@@ -243,6 +243,25 @@ def test_ranges_come_from_the_gathered_tables(model) -> None:
     assert specs["input_ids"].dims == ("batch_size", 32)
 
 
+def test_popart_dialect_inputs_take_the_loaders_int64_and_check_their_32_bit_range() -> None:
+    """The popart dialect declares UINT32 inputs: the loaders' int64 batch (and one already in
+    uint32) runs as given; a negative id is out of range, named, even where no table bounds it."""
+    graph = build_bert(small_config(dialect="popart"), seed=0, batch_size=4).model()
+    s = InferenceSession(graph)
+    batch = padded_batch(CONFIG, 4, seed=0)
+    expected = s.run(batch)["mlm_logits"]
+    as_uint32 = {k: v.astype(np.uint32) for k, v in batch.items()}
+    torch.testing.assert_close(s.run(as_uint32)["mlm_logits"], expected, atol=0, rtol=0)
+    batch["masked_lm_ids"][1, 2] = -3
+    with pytest.raises(InputError) as error:
+        s.run(batch)
+    assert str(error.value) == ("input 'masked_lm_ids' holds -3, outside the graph's UINT32 "
+                                "range 0..4294967295")
+    batch["input_ids"][0, 0] = -1  # a table-bounded input keeps the table's message
+    with pytest.raises(InputError, match="input 'input_ids' holds -1, outside the vocabulary"):
+        s.run(batch)
+
+
 # ---------------------------------------------------------------------------------------------
 # Devices
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,16 @@ poisons the process), a wrong sequence length a broadcasting error in attention.
   (``batch_size``) take any size but the same one in every input;
 * an integer input holding a value outside the table it indexes: inputs used as ``Gather``
   indices into an initializer (word, position and segment embeddings) must lie in
-  ``0 .. rows - 1``. One min/max per such input and batch keeps the check cheap.
+  ``0 .. rows - 1``. One min/max per such input and batch keeps the check cheap;
+* an integer input holding a value its declared 32-bit type cannot: a negative id for a
+  ``UINT32`` input (the popart dialect declares its inputs as Graphcore fed them), or anything
+  past ``INT32``. PopART would wrap such a value silently when the host array is cast.
+
+Batches are returned in the integer dtype they came in (the loaders' int64), not cast to the
+declared type: the torch lowering runs any integer width (the graph's own Casts turn ids into
+int32/int64 where an op needs them, and torch has no uint32 arithmetic or indexing), and the
+PopART backend casts to the declared dtype itself, after this check, because its step IO
+takes nothing else.
 """
 
 from __future__ import annotations
@@ -33,6 +42,9 @@ _VALUE_PRESERVING = {"Identity", "Cast", "Reshape", "Flatten", "Squeeze", "Unsqu
 _INTEGER_TYPES = {onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.INT32,
                   onnx.TensorProto.INT64, onnx.TensorProto.UINT8, onnx.TensorProto.UINT16,
                   onnx.TensorProto.UINT32, onnx.TensorProto.UINT64}
+# The values a narrower-than-int64 input type holds (int64 batches may exceed them).
+_TYPE_RANGES = {onnx.TensorProto.UINT32: (0, 2**32 - 1),
+                onnx.TensorProto.INT32: (-2**31, 2**31 - 1)}
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,7 @@ class InputSpec:
     integer: bool
     bound: int | None = None  # values must lie in 0 .. bound - 1
     table: str | None = None  # the initializer the values index
+    elem_type: int | None = None  # the declared onnx.TensorProto type
 
     def shape_text(self) -> str:
         dims = self.dims or ()
@@ -60,14 +73,16 @@ def input_specs(proto: onnx.ModelProto, names: Sequence[str]) -> list[InputSpec]
         info = declared.get(name)
         dims: tuple[Dim, ...] | None = None
         integer = False
+        elem_type = None
         if info is not None and info.type.HasField("tensor_type"):
             tensor = info.type.tensor_type
-            integer = tensor.elem_type in _INTEGER_TYPES
+            elem_type = tensor.elem_type
+            integer = elem_type in _INTEGER_TYPES
             if tensor.HasField("shape"):
                 dims = tuple(d.dim_value if d.HasField("dim_value")
                              else (d.dim_param or None) for d in tensor.shape.dim)
         bound, table = bounds.get(name, (None, None)) if integer else (None, None)
-        specs.append(InputSpec(name, dims, integer, bound, table))
+        specs.append(InputSpec(name, dims, integer, bound, table, elem_type))
     return specs
 
 
@@ -128,8 +143,14 @@ class InputChecker:
             tensor = tensors[spec.name]
             if spec.dims is not None:
                 self._check_shape(spec, tuple(tensor.shape), micro_batches, per_run, bound_dims)
-            if spec.bound is not None and tensor.numel() and tensor.dtype != torch.bool:
-                low, high = (int(v) for v in torch.aminmax(tensor.detach()))
+            declared = _TYPE_RANGES.get(spec.elem_type)
+            if (spec.bound is None and declared is None) or not tensor.numel() \
+                    or tensor.dtype == torch.bool:
+                continue
+            if tensor.dtype in (torch.uint16, torch.uint32, torch.uint64):
+                tensor = tensor.long()  # torch has no aminmax for these (checked copy only)
+            low, high = (int(v) for v in torch.aminmax(tensor.detach()))
+            if spec.bound is not None:
                 if low < 0 or high >= spec.bound:
                     value = low if low < 0 else high
                     if spec.name == "input_ids":
@@ -138,6 +159,11 @@ class InputChecker:
                         what = (f"0..{spec.bound - 1} (the {spec.bound} rows of "
                                 f"{spec.table!r} it indexes)")
                     raise InputError(f"input {spec.name!r} holds {value}, outside {what}")
+            if declared is not None and (low < declared[0] or high > declared[1]):
+                value = low if low < declared[0] else high
+                kind = onnx.TensorProto.DataType.Name(spec.elem_type)
+                raise InputError(f"input {spec.name!r} holds {value}, outside the graph's "
+                                 f"{kind} range {declared[0]}..{declared[1]}")
         return tensors
 
     @staticmethod

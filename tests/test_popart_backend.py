@@ -375,15 +375,37 @@ def test_run_feeds_popart_layout_and_returns_per_step_means(popart: types.Module
     assert len(popart.LOG) == before
 
 
-def test_popart_dialect_graph_feeds_static_shapes(popart: types.ModuleType) -> None:
+def test_popart_dialect_graph_feeds_static_shapes(popart: types.ModuleType,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """With the popart dialect's static micro batch, the stand-in checks every fed array's
-    element count and dtype against the graph, as PopART's step IO does."""
+    element count and dtype against the graph, as PopART's step IO does: the loaders' int64
+    batch reaches PyStepIO in the declared UINT32 (numpy uint32), as Graphcore fed it."""
     cfg = config("tiny", "execution.gradient_accumulation=2", "execution.micro_batch_size=4")
     graph = build_bert(cfg.model, seed=0, batch_size=graph_batch_size(cfg))
     session = session_of(cfg, graph)
-    session.run(batch_for(cfg, session.micro_batches_per_run() * 4))
+    fed: list[dict[str, np.ndarray]] = []
+
+    class RecordingStepIO(popart.PyStepIO):
+        def __init__(self, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray]):
+            fed.append(dict(inputs))
+            super().__init__(inputs, outputs)
+
+    monkeypatch.setattr(popart, "PyStepIO", RecordingStepIO)
+    batch = batch_for(cfg, session.micro_batches_per_run() * 4)
+    assert {v.dtype for v in batch.values()} == {torch.int64}
+    session.run(batch)
     [(shapes,)] = logged(popart, "TrainingSession.run")
     assert shapes["input_ids"] == (2, 4, 128)
+    declared = {i.name: onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
+                for i in graph.model().graph.input}
+    assert {n: a.dtype for n, a in fed[0].items()} == {n: declared[n] for n in fed[0]}
+    assert {a.dtype for a in fed[0].values()} == {np.dtype(np.uint32)}
+    # A negative id is an InputError naming the input, before the host array is cast (it
+    # would wrap to 4294967295) and before PopART is asked anything.
+    batch["masked_lm_ids"][0, 0] = -1
+    with pytest.raises(InputError, match="'masked_lm_ids' holds -1, outside the graph's UINT32"):
+        session.run(batch)
+    assert len(fed) == 1
     with pytest.raises(InputError, match=r"graph takes \(4, 128\) per micro-batch"):
         session.run(batch_for(cfg, session.micro_batches_per_run()))
 

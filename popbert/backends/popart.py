@@ -500,7 +500,9 @@ class PopartTrainingSession:
 
     def _feed(self, name: str, tensor: torch.Tensor) -> np.ndarray:
         """One input as PopART takes it: [iterations, accumulation, replicas, micro, ...] with the
-        factors of 1 left out, in the graph's dtype."""
+        factors of 1 left out, in the graph input's declared dtype (numpy uint32/int32 for the
+        popart dialect): PopART's step IO takes no other, and the batch was range-checked
+        against that type first (``run``), so the cast from the loaders' int64 cannot wrap."""
         o = self.options
         factors = [f for f in (o.device_iterations, o.gradient_accumulation,
                                o.replication_factor) if f > 1]

@@ -28,11 +28,10 @@ steps (GPUs), bounded by 2M-element tiles on the CPU, and one tensor at a time o
 (PopART updates each weight with its own op).
 
 A device's peak is weights + gradients + optimizer state + the larger of (activations of the
-micro-batches in flight, weight copies, graph outputs of earlier micro-batches still referenced)
-and (the optimizer step's workspace). Pipelined with 1F1B, the stage at position p of S holds
-``min(S - p, gradient_accumulation)`` micro-batches in flight; with GPipe all of them. The
-session keeps the previous micro-batch's outputs (``mlm_logits`` is [batch, positions, vocab])
-while the next one runs; the pipeline engine keeps every micro-batch's until the step ends.
+micro-batches in flight, weight copies) and (the optimizer step's workspace). Pipelined with
+1F1B, the stage at position p of S holds ``min(S - p, gradient_accumulation)`` micro-batches in
+flight; with GPipe all of them. A micro-batch's graph outputs (``mlm_logits`` is [batch,
+positions, vocab]) die with it: the session keeps only the scalar outputs across micro-batches.
 Measured against a real CPU step by ``benchmarks/plan_accuracy.py`` (within 2% unpipelined).
 """
 
@@ -129,7 +128,6 @@ class DevicePlan:
     activation_kept_bytes: int  # the same without the backward pass's transient
     weight_view_bytes: int  # weight copies alive through forward and backward (torch)
     forward_view_bytes: int  # weight copies alive during the forward pass only (torch)
-    retained_output_bytes: int  # earlier micro-batches' graph outputs still referenced
     workspace_bytes: int  # the optimizer step's transient
     total_bytes: int = 0
 
@@ -139,7 +137,7 @@ class DevicePlan:
         the end of the forward pass (its weight copies, half the backward transient: the loss's
         input copy) or the start of the backward pass (the whole transient)."""
         transient = self.activation_bytes - self.activation_kept_bytes
-        return (self.activation_kept_bytes + self.weight_view_bytes + self.retained_output_bytes
+        return (self.activation_kept_bytes + self.weight_view_bytes
                 + max(transient, self.forward_view_bytes + transient // 2))
 
     def __post_init__(self) -> None:
@@ -292,11 +290,6 @@ def plan_run(cfg: RunConfig, target: Device | None = None,
     if kind == "ipu" and not e.pipeline and len({k[0] for k in keys}) > 1:
         notes.append("execution.pipeline is off: the whole graph is planned on one device; "
                      "set execution.pipeline=true to place each __ipu_number on its own IPU")
-    if e.pipeline and e.gradient_accumulation > 1 and kind != "ipu":
-        held = max(d.retained_output_bytes for d in devices)
-        notes.append(f"the pipeline engine keeps every micro-batch's graph outputs (mlm_logits "
-                     f"[batch, positions, vocab] among them) until the step ends: "
-                     f"{held / 1e9:.2f} GB counted in the activations")
     if e.weight_dtype != "float32" and kind != "ipu":
         notes.append("activations include the FP32 views of the half weights the torch backend "
                      "computes from (4 bytes/parameter)")
@@ -341,9 +334,6 @@ def _devices(cfg: RunConfig, kind: str, stages: list[StagePlan], per_stage: Acti
     state = state_bytes_per_param(e.weight_dtype, e.replicas, e.replicated_tensor_sharding)
     width = _WIDTH[e.weight_dtype]
     views = FP32_VIEW_BYTES if width == 2 and kind != "ipu" else 0
-    output_bytes = whole.bytes_of(whole.graph_outputs)
-    output_stage = max((r.stage for r in per_stage.regions
-                        if r.produced & per_stage.graph_outputs), default=0)
     groups: dict[int, list[StagePlan]] = {}
     for s in stages:
         groups.setdefault(s.ipu if e.pipeline else 0, []).append(s)
@@ -378,12 +368,6 @@ def _devices(cfg: RunConfig, kind: str, stages: list[StagePlan], per_stage: Acti
         else:
             stepped = n  # whole-tensor steps
         workspace = stepped * WORKSPACE_BYTES_PER_PARAM[width]
-        retained = 0
-        if e.gradient_accumulation > 1 and kind != "ipu":
-            if not e.pipeline:
-                retained = output_bytes  # the previous micro-batch's, during the next one
-            elif output_stage in in_flight:
-                retained = (e.gradient_accumulation - 1) * output_bytes
         # Half weights are read through FP32 views: kept for the backward pass by FP32 matmuls;
         # under autocast the matmuls keep half copies instead and the views die with the
         # forward pass. Autocast also keeps half copies of FP32 matmul weights.
@@ -393,5 +377,5 @@ def _devices(cfg: RunConfig, kind: str, stages: list[StagePlan], per_stage: Acti
         devices.append(DevicePlan(
             device, [s.stage for s in members], in_flight, n, _bytes(n, state.weights),
             _bytes(n, state.gradients), _bytes(n, state.optimizer), activations, kept, always,
-            forward_only, retained, workspace))
+            forward_only, workspace))
     return devices

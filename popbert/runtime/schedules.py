@@ -118,10 +118,12 @@ class PipelineEngine:
                               self._consumers, micro)
 
     def train(self, micro_batches: Sequence[Sequence[torch.Tensor]], loss_index: int,
-              loss_scale: float = 1.0) -> list[tuple[Any, ...]]:
+              loss_scale: float = 1.0, scalars_only: bool = False) -> list[tuple[Any, ...]]:
         """Forward and backward every micro-batch; gradients accumulate into ``.grad`` as
         ``mean over micro-batches of loss × loss_scale``. Returns each micro-batch's outputs,
-        detached."""
+        detached; with ``scalars_only`` the others (logits) are dropped as soon as their stage
+        ran (as None), so a step does not hold every micro-batch's [batch, positions, vocab]
+        logits until its end."""
         program = self.program
         micro = len(micro_batches)
         runs = [program.micro_batch(inputs, cut=True) for inputs in micro_batches]
@@ -142,7 +144,8 @@ class PipelineEngine:
                     for index in produced:  # only this stage's: others may run concurrently
                         value = mb.outputs[index]
                         if isinstance(value, torch.Tensor):
-                            mb.outputs[index] = value.detach()
+                            keep = not scalars_only or value.dim() == 0
+                            mb.outputs[index] = value.detach() if keep else None
                 else:
                     program.backward_stage(mb, stage)
 

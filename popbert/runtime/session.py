@@ -304,6 +304,7 @@ class TrainingSession(_Session):
         totals: dict[str, torch.Tensor] = {}
         for outputs in self._passes(micro_batches, scale):
             _add_scalars(totals, outputs)
+            del outputs  # the next micro-batch runs without this one's logits alive
         self.gradients.finish()
         # With a loss scaler a step whose gradients overflowed is skipped (and the scale backs
         # off); without one there is nothing to check.
@@ -324,13 +325,15 @@ class TrainingSession(_Session):
             (outputs[self.loss_name].float() * (scale / len(micro_batches))).backward()
             self.gradients.after_micro_batch()
             yield outputs
+            del outputs  # not alive while the next micro-batch runs
 
     def _pipelined_passes(self, micro_batches: list[Mapping[str, torch.Tensor]],
                           scale: float) -> Iterator[dict[str, torch.Tensor]]:
         """All micro-batches through the pipeline schedule (their backward passes interleave,
         so the gradients are handed on once, after all of them)."""
         feeds = [self._feeds(micro) for micro in micro_batches]
-        results = self.engine.train(feeds, self.output_names.index(self.loss_name), scale)
+        results = self.engine.train(feeds, self.output_names.index(self.loss_name), scale,
+                                    scalars_only=True)
         self.gradients.after_micro_batch()
         for outputs in results:
             yield dict(zip(self.output_names, outputs))
@@ -409,7 +412,7 @@ class TrainingSession(_Session):
 def _add_scalars(totals: dict[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
     """Sum the scalar outputs (loss, accuracies) of one micro-batch into ``totals``."""
     for name, value in outputs.items():
-        if value.dim() == 0:
+        if value is not None and value.dim() == 0:
             value = value.detach().float()
             totals[name] = totals[name] + value if name in totals else value
 

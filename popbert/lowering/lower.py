@@ -52,8 +52,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from popbert.graph.shapes import weight_free_copy
 from popbert.lowering.context import (
-    ANNOTATION_PREFIX,
     FLOAT_DTYPES,
     ONNX_TO_TORCH,
     Converter,
@@ -289,44 +289,9 @@ def _sanitize_all(names: Sequence[str]) -> list[str]:
 
 
 def _infer_value_info(model: onnx.ModelProto) -> dict[str, ValueInfo]:
-    """Static shapes/dtypes from ONNX shape inference, on a weight-free copy of the graph.
-
-    Float initializers become typed graph inputs (so BERT-Large's weights are never copied),
-    small integer initializers stay (shape inference propagates their values) and the ``__``
-    annotations are dropped. Failures only cost lowering-time information, never correctness.
-    """
-    g = model.graph
-    light = onnx.GraphProto(name=g.name)
-    light.input.extend(g.input)
-    known_inputs = {i.name for i in g.input}
-    for init in g.initializer:
-        small_int = (
-            init.data_type
-            not in (
-                onnx.TensorProto.FLOAT,
-                onnx.TensorProto.FLOAT16,
-                onnx.TensorProto.BFLOAT16,
-                onnx.TensorProto.DOUBLE,
-            )
-            and int(np.prod(init.dims)) <= 4096
-        )
-        if small_int:
-            light.initializer.append(init)
-        elif init.name not in known_inputs:
-            light.input.append(
-                onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims))
-            )
-    for node in g.node:
-        n = light.node.add()
-        n.CopyFrom(node)
-        keep = [a for a in n.attribute if not a.name.startswith(ANNOTATION_PREFIX)]
-        del n.attribute[:]
-        n.attribute.extend(keep)
-    light.output.extend(g.output)
-    light.value_info.extend(g.value_info)
-    m = onnx.helper.make_model(light, opset_imports=list(model.opset_import))
-    m.ir_version = model.ir_version
-    m.functions.extend(model.functions)
+    """Static shapes/dtypes from ONNX shape inference, on a weight-free copy of the graph
+    (`popbert.graph.shapes`). Failures only cost lowering-time information, never correctness."""
+    m = weight_free_copy(model)
     try:
         inferred = onnx.shape_inference.infer_shapes(m, strict_mode=False, data_prop=True)
     except Exception as exc:  # noqa: BLE001 - inference is best effort

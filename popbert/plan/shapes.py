@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
-from popbert.graph.annotations import ANNOTATION_PREFIX, constant_initializers
+from popbert.graph.shapes import weight_free_copy
 
 __all__ = ["TensorShape", "infer_tensor_shapes"]
 
@@ -53,26 +53,6 @@ class TensorShape:
         return None if numel is None else numel * _ITEM_BYTES.get(self.elem_type, 4)
 
 
-def _batch_names(graph: onnx.GraphProto) -> set[str]:
-    """The symbolic names of the graph inputs' first axis (the batch dimension)."""
-    names = set()
-    for vi in graph.input:
-        dims = vi.type.tensor_type.shape.dim
-        if dims and dims[0].HasField("dim_param"):
-            names.add(dims[0].dim_param)
-    return names
-
-
-def _concrete(vi: onnx.ValueInfoProto, batch_names: set[str], batch: int) -> onnx.ValueInfoProto:
-    out = onnx.ValueInfoProto()
-    out.CopyFrom(vi)
-    if out.type.HasField("tensor_type") and out.type.tensor_type.HasField("shape"):
-        for dim in out.type.tensor_type.shape.dim:
-            if dim.HasField("dim_param") and dim.dim_param in batch_names:
-                dim.dim_value = batch  # assigning the value clears the oneof's dim_param
-    return out
-
-
 def infer_tensor_shapes(model: onnx.ModelProto, batch: int) -> dict[str, TensorShape]:
     """Every tensor's shape at batch size ``batch``: graph inputs, initializers, node outputs.
 
@@ -80,32 +60,10 @@ def infer_tensor_shapes(model: onnx.ModelProto, batch: int) -> dict[str, TensorS
     """
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
-    g = model.graph
-    batch_names = _batch_names(g)
-    constants = constant_initializers(model)
-    light = onnx.GraphProto(name=g.name)
-    light.input.extend(_concrete(vi, batch_names, batch) for vi in g.input)
-    known = {vi.name for vi in g.input}
-    shapes: dict[str, TensorShape] = {}
-    for init in g.initializer:
-        shapes[init.name] = TensorShape(tuple(int(d) for d in init.dims), init.data_type)
-        if init.name in constants or init.data_type not in (
-                TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16,
-                TensorProto.DOUBLE):
-            light.initializer.append(init)  # small: shape vectors, axes, position ids
-        elif init.name not in known:
-            light.input.append(helper.make_tensor_value_info(init.name, init.data_type,
-                                                             list(init.dims)))
-    for node in g.node:
-        copy = light.node.add()
-        copy.CopyFrom(node)
-        kept = [a for a in copy.attribute if not a.name.startswith(ANNOTATION_PREFIX)]
-        del copy.attribute[:]
-        copy.attribute.extend(kept)
-    light.output.extend(_concrete(vi, batch_names, batch) for vi in g.output)
-    light.value_info.extend(_concrete(vi, batch_names, batch) for vi in g.value_info)
-    light_model = helper.make_model(light, opset_imports=list(model.opset_import))
-    light_model.ir_version = model.ir_version
+    shapes: dict[str, TensorShape] = {
+        init.name: TensorShape(tuple(int(d) for d in init.dims), init.data_type)
+        for init in model.graph.initializer}
+    light_model = weight_free_copy(model, batch)
     inferred = onnx.shape_inference.infer_shapes(light_model, strict_mode=False, data_prop=True)
     ig = inferred.graph
     for vi in [*ig.input, *ig.value_info, *ig.output]:

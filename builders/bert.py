@@ -1,5 +1,8 @@
 """BERT (post-norm, Google's shapes and names) emitted op by op through the Builder.
 
+`config.architecture: groupbert` swaps the encoder layers for GroupBERT's
+(`popbert.builders.groupbert`); everything else here is shared by both.
+
 One function per block; the data path reads top to bottom: embeddings → encoder layers →
 MLM head on the masked positions only + NSP head → losses and accuracies. Weights are created
 under name scopes that map one-to-one to Hugging Face names (see `popbert.io.hf_mapping`).
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from popbert.builders import layers
+from popbert.builders import groupbert, layers
 from popbert.builders.bert_config import BertConfig
 from popbert.builders.placement import PlacementPlan
 from popbert.graph.builder import Builder, TensorInfo
@@ -130,9 +133,20 @@ def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = 
             hidden, word_table = embeddings(b, config, init, input_ids, segment_ids)
             mask = layers.attention_mask(b, input_mask, seq)
 
+    # The one place the architecture is chosen: only the encoder layers differ.
+    groupbert_keep = None
+    if config.architecture == "groupbert":
+        with plan.scope(b, plan.embeddings):
+            groupbert_keep = layers.padding_keep(b, input_mask)
     for index, where in enumerate(plan.layers):
         with plan.scope(b, where):
-            hidden = encoder_layer(b, config, init, hidden, mask, index)
+            if groupbert_keep is not None:
+                hidden = groupbert.groupbert_layer(b, config, init, hidden, mask, groupbert_keep,
+                                                   index)
+                if index == config.num_layers - 1:
+                    hidden = groupbert.final_norm(b, config, init, hidden)
+            else:
+                hidden = encoder_layer(b, config, init, hidden, mask, index)
             if config.recompute and plan.enabled and plan.checkpoint_layer(index):
                 hidden = b.checkpointOutput([hidden])[0]
 

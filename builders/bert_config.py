@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 # The fine-tuning tasks a checkpoint can be for (`model.task.name`); None = none (pre-training).
 TASK_NAMES = ("squad", "classification")
+# The encoders the builder emits (`model.architecture`).
+ARCHITECTURES = ("bert", "groupbert")
 
 
 @dataclass
@@ -82,7 +84,15 @@ class BertConfig:
     # `cls_positions` inputs, and `max_predictions_per_seq` counts MLM slots per row (pack).
     packed: bool = False
     max_sequences_per_pack: int = 3
+    # "bert" (Google's post-norm BERT, `builders/bert.py`) or "groupbert" (Chelombiev et al.
+    # 2021: PreNorm layers of convolution, FFN, attention, FFN; `builders/groupbert.py`).
     architecture: str = "bert"
+    # GroupBERT only: groups of the grouped (block-diagonal) FFN down-projection, which must
+    # divide intermediate_size and hidden_size; the convolution module's kernel (odd, so "same"
+    # padding is symmetric) and channels per group of its grouped 1-D convolution.
+    ffn_groups: int = 4
+    conv_kernel_size: int = 7
+    conv_group_size: int = 16
     task: TaskConfig = field(default_factory=TaskConfig)
 
     def validate(self) -> None:
@@ -128,4 +138,31 @@ class BertConfig:
                 raise ValueError(
                     f"model.layers_per_ipu {self.layers_per_ipu} places "
                     f"{sum(self.layers_per_ipu)} layers but model.num_layers is {self.num_layers}")
+        self._validate_architecture()
         self.task.validate()
+
+    def _validate_architecture(self) -> None:
+        """The GroupBERT keys: positive, and dividing the sizes they group."""
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"model.architecture must be one of {', '.join(ARCHITECTURES)}, "
+                             f"got {self.architecture!r}")
+        for key in ("ffn_groups", "conv_kernel_size", "conv_group_size"):
+            if int(getattr(self, key)) <= 0:
+                raise ValueError(
+                    f"model.{key} must be a positive integer, got {getattr(self, key)}")
+        if self.architecture != "groupbert":
+            return
+        for size in ("intermediate_size", "hidden_size"):
+            if getattr(self, size) % self.ffn_groups:
+                raise ValueError(f"model.ffn_groups ({self.ffn_groups}) must divide "
+                                 f"model.{size} ({getattr(self, size)})")
+        if self.hidden_size % self.conv_group_size:
+            raise ValueError(f"model.conv_group_size ({self.conv_group_size}) must divide "
+                             f"model.hidden_size ({self.hidden_size})")
+        if self.conv_kernel_size % 2 == 0:
+            raise ValueError(f"model.conv_kernel_size must be odd (\"same\" padding of k//2 "
+                             f"each side), got {self.conv_kernel_size}")
+        if self.packed:
+            # The convolution would mix the neighbouring sequences of a pack.
+            raise ValueError("model.packed is not supported with model.architecture "
+                             "'groupbert' (its convolution would cross packed sequences)")

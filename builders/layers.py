@@ -139,6 +139,77 @@ def dropout(b: Builder, x: str, probability: float, name: str = "Dropout") -> st
     return b.aiOnnx.dropout([x], name, ratio=float(probability))
 
 
+def silu(b: Builder, x: str, name: str = "SiLU") -> str:
+    """x · sigmoid(x) (Swish), from Sigmoid and Mul: both dialects, no opset-22 op needed."""
+    return b.aiOnnx.mul([x, b.aiOnnx.sigmoid([x], f"{name}/Sigmoid")], name)
+
+
+def glu(b: Builder, x: str, in_features: int, out_features: int, init: WeightInit,
+        name: str = "GLU") -> str:
+    """Gated linear unit: one dense in → 2·out, the first half (values) times the sigmoid of
+    the second (gates), as `torch.nn.functional.glu` splits it. One [in, 2·out] weight rather
+    than two so a single GEMM computes both halves."""
+    both = dense(b, x, in_features, 2 * out_features, init, name)
+    values, gates = split(b, both, 2, -1, f"{name}/Split")
+    return b.aiOnnx.mul([values, b.aiOnnx.sigmoid([gates], f"{name}/Sigmoid")], f"{name}/Gate")
+
+
+def grouped_matmul(b: Builder, x: str, in_features: int, out_features: int, groups: int,
+                   seq_len: int, init: WeightInit, name: str, bias: bool = True) -> str:
+    """Block-diagonal x @ W over [B, S, in] → [B, S, out]: group g's in/G inputs feed only its
+    out/G outputs (1/G of a dense layer's weights and FLOPs).
+
+    Written as one batched MatMul, the way PopART and ONNX Runtime run it without a Conv:
+    x reshaped to [B, S, G, 1, in/G] times the weight `W` [G, in/G, out/G] (broadcast over B, S)
+    gives [B, S, G, 1, out/G], reshaped back to [B, S, out]; then the bias `B` [out].
+    """
+    if in_features % groups or out_features % groups:
+        raise ValueError(f"grouped_matmul {name!r}: {groups} groups must divide {in_features} "
+                         f"and {out_features}")
+    with b.nameScope(name):
+        weight = b.addInitializedInputTensor(
+            init.normal([groups, in_features // groups, out_features // groups]), "W")
+        grouped = b.aiOnnx.reshape(
+            [x, b.addConstant(np.array([0, seq_len, groups, 1, in_features // groups],
+                                       np.int64), "group_shape")], "Reshape")
+        y = b.aiOnnx.matmul([grouped, weight], "MatMul")
+        y = b.aiOnnx.reshape(
+            [y, b.addConstant(np.array([0, seq_len, out_features], np.int64), "merge_shape")],
+            "Merge")
+        if bias:
+            b_ = b.addInitializedInputTensor(init.constant([out_features], 0.0), "B")
+            y = b.aiOnnx.add([y, b_], "Add")
+    return y
+
+
+def grouped_conv1d(b: Builder, x: str, channels: int, group_size: int, kernel: int,
+                   init: WeightInit, name: str = "Conv") -> str:
+    """Grouped 1-D convolution over the sequence of [B, S, C] → [B, S, C], "same" padding.
+
+    ONNX `Conv` (opset 1+, so both dialects) on the [B, C, S] transpose with `group` =
+    C / group_size: weight `W` [C, group_size, kernel], bias `B` [C], `pads` kernel//2 each
+    side (kernel odd), then transposed back.
+    """
+    if channels % group_size or kernel % 2 == 0:
+        raise ValueError(f"grouped_conv1d {name!r}: group size {group_size} must divide "
+                         f"{channels} channels and kernel {kernel} must be odd")
+    with b.nameScope(name):
+        weight = b.addInitializedInputTensor(init.normal([channels, group_size, kernel]), "W")
+        bias = b.addInitializedInputTensor(init.constant([channels], 0.0), "B")
+        channels_first = b.aiOnnx.transpose([x], "ToChannels", perm=[0, 2, 1])
+        y = b.aiOnnx.conv([channels_first, weight, bias], "Conv", group=channels // group_size,
+                          kernel_shape=[kernel], pads=[kernel // 2, kernel // 2],
+                          strides=[1], dilations=[1])
+        return b.aiOnnx.transpose([y], "FromChannels", perm=[0, 2, 1])
+
+
+def padding_keep(b: Builder, input_mask: str) -> str:
+    """[B, S] 1/0 mask → float [B, S, 1] to multiply activations by, zeroing padded tokens."""
+    with b.nameScope("PaddingKeep"):
+        as_float = b.aiOnnx.cast([input_mask], "Cast", to=1)
+        return unsqueeze(b, as_float, [2], "Unsqueeze")
+
+
 def check_batch_size(b: Builder, batch_size: int | str) -> None:
     """The popart dialect compiles for one micro batch, as IPUs do: a symbolic batch is refused
     before any input exists, with what to pass instead."""

@@ -348,6 +348,10 @@ def export_hf(checkpoint: Path, output_dir: Path, architecture: str | None = Non
 
     restored = load_checkpoint(checkpoint, weights_only=True)
     cfg = config_from_dict(restored.config, source=f"{checkpoint}/config.yaml")
+    if cfg.model.architecture != "bert":
+        # transformers has no GroupBERT class: its weights would load into nothing.
+        raise UsageError(f"{checkpoint}: model.architecture is {cfg.model.architecture!r}; "
+                         f"Hugging Face has no such model, export-hf writes BERT only")
     weights = {k: v.numpy() for k, v in restored.weights.items()}
     if architecture is None:
         recorded = cfg.model.task.hf_architecture

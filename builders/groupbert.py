@@ -1,0 +1,99 @@
+"""GroupBERT's encoder (Chelombiev et al. 2021, arXiv 2106.05822) emitted through the Builder.
+
+Only the encoder differs from BERT: embeddings, pooler, MLM/NSP and task heads are
+`builders/bert.py`'s, and `build_bert` picks this encoder when `config.architecture` is
+"groupbert". Each layer is four PreNorm residual modules, in this order:
+
+    convolution → FFN → attention → FFN,   each  x + dropout(module(LayerNorm(x)))
+
+and one LayerNorm (`FinalNorm`) follows the last layer. PreNorm keeps the residual stream
+un-normalised, which is why the final LayerNorm is needed before the heads and why GroupBERT
+trains at about 4x BERT's learning rate.
+
+* Convolution (`Layer<i>/Conv`): GLU (dense H→2H, values · sigmoid(gates)), padded tokens
+  zeroed (so a padding value can never reach a real token through the kernel), grouped 1-D
+  convolution over the sequence (`conv_kernel_size`, `conv_group_size` channels per group,
+  "same" padding), LayerNorm, SiLU, dense H→H.
+* Grouped FFN (`Layer<i>/FFN1`, `FFN2`): dense H→I, GELU, block-diagonal I→H in `ffn_groups`
+  groups (a batched MatMul on a [G, I/G, H/G] weight), then a dense H→H that mixes the groups.
+* Attention (`Layer<i>/Attention`): fused QKV, multi-head attention with the padding mask,
+  output projection; no post-LayerNorm.
+
+The ops come from `builders/layers.py`, so both dialects (`onnx`, `popart`) are emitted by the
+same code, and placement/stage/recompute annotations come from the caller's scopes.
+"""
+
+from __future__ import annotations
+
+from popbert.builders import layers
+from popbert.builders.bert_config import BertConfig
+from popbert.graph.builder import Builder
+
+
+def _residual(b: Builder, config: BertConfig, init: layers.WeightInit, x: str,
+              module_out: str) -> str:
+    """x + dropout(module output): the residual add every PreNorm module ends with."""
+    out = layers.dropout(b, module_out, config.hidden_dropout)
+    return b.aiOnnx.add([x, out], "Residual")
+
+
+def _norm(b: Builder, config: BertConfig, init: layers.WeightInit, x: str,
+          name: str = "Norm") -> str:
+    return layers.layer_norm(b, x, config.hidden_size, config.layer_norm_eps, init, name)
+
+
+def convolution_module(b: Builder, config: BertConfig, init: layers.WeightInit, x: str,
+                       keep: str) -> str:
+    """GLU → zero the padding → grouped conv1d → LayerNorm → SiLU → dense (pre-residual)."""
+    h = config.hidden_size
+    y = layers.glu(b, _norm(b, config, init, x), h, h, init, "GLU")
+    # Padding zeroed after the GLU and before the convolution: the kernel spans up to k//2
+    # neighbours, and a padded token's activations must not reach a real token.
+    y = b.aiOnnx.mul([y, keep], "ZeroPadding")
+    y = layers.grouped_conv1d(b, y, h, config.conv_group_size, config.conv_kernel_size, init,
+                              "Conv")
+    y = layers.silu(b, _norm(b, config, init, y, "ConvNorm"))
+    return layers.dense(b, y, h, h, init, "Out")
+
+
+def grouped_ffn(b: Builder, config: BertConfig, init: layers.WeightInit, x: str) -> str:
+    """Dense H→I, GELU, grouped I→H, dense H→H (pre-residual)."""
+    h, inner = config.hidden_size, config.intermediate_size
+    y = layers.gelu(b, layers.dense(b, _norm(b, config, init, x), h, inner, init, "1"))
+    y = layers.grouped_matmul(b, y, inner, h, config.ffn_groups, config.sequence_length, init,
+                              "Grouped")
+    return layers.dense(b, y, h, h, init, "Out")
+
+
+def attention_module(b: Builder, config: BertConfig, init: layers.WeightInit, x: str,
+                     mask: str) -> str:
+    """PreNorm multi-head attention: LayerNorm, fused QKV, attention, output (pre-residual)."""
+    h = config.hidden_size
+    qkv = layers.dense(b, _norm(b, config, init, x), h, 3 * h, init, "QKV")
+    q, k, v = layers.split(b, qkv, 3, -1, "Split")
+    context = layers.multi_head_attention(b, q, k, v, mask, h, config.num_heads,
+                                          config.sequence_length, config.attention_dropout)
+    return layers.dense(b, context, h, h, init, "Out")
+
+
+def groupbert_layer(b: Builder, config: BertConfig, init: layers.WeightInit, x: str, mask: str,
+                    keep: str, index: int) -> str:
+    """One GroupBERT layer: Conv, FFN1, Attention, FFN2 modules, each PreNorm + residual.
+
+    `mask` is the additive attention mask, `keep` the float [B, S, 1] 1/0 padding mask.
+    """
+    with b.nameScope(f"Layer{index}"):
+        with b.nameScope("Conv"):
+            x = _residual(b, config, init, x, convolution_module(b, config, init, x, keep))
+        with b.nameScope("FFN1"):
+            x = _residual(b, config, init, x, grouped_ffn(b, config, init, x))
+        with b.nameScope("Attention"):
+            x = _residual(b, config, init, x, attention_module(b, config, init, x, mask))
+        with b.nameScope("FFN2"):
+            x = _residual(b, config, init, x, grouped_ffn(b, config, init, x))
+    return x
+
+
+def final_norm(b: Builder, config: BertConfig, init: layers.WeightInit, x: str) -> str:
+    """The LayerNorm after the last PreNorm layer (weights `FinalNorm/Gamma`, `FinalNorm/Beta`)."""
+    return _norm(b, config, init, x, "FinalNorm")

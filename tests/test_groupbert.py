@@ -1,0 +1,297 @@
+"""GroupBERT (`model.architecture: groupbert`): the graph against an independent PyTorch model.
+
+Hugging Face has no GroupBERT, so the reference is written here from the paper's description
+(Chelombiev et al. 2021) with `torch.nn.functional` ops only — not through the ONNX lowering —
+and given the graph's weights by name. Also checked: the module order and grouped shapes on the
+graph, that padding never reaches a real token through the convolution, the popart dialect,
+placement annotations, the config checks, and a short CLI pre-training run with its export.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from bert_helpers import padded_batch, small_config
+from test_popart_dialect import (
+    as_declared,
+    assert_gradients_close,
+    checkpoints,
+    placement_of_blocks,
+    placement_of_weights,
+    run_lowered,
+)
+
+from popbert.builders import tasks  # noqa: F401  (registers the task heads)
+from popbert.builders.bert import build_bert
+from popbert.builders.bert_config import BertConfig
+from popbert.cli.main import main
+from popbert.config import load_config
+from popbert.graph.builder import GRAPHCORE_DOMAIN
+from popbert.lowering import lower_to_fx
+
+BATCH = 4
+
+
+def config(**overrides) -> BertConfig:
+    """Tiny GroupBERT: H 64 (4 conv groups of 16), I 128 in 4 FFN groups, kernel 7."""
+    values = dict(architecture="groupbert", ffn_groups=4, conv_kernel_size=7, conv_group_size=16,
+                  initializer_range=0.2)
+    values.update(overrides)
+    return small_config(**values)
+
+
+# ------------------------------------------------------------------- the independent reference
+
+
+def reference_outputs(cfg: BertConfig, w: dict[str, torch.Tensor],
+                      batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """GroupBERT pre-training forward from the paper's description, in plain PyTorch."""
+    eps, h, heads = cfg.layer_norm_eps, cfg.hidden_size, cfg.num_heads
+    ids = torch.from_numpy(batch["input_ids"])
+    seg = torch.from_numpy(batch["segment_ids"])
+    keep = torch.from_numpy(batch["input_mask"]).float()  # [B, S]
+    batch_size, seq = ids.shape
+
+    def ln(x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.layer_norm(x, (h,), w[f"{name}/Gamma"], w[f"{name}/Beta"], eps)
+
+    def linear(x: torch.Tensor, name: str) -> torch.Tensor:
+        return x @ w[f"{name}/W"] + w[f"{name}/B"]
+
+    x = (w["Embedding/Embedding_Dict"][ids] + w["Embedding/Positional_Dict"][:seq]
+         + w["Embedding/Segment_Dict"][seg])
+    x = ln(x, "Embedding/Norm")
+    additive = (1.0 - keep)[:, None, None, :] * -10000.0
+    for i in range(cfg.num_layers):
+        p = f"Layer{i}"
+        # Convolution module.
+        y = ln(x, f"{p}/Conv/Norm")
+        y = F.glu(linear(y, f"{p}/Conv/GLU"), dim=-1)
+        y = y * keep[:, :, None]
+        y = F.conv1d(y.transpose(1, 2), w[f"{p}/Conv/Conv/W"], w[f"{p}/Conv/Conv/B"],
+                     padding=cfg.conv_kernel_size // 2,
+                     groups=h // cfg.conv_group_size).transpose(1, 2)
+        y = F.silu(ln(y, f"{p}/Conv/ConvNorm"))
+        x = x + linear(y, f"{p}/Conv/Out")
+
+        def ffn(x: torch.Tensor, name: str) -> torch.Tensor:
+            y = F.gelu(linear(ln(x, f"{name}/Norm"), f"{name}/1"))
+            groups = cfg.ffn_groups
+            # Block-diagonal: a [I, H] matrix with group g's [I/G, H/G] block on the diagonal.
+            block = torch.block_diag(*w[f"{name}/Grouped/W"].unbind(0))
+            assert block.shape == (cfg.intermediate_size, h) and groups > 1
+            y = y @ block + w[f"{name}/Grouped/B"]
+            return linear(y, f"{name}/Out")
+
+        x = x + ffn(x, f"{p}/FFN1")
+        # Attention module.
+        y = linear(ln(x, f"{p}/Attention/Norm"), f"{p}/Attention/QKV")
+        q, k, v = (t.reshape(batch_size, seq, heads, h // heads).transpose(1, 2)
+                   for t in y.split(h, dim=-1))
+        scores = q @ k.transpose(-1, -2) / (h // heads) ** 0.5 + additive
+        context = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch_size, seq, h)
+        x = x + linear(context, f"{p}/Attention/Out")
+        x = x + ffn(x, f"{p}/FFN2")
+    x = ln(x, "FinalNorm")
+
+    pooled = torch.tanh(linear(x[:, 0], "NSP/Pool"))
+    nsp_logits = linear(pooled, "NSP/Cls")
+    positions = torch.from_numpy(batch["masked_lm_positions"])
+    masked = torch.gather(x, 1, positions[:, :, None].expand(-1, -1, h))
+    masked = ln(F.gelu(linear(masked, "CLS/LMPrediction/Dense")), "CLS/LMPrediction/Norm")
+    mlm_logits = masked @ w["Embedding/Embedding_Dict"].T + w["CLS/MLM/Bias"]
+    labels = torch.from_numpy(batch["masked_lm_ids"])
+    mlm_loss = F.cross_entropy(mlm_logits.reshape(-1, cfg.vocab_size), labels.reshape(-1),
+                               ignore_index=0)
+    nsp_loss = F.cross_entropy(nsp_logits, torch.from_numpy(batch["next_sentence_labels"]))
+    return {"mlm_logits": mlm_logits, "nsp_logits": nsp_logits, "mlm_loss": mlm_loss,
+            "nsp_loss": nsp_loss, "loss": mlm_loss + nsp_loss}
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_matches_an_independent_pytorch_groupbert(num_layers: int) -> None:
+    torch.manual_seed(0)
+    cfg = config(num_layers=num_layers)
+    batch = padded_batch(cfg, BATCH, seed=5)
+    assert batch["input_mask"].min() == 0  # padded rows, so zeroing the padding matters
+    ours, our_grads, weights = run_lowered(build_bert(cfg, seed=3).model(), batch)
+
+    leaves = {n: v.clone().requires_grad_(True) for n, v in weights.items()}
+    theirs = reference_outputs(cfg, leaves, batch)
+    theirs["loss"].backward()
+    for name, expected in theirs.items():
+        torch.testing.assert_close(ours[name], expected.detach(), atol=1e-5, rtol=0, msg=name)
+    their_grads = {n: t.grad for n, t in leaves.items() if t.grad is not None}
+    assert set(their_grads) == set(weights)  # every weight is used by the reference
+    assert_gradients_close(our_grads, their_grads)
+
+
+# ------------------------------------------------------------------------------- the graph
+
+
+def test_module_order_and_grouped_shapes() -> None:
+    cfg = config(num_layers=2)
+    model = build_bert(cfg, zeros=True).model()
+    shapes = {t.name: list(t.dims) for t in model.graph.initializer}
+    g, i, h = cfg.ffn_groups, cfg.intermediate_size, cfg.hidden_size
+    for ffn in ("FFN1", "FFN2"):
+        assert shapes[f"Layer0/{ffn}/1/W"] == [h, i]
+        assert shapes[f"Layer0/{ffn}/Grouped/W"] == [g, i // g, h // g]
+        assert shapes[f"Layer0/{ffn}/Out/W"] == [h, h]
+    assert shapes["Layer0/Conv/GLU/W"] == [h, 2 * h]
+    assert shapes["Layer0/Conv/Conv/W"] == [h, cfg.conv_group_size, cfg.conv_kernel_size]
+    assert shapes["Layer0/Attention/QKV/W"] == [h, 3 * h]
+    assert shapes["FinalNorm/Gamma"] == [h]
+
+    # Modules in order conv → FFN → attention → FFN, each starting with its own LayerNorm.
+    modules: list[str] = []
+    for node in model.graph.node:
+        parts = node.name.split("/")
+        if parts[0] == "Layer0" and (not modules or modules[-1] != parts[1]):
+            modules.append(parts[1])
+    assert modules == ["Conv", "FFN1", "Attention", "FFN2"]
+    (conv,) = [n for n in model.graph.node if n.op_type == "Conv" and "Layer0" in n.name]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in conv.attribute}
+    assert attrs["group"] == h // cfg.conv_group_size
+    assert list(attrs["pads"]) == [cfg.conv_kernel_size // 2] * 2
+    # PreNorm: each module normalises its input x and its residual adds x itself (post-norm
+    # would normalise the sum); the final LayerNorm reads the last residual.
+    def node(prefix: str, op_type: str) -> onnx.NodeProto:
+        (found,) = [n for n in model.graph.node
+                    if n.name.startswith(prefix) and n.op_type == op_type]
+        return found
+
+    for module in modules:
+        norm = node(f"Layer0/{module}/Norm/", "LayerNormalization")
+        residual = node(f"Layer0/{module}/Residual", "Add")
+        assert norm.input[0] in residual.input, module
+    final = node("FinalNorm/", "LayerNormalization")
+    assert final.input[0] == node("Layer1/FFN2/Residual", "Add").output[0]
+
+
+def test_padding_never_reaches_a_real_token() -> None:
+    """Change the token at padded positions: every real token's output is unchanged (the
+    convolution's window covers padding, which is zeroed before it)."""
+    cfg = config(num_layers=2)
+    batch = padded_batch(cfg, BATCH, seed=5)
+    inputs = {k: batch[k] for k in ("input_ids", "segment_ids", "input_mask")}
+    module = lower_to_fx(build_bert(cfg, task="encoder", seed=3).model())
+
+    def hidden(feed: dict[str, np.ndarray]) -> torch.Tensor:
+        with torch.no_grad():
+            return module.run({k: torch.from_numpy(v) for k, v in feed.items()})[
+                "last_hidden_state"]
+
+    changed = {**inputs, "input_ids": inputs["input_ids"].copy()}
+    padded = inputs["input_mask"] == 0
+    assert padded.any()
+    changed["input_ids"][padded] = 7
+    changed["segment_ids"] = np.where(padded, 1, inputs["segment_ids"])
+    before, after = hidden(inputs), hidden(changed)
+    real = torch.from_numpy(inputs["input_mask"] == 1)
+    assert not torch.equal(before[~real], after[~real])  # the padded positions did change
+    torch.testing.assert_close(after[real], before[real], atol=1e-6, rtol=0)
+
+
+def test_popart_dialect_checks_and_equals_the_onnx_dialect() -> None:
+    placed = dict(num_layers=2, layers_per_ipu=[1, 1], recompute=True)
+    cfg = config(**placed)
+    batch = padded_batch(cfg, BATCH, seed=5)
+    popart = build_bert(config(dialect="popart", **placed), seed=1, batch_size=BATCH).model()
+    onnx.checker.check_model(popart, full_check=True)
+    assert {o.domain: o.version for o in popart.opset_import} == {"": 11, GRAPHCORE_DOMAIN: 1}
+    assert "Conv" in {n.op_type for n in popart.graph.node}
+    reference = build_bert(cfg, seed=2).model()
+    theirs, their_grads, weights = run_lowered(reference, batch)
+    ours, our_grads, _ = run_lowered(popart, as_declared(popart, batch), weights)
+    assert set(ours) == set(theirs)
+    for name, expected in theirs.items():
+        torch.testing.assert_close(ours[name], expected, atol=1e-5, rtol=0, msg=name)
+    assert_gradients_close(our_grads, their_grads)
+    assert placement_of_weights(popart) == placement_of_weights(reference)
+    assert placement_of_blocks(popart) == placement_of_blocks(reference)
+
+
+def test_placement_follows_layers_per_ipu() -> None:
+    model = build_bert(config(num_layers=4, layers_per_ipu=[0, 2, 2], recompute=True),
+                       zeros=True).model()
+    blocks = placement_of_blocks(model)
+    assert {("Layer0", 1, 1), ("Layer1", 1, 1), ("Layer2", 2, 2), ("Layer3", 2, 2),
+            ("FinalNorm", 2, 2), ("Embedding", 0, 0), ("PaddingKeep", 0, 0)} <= blocks
+    assert {("CLS", 0, 3), ("NSP", 0, 3)} <= blocks
+    # Recompute checkpoints on each device's layers but its last.
+    producers = {o: n.name for n in model.graph.node for o in n.output}
+    marked = [n for n in model.graph.node if n.name in set(checkpoints(model))]
+    assert [producers[n.input[0]].split("/")[0] for n in marked] == ["Layer0", "Layer2"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"ffn_groups": 3}, "model.ffn_groups (3) must divide model.intermediate_size (128)"),
+    ({"conv_group_size": 24}, "model.conv_group_size (24) must divide model.hidden_size (64)"),
+    ({"conv_kernel_size": 6}, "model.conv_kernel_size must be odd"),
+    ({"ffn_groups": 0}, "model.ffn_groups must be a positive integer"),
+    ({"architecture": "funnel"}, "model.architecture must be one of bert, groupbert"),
+    ({"packed": True}, "model.packed is not supported with model.architecture 'groupbert'"),
+])
+def test_config_errors_name_the_key(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        config(**overrides).validate()
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_bert_ignores_the_groupbert_keys() -> None:
+    small_config(ffn_groups=3, conv_group_size=24).validate()
+
+
+@pytest.mark.parametrize("preset, shape", [
+    ("groupbert-mini", (4, 256, 1024, 4)), ("groupbert-medium", (8, 512, 2048, 8)),
+    ("groupbert-base-128", (12, 768, 3072, 12)), ("groupbert-base-384", (12, 768, 3072, 12))])
+def test_presets(preset: str, shape: tuple[int, int, int, int]) -> None:
+    cfg = load_config(preset)
+    m = cfg.model
+    assert m.architecture == "groupbert"
+    assert (m.num_layers, m.hidden_size, m.intermediate_size, m.num_heads) == shape
+    assert (m.ffn_groups, m.conv_kernel_size, m.conv_group_size) == (4, 7, 16)
+    assert m.hidden_dropout == m.attention_dropout == 0.0  # no dropout in pre-training
+    if preset.startswith("groupbert-base"):
+        assert cfg.optimizer.name == "lamb" and cfg.optimizer.lr == 0.012
+        assert cfg.optimizer.warmup_steps == 1000 and cfg.optimizer.decay == "polynomial"
+        assert cfg.optimizer.loss_scale == 512
+    if preset == "groupbert-base-128":
+        assert cfg.training.steps == 7032
+
+
+# ------------------------------------------------------------------------------- the CLI run
+
+SMALL = ["--set", "model.num_layers=2", "--set", "model.hidden_size=32",
+         "--set", "model.num_heads=2", "--set", "model.intermediate_size=64",
+         "--set", "model.sequence_length=32", "--set", "model.max_position_embeddings=32",
+         "--set", "model.max_predictions_per_seq=5", "--set", "execution.micro_batch_size=8",
+         "--set", "execution.device=cpu", "--set", "training.log_every=1",
+         "--set", "optimizer.warmup_steps=2", "--set", "optimizer.lr=0.003",
+         "--set", "training.steps=30"]
+
+
+def test_pretrain_groupbert_mini_through_the_cli(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert main(["pretrain", "--config", "groupbert-mini", *SMALL, "--output-dir", str(run)]) == 0
+    losses = [json.loads(line)["loss"] for line in
+              (run / "metrics.jsonl").read_text().splitlines() if "loss" in line]
+    assert len(losses) >= 30
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5, losses
+    exported = run / "model.inference.onnx"
+    assert exported.exists()  # written and verified in ONNX Runtime by the run
+    model = onnx.load(str(exported))
+    assert {"Conv", "Attention"} <= {n.op_type for n in model.graph.node}
+    assert "FinalNorm/Gamma" in {t.name for t in model.graph.initializer}
+
+    # Hugging Face has no GroupBERT: export-hf is a one-line error.
+    out = tmp_path / "hf"
+    assert main(["export-hf", "--checkpoint", str(run), "--output-dir", str(out)]) != 0
+    assert not out.exists()

@@ -175,9 +175,8 @@ def test_module_order_and_grouped_shapes() -> None:
     assert final.input[0] == node("Layer1/FFN2/Residual", "Add").output[0]
 
 
-def test_padding_never_reaches_a_real_token() -> None:
-    """Change the token at padded positions: every real token's output is unchanged (the
-    convolution's window covers padding, which is zeroed before it)."""
+def padded_positions_change_real_outputs() -> bool:
+    """Whether changing the tokens at padded positions changes any real token's output."""
     cfg = config(num_layers=2)
     batch = padded_batch(cfg, BATCH, seed=5)
     inputs = {k: batch[k] for k in ("input_ids", "segment_ids", "input_mask")}
@@ -196,7 +195,28 @@ def test_padding_never_reaches_a_real_token() -> None:
     before, after = hidden(inputs), hidden(changed)
     real = torch.from_numpy(inputs["input_mask"] == 1)
     assert not torch.equal(before[~real], after[~real])  # the padded positions did change
-    torch.testing.assert_close(after[real], before[real], atol=1e-6, rtol=0)
+    return float((after[real] - before[real]).abs().max()) > 1e-6
+
+
+def test_padding_never_reaches_a_real_token() -> None:
+    """Change the token at padded positions: every real token's output is unchanged (the
+    convolution's window covers padding, which is zeroed before it)."""
+    assert not padded_positions_change_real_outputs()
+
+
+def test_negative_control_without_zeroing_padding_leaks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above can fail: keep every position (no zeroing) and padding leaks through
+    the convolution into the real tokens next to it."""
+    from popbert.builders import layers
+
+    def keep_all(b, input_mask: str) -> str:
+        keep = original(b, input_mask)
+        return b.aiOnnx.add([b.aiOnnx.sub([keep, keep]), layers.scalar(b, 1.0, np.float32,
+                                                                         "all")])
+
+    original = layers.padding_keep
+    monkeypatch.setattr(layers, "padding_keep", keep_all)
+    assert padded_positions_change_real_outputs()
 
 
 def test_popart_dialect_checks_and_equals_the_onnx_dialect() -> None:
@@ -278,7 +298,8 @@ SMALL = ["--set", "model.num_layers=2", "--set", "model.hidden_size=32",
          "--set", "training.steps=30"]
 
 
-def test_pretrain_groupbert_mini_through_the_cli(tmp_path: Path) -> None:
+def test_pretrain_groupbert_mini_through_the_cli(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
     assert main(["pretrain", "--config", "groupbert-mini", *SMALL, "--output-dir", str(run)]) == 0
     losses = [json.loads(line)["loss"] for line in
@@ -291,7 +312,48 @@ def test_pretrain_groupbert_mini_through_the_cli(tmp_path: Path) -> None:
     assert {"Conv", "Attention"} <= {n.op_type for n in model.graph.node}
     assert "FinalNorm/Gamma" in {t.name for t in model.graph.initializer}
 
+    # `popbert export` of another task and length: written and verified in ONNX Runtime.
+    encoder = tmp_path / "encoder.onnx"
+    assert main(["export", "--checkpoint", str(run), "--task", "encoder", "--output",
+                 str(encoder), "--sequence-length", "24", "--batch-size", "2"]) == 0
+    assert encoder.exists()
+
     # Hugging Face has no GroupBERT: export-hf is a one-line error.
     out = tmp_path / "hf"
+    capsys.readouterr()
     assert main(["export-hf", "--checkpoint", str(run), "--output-dir", str(out)]) != 0
+    error = capsys.readouterr().err.strip()
+    assert "model.architecture is 'groupbert'" in error and len(error.splitlines()) == 1
     assert not out.exists()
+
+
+@pytest.mark.parametrize("task", ["squad", "classification", "encoder"])
+def test_fine_tuning_heads_with_dropout(task: str) -> None:
+    """BERT's task heads sit on the GroupBERT encoder unchanged; fine-tuning's dropout lands
+    after every module (4 per layer) and in the embeddings."""
+    from popbert.builders.bert_config import TaskConfig
+
+    extra = {"task": TaskConfig(name="classification", num_labels=3)} \
+        if task == "classification" else {}
+    cfg = config(hidden_dropout=0.1, attention_dropout=0.1, **extra)
+    model = build_bert(cfg, task=task, with_loss=False, seed=1).model()
+    dropouts = [n.name for n in model.graph.node if n.op_type == "Dropout"]
+    for module in ("Conv", "FFN1", "Attention", "FFN2"):
+        assert any(name.startswith(f"Layer1/{module}/Dropout") for name in dropouts), module
+    batch = padded_batch(cfg, BATCH, seed=5)
+    module = lower_to_fx(model)
+    module.eval()
+    with torch.no_grad():
+        outputs = module.run({n: torch.from_numpy(batch[n]) for n in module.input_names})
+    assert outputs and all(torch.isfinite(v).all() for v in outputs.values())
+
+
+def test_import_hf_of_a_groupbert_config_is_a_one_line_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model_dir = tmp_path / "hf"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "groupbert"}))
+    assert main(["import-hf", "--model", str(model_dir), "--output-dir",
+                 str(tmp_path / "out")]) != 0
+    error = capsys.readouterr().err.strip()
+    assert "groupbert" in error and len(error.splitlines()) == 1, error

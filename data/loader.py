@@ -19,9 +19,10 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -45,6 +46,8 @@ from popbert.data.tokenization import (
 )
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # Bump when instance creation changes its output for the same inputs: invalidates caches.
 INSTANCES_ALGORITHM_VERSION = 2
@@ -292,6 +295,23 @@ class PretrainingLoader:
         self._prefetch()
 
 
+def split_documents(documents: Sequence[T], fraction: float, seed: int
+                    ) -> tuple[list[T], list[T]]:
+    """(training, held-out) documents: `fraction` of them (at least one, and one fewer than
+    all) held out, chosen by `seed`, both in corpus order.
+
+    Whole documents are held out, not instances: an article's sentence pairs overlap (and NSP
+    draws from the same article), so holding out instances would validate on trained text.
+    """
+    count = len(documents)
+    if count < 2:
+        raise DataError(f"a validation split needs at least 2 documents, the corpus has {count}")
+    held = min(max(1, round(fraction * count)), count - 1)
+    chosen = set(np.random.default_rng([seed, 0x7A11D]).permutation(count)[:held].tolist())
+    return ([d for i, d in enumerate(documents) if i not in chosen],
+            [d for i, d in enumerate(documents) if i in chosen])
+
+
 def default_cache_dir() -> Path:
     """`$POPBERT_CACHE_DIR`, else `$XDG_CACHE_HOME/popbert`, else `~/.cache/popbert`."""
     if os.environ.get("POPBERT_CACHE_DIR"):
@@ -305,13 +325,23 @@ def load_or_create_instances(input_files: PathsLike | None, vocab_path: str | os
                              cache_dir: str | os.PathLike | None = None, *,
                              dupe_factor: int = 1, masked_lm_prob: float = 0.15,
                              short_seq_prob: float = 0.1, whole_word_mask: bool = False,
-                             use_cache: bool = True) -> dict[str, np.ndarray]:
+                             use_cache: bool = True, validation_fraction: float = 0.0,
+                             split: str = "train") -> dict[str, np.ndarray]:
     """Pre-training arrays for Google-format text files, created once and cached as a shard.
 
     `input_files=None` / `vocab_path=None` mean the bundled corpus / vocabulary. The cache key
     hashes the input files' and vocabulary's contents and every creation parameter, so a
     stale cache is never used; `cache_dir=None` means `default_cache_dir() / "instances"`.
+    `validation_fraction` > 0 holds that fraction of the documents out (`split_documents`):
+    `split="train"` gives the instances of the rest, `split="validation"` those of the held-out
+    documents; the split is part of the cache key.
     """
+    if split not in ("train", "validation"):
+        raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
+    if not 0.0 <= validation_fraction < 1.0:
+        raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
+    if split == "validation" and not validation_fraction:
+        raise ValueError("split='validation' needs a validation_fraction > 0")
     files = expand_input_files(input_files if input_files is not None else bundled_corpus_path())
     vocab = Path(vocab_path) if vocab_path is not None else bundled_vocab_path()
     options = InstanceOptions(sequence_length=sequence_length,
@@ -320,10 +350,12 @@ def load_or_create_instances(input_files: PathsLike | None, vocab_path: str | os
                               dupe_factor=dupe_factor, whole_word_mask=whole_word_mask, seed=seed)
     options.validate()
     tokenizer = WordPieceTokenizer(vocab)
-    key_material = json.dumps({
-        "algorithm": INSTANCES_ALGORITHM_VERSION, "schema": SCHEMA_VERSION,
-        "inputs": [file_sha256(f) for f in files], "vocab": tokenizer.vocab_sha256,
-        "options": options.as_dict()}, sort_keys=True)
+    material = {"algorithm": INSTANCES_ALGORITHM_VERSION, "schema": SCHEMA_VERSION,
+                "inputs": [file_sha256(f) for f in files], "vocab": tokenizer.vocab_sha256,
+                "options": options.as_dict()}
+    if validation_fraction:  # without a split the key (and existing caches) stay as they were
+        material["split"] = [split, validation_fraction]
+    key_material = json.dumps(material, sort_keys=True)
     key = hashlib.sha256(key_material.encode("utf-8")).hexdigest()[:20]
     cache_path = None
     if use_cache:
@@ -341,6 +373,9 @@ def load_or_create_instances(input_files: PathsLike | None, vocab_path: str | os
                 log.warning("ignoring unusable cache (%s); recreating", exc)
 
     documents = read_documents(files, tokenizer)
+    if validation_fraction:
+        train, held_out = split_documents(documents, validation_fraction, seed)
+        documents = held_out if split == "validation" else train
     arrays = create_pretraining_arrays(documents, tokenizer, options)
     if cache_path is not None:
         try:

@@ -73,11 +73,70 @@ def load_training_data(cfg: RunConfig) -> dict[str, np.ndarray] | ShardSet:
     if cfg.model.packed:
         raise ConfigError("model.packed needs packed HDF5 shards in data.input_files "
                           "(make them with `popbert prepare-data pack`)")
+    return _instances(cfg, inputs or None, vocab_path, cfg.data.validation_fraction, "train")
+
+
+def _instances(cfg: RunConfig, inputs: list[str] | None, vocab_path: Path, fraction: float,
+               split: str) -> dict[str, np.ndarray]:
     return load_or_create_instances(
-        inputs or None, vocab_path, cfg.model.sequence_length,
+        inputs, vocab_path, cfg.model.sequence_length,
         cfg.model.max_predictions_per_seq, cfg.data.seed,
         dupe_factor=cfg.data.duplication_factor, masked_lm_prob=cfg.data.masked_lm_prob,
-        short_seq_prob=cfg.data.short_seq_prob, whole_word_mask=cfg.data.whole_word_masking)
+        short_seq_prob=cfg.data.short_seq_prob, whole_word_mask=cfg.data.whole_word_masking,
+        validation_fraction=fraction, split=split)
+
+
+def load_validation_data(cfg: RunConfig) -> dict[str, np.ndarray] | ShardSet | None:
+    """The held-out data (`data.validation_files`, or `data.validation_fraction` of the
+    training corpus's documents), checked like the training data; None when there is none."""
+    d = cfg.data
+    vocab_path = Path(d.vocab_file) if d.vocab_file else bundled_vocab_path()
+    if d.validation_fraction:
+        return _instances(cfg, list(d.input_files) or None, vocab_path, d.validation_fraction,
+                          "validation")
+    if not d.validation_files:
+        return None
+    files = list(d.validation_files)
+    shards = [f for f in files if _is_shard_pattern(f)]
+    if shards and len(shards) != len(files):
+        raise ConfigError("data.validation_files mixes HDF5 shards and text files; list one kind")
+    if not shards:
+        if cfg.model.packed:
+            raise ConfigError("model.packed needs packed HDF5 shards in data.validation_files")
+        return _instances(cfg, files, vocab_path, 0.0, "train")
+    tokenizer = WordPieceTokenizer(vocab_path)
+    checks = {"sequence_length": cfg.model.sequence_length,
+              "max_predictions_per_seq": cfg.model.max_predictions_per_seq,
+              "vocab_size": tokenizer.vocab_size, "vocab_sha256": tokenizer.vocab_sha256,
+              "packed": cfg.model.packed,
+              "max_sequences_per_pack": cfg.model.max_sequences_per_pack}
+    paths = expand_input_files(shards)
+    total = 0
+    for path in paths:
+        info = read_shard_info(path)
+        check_shard_info(info, **checks)
+        total += info.num_samples
+    return ShardSet(paths, checks, total)
+
+
+def validation_batches(cfg: RunConfig, data: dict[str, np.ndarray] | ShardSet | None,
+                       replica_index: int = 0, num_replicas: int = 1) -> list[dict] | None:
+    """This replica's share of the fixed validation micro-batches: the first
+    `training.eval_batches` global batches of the held-out data in its stored order (wrapping
+    when it is smaller), so every evaluation sees the same samples. None without data or
+    without `training.eval_every`."""
+    if data is None or not cfg.training.eval_every:
+        return None
+    source = [str(p) for p in data.paths] if isinstance(data, ShardSet) else data
+    checks = data.checks if isinstance(data, ShardSet) else {}
+    loader = PretrainingLoader(source, cfg.execution.micro_batch_size, seed=cfg.data.seed,
+                               shuffle=False, replica_index=replica_index,
+                               num_replicas=num_replicas, drop_last=False, prefetch_shards=0,
+                               **checks)
+    try:
+        return [next(loader) for _ in range(cfg.training.eval_batches)]
+    finally:
+        loader.close()
 
 
 def make_loader(cfg: RunConfig, data: dict[str, np.ndarray] | ShardSet, replica_index: int = 0,

@@ -45,6 +45,11 @@ class DataConfig:
     duplication_factor: int = 1
     whole_word_masking: bool = False
     shuffle: bool = True
+    # Held-out data for `training.eval_every`: files in input_files' formats, or (text corpora
+    # only) a fraction of the corpus's documents, held out by document so that no sentence of a
+    # held-out article is trained on. Empty and 0: no validation data.
+    validation_files: list[str] = field(default_factory=list)
+    validation_fraction: float = 0.0
 
 
 @dataclass
@@ -114,6 +119,10 @@ class TrainingConfig:
     divergence_factor: float = 100.0
     log_every: int = 10
     seed: int = 42
+    # Evaluate on the validation data every this many steps (0 = never), over the same
+    # `eval_batches` micro-batches (per replica) each time.
+    eval_every: int = 0
+    eval_batches: int = 8
 
 
 @dataclass
@@ -275,6 +284,17 @@ def validate_run_config(cfg: RunConfig, source: str = "<config>",
           f"data.short_seq_prob must be in [0, 1], got {d.short_seq_prob}")
     check(d.duplication_factor >= 1, "data.duplication_factor",
           f"data.duplication_factor must be >= 1, got {d.duplication_factor}")
+    check(0.0 <= d.validation_fraction < 1.0, "data.validation_fraction",
+          f"data.validation_fraction must be in [0, 1) (0 = none held out), "
+          f"got {d.validation_fraction}")
+    check(not (d.validation_fraction and d.validation_files), "data.validation_fraction",
+          "data.validation_fraction and data.validation_files both given; choose one")
+    check(not d.validation_fraction
+          or not any(f.lower().endswith((".h5", ".hdf5")) for f in d.input_files),
+          "data.validation_fraction",
+          "data.validation_fraction holds out documents of a text corpus, but "
+          "data.input_files are HDF5 shards (instances, not documents); give held-out shards "
+          "in data.validation_files")
 
     o = cfg.optimizer
     check.enum("optimizer.name", o.name, OPTIMIZERS)
@@ -332,6 +352,14 @@ def validate_run_config(cfg: RunConfig, source: str = "<config>",
           f"training.divergence_factor must be 0 (off) or > 1, got {t.divergence_factor}")
     check(t.log_every >= 1, "training.log_every",
           f"training.log_every must be >= 1, got {t.log_every}")
+    check(t.eval_every >= 0, "training.eval_every",
+          f"training.eval_every must be >= 0 (0 = no evaluation), got {t.eval_every}")
+    check(t.eval_batches >= 1, "training.eval_batches",
+          f"training.eval_batches must be >= 1, got {t.eval_batches}")
+    check(not t.eval_every or bool(d.validation_files) or d.validation_fraction > 0,
+          "training.eval_every",
+          f"training.eval_every is {t.eval_every} but there is no validation data: set "
+          f"data.validation_files or data.validation_fraction (e.g. 0.02)")
     if t.global_batch_size is not None:
         per_pass = e.micro_batch_size * e.replicas
         layout = (f"execution.micro_batch_size ({e.micro_batch_size}) x execution.replicas "

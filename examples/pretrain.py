@@ -19,7 +19,12 @@ import popbert
 from popbert.atomic import atomic_write_bytes, atomic_write_text
 from popbert.cli.main import add_pretrain_arguments, config_from_args, run_command
 from popbert.config import dump_config
-from popbert.data.pretraining import load_training_data, make_loader
+from popbert.data.pretraining import (
+    load_training_data,
+    load_validation_data,
+    make_loader,
+    validation_batches,
+)
 from popbert.io import checkpoint, run_dir
 from popbert.io.export import export_weights
 from popbert.observe.tracking import MetricsLogger
@@ -38,6 +43,7 @@ def main(args) -> int:
 
     # 2. Data: the bundled Wikipedia slice masked into MLM/NSP instances (or your HDF5 shards).
     loader = make_loader(cfg, load_training_data(cfg))
+    validation = validation_batches(cfg, load_validation_data(cfg))  # held out: training.eval_every
 
     # 3. Graph: BERT emitted op by op; every node carries its device and pipeline stage.
     torch.manual_seed(cfg.training.seed)
@@ -72,7 +78,8 @@ def main(args) -> int:
                        steps=cfg.training.steps, log_every=cfg.training.log_every,
                        schedule=schedule, tracker=metrics,
                        samples_per_step=cfg.global_batch_size, checkpointing=saving,
-                       divergence_factor=cfg.training.divergence_factor, desc="pretrain")
+                       divergence_factor=cfg.training.divergence_factor, desc="pretrain",
+                       validation=validation, eval_every=cfg.training.eval_every)
         finally:
             metrics.close()
             pretrain.plot_if_logged(out / "metrics.jsonl", out / "metrics.png")

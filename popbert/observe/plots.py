@@ -49,7 +49,15 @@ def plot_metrics(metrics_jsonl: str | os.PathLike[str],
     records = _by_step(read_metrics(metrics_jsonl))
     if not records:
         raise UsageError(f"{metrics_jsonl}: no logged steps to plot")
+    fig = draw_metrics(records, f"Pre-training metrics: {metrics_jsonl.resolve().parent.name}")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return atomic_write_bytes(output_png, buf.getvalue())
 
+
+def draw_metrics(records: list[dict[str, Any]], title: str) -> Any:
+    """The 2x2 matplotlib Figure of `plot_metrics` for metrics records (one per step): training
+    curves, with the validation ones (`val_*`, dashed, only at evaluated steps) beside them."""
     # Imported here: matplotlib costs ~0.5 s and is only needed once a plot is really drawn.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -57,18 +65,23 @@ def plot_metrics(metrics_jsonl: str | os.PathLike[str],
     fig = Figure(figsize=(12, 8), dpi=100)
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, 2)
-    fig.suptitle(f"Pre-training metrics: {metrics_jsonl.resolve().parent.name}")
+    fig.suptitle(title)
 
     def line(ax: Any, key: str, label: str, **kw: Any) -> bool:
         steps, values = _series(records, key)
         if steps:
-            ax.plot(steps, values, label=label, marker="." if len(steps) < 30 else None, **kw)
+            kw.setdefault("marker", "." if len(steps) < 30 else None)
+            ax.plot(steps, values, label=label, **kw)
         return bool(steps)
 
     ax = axes[0, 0]
     drawn = [line(ax, "loss", "total", color="black"),
              line(ax, "mlm_loss", "masked LM", color="tab:blue"),
-             line(ax, "nsp_loss", "next sentence", color="tab:orange")]
+             line(ax, "nsp_loss", "next sentence", color="tab:orange"),
+             line(ax, "val_loss", "validation total", color="black", linestyle="--",
+                  marker="o"),
+             line(ax, "val_mlm_loss", "validation masked LM", color="tab:blue",
+                  linestyle="--", marker="o")]
     ax.set_title("Loss")
     ax.set_ylabel("loss")
     if any(drawn):
@@ -76,7 +89,11 @@ def plot_metrics(metrics_jsonl: str | os.PathLike[str],
 
     ax = axes[0, 1]
     drawn = [line(ax, "mlm_accuracy", "masked LM", color="tab:blue"),
-             line(ax, "nsp_accuracy", "next sentence", color="tab:orange")]
+             line(ax, "nsp_accuracy", "next sentence", color="tab:orange"),
+             line(ax, "val_mlm_accuracy", "validation masked LM", color="tab:blue",
+                  linestyle="--", marker="o"),
+             line(ax, "val_nsp_accuracy", "validation next sentence", color="tab:orange",
+                  linestyle="--", marker="o")]
     ax.set_title("Accuracy")
     ax.set_ylabel("accuracy")
     ax.set_ylim(0.0, 1.0)
@@ -109,10 +126,7 @@ def plot_metrics(metrics_jsonl: str | os.PathLike[str],
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
     fig.tight_layout()
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return atomic_write_bytes(output_png, buf.getvalue())
+    return fig
 
 
-__all__ = ["plot_metrics"]
+__all__ = ["draw_metrics", "plot_metrics"]

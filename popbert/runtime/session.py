@@ -292,6 +292,25 @@ class TrainingSession(_Session):
                 [{n: t[s:s + micro] for n, t in tensors.items()} for s in starts]))
         return {k: torch.stack([s[k] for s in per_step]) for k in per_step[0]}
 
+    def evaluate(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """The graph's outputs for one micro-batch with dropout off and no gradients (validation),
+        leaving training exactly as it was: train mode is restored and the RNG states (CPU and
+        the session's GPU) are put back, so the next step's dropout masks do not depend on
+        whether an evaluation ran. Works on every path `forward` takes: plain, pipelined or
+        recomputed (the Program), half-precision weights."""
+        tensors = self.inputs.check(batch)
+        modules = [self.module] + ([self.program.split] if self.program is not None else [])
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            for module in modules:
+                module.eval()
+            try:
+                outputs = self.forward(tensors)
+            finally:
+                for module in modules:
+                    module.train()
+        return outputs
+
     def train_step(self, micro_batches: Iterable[Mapping[str, torch.Tensor]]
                    ) -> dict[str, torch.Tensor]:
         """One optimizer step over the accumulated micro-batches (mean of their gradients, and

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 Batch = Mapping[str, torch.Tensor]
 # Progress-bar fields: metric key → short label.
-POSTFIX = {"loss": "loss", "mlm_accuracy": "mlm_acc", "seq_per_s": "seq_s"}
+POSTFIX = {"loss": "loss", "mlm_accuracy": "mlm_acc", "val_loss": "val", "seq_per_s": "seq_s"}
 
 
 class TrainingDiverged(PopbertError):
@@ -96,13 +96,19 @@ def train_loop(session: TrainingSession, batches: Iterator[Batch], *, steps: int
                log_every: int, schedule: Callable[[int], float] | None = None,
                tracker: MetricsLogger | None = None, samples_per_step: int = 0,
                checkpointing: Checkpointing | None = None, desc: str = "train",
-               divergence_factor: float = 0.0) -> LoopResult:
+               divergence_factor: float = 0.0, validation: Sequence[Batch] | None = None,
+               eval_every: int = 0) -> LoopResult:
     """Train until the session reaches `steps` optimizer steps (or `batches` runs out).
 
     The final checkpoint is the caller's: it knows what else the run writes. Under replicas
     every replica runs this loop; only replica 0 logs and shows the bar. `divergence_factor`:
     see `training.divergence_factor` (0: only a non-finite loss counts as diverged).
+    `validation`: micro-batches evaluated (`evaluate`) after every step that is a multiple of
+    `eval_every` (so a resumed run evaluates at the same steps); their `val_*` means go into
+    that step's metrics record, which is logged even when it is not a `log_every` step.
     """
+    if eval_every and not validation:
+        raise ValueError("eval_every needs validation batches")
     replicas = session.replicas
     first_step = session.step
     window: dict[str, list[float]] = {}
@@ -111,6 +117,7 @@ def train_loop(session: TrainingSession, batches: Iterator[Batch], *, steps: int
                disable=not replicas.is_main)
     started = window_start = time.perf_counter()
     limit: float | None = None  # the loss above which the run has blown up
+    shown: dict[str, float] = {}  # the bar keeps the last validation loss between evaluations
     try:
         while session.step < steps:
             batch = next(batches, None)
@@ -137,12 +144,15 @@ def train_loop(session: TrainingSession, batches: Iterator[Batch], *, steps: int
             if checkpointing is not None:
                 checkpointing.confirm()
             bar.update(steps_done)
-            if session.step % log_every < steps_done or session.step >= steps:
+            evaluated = (evaluate(session, validation)
+                         if eval_every and session.step % eval_every < steps_done else None)
+            if session.step % log_every < steps_done or session.step >= steps or evaluated:
                 record = _log(session, window, session.step, schedule, tracker,
-                              samples_per_step, time.perf_counter() - window_start)
-                bar.set_postfix({label: f"{record[key]:.3f}" if key != "seq_per_s"
-                                 else f"{record[key]:.0f}"
-                                 for key, label in POSTFIX.items() if key in record})
+                              samples_per_step, time.perf_counter() - window_start, evaluated)
+                shown = {**shown, **record}
+                bar.set_postfix({label: f"{shown[key]:.3f}" if key != "seq_per_s"
+                                 else f"{shown[key]:.0f}"
+                                 for key, label in POSTFIX.items() if key in shown})
                 window, window_start = {}, time.perf_counter()
             if checkpointing is not None and checkpointing.every \
                     and session.step % checkpointing.every < steps_done and session.step < steps:
@@ -154,6 +164,17 @@ def train_loop(session: TrainingSession, batches: Iterator[Batch], *, steps: int
     log.info("trained %d steps (%d → %d) in %.1f s", trained, first_step, session.step, seconds)
     return LoopResult(trained, seconds, record,
                       checkpointing.last_good if checkpointing else None)
+
+
+def evaluate(session: TrainingSession, validation: Sequence[Batch]) -> dict[str, float]:
+    """`val_<output>` for every scalar output: its mean over this replica's validation
+    micro-batches, then over the replicas (as training metrics are)."""
+    values: dict[str, list[float]] = {}
+    for batch in validation:
+        for key, value in session.evaluate(batch).items():
+            if value is not None and value.dim() == 0:
+                values.setdefault(f"val_{key}", []).append(float(value.float()))
+    return _window_means(values, session)
 
 
 def save_checked(session: TrainingSession, checkpointing: Checkpointing) -> Path:
@@ -202,8 +223,10 @@ def _collective_device(session: TrainingSession) -> torch.device:
 
 def _log(session: TrainingSession, window: dict[str, list[float]], step: int,
          schedule: Callable[[int], float] | None, tracker: MetricsLogger | None,
-         samples_per_step: int, elapsed: float) -> dict[str, Any]:
-    """One metrics record: the window's means (over the replicas too), lr, throughput."""
+         samples_per_step: int, elapsed: float,
+         evaluated: dict[str, float] | None = None) -> dict[str, Any]:
+    """One metrics record: the window's means (over the replicas too), lr, throughput, and the
+    validation metrics when this step evaluated."""
     record: dict[str, Any] = {"step": step}
     if schedule is not None:
         record["lr"] = schedule(step - 1)
@@ -213,6 +236,7 @@ def _log(session: TrainingSession, window: dict[str, list[float]], step: int,
         record["seq_per_s"] = steps_in_window * samples_per_step / max(elapsed, 1e-9)
     if session.loss_scaler is not None:
         record["skipped_steps"] = session.loss_scaler.skipped_steps
+    record.update(evaluated or {})
     if tracker is not None:
         tracker.log(record)
     return record
@@ -230,5 +254,5 @@ def _window_means(window: dict[str, list[float]], session: TrainingSession) -> d
     return dict(zip(means, (values / replicas.size).tolist()))
 
 
-__all__ = ["Checkpointing", "LoopResult", "TrainingDiverged", "save_checked", "save_final",
-           "train_loop"]
+__all__ = ["Checkpointing", "LoopResult", "TrainingDiverged", "evaluate", "save_checked",
+           "save_final", "train_loop"]

@@ -27,7 +27,13 @@ from popbert.backends.popart import check_run_config
 from popbert.builders.bert import build_bert
 from popbert.config import RunConfig, config_from_dict, dump_config
 from popbert.data.loader import PretrainingLoader
-from popbert.data.pretraining import ShardSet, load_training_data, make_loader
+from popbert.data.pretraining import (
+    ShardSet,
+    load_training_data,
+    load_validation_data,
+    make_loader,
+    validation_batches,
+)
 from popbert.distributed import (
     Replicas,
     agree,
@@ -51,6 +57,7 @@ from popbert.train.loop import Checkpointing, TrainingDiverged, save_final, trai
 log = logging.getLogger(__name__)
 
 METRIC_KEYS = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy")
+METRIC_KEYS = METRIC_KEYS + tuple(f"val_{k}" for k in METRIC_KEYS)
 
 
 @dataclass
@@ -116,11 +123,12 @@ def run_pretraining(cfg: RunConfig, output_dir: Path, resume: Path | None = None
     if cfg.execution.threads:
         torch.set_num_threads(cfg.execution.threads)
     data = load_training_data(cfg)
+    held_out = load_validation_data(cfg)
     owned = replicas is None
     replicas = (init_replicas(cfg, resolve_device(cfg.execution.device)) if replicas is None
                 else replicas)
     try:
-        result = _run(cfg, output_dir, restored, initial, data, replicas)
+        result = _run(cfg, output_dir, restored, initial, data, replicas, held_out)
     except BaseException:
         if owned:
             replicas.shutdown(clean=False)
@@ -132,7 +140,8 @@ def run_pretraining(cfg: RunConfig, output_dir: Path, resume: Path | None = None
 
 def _run(cfg: RunConfig, output_dir: Path, restored: ckpt.Checkpoint | None,
          initial: ckpt.Checkpoint | None, data: dict[str, np.ndarray] | ShardSet,
-         replicas: Replicas) -> RunResult:
+         replicas: Replicas, held_out: dict[str, np.ndarray] | ShardSet | None = None
+         ) -> RunResult:
     torch.manual_seed(cfg.training.seed)
     # PopART compiles for one micro batch: the popart dialect's inputs have it as their batch.
     graph = build_bert(cfg.model, seed=cfg.training.seed, batch_size=graph_batch_size(cfg))
@@ -145,6 +154,7 @@ def _run(cfg: RunConfig, output_dir: Path, restored: ckpt.Checkpoint | None,
     if replicas.rank:  # every replica its own dropout masks (replica 0 as a 1-process run)
         torch.manual_seed(replica_seed(cfg.training.seed, replicas.rank))
     loader = make_loader(cfg, data, replicas.rank, replicas.size)
+    validation = validation_batches(cfg, held_out, replicas.rank, replicas.size)
     if initial is not None:
         session.load_weights(matching_weights(initial.weights, session), strict=False)
     if restored is not None:
@@ -157,7 +167,8 @@ def _run(cfg: RunConfig, output_dir: Path, restored: ckpt.Checkpoint | None,
         created = run_dir.create_output_dir(output_dir)
         run_dir.clean_interrupted(output_dir)
     try:
-        return _train(cfg, output_dir, session, loader, model, schedule, restored is not None)
+        return _train(cfg, output_dir, session, loader, model, schedule, restored is not None,
+                      validation)
     except TrainingDiverged:
         raise  # the metrics and the plot of a diverged run are worth keeping
     except BaseException:
@@ -203,7 +214,8 @@ def batches(loader: PretrainingLoader, micro_batches: int) -> Iterator[dict[str,
 
 
 def _train(cfg: RunConfig, output_dir: Path, session: TrainingSession,
-           loader: PretrainingLoader, model, schedule, resumed: bool) -> RunResult:
+           loader: PretrainingLoader, model, schedule, resumed: bool,
+           validation: list[dict] | None = None) -> RunResult:
     main = session.replicas.is_main
     config_yaml = dump_config(cfg)
     tracker = None
@@ -221,7 +233,8 @@ def _train(cfg: RunConfig, output_dir: Path, session: TrainingSession,
                             steps=t.steps, log_every=t.log_every, schedule=schedule,
                             tracker=tracker, samples_per_step=cfg.global_batch_size,
                             checkpointing=checkpointing, desc="pretrain",
-                            divergence_factor=t.divergence_factor)
+                            divergence_factor=t.divergence_factor, validation=validation,
+                            eval_every=t.eval_every if validation else 0)
         last_checkpoint = save_final(session, checkpointing)
     finally:
         if tracker is not None:

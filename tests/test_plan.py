@@ -366,3 +366,17 @@ def test_plan_does_not_import_torch() -> None:
                           check=True, timeout=120)
     assert proc.stderr.strip().splitlines()[-1] == "False"
     assert json.loads(proc.stdout)["totals"]["parameters"] > 0
+
+
+def test_groupbert_flops_count_the_grouped_convolution() -> None:
+    """GroupBERT's convolution is counted: 2·B·S·H·(channels per group)·kernel per layer."""
+    from popbert.builders.bert import build_bert
+    from popbert.plan.flops import forward_flops_by_node
+
+    cfg = load_config("groupbert-mini", ["model.num_layers=1"])
+    m = cfg.model
+    model = build_bert(m, batch_size=2).model()
+    convs = [f for node, f in zip(model.graph.node, forward_flops_by_node(model))
+             if node.op_type == "Conv"]
+    assert convs == [2 * 2 * m.sequence_length * m.hidden_size * m.conv_group_size
+                     * m.conv_kernel_size]

@@ -1,11 +1,12 @@
-"""Training FLOPs of a graph, counted from its matmuls: the number MFU is computed from.
+"""Training FLOPs of a graph, counted from its matmuls and convolutions: what MFU divides.
 
 Convention (the one of Kaplan et al. 2020 and of MLPerf/Megatron MFU figures):
 
 * a matmul of [M, K] by [K, N] is 2·M·N·K FLOPs (one multiply and one add per term), batched
   matmuls times their batch; ``MatMul``, ``Gemm`` and the opset-23 ``Attention`` op (its score
   and context matmuls: 2·S·S'·d each per head) are counted, so the attention matmuls are in
-  whether the graph spells them out or fuses them;
+  whether the graph spells them out or fuses them; a ``Conv`` (GroupBERT's grouped convolution
+  over the sequence) is 2·(output elements)·(input channels per group)·(kernel size);
 * a training step is 3× the forward pass (the backward pass computes two matmuls per forward
   matmul: the input gradient and the weight gradient);
 * everything else (softmax, LayerNorm, GELU, dropout, the embedding gathers, the loss) is not
@@ -32,7 +33,7 @@ __all__ = ["BACKWARD_FACTOR", "forward_flops_by_node", "graph_batch_size",
 # Training FLOPs = forward FLOPs × this (forward + backward's two matmuls per forward matmul).
 BACKWARD_FACTOR = 3
 
-COUNTED_OPS = ("MatMul", "Gemm", "Attention")
+COUNTED_OPS = ("MatMul", "Gemm", "Attention", "Conv")
 
 
 def _dims(shapes: dict[str, TensorShape], name: str) -> tuple[int, ...] | None:
@@ -48,10 +49,17 @@ def _attr(node: onnx.NodeProto, name: str, default: int) -> int:
 
 
 def node_forward_flops(node: onnx.NodeProto, shapes: dict[str, TensorShape]) -> int:
-    """Forward FLOPs of one node (0 for ops that are not matmuls); raises ValueError when a
-    matmul's shapes are unknown, since silently counting 0 would make MFU meaningless."""
+    """Forward FLOPs of one node (0 for ops that are not matmuls or convolutions); raises
+    ValueError when a counted op's shapes are unknown, since silently counting 0 would make MFU
+    meaningless."""
     if node.op_type not in COUNTED_OPS:
         return 0
+    if node.op_type == "Conv":
+        weight, out = _dims(shapes, node.input[1]), _dims(shapes, node.output[0])
+        if weight is None or out is None or len(weight) < 3:
+            raise ValueError(f"Conv {node.name!r}: shapes unknown, cannot count its FLOPs")
+        # Each output element is a dot product over (input channels of its group) × kernel.
+        return 2 * int(np.prod(out, dtype=np.int64)) * int(np.prod(weight[1:], dtype=np.int64))
     if node.op_type == "MatMul":
         a, out = _dims(shapes, node.input[0]), _dims(shapes, node.output[0])
         if a is None or out is None or not a:

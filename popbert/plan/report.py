@@ -39,10 +39,11 @@ def _count(n: int) -> str:
 def _header(plan: Plan) -> list[str]:
     m, e = plan.model, plan.execution
     name = f"{plan.config_name}: " if plan.config_name else ""
+    family = "GroupBERT" if m.get("architecture") == "groupbert" else "BERT"
     rts = f"RTS over {e['replicas']}" if e["replicated_tensor_sharding"] else "RTS off"
     pipeline = f"pipeline {e['pipeline_schedule']}" if e["pipeline"] else "pipeline off"
     return [
-        f"popbert plan - {name}BERT L{m['layers']} H{m['hidden']} A{m['heads']} "
+        f"popbert plan - {name}{family} L{m['layers']} H{m['hidden']} A{m['heads']} "
         f"I{m['intermediate']} V{m['vocab']}, sequence {m['sequence_length']}, "
         f"{m['max_predictions_per_seq']} MLM positions, {m['checkpoints']} recompute checkpoints",
         f"micro batch {e['micro_batch_size']} x accumulation {e['gradient_accumulation']} x "

@@ -297,7 +297,8 @@ def plan_run(cfg: RunConfig, target: Device | None = None,
         notes.append(f"{e.compute_dtype} compute runs under torch's CUDA autocast: its FP32 ops "
                      "(LayerNorm, softmax, the loss) are modelled from torch's op lists; the "
                      "CPU model was measured (benchmarks/plan_accuracy.py), the CUDA one not yet")
-    model_info = {"architecture": cfg.model.architecture, "layers": cfg.model.num_layers, "hidden": cfg.model.hidden_size,
+    model_info = {"architecture": cfg.model.architecture, "layers": cfg.model.num_layers,
+                  "hidden": cfg.model.hidden_size,
                   "heads": cfg.model.num_heads, "intermediate": cfg.model.intermediate_size,
                   "vocab": cfg.model.vocab_size, "sequence_length": cfg.model.sequence_length,
                   "max_predictions_per_seq": cfg.model.max_predictions_per_seq,

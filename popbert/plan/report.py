@@ -50,7 +50,7 @@ def _header(plan: Plan) -> list[str]:
         f"replicas {e['replicas']}; weights {e['weight_dtype']}, compute {e['compute_dtype']}; "
         f"{pipeline}, recompute {'on' if e['recompute'] else 'off'}, {rts}",
         f"training FLOPs per sequence: {plan.totals.training_flops_per_sequence / 1e9:.2f} GFLOP "
-        "(3 x forward matmuls at 2*M*N*K, attention matmuls included)",
+        "(3 x forward matmuls at 2*M*N*K, attention matmuls and convolutions included)",
     ]
 
 

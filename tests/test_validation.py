@@ -171,3 +171,23 @@ def test_session_evaluate(layout: str) -> None:
         torch.testing.assert_close(plain.evaluate(batch)["loss"], first["loss"],
                                    atol=1e-3 if layout == "half" else 1e-5, rtol=0)
     assert json.dumps({k: float(v) for k, v in first.items() if v.dim() == 0})
+
+
+def test_popart_backend_refuses_eval_every(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PopartTrainingSession has no evaluate yet: a one-line error before anything runs."""
+    import importlib
+    import sys
+
+    from popbert.train.pretrain import check_supported
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent / "popart_standin"))
+    monkeypatch.delitem(sys.modules, "popart", raising=False)
+    assert importlib.import_module("popart").__standin__
+    try:
+        cfg = load_config("tiny", ["execution.backend=popart", "model.dialect=popart",
+                                   "data.validation_fraction=0.02", "training.eval_every=5"])
+        with pytest.raises(ConfigError, match="torch backend only") as error:
+            check_supported(cfg)
+        assert "\n" not in str(error.value)
+    finally:
+        sys.modules.pop("popart", None)

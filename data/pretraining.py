@@ -5,10 +5,15 @@ before) or HDF5 shards (`*.h5` / `*.hdf5`, globs allowed), which are loaded lazi
 shard's metadata is checked against the run: sequence length, max predictions, vocabulary size
 and sha256, and packed-ness (`model.packed` needs packed shards, with
 `model.max_sequences_per_pack` NSP slots).
+
+Validation data (`load_validation_data`) is `data.validation_files` checked the same way, or the
+documents `data.validation_fraction` held out of a text corpus; `validation_batches` fixes the
+micro-batches every evaluation sees.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +28,8 @@ from popbert.errors import ConfigError
 
 if TYPE_CHECKING:
     from popbert.config import RunConfig
+
+log = logging.getLogger(__name__)
 
 SHARD_SUFFIXES = (".h5", ".hdf5")
 
@@ -133,6 +140,11 @@ def validation_batches(cfg: RunConfig, data: dict[str, np.ndarray] | ShardSet | 
                                shuffle=False, replica_index=replica_index,
                                num_replicas=num_replicas, drop_last=False, prefetch_shards=0,
                                **checks)
+    wanted = cfg.training.eval_batches * loader.global_batch_size
+    if wanted > loader.num_samples:
+        log.warning("training.eval_batches (%d) x the global micro-batch (%d) exceeds the %d "
+                    "validation samples: some are evaluated twice", cfg.training.eval_batches,
+                    loader.global_batch_size, loader.num_samples)
     try:
         return [next(loader) for _ in range(cfg.training.eval_batches)]
     finally:

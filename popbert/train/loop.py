@@ -144,8 +144,11 @@ def train_loop(session: TrainingSession, batches: Iterator[Batch], *, steps: int
             if checkpointing is not None:
                 checkpointing.confirm()
             bar.update(steps_done)
-            evaluated = (evaluate(session, validation)
-                         if eval_every and session.step % eval_every < steps_done else None)
+            evaluated = None
+            if eval_every and session.step % eval_every < steps_done:
+                eval_started = time.perf_counter()
+                evaluated = evaluate(session, validation)
+                window_start += time.perf_counter() - eval_started  # seq_per_s: training only
             if session.step % log_every < steps_done or session.step >= steps or evaluated:
                 record = _log(session, window, session.step, schedule, tracker,
                               samples_per_step, time.perf_counter() - window_start, evaluated)

@@ -65,18 +65,7 @@ def load_training_data(cfg: RunConfig) -> dict[str, np.ndarray] | ShardSet:
     if shard_inputs and len(shard_inputs) != len(inputs):
         raise ConfigError("data.input_files mixes HDF5 shards and text files; list one kind")
     if shard_inputs:
-        checks = {"sequence_length": cfg.model.sequence_length,
-                  "max_predictions_per_seq": cfg.model.max_predictions_per_seq,
-                  "vocab_size": tokenizer.vocab_size, "vocab_sha256": tokenizer.vocab_sha256,
-                  "packed": cfg.model.packed,
-                  "max_sequences_per_pack": cfg.model.max_sequences_per_pack}
-        paths = expand_input_files(shard_inputs)
-        total = 0
-        for path in paths:
-            info = read_shard_info(path)
-            check_shard_info(info, **checks)
-            total += info.num_samples
-        return ShardSet(paths, checks, total)
+        return _shard_set(cfg, tokenizer, shard_inputs)
     if cfg.model.packed:
         raise ConfigError("model.packed needs packed HDF5 shards in data.input_files "
                           "(make them with `popbert prepare-data pack`)")
@@ -111,13 +100,17 @@ def load_validation_data(cfg: RunConfig) -> dict[str, np.ndarray] | ShardSet | N
         if cfg.model.packed:
             raise ConfigError("model.packed needs packed HDF5 shards in data.validation_files")
         return _instances(cfg, files, vocab_path, 0.0, "train")
-    tokenizer = WordPieceTokenizer(vocab_path)
+    return _shard_set(cfg, WordPieceTokenizer(vocab_path), shards)
+
+
+def _shard_set(cfg: RunConfig, tokenizer: WordPieceTokenizer, patterns: list[str]) -> ShardSet:
+    """Shards whose every metadata fits the run (checked now; the loader repeats the checks)."""
     checks = {"sequence_length": cfg.model.sequence_length,
               "max_predictions_per_seq": cfg.model.max_predictions_per_seq,
               "vocab_size": tokenizer.vocab_size, "vocab_sha256": tokenizer.vocab_sha256,
               "packed": cfg.model.packed,
               "max_sequences_per_pack": cfg.model.max_sequences_per_pack}
-    paths = expand_input_files(shards)
+    paths = expand_input_files(patterns)
     total = 0
     for path in paths:
         info = read_shard_info(path)

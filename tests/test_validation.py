@@ -125,6 +125,20 @@ def test_validation_files_text(tmp_path: Path) -> None:
     assert VAL_KEYS <= set(record) and record["step"] == 2
 
 
+def test_validation_files_hdf5_shard(tmp_path: Path) -> None:
+    from popbert.data.hdf5 import write_shard
+
+    tokenizer = WordPieceTokenizer(bundled_vocab_path())
+    arrays = load_or_create_instances(None, None, 32, 5, seed=3)
+    shard = write_shard(tmp_path / "held.h5", {k: v[:40] for k, v in arrays.items()},
+                        vocab_size=tokenizer.vocab_size, vocab_sha256=tokenizer.vocab_sha256)
+    run = tmp_path / "run"
+    assert pretrain("--output-dir", str(run), "--set", f"data.validation_files=[{shard}]",
+                    "--set", "training.eval_every=1", "--set", "training.eval_batches=6",
+                    "--set", "training.steps=2") == 0  # 6 x 8 > 40 samples: they wrap
+    assert val_steps(run) == [1, 2]
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["data.validation_fraction=-0.1"], "data.validation_fraction must be in [0, 1)"),
     (["data.validation_fraction=1.0"], "data.validation_fraction must be in [0, 1)"),

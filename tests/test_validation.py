@@ -205,3 +205,50 @@ def test_popart_backend_refuses_eval_every(monkeypatch: pytest.MonkeyPatch) -> N
         assert "\n" not in str(error.value)
     finally:
         sys.modules.pop("popart", None)
+
+
+REPLICATED = ["model.hidden_dropout=0.0", "model.attention_dropout=0.0", "execution.device=cpu",
+              "execution.threads=1", "training.steps=4", "training.log_every=2",
+              "training.eval_every=2", "data.validation_fraction=0.02"]
+
+
+def replicated_config(replicas: int, eval_batches: int):
+    small = [arg for arg in SMALL if arg != "--set"]
+    return load_config("tiny", [*small, *REPLICATED, f"execution.replicas={replicas}",
+                                f"execution.gradient_accumulation={2 // replicas}",
+                                f"training.eval_batches={eval_batches}"])
+
+
+def _replica(rank: int, port: int, out: str) -> None:
+    """One of two replicas (spawned: importable, no pytest state)."""
+    import torch.distributed as dist
+
+    from popbert.distributed import Replicas
+    from popbert.train.pretrain import run_pretraining
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    run_pretraining(replicated_config(2, 2), Path(out),
+                    replicas=Replicas.from_group(None, owns_process_group=True))
+
+
+def test_replicas_evaluate_their_shares_and_average(tmp_path: Path) -> None:
+    """Two replicas × 2 validation batches each = one replica × the same 4 batches."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from popbert.train.pretrain import run_pretraining
+
+    run_pretraining(replicated_config(1, 4), tmp_path / "one")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_replica, args=(port, str(tmp_path / "two")), nprocs=2, join=True)
+    one = {r["step"]: r for r in read_metrics(tmp_path / "one" / "metrics.jsonl")}
+    two = {r["step"]: r for r in read_metrics(tmp_path / "two" / "metrics.jsonl")}
+    assert val_steps(tmp_path / "one") == val_steps(tmp_path / "two") == [2, 4]
+    for step in (2, 4):
+        for key in VAL_KEYS:
+            assert two[step][key] == pytest.approx(one[step][key], abs=1e-4), (step, key)

@@ -373,3 +373,18 @@ def test_pipelined_recomputed_training_gives_the_same_losses(tmp_path: Path) -> 
                         (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     assert len(losses["plain"]) == 3
     np.testing.assert_allclose(losses["pipelined"], losses["plain"], rtol=1e-5, atol=0)
+
+
+def test_fine_tuning_a_groupbert_checkpoint_turns_dropout_on() -> None:
+    """Pre-trained without dropout, fine-tuned with 0.1 unless --dropout says otherwise; BERT
+    keeps its checkpoint's dropout."""
+    from popbert.builders.bert_config import TaskConfig
+    from popbert.train.finetune import GROUPBERT_FINETUNE_DROPOUT, task_model_config
+
+    task = TaskConfig(name="squad")
+    group = config(hidden_dropout=0.0, attention_dropout=0.0)
+    tuned = task_model_config(group, group.sequence_length, task)
+    assert tuned.hidden_dropout == tuned.attention_dropout == GROUPBERT_FINETUNE_DROPOUT
+    assert task_model_config(group, group.sequence_length, task, dropout=0.0).hidden_dropout == 0
+    bert = BertConfig(**{**group.__dict__, "architecture": "bert"})
+    assert task_model_config(bert, bert.sequence_length, task).hidden_dropout == 0.0

@@ -47,6 +47,8 @@ from popbert.train.loop import train_loop
 
 log = logging.getLogger(__name__)
 
+# GroupBERT pre-trains without dropout and fine-tunes with BERT's 0.1 (Chelombiev et al. 2021).
+GROUPBERT_FINETUNE_DROPOUT = 0.1
 SQUAD_ARCHITECTURE = "BertForQuestionAnswering"
 CLASSIFICATION_ARCHITECTURE = "BertForSequenceClassification"
 
@@ -127,8 +129,9 @@ def load_pretrained(checkpoint: Path) -> Pretrained:
 def task_model_config(model: BertConfig, sequence_length: int, task: TaskConfig,
                       dropout: float | None = None) -> BertConfig:
     """The checkpoint's model at `sequence_length` for one process (no placement, unpacked),
-    with the fine-tuning `task` settings in place of the checkpoint's (and `dropout` for both
-    dropouts, if given)."""
+    with the fine-tuning `task` settings in place of the checkpoint's, and `dropout` for both
+    dropouts if given — else the checkpoint's, except GroupBERT, which pre-trains without dropout
+    and fine-tunes with it (`GROUPBERT_FINETUNE_DROPOUT`)."""
     if sequence_length > model.max_position_embeddings:
         raise UsageError(f"--max-seq-length ({sequence_length}) exceeds the checkpoint's "
                          f"model.max_position_embeddings ({model.max_position_embeddings})")
@@ -136,6 +139,8 @@ def task_model_config(model: BertConfig, sequence_length: int, task: TaskConfig,
               "recompute": False, "dialect": "onnx",
               "max_predictions_per_seq": min(model.max_predictions_per_seq, sequence_length),
               "task": task}
+    if dropout is None and model.architecture == "groupbert":
+        dropout = GROUPBERT_FINETUNE_DROPOUT
     if dropout is not None:
         values["hidden_dropout"] = values["attention_dropout"] = dropout
     if "packed" in values:  # fine-tuning features are one sequence per row

@@ -134,15 +134,19 @@ def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = 
             mask = layers.attention_mask(b, input_mask, seq)
 
     # The one place the architecture is chosen: only the encoder layers differ.
-    groupbert_keep = None
+    groupbert_keep = conv_keep = None
     if config.architecture == "groupbert":
         with plan.scope(b, plan.embeddings):
-            groupbert_keep = layers.padding_keep(b, input_mask)
+            if config.packed:
+                groupbert_keep = layers.padding_keep(b, layers.real_tokens(b, sequence_index))
+                conv_keep = layers.packed_conv_keep(b, sequence_index, config.conv_kernel_size)
+            else:
+                groupbert_keep = layers.padding_keep(b, input_mask)
     for index, where in enumerate(plan.layers):
         with plan.scope(b, where):
             if groupbert_keep is not None:
                 hidden = groupbert.groupbert_layer(b, config, init, hidden, mask, groupbert_keep,
-                                                   index)
+                                                   index, conv_keep)
                 if index == config.num_layers - 1:
                     hidden = groupbert.final_norm(b, config, init, hidden)
             else:

@@ -162,7 +162,3 @@ class BertConfig:
         if self.conv_kernel_size % 2 == 0:
             raise ValueError(f"model.conv_kernel_size must be odd (\"same\" padding of k//2 "
                              f"each side), got {self.conv_kernel_size}")
-        if self.packed:
-            # The convolution would mix the neighbouring sequences of a pack.
-            raise ValueError("model.packed is not supported with model.architecture "
-                             "'groupbert' (its convolution would cross packed sequences)")

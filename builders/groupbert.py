@@ -13,7 +13,8 @@ trains at about 4x BERT's learning rate.
 * Convolution (`Layer<i>/Conv`): GLU (dense H→2H, values · sigmoid(gates)), padded tokens
   zeroed (so a padding value can never reach a real token through the kernel), grouped 1-D
   convolution over the sequence (`conv_kernel_size`, `conv_group_size` channels per group,
-  "same" padding), LayerNorm, SiLU, dense H→H.
+  "same" padding), LayerNorm, SiLU, dense H→H. In a packed row a token's window reads only
+  tokens of its own sequence (`layers.grouped_conv1d` with `offsets_keep`).
 * Grouped FFN (`Layer<i>/FFN1`, `FFN2`): dense H→I, GELU, block-diagonal I→H in `ffn_groups`
   groups (a batched MatMul on a [G, I/G, H/G] weight), then a dense H→H that mixes the groups.
 * Attention (`Layer<i>/Attention`): fused QKV, multi-head attention with the padding mask,
@@ -43,15 +44,17 @@ def _norm(b: Builder, config: BertConfig, init: layers.WeightInit, x: str,
 
 
 def convolution_module(b: Builder, config: BertConfig, init: layers.WeightInit, x: str,
-                       keep: str) -> str:
+                       keep: str, conv_keep: str | None = None) -> str:
     """GLU → zero the padding → grouped conv1d → LayerNorm → SiLU → dense (pre-residual)."""
     h = config.hidden_size
     y = layers.glu(b, _norm(b, config, init, x), h, h, init, "GLU")
     # Padding zeroed after the GLU and before the convolution: the kernel spans up to k//2
     # neighbours, and a padded token's activations must not reach a real token.
     y = b.aiOnnx.mul([y, keep], "ZeroPadding")
+    # Packed rows (`conv_keep` from `layers.packed_conv_keep`): each token's window reads only
+    # its own sequence's tokens, so neighbouring sequences of a pack never mix.
     y = layers.grouped_conv1d(b, y, h, config.conv_group_size, config.conv_kernel_size, init,
-                              "Conv")
+                              "Conv", offsets_keep=conv_keep)
     y = layers.silu(b, _norm(b, config, init, y, "ConvNorm"))
     return layers.dense(b, y, h, h, init, "Out")
 
@@ -77,14 +80,16 @@ def attention_module(b: Builder, config: BertConfig, init: layers.WeightInit, x:
 
 
 def groupbert_layer(b: Builder, config: BertConfig, init: layers.WeightInit, x: str, mask: str,
-                    keep: str, index: int) -> str:
+                    keep: str, index: int, conv_keep: str | None = None) -> str:
     """One GroupBERT layer: Conv, FFN1, Attention, FFN2 modules, each PreNorm + residual.
 
-    `mask` is the additive attention mask, `keep` the float [B, S, 1] 1/0 padding mask.
+    `mask` is the additive attention mask, `keep` the float [B, S, 1] 1/0 padding mask,
+    `conv_keep` (packed rows only) the convolution's per-offset same-sequence mask.
     """
     with b.nameScope(f"Layer{index}"):
         with b.nameScope("Conv"):
-            x = _residual(b, config, init, x, convolution_module(b, config, init, x, keep))
+            x = _residual(b, config, init, x, convolution_module(b, config, init, x, keep,
+                                                                   conv_keep))
         with b.nameScope("FFN1"):
             x = _residual(b, config, init, x, grouped_ffn(b, config, init, x))
         with b.nameScope("Attention"):

@@ -183,12 +183,19 @@ def grouped_matmul(b: Builder, x: str, in_features: int, out_features: int, grou
 
 
 def grouped_conv1d(b: Builder, x: str, channels: int, group_size: int, kernel: int,
-                   init: WeightInit, name: str = "Conv") -> str:
+                   init: WeightInit, name: str = "Conv", offsets_keep: str | None = None) -> str:
     """Grouped 1-D convolution over the sequence of [B, S, C] → [B, S, C], "same" padding.
 
     ONNX `Conv` (opset 1+, so both dialects) on the [B, C, S] transpose with `group` =
     C / group_size: weight `W` [C, group_size, kernel], bias `B` [C], `pads` kernel//2 each
     side (kernel odd), then transposed back.
+
+    Packed rows pass `offsets_keep` ([B, 1, kernel, S] 1/0 from `packed_conv_keep`): output
+    token s then reads input token s + j - kernel//2 only where that entry j is 1 (same
+    sequence, not padding). The k shifted copies of x are stacked by a depthwise one-hot `Conv`
+    (exact: each output is one input times 1), masked, and the grouped convolution becomes a
+    kernel-1 `Conv` on the stack with the same `W` reshaped [C, group_size·kernel, 1]: same
+    weights and names as the unpacked graph, whose ops are unchanged.
     """
     if channels % group_size or kernel % 2 == 0:
         raise ValueError(f"grouped_conv1d {name!r}: group size {group_size} must divide "
@@ -197,10 +204,60 @@ def grouped_conv1d(b: Builder, x: str, channels: int, group_size: int, kernel: i
         weight = b.addInitializedInputTensor(init.normal([channels, group_size, kernel]), "W")
         bias = b.addInitializedInputTensor(init.constant([channels], 0.0), "B")
         channels_first = b.aiOnnx.transpose([x], "ToChannels", perm=[0, 2, 1])
-        y = b.aiOnnx.conv([channels_first, weight, bias], "Conv", group=channels // group_size,
-                          kernel_shape=[kernel], pads=[kernel // 2, kernel // 2],
-                          strides=[1], dilations=[1])
+        if offsets_keep is None:
+            y = b.aiOnnx.conv([channels_first, weight, bias], "Conv",
+                              group=channels // group_size, kernel_shape=[kernel],
+                              pads=[kernel // 2, kernel // 2], strides=[1], dilations=[1])
+        else:
+            seq = _static(b.getTensorShape(x)[1:2], x)[0]
+            y = _packed_conv(b, channels_first, weight, bias, channels, group_size, kernel,
+                             offsets_keep, seq)
         return b.aiOnnx.transpose([y], "FromChannels", perm=[0, 2, 1])
+
+
+def _shift_stack(b: Builder, x: str, channels: int, kernel: int, name: str) -> str:
+    """[B, C, S] → [B, C·k, S] with channel c·k + j = x[c, s + j - k//2] (0 outside): a
+    depthwise Conv whose kernels are one-hot, so every output is exactly one input."""
+    one_hot = np.tile(np.eye(kernel, dtype=np.float32)[:, None, :], (channels, 1, 1))
+    taps = b.addConstant(one_hot, f"{name}_taps")  # [C·k, 1, k]
+    return b.aiOnnx.conv([x, taps], name, group=channels, kernel_shape=[kernel],
+                         pads=[kernel // 2, kernel // 2], strides=[1], dilations=[1])
+
+
+def _packed_conv(b: Builder, x: str, weight: str, bias: str, channels: int, group_size: int,
+                 kernel: int, offsets_keep: str, seq: int) -> str:
+    """The grouped conv of [B, C, S] `x` with each offset's neighbours masked by
+    `offsets_keep` [B, 1, k, S]: shift-stack, mask, kernel-1 grouped Conv."""
+    stacked = _shift_stack(b, x, channels, kernel, "Shift")  # [B, C·k, S]
+    s = seq
+    per_offset = b.aiOnnx.reshape(
+        [stacked, b.addConstant(np.array([0, channels, kernel, s], np.int64), "offset_shape")],
+        "Offsets")
+    masked = b.aiOnnx.mul([per_offset, offsets_keep], "SameSequence")
+    masked = b.aiOnnx.reshape(
+        [masked, b.addConstant(np.array([0, channels * kernel, s], np.int64), "stack_shape")],
+        "Stack")
+    taps = b.aiOnnx.reshape(
+        [weight, b.addConstant(np.array([channels, group_size * kernel, 1], np.int64),
+                               "tap_shape")], "Taps")
+    return b.aiOnnx.conv([masked, taps, bias], "Conv", group=channels // group_size,
+                         kernel_shape=[1], pads=[0, 0], strides=[1], dilations=[1])
+
+
+def packed_conv_keep(b: Builder, sequence_index: str, kernel: int) -> str:
+    """[B, S] sequence index (0 = padding) → float [B, 1, k, S]: entry j of token s is 1 where
+    token s + j - k//2 exists, is not padding and belongs to the same sequence as token s.
+
+    The k shifted indices come from a one-hot Conv on the index as float (exact for these small
+    integers; the zero padding of the Conv reads as padding)."""
+    with b.nameScope("ConvKeep"):
+        index = b.aiOnnx.cast([as_index(b, sequence_index, "Index")], "Float", to=1)
+        index = unsqueeze(b, index, [1], "Channel", "channel_axis")  # [B, 1, S]
+        shifted = _shift_stack(b, index, 1, kernel, "Shift")  # [B, k, S]
+        same = b.aiOnnx.equal([shifted, index], "SameSequence")
+        real = b.aiOnnx.greater([shifted, scalar(b, 0.0, np.float32, "zero")], "RealToken")
+        keep = b.aiOnnx.cast([b.aiOnnx.And([same, real], "Allowed")], "Cast", to=1)
+        return unsqueeze(b, keep, [1], "Unsqueeze", "group_axis")  # [B, 1, k, S]
 
 
 def padding_keep(b: Builder, input_mask: str) -> str:
@@ -208,6 +265,14 @@ def padding_keep(b: Builder, input_mask: str) -> str:
     with b.nameScope("PaddingKeep"):
         as_float = b.aiOnnx.cast([input_mask], "Cast", to=1)
         return unsqueeze(b, as_float, [2], "Unsqueeze")
+
+
+def real_tokens(b: Builder, sequence_index: str) -> str:
+    """[B, S] sequence index → bool [B, S], true on tokens of a sequence (index > 0): the
+    `input_mask` of a packed row."""
+    index = as_index(b, sequence_index, "RealTokens/Index")
+    zero = b.addConstant(np.array(0, _int_dtype(b, index)), "zero")
+    return b.aiOnnx.greater([index, zero], "RealTokens")
 
 
 def check_batch_size(b: Builder, batch_size: int | str) -> None:

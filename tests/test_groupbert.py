@@ -238,6 +238,88 @@ def test_popart_dialect_checks_and_equals_the_onnx_dialect() -> None:
     assert placement_of_blocks(popart) == placement_of_blocks(reference)
 
 
+# ------------------------------------------------------------------------ packed sequences
+
+
+def packed_setup(monkeypatch: pytest.MonkeyPatch | None = None, unmasked: bool = False):
+    """Unpacked sequences, their packed rows, and both graphs' outputs with identical weights;
+    `unmasked`: the packed convolution's same-sequence mask replaced by ones (a leaky conv)."""
+    from test_packed_model import K, sequences
+
+    from popbert.builders import layers
+    from popbert.data.packing import pack_instance_arrays
+
+    if unmasked:
+        original = layers.packed_conv_keep
+
+        def keep_all(b, sequence_index: str, kernel: int) -> str:
+            keep = original(b, sequence_index, kernel)
+            return b.aiOnnx.add([b.aiOnnx.sub([keep, keep]),
+                                 layers.scalar(b, 1.0, np.float32, "all")])
+
+        monkeypatch.setattr(layers, "packed_conv_keep", keep_all)
+    cfg = config(max_predictions_per_seq=4)
+    unpacked = sequences(cfg, 7, seed=3)
+    packed, stats = pack_instance_arrays(unpacked, max_sequences_per_pack=K,
+                                         max_predictions_per_pack=K * 4, seed=1)
+    packed = {k: v.astype(np.int64) for k, v in packed.items()}
+    assert stats.packs < stats.sequences
+    plain = build_bert(cfg, seed=7).model()
+    pack = build_bert(config(max_predictions_per_seq=K * 4, packed=True,
+                             max_sequences_per_pack=K), seed=7).model()
+    # The same conv weights ([H, conv_group_size, k]) under the same names: checkpoints move.
+    assert ({t.name: list(t.dims) for t in plain.graph.initializer if "/W" in t.name}
+            == {t.name: list(t.dims) for t in pack.graph.initializer if "/W" in t.name})
+    out_u, _, weights = run_lowered(plain, unpacked)
+    out_p, _, _ = run_lowered(pack, packed, weights)
+    return unpacked, packed, out_u, out_p, pack
+
+
+def test_packed_rows_give_the_unpacked_per_sequence_logits() -> None:
+    """Each packed sequence's NSP logits and MLM logits equal those of the same sequence
+    unpacked (1e-5): the convolution never reads a neighbouring sequence of the pack."""
+    from test_packed_model import match_rows
+
+    unpacked, packed, out_u, out_p, pack = packed_setup()
+    assert packed["sequence_index"].max() > 1  # rows really hold several sequences
+    # The unpacked graph keeps its one Conv per layer; the packed one adds the masked form.
+    assert sum(n.op_type == "Conv" for n in pack.graph.node) > 2 * config().num_layers
+    for key in ("loss", "mlm_loss", "nsp_loss"):
+        assert abs(float(out_u[key]) - float(out_p[key])) <= 1e-5, key
+    for src, (row, slot) in match_rows(unpacked, packed).items():
+        torch.testing.assert_close(out_p["nsp_logits"][row, slot], out_u["nsp_logits"][src],
+                                   atol=1e-5, rtol=0)
+        start = int(packed["cls_positions"][row, slot])
+        for q in range(int((unpacked["masked_lm_ids"][src] != 0).sum())):
+            target = unpacked["masked_lm_positions"][src, q] + start
+            slot_q = int(np.nonzero(packed["masked_lm_positions"][row] == target)[0][0])
+            torch.testing.assert_close(out_p["mlm_logits"][row, slot_q],
+                                       out_u["mlm_logits"][src, q], atol=1e-5, rtol=0)
+
+
+def test_negative_control_an_unmasked_packed_conv_differs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above can fail: a convolution that reads across the packed sequences (its
+    same-sequence mask all ones) changes the losses far beyond the tolerance."""
+    _, _, out_u, out_p, _ = packed_setup(monkeypatch, unmasked=True)
+    assert abs(float(out_u["loss"]) - float(out_p["loss"])) > 1e-3
+
+
+def test_packed_popart_dialect_checks_and_equals_the_onnx_dialect() -> None:
+    from test_packed_model import K
+
+    packed_cfg = dict(max_predictions_per_seq=K * 4, packed=True, max_sequences_per_pack=K)
+    _, packed, _, theirs, reference = packed_setup()
+    batch = len(packed["input_ids"])
+    popart = build_bert(config(dialect="popart", **packed_cfg), seed=7, batch_size=batch).model()
+    onnx.checker.check_model(popart, full_check=True)
+    assert {o.domain: o.version for o in popart.opset_import} == {"": 11, GRAPHCORE_DOMAIN: 1}
+    onnx.checker.check_model(reference, full_check=True)
+    ours, _, _ = run_lowered(popart, as_declared(popart, packed))  # seed 7: same weights
+    for name in ("loss", "mlm_logits", "nsp_logits"):
+        torch.testing.assert_close(ours[name], theirs[name], atol=1e-5, rtol=0, msg=name)
+
+
 def test_placement_follows_layers_per_ipu() -> None:
     model = build_bert(config(num_layers=4, layers_per_ipu=[0, 2, 2], recompute=True),
                        zeros=True).model()
@@ -257,7 +339,6 @@ def test_placement_follows_layers_per_ipu() -> None:
     ({"conv_kernel_size": 6}, "model.conv_kernel_size must be odd"),
     ({"ffn_groups": 0}, "model.ffn_groups must be a positive integer"),
     ({"architecture": "funnel"}, "model.architecture must be one of bert, groupbert"),
-    ({"packed": True}, "model.packed is not supported with model.architecture 'groupbert'"),
 ])
 def test_config_errors_name_the_key(overrides: dict, message: str) -> None:
     with pytest.raises(ValueError) as info:

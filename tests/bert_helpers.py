@@ -80,6 +80,22 @@ def hf_model(config: BertConfig, hf_weights: dict[str, np.ndarray]):
     return model
 
 
+def hf_pretraining_forward(reference, batch: dict[str, np.ndarray], config: BertConfig):
+    """`BertForPreTraining` on a padded batch with its labels; returns (output, MLM logits at the
+    batch's masked positions) — popbert's head computes only those."""
+    theirs = reference(
+        input_ids=torch.from_numpy(batch["input_ids"]),
+        attention_mask=torch.from_numpy(batch["input_mask"]),
+        token_type_ids=torch.from_numpy(batch["segment_ids"]),
+        labels=hf_labels(batch, config.sequence_length),
+        next_sentence_label=torch.from_numpy(batch["next_sentence_labels"]),
+    )
+    positions = torch.from_numpy(batch["masked_lm_positions"])
+    mlm = torch.gather(theirs.prediction_logits, 1,
+                       positions[..., None].expand(-1, -1, config.vocab_size))
+    return theirs, mlm
+
+
 def hf_labels(batch: dict[str, np.ndarray], seq: int) -> torch.Tensor:
     """NVIDIA-layout MLM labels → HF's [B, S] labels with -100 where not predicted."""
     labels = torch.full((batch["input_ids"].shape[0], seq), -100, dtype=torch.long)

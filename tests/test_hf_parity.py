@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from bert_helpers import hf_labels, hf_model, padded_batch, small_config
+from bert_helpers import hf_model, hf_pretraining_forward, padded_batch, small_config
 
 from popbert.builders.bert import build_bert
 from popbert.graph.annotations import trainable_initializers
@@ -39,19 +39,9 @@ def test_forward_and_gradients_match_hugging_face(layers: int) -> None:
     ours = session.forward(batch)
     ours["loss"].backward()
 
-    theirs = reference(
-        input_ids=torch.from_numpy(batch["input_ids"]),
-        attention_mask=torch.from_numpy(batch["input_mask"]),
-        token_type_ids=torch.from_numpy(batch["segment_ids"]),
-        labels=hf_labels(batch, config.sequence_length),
-        next_sentence_label=torch.from_numpy(batch["next_sentence_labels"]),
-    )
+    theirs, their_mlm = hf_pretraining_forward(reference, batch, config)
     theirs.loss.backward()
 
-    positions = torch.from_numpy(batch["masked_lm_positions"])
-    their_mlm = torch.gather(
-        theirs.prediction_logits, 1, positions[..., None].expand(-1, -1, config.vocab_size)
-    )
     torch.testing.assert_close(ours["mlm_logits"], their_mlm, atol=1e-5, rtol=0)
     torch.testing.assert_close(
         ours["nsp_logits"], theirs.seq_relationship_logits, atol=1e-5, rtol=0

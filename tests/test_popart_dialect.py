@@ -23,7 +23,13 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from bert_helpers import hf_labels, hf_model, one_thread, padded_batch, small_config  # noqa: F401
+from bert_helpers import (  # noqa: F401 (one_thread: autouse fixture)
+    hf_model,
+    hf_pretraining_forward,
+    one_thread,
+    padded_batch,
+    small_config,
+)
 
 from popbert.builders import layers, tasks  # noqa: F401  (tasks registers squad, classification)
 from popbert.builders.bert import build_bert
@@ -360,17 +366,8 @@ def test_pretraining_matches_hugging_face() -> None:
     session = TrainingSession(model, "loss", lambda p: torch.optim.SGD([x for _, x in p], lr=0.0))
     ours = session.forward(batch)
     ours["loss"].backward()
-    theirs = reference(
-        input_ids=torch.from_numpy(batch["input_ids"]),
-        attention_mask=torch.from_numpy(batch["input_mask"]),
-        token_type_ids=torch.from_numpy(batch["segment_ids"]),
-        labels=hf_labels(batch, config.sequence_length),
-        next_sentence_label=torch.from_numpy(batch["next_sentence_labels"]),
-    )
+    theirs, their_mlm = hf_pretraining_forward(reference, batch, config)
     theirs.loss.backward()
-    positions = torch.from_numpy(batch["masked_lm_positions"])
-    their_mlm = torch.gather(
-        theirs.prediction_logits, 1, positions[..., None].expand(-1, -1, config.vocab_size))
     torch.testing.assert_close(ours["mlm_logits"], their_mlm, atol=1e-5, rtol=0)
     torch.testing.assert_close(ours["nsp_logits"], theirs.seq_relationship_logits, atol=1e-5,
                                rtol=0)

@@ -133,8 +133,8 @@ def train_loop(session: TrainingSession, batches: Iterator[Batch], *, steps: int
             bad = _first_bad(losses, limit, session)
             if bad is not None:
                 step = session.step - steps_done + bad + 1
-                record = _log(session, window, step, schedule, tracker, samples_per_step,
-                              time.perf_counter() - window_start)
+                _log(session, window, step, schedule, tracker, samples_per_step,
+                     time.perf_counter() - window_start)  # the diverged step is on the record
                 loss = float(losses[bad])
                 what = ("the loss is not finite" if not math.isfinite(loss) else
                         f"the loss {loss:.4g} exceeds {divergence_factor:g}× the first step's "

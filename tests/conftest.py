@@ -6,6 +6,7 @@ import logging
 import os
 
 import pytest
+from postgres_server import postgres_url  # noqa: F401 (fixture of the PostgreSQL-backed tests)
 
 from popbert.cli import main as cli
 

@@ -43,7 +43,7 @@ from popbert.optimizers import set_lr
 from popbert.runtime.options import SessionOptions
 from popbert.runtime.session import InferenceSession, TrainingSession
 from popbert.train.factories import lr_schedule, optimizer_factory
-from popbert.train.loop import train_loop
+from popbert.train.loop import RecordHook, RunStopped, train_loop
 
 log = logging.getLogger(__name__)
 
@@ -179,10 +179,10 @@ def _batches(arrays: Mapping[str, np.ndarray], batch_size: int, epochs: int, see
 
 
 def train(cfg: RunConfig, task: str, weights: Mapping[str, torch.Tensor],
-          arrays: Mapping[str, np.ndarray], output_dir: Path, epochs: int
-          ) -> tuple[dict[str, torch.Tensor], list[str]]:
+          arrays: Mapping[str, np.ndarray], output_dir: Path, epochs: int,
+          on_record: RecordHook | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Train the `task` graph from `weights` through the training loop; returns (trained
-    weights, fresh weight names)."""
+    weights, fresh weight names). `on_record`: see `train_loop` (a sweep's pruner)."""
     e = cfg.execution
     if e.replicas != 1 or e.pipeline or e.replicated_tensor_sharding:
         raise ConfigError("fine-tuning runs in one process: set execution.replicas=1, "
@@ -209,7 +209,7 @@ def train(cfg: RunConfig, task: str, weights: Mapping[str, torch.Tensor],
         train_loop(session, _batches(arrays, e.micro_batch_size, epochs, t.seed),
                    steps=t.steps, log_every=t.log_every, schedule=schedule, tracker=tracker,
                    samples_per_step=e.micro_batch_size, desc=f"finetune {task}",
-                   divergence_factor=t.divergence_factor)
+                   divergence_factor=t.divergence_factor, on_record=on_record)
     return session.weights(), fresh
 
 
@@ -251,6 +251,8 @@ def _run_in(output_dir: Path, body: Callable[[], FinetuneResult]) -> FinetuneRes
     created = run_dir.create_output_dir(output_dir)
     try:
         return body()
+    except RunStopped:
+        raise  # a stopped (pruned) run keeps the metrics it logged
     except BaseException:
         run_dir.remove_if_empty_run(output_dir, created)
         raise
@@ -263,9 +265,10 @@ def _run_in(output_dir: Path, body: Callable[[], FinetuneResult]) -> FinetuneRes
 def finetune_squad(checkpoint: Path, train_file: Path, output_dir: Path,
                    predict_file: Path | None = None, options: TrainOptions | None = None,
                    max_seq_length: int = 384, doc_stride: int = 128, max_query_length: int = 64,
-                   n_best_size: int = 20, max_answer_length: int = 30) -> FinetuneResult:
+                   n_best_size: int = 20, max_answer_length: int = 30,
+                   on_record: RecordHook | None = None) -> FinetuneResult:
     """Fine-tune on a SQuAD v1.1 training file; predict (and score, if it has answers)
-    `predict_file`."""
+    `predict_file`. `on_record`: see `train_loop`."""
     from popbert.data.squad import (
         WindowOptions,
         decode_answers,
@@ -301,7 +304,7 @@ def finetune_squad(checkpoint: Path, train_file: Path, output_dir: Path,
 
     def body() -> FinetuneResult:
         weights, fresh = train(cfg, "squad", pretrained.weights, features.arrays, output_dir,
-                               options.epochs)
+                               options.epochs, on_record)
         saved = _save(output_dir, cfg, weights, pretrained.vocab)
         result = FinetuneResult(output_dir, saved, steps, fresh=fresh)
         if to_predict is None:
@@ -333,9 +336,10 @@ def finetune_classify(checkpoint: Path, train_file: Path, output_dir: Path,
                       eval_file: Path | None = None, options: TrainOptions | None = None,
                       max_seq_length: int = 128, text_column: str | None = None,
                       pair_column: str | None = None, label_column: str = "label",
-                      labels: list[str] | None = None) -> FinetuneResult:
+                      labels: list[str] | None = None,
+                      on_record: RecordHook | None = None) -> FinetuneResult:
     """Fine-tune a pooled-output classifier on a TSV/CSV/JSONL file; report accuracy and F1 on
-    `eval_file` (or on the training file when none is given)."""
+    `eval_file` (or on the training file when none is given). `on_record`: see `train_loop`."""
     from popbert.data.classification import (
         classification_metrics,
         encode_classification,
@@ -373,7 +377,7 @@ def finetune_classify(checkpoint: Path, train_file: Path, output_dir: Path,
 
     def body() -> FinetuneResult:
         weights, fresh = train(cfg, "classification", pretrained.weights, arrays, output_dir,
-                               options.epochs)
+                               options.epochs, on_record)
         saved = _save(output_dir, cfg, weights, pretrained.vocab)
         logits = infer(model, "classification", weights, eval_arrays, options.eval_batch_size,
                        options.device)["logits"]

@@ -7,6 +7,10 @@ when the batches run out, or when it diverged: a loss that is not finite (or wei
 finite when a checkpoint is due), or a loss more than `divergence_factor` times the first step's.
 A diverged run stops at once with one line naming the last good checkpoint.
 
+A caller may watch every logged record (`on_record`, e.g. a sweep feeding its pruner the
+validation metric) and ask the run to stop at once: the loop then raises `RunStopped` on every
+replica, and the run keeps what it logged so far.
+
 A checkpoint holds the weights the *next* step's loss is computed from, so it counts as good only
 once that loss passed: until then it is pending, pruning never removes the last good one for it,
 and if that loss shows the run diverged, the pending checkpoint is discarded.
@@ -47,6 +51,20 @@ class TrainingDiverged(PopbertError):
                          "optimizer.lr, raise optimizer.warmup_steps, or use loss scaling)")
         self.step = step
         self.last_good = last_good
+
+
+class RunStopped(PopbertError):
+    """A caller's `on_record` asked the run to stop (a pruned sweep trial); the metrics logged so
+    far stay on record."""
+
+    def __init__(self, step: int, reason: str = "stopped by the caller"):
+        super().__init__(f"run stopped at step {step}: {reason}")
+        self.step = step
+        self.reason = reason
+
+
+# Called with (step, record) for every logged record; returns a reason (str) to stop the run.
+RecordHook = Callable[[int, dict[str, float]], "str | None"]
 
 
 @dataclass
@@ -97,7 +115,7 @@ def train_loop(session: TrainingSession, batches: Iterator[Batch], *, steps: int
                tracker: MetricsLogger | None = None, samples_per_step: int = 0,
                checkpointing: Checkpointing | None = None, desc: str = "train",
                divergence_factor: float = 0.0, validation: Sequence[Batch] | None = None,
-               eval_every: int = 0) -> LoopResult:
+               eval_every: int = 0, on_record: RecordHook | None = None) -> LoopResult:
     """Train until the session reaches `steps` optimizer steps (or `batches` runs out).
 
     The final checkpoint is the caller's: it knows what else the run writes. Under replicas
@@ -106,6 +124,8 @@ def train_loop(session: TrainingSession, batches: Iterator[Batch], *, steps: int
     `validation`: micro-batches evaluated (`evaluate`) after every step that is a multiple of
     `eval_every` (so a resumed run evaluates at the same steps); their `val_*` means go into
     that step's metrics record, which is logged even when it is not a `log_every` step.
+    `on_record(step, record)` sees every logged record on every replica; a reason (str) returned
+    on any replica stops all of them at once with `RunStopped` (after the record is logged).
     """
     if eval_every and not validation:
         raise ValueError("eval_every needs validation batches")
@@ -157,6 +177,10 @@ def train_loop(session: TrainingSession, batches: Iterator[Batch], *, steps: int
                                  else f"{shown[key]:.0f}"
                                  for key, label in POSTFIX.items() if key in shown})
                 window, window_start = {}, time.perf_counter()
+                if on_record is not None:
+                    reason = on_record(session.step, dict(record))
+                    if not _all_replicas(session, not reason):
+                        raise RunStopped(session.step, reason or "another replica stopped")
             if checkpointing is not None and checkpointing.every \
                     and session.step % checkpointing.every < steps_done and session.step < steps:
                 save_checked(session, checkpointing)
@@ -257,5 +281,5 @@ def _window_means(window: dict[str, list[float]], session: TrainingSession) -> d
     return dict(zip(means, (values / replicas.size).tolist()))
 
 
-__all__ = ["Checkpointing", "LoopResult", "TrainingDiverged", "evaluate", "save_checked",
-           "save_final", "train_loop"]
+__all__ = ["Checkpointing", "LoopResult", "RecordHook", "RunStopped", "TrainingDiverged",
+           "evaluate", "save_checked", "save_final", "train_loop"]

@@ -52,7 +52,14 @@ from popbert.runtime.devices import resolve_device
 from popbert.runtime.options import SessionOptions
 from popbert.runtime.session import TrainingSession
 from popbert.train.factories import graph_batch_size, loss_scaler, lr_schedule, optimizer_factory
-from popbert.train.loop import Checkpointing, TrainingDiverged, save_final, train_loop
+from popbert.train.loop import (
+    Checkpointing,
+    RecordHook,
+    RunStopped,
+    TrainingDiverged,
+    save_final,
+    train_loop,
+)
 
 log = logging.getLogger(__name__)
 
@@ -99,11 +106,14 @@ def check_supported(cfg: RunConfig) -> None:
 
 def run_pretraining(cfg: RunConfig, output_dir: Path, resume: Path | None = None,
                     init_from: Path | None = None, *,
-                    replicas: Replicas | None = None) -> RunResult:
+                    replicas: Replicas | None = None,
+                    on_record: RecordHook | None = None) -> RunResult:
     """Train `cfg` for `training.steps` total steps, writing everything into `output_dir`.
 
     Under torchrun this process is one of `execution.replicas` replicas; `replicas` may instead
     name the process group of a program that set torch.distributed up itself.
+    `on_record`: see `train_loop` (a sweep's pruner); a run it stops raises `RunStopped` and
+    keeps its metrics and plot.
     """
     check_supported(cfg)
     if cfg.execution.backend == "popart":  # PopART runs every replica from this one process
@@ -131,7 +141,8 @@ def run_pretraining(cfg: RunConfig, output_dir: Path, resume: Path | None = None
     replicas = (init_replicas(cfg, resolve_device(cfg.execution.device)) if replicas is None
                 else replicas)
     try:
-        result = _run(cfg, output_dir, restored, initial, data, replicas, held_out)
+        result = _run(cfg, output_dir, restored, initial, data, replicas, held_out,
+                      on_record)
     except BaseException:
         if owned:
             replicas.shutdown(clean=False)
@@ -143,8 +154,8 @@ def run_pretraining(cfg: RunConfig, output_dir: Path, resume: Path | None = None
 
 def _run(cfg: RunConfig, output_dir: Path, restored: ckpt.Checkpoint | None,
          initial: ckpt.Checkpoint | None, data: dict[str, np.ndarray] | ShardSet,
-         replicas: Replicas, held_out: dict[str, np.ndarray] | ShardSet | None = None
-         ) -> RunResult:
+         replicas: Replicas, held_out: dict[str, np.ndarray] | ShardSet | None = None,
+         on_record: RecordHook | None = None) -> RunResult:
     torch.manual_seed(cfg.training.seed)
     # PopART compiles for one micro batch: the popart dialect's inputs have it as their batch.
     graph = build_bert(cfg.model, seed=cfg.training.seed, batch_size=graph_batch_size(cfg))
@@ -171,9 +182,9 @@ def _run(cfg: RunConfig, output_dir: Path, restored: ckpt.Checkpoint | None,
         run_dir.clean_interrupted(output_dir)
     try:
         return _train(cfg, output_dir, session, loader, model, schedule, restored is not None,
-                      validation)
-    except TrainingDiverged:
-        raise  # the metrics and the plot of a diverged run are worth keeping
+                      validation, on_record)
+    except (TrainingDiverged, RunStopped):
+        raise  # the metrics and the plot of a diverged or stopped run are worth keeping
     except BaseException:
         if replicas.is_main:
             run_dir.remove_if_empty_run(output_dir, created)
@@ -218,7 +229,8 @@ def batches(loader: PretrainingLoader, micro_batches: int) -> Iterator[dict[str,
 
 def _train(cfg: RunConfig, output_dir: Path, session: TrainingSession,
            loader: PretrainingLoader, model, schedule, resumed: bool,
-           validation: list[dict] | None = None) -> RunResult:
+           validation: list[dict] | None = None, on_record: RecordHook | None = None
+           ) -> RunResult:
     main = session.replicas.is_main
     config_yaml = dump_config(cfg)
     tracker = None
@@ -237,7 +249,8 @@ def _train(cfg: RunConfig, output_dir: Path, session: TrainingSession,
                             tracker=tracker, samples_per_step=cfg.global_batch_size,
                             checkpointing=checkpointing, desc="pretrain",
                             divergence_factor=t.divergence_factor, validation=validation,
-                            eval_every=t.eval_every if validation else 0)
+                            eval_every=t.eval_every if validation else 0,
+                            on_record=on_record)
         last_checkpoint = save_final(session, checkpointing)
     finally:
         if tracker is not None:

@@ -79,6 +79,7 @@ class FakeRun:
         self.kwargs = kwargs
         self.id = kwargs.get("id") or "run123"
         self.logged: list[tuple[dict[str, Any], int]] = []
+        self.summary: dict[str, Any] = {}
         self.finished = False
 
     def log(self, data: dict[str, Any], step: int) -> None:
@@ -106,6 +107,7 @@ def test_wandb_mirror(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert run.kwargs["config"] == config and run.kwargs["dir"] == str(tmp_path)
     assert "mode" not in run.kwargs  # left to wandb, which reads WANDB_MODE
     assert run.logged == [({"loss": 2.0}, 10)]
+    assert run.summary == {"loss": 2.0, "step": 10}  # final metrics, written before finish
     assert run.finished
     assert read_metrics(tmp_path / "metrics.jsonl") == [
         {"step": 10, "loss": 2.0, "nsp_loss": pytest.approx(float("nan"), nan_ok=True)}

@@ -132,6 +132,10 @@ class TrackingConfig:
     backend: str = "none"
     project: str = "popbert"
     run_name: str | None = None
+    # W&B run group: the runs of one sweep share it (the sweep's id), so they are compared together.
+    group: str | None = None
+    # Upload the run's final checkpoint to W&B as a "model" artifact.
+    log_checkpoint: bool = False
 
 
 SECTIONS: dict[str, type] = {

@@ -2,7 +2,8 @@
 
 The JSONL file is the source of truth (plots, tests and resumed runs read it); it is flushed after
 every line so a killed run keeps every step it logged. Weights & Biases is optional and imported
-only when asked for.
+only when asked for; it works without an account in its offline mode (``WANDB_MODE=offline``:
+the run is written under ``WANDB_DIR`` or the run directory, for ``wandb sync`` later).
 """
 
 from __future__ import annotations
@@ -45,45 +46,77 @@ def _jsonable(value: Any) -> Any:
 class MetricsLogger:
     """Append metrics dicts to `<output_dir>/metrics.jsonl` and, with backend "wandb", to W&B.
 
+    `backend`, `project`, `run_name`, `group` and `log_checkpoint` default to the config's
+    ``tracking`` section (`config_dict["tracking"]`), so every job that hands its config over is
+    tracked the way its config says. In W&B the run carries the whole config; on close its
+    summary gets the final value of every metric and, with `log_checkpoint`, the run's newest
+    checkpoint is uploaded as a "model" artifact. Runs of one sweep share a `group`.
+
     On resume (``resume_step``) the file is first cut back to the records up to that step, then
     appended to: the steps trained after the checkpoint and lost in the crash are trained again,
     and a run's history stays one line per step.
     """
 
     def __init__(self, output_dir: str | os.PathLike[str], config_dict: Mapping[str, Any],
-                 backend: str = "none", project: str = "popbert",
-                 run_name: str | None = None, resume_step: int | None = None) -> None:
+                 backend: str | None = None, project: str | None = None,
+                 run_name: str | None = None, resume_step: int | None = None,
+                 group: str | None = None, log_checkpoint: bool | None = None) -> None:
+        section = config_dict.get("tracking")
+        tracking: Mapping[str, Any] = section if isinstance(section, Mapping) else {}
+        backend = backend if backend is not None else tracking.get("backend") or "none"
         if backend not in ("none", "wandb"):
             raise ConfigError(f"tracking.backend: expected one of none, wandb, got {backend!r}")
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.output_dir / METRICS_FILE
         self.backend = backend
+        self.log_checkpoint = bool(log_checkpoint if log_checkpoint is not None
+                                   else tracking.get("log_checkpoint", False))
         if resume_step is not None and self.path.is_file():
             truncate_metrics(self.path, resume_step)
         self._wandb_run: Any = None
+        self._wandb: Any = None
+        self._final: dict[str, Any] = {}  # the last value of each metric, for the W&B summary
         if backend == "wandb":
-            self._wandb_run = self._init_wandb(dict(config_dict), project, run_name)
+            self._wandb_run = self._init_wandb(
+                dict(config_dict),
+                project if project is not None else tracking.get("project") or "popbert",
+                run_name if run_name is not None else tracking.get("run_name"),
+                group if group is not None else tracking.get("group"))
         self._file: IO[str] | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
 
-    def _init_wandb(self, config: dict[str, Any], project: str, run_name: str | None) -> Any:
+    def _init_wandb(self, config: dict[str, Any], project: str, run_name: str | None,
+                    group: str | None) -> Any:
         try:
             import wandb
         except ImportError:
             raise ConfigError("tracking.backend is 'wandb' but wandb is not installed: "
                               "pip install wandb (or set tracking.backend=none)") from None
+        self._wandb = wandb
         # A resumed run reconnects to its W&B run through the id saved next to the metrics.
         id_file = self.output_dir / _WANDB_ID_FILE
         run_id = id_file.read_text().strip() if id_file.is_file() else None
+        options: dict[str, Any] = {"project": project, "name": run_name, "config": config,
+                                   "id": run_id, "resume": "allow" if run_id else None}
+        if group:
+            options["group"] = group
+        if not os.environ.get("WANDB_DIR"):  # WANDB_DIR, when set, says where runs go
+            options["dir"] = str(self.output_dir)
         # mode is left to wandb, which honours WANDB_MODE (online / offline / disabled).
-        run = wandb.init(project=project, name=run_name, config=config,
-                         dir=str(self.output_dir), id=run_id,
-                         resume="allow" if run_id else None)
+        errors = getattr(getattr(wandb, "errors", None), "Error", None)
+        try:
+            run = wandb.init(**options)
+        except Exception as error:
+            if isinstance(errors, type) and isinstance(error, errors):
+                # Typically no account in online mode: one line that says how to go on.
+                raise ConfigError(f"tracking.backend wandb: {' '.join(str(error).split())} "
+                                  f"(WANDB_MODE=offline logs without an account)") from None
+            raise
         new_id = getattr(run, "id", None)
         if new_id and new_id != run_id:
-            id_file.write_text(str(new_id))
-        logger.info("logging to W&B project %s (mode %s)", project,
-                    os.environ.get("WANDB_MODE", "online"))
+            atomic_write_text(id_file, str(new_id))
+        logger.info("logging to W&B project %s%s (mode %s)", project,
+                    f", group {group}" if group else "", os.environ.get("WANDB_MODE", "online"))
         return run
 
     def log(self, metrics: Mapping[str, Any], step: int | None = None) -> dict[str, Any]:
@@ -105,16 +138,47 @@ class MetricsLogger:
             payload = {k: v for k, v in record.items() if k != "step"
                        and not (isinstance(v, float) and math.isnan(v))}
             self._wandb_run.log(payload, step=record["step"])
+            self._final.update(payload)
+            self._final["step"] = record["step"]
         return record
 
-    def close(self) -> None:
-        """Close the file and finish the W&B run; safe to call twice."""
+    def close(self, checkpoint: str | os.PathLike[str] | None = None) -> None:
+        """Close the file and finish the W&B run (final metrics into its summary; with
+        `log_checkpoint`, `checkpoint` or else the run's newest one as an artifact); safe to call
+        twice."""
         if self._file is not None:
             self._file.close()
             self._file = None
         if self._wandb_run is not None:
-            self._wandb_run.finish()
-            self._wandb_run = None
+            run, self._wandb_run = self._wandb_run, None
+            try:
+                if self._final:
+                    run.summary.update(self._final)
+                if self.log_checkpoint:
+                    self._log_checkpoint(run, checkpoint)
+            finally:
+                run.finish()
+
+    def _log_checkpoint(self, run: Any, checkpoint: str | os.PathLike[str] | None) -> None:
+        from popbert.io.run_dir import checkpoint_dirs
+
+        if checkpoint is None:
+            found = checkpoint_dirs(self.output_dir)
+            if not found:
+                logger.warning("tracking.log_checkpoint: %s has no checkpoint to upload",
+                               self.output_dir)
+                return
+            checkpoint = found[-1]
+        path = Path(checkpoint)
+        artifact = self._wandb.Artifact(f"checkpoint-{run.id}", type="model",
+                                        metadata={"step": self._final.get("step"),
+                                                  "checkpoint": path.name})
+        if path.is_dir():
+            artifact.add_dir(str(path))
+        else:
+            artifact.add_file(str(path))
+        run.log_artifact(artifact, aliases=["latest", path.name])
+        logger.info("logged %s to W&B as artifact %s", path, artifact.name)
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -1,0 +1,145 @@
+"""A real run tracked by real W&B in offline mode (no account, no network): the offline run file
+holds the run's group, name and config, every logged step, the final metrics in its summary and
+the final checkpoint as a model artifact.
+
+wandb 0.31 writes no `files/config.yaml` or `wandb-summary.json` for an offline run (those come
+from `wandb sync`); everything is in the run's `.wandb` file, a LevelDB-style log of protobuf
+`Record`s, which `offline_records` below reads with wandb's own protobuf classes.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from popbert.cli.main import main
+from popbert.observe.tracking import read_metrics
+
+wandb_pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")
+
+GROUP = "sweep-test-group"
+RUN_NAME = "trial-0007"
+TINY = ["model.num_layers=1", "model.hidden_size=64", "model.intermediate_size=128",
+        "model.sequence_length=64", "model.max_position_embeddings=64",
+        "model.max_predictions_per_seq=10", "execution.micro_batch_size=8",
+        "optimizer.lr=0.002", "optimizer.warmup_steps=1", "training.steps=4",
+        "training.log_every=2", "data.validation_fraction=0.02", "training.eval_batches=1",
+        "training.eval_every=2"]
+TRACKING = ["tracking.backend=wandb", f"tracking.group={GROUP}",
+            f"tracking.run_name={RUN_NAME}", "tracking.log_checkpoint=true"]
+
+# The log format of wandb's .wandb files (32 KiB blocks, 7-byte record headers).
+_FILE_HEADER = struct.Struct("<4sHB")  # b":W&B", magic 0xBEE1, version 0
+_RECORD_HEADER = struct.Struct("<IHB")  # checksum, length, type (full / first / middle / last)
+_BLOCK = 32768
+
+
+def offline_records(path: Path) -> Iterator[Any]:
+    """The protobuf Records of an offline run's .wandb file, in order."""
+    raw = path.read_bytes()
+    ident, magic, version = _FILE_HEADER.unpack_from(raw)
+    assert (ident, magic, version) == (b":W&B", 0xBEE1, 0), (ident, magic, version)
+    pos, pending = _FILE_HEADER.size, b""
+    while pos + _RECORD_HEADER.size <= len(raw):
+        left = _BLOCK - pos % _BLOCK
+        if left < _RECORD_HEADER.size:  # block trailer padding
+            pos += left
+            continue
+        _, length, kind = _RECORD_HEADER.unpack_from(raw, pos)
+        if length == 0 and kind == 0:  # zero padding up to the next block
+            pos += left
+            continue
+        data = raw[pos + _RECORD_HEADER.size:pos + _RECORD_HEADER.size + length]
+        pos += _RECORD_HEADER.size + length
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            record = wandb_pb.Record()
+            record.ParseFromString(pending + data)
+            pending = b""
+            yield record
+        else:  # first or middle piece
+            pending += data
+
+
+def _key(item: Any) -> str:
+    return item.key or "/".join(item.nested_key)
+
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """ONE tracked run for the file (each W&B run costs a service round trip); its parsed
+    offline records."""
+    root = tmp_path_factory.mktemp("wandb")
+    run_dir = root / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_MODE", "offline")
+        mp.setenv("WANDB_DIR", str(root / "wandb-dir"))
+        mp.setenv("WANDB_SILENT", "true")
+        (root / "wandb-dir").mkdir()
+        args = ["pretrain", "--output-dir", str(run_dir)]
+        for override in TINY + TRACKING:
+            args += ["--set", override]
+        assert main(args) == 0
+    files = sorted((root / "wandb-dir").glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files
+    parsed: dict[str, Any] = {"run_dir": run_dir, "run": None, "summary": {}, "history": [],
+                              "artifacts": []}
+    for record in offline_records(files[0]):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            parsed["run"] = record.run
+        elif kind == "summary":
+            for item in record.summary.update:
+                parsed["summary"][_key(item)] = json.loads(item.value_json)
+        elif kind == "history":
+            parsed["history"].append({_key(i): json.loads(i.value_json)
+                                      for i in record.history.item})
+        elif kind == "artifact":
+            parsed["artifacts"].append(record.artifact)
+    return parsed
+
+
+def test_run_has_group_name_and_the_whole_config(tracked: dict[str, Any]) -> None:
+    run = tracked["run"]
+    assert run is not None
+    assert run.run_group == GROUP and run.display_name == RUN_NAME
+    assert run.project == "popbert"
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    saved = yaml.safe_load((tracked["run_dir"] / "config.yaml").read_text())
+    for section in ("model", "optimizer", "training", "tracking"):
+        assert config[section] == saved[section], section
+    assert config["optimizer"]["lr"] == 0.002 and config["model"]["hidden_size"] == 64
+    # The resumable link from the run directory to its W&B run.
+    assert (tracked["run_dir"] / "wandb_run_id").read_text() == run.run_id
+
+
+def test_every_step_and_the_final_metrics(tracked: dict[str, Any]) -> None:
+    records = read_metrics(tracked["run_dir"] / "metrics.jsonl")
+    assert [r["step"] for r in records] == [2, 4]
+    history = {row["_step"]: row for row in tracked["history"]}
+    assert sorted(history) == [2, 4]
+    for record in records:
+        row = history[record["step"]]
+        for key in ("loss", "mlm_loss", "val_mlm_loss", "lr"):
+            assert row[key] == pytest.approx(record[key], rel=1e-12), key
+    summary, last = tracked["summary"], records[-1]
+    assert summary["step"] == 4
+    for key in ("loss", "mlm_loss", "nsp_loss", "val_loss", "val_mlm_loss", "mlm_accuracy"):
+        assert summary[key] == pytest.approx(last[key], rel=1e-12), key
+
+
+def test_final_checkpoint_is_a_model_artifact(tracked: dict[str, Any]) -> None:
+    (artifact,) = tracked["artifacts"]
+    run = tracked["run"]
+    assert artifact.type == "model" and artifact.name == f"checkpoint-{run.run_id}"
+    assert json.loads(artifact.metadata) == {"step": 4, "checkpoint": "step-000004"}
+    checkpoint = tracked["run_dir"] / "checkpoints" / "step-000004"
+    on_disk = {p.relative_to(checkpoint).as_posix(): p.stat().st_size
+               for p in checkpoint.rglob("*") if p.is_file()}
+    uploaded = {entry.path: entry.size for entry in artifact.manifest.contents}
+    assert uploaded == on_disk and "weights.safetensors" in uploaded

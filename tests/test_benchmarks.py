@@ -1,0 +1,51 @@
+"""The benchmarks import (a refactor once broke one silently), and the step-time benchmark's
+Hugging Face peer does the same work as popbert: the same loss on the same weights and batch."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+from bert_helpers import hf_model, padded_batch
+
+from popbert.builders.bert import build_bert
+from popbert.builders.bert_config import BertConfig
+from popbert.io.hf_mapping import to_hf
+from popbert.runtime.session import SessionOptions, TrainingSession
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(f"benchmark_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("path", sorted(BENCHMARKS.glob("*.py")), ids=lambda p: p.stem)
+def test_benchmark_imports(path: Path) -> None:
+    assert callable(getattr(_load(path), "main", None)), f"{path.name} has no main()"
+
+
+def test_masked_head_peer_computes_popberts_loss() -> None:
+    step_time = _load(BENCHMARKS / "step_time.py")
+    config = BertConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=2,
+                        intermediate_size=128, sequence_length=128, max_predictions_per_seq=20,
+                        hidden_dropout=0.0, attention_dropout=0.0)
+    model = build_bert(config, seed=0).model()
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    session = TrainingSession(model, "loss",
+                              lambda p: torch.optim.SGD([x for _, x in p], lr=0.0),
+                              SessionOptions(device="cpu"))
+    batch = {k: torch.from_numpy(v) for k, v in padded_batch(config, 4, seed=1).items()}
+    ours = float(session.run(batch)["loss"][0])
+    peer = hf_model(config, to_hf(weights, config)).eval()
+    theirs = float(step_time.masked_head_loss(peer, batch))
+    # FP32, same weights: the only difference is kernel summation order (~1e-6 relative).
+    assert theirs == pytest.approx(ours, rel=1e-5)

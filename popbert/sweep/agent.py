@@ -1,0 +1,380 @@
+"""The sweep agent: take a trial from the study, run its job as a popbert run, report, repeat.
+
+Each trial runs in the agent's process as a popbert run directory `trials/trial-NNNN/` (config,
+metrics.jsonl, checkpoint, plot). Every value of the metric the job logs is reported to the
+study (the resource is the count of values: W&B's iterations), and when the pruner says so the
+run stops at once (`popbert.train.loop.RunStopped`) and keeps its partial metrics; the trial is
+PRUNED with its last value. A job that fails by itself (diverged, a bad value) is a FAIL with
+`outcome: error` that counts against `run_cap`; a trial whose agent died (SIGKILL, a lost
+machine) stops beating and is failed by the next agent that looks, then retried (Optuna's
+heartbeat and `RetryFailedTrialCallback`).
+
+Under torchrun every process runs the agent; replica 0 talks to the store and hands each trial's
+parameters to the others, and all replicas run the trial together (`execution.replicas`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from popbert.errors import ConfigError, PopbertError, UsageError
+from popbert.sweep.spec import (
+    SweepSpec,
+    base_config,
+    job_metrics,
+    override_text,
+)
+from popbert.sweep.study import (
+    OUTCOME,
+    Sweep,
+    cap,
+    create_sweep,
+    init_checkpoint,
+    make_pruner,
+    make_sampler,
+    open_sweep,
+    recheck,
+    retry_callback,
+    slots_left,
+    why_skip,
+)
+
+log = logging.getLogger(__name__)
+
+FAILURES_IN_A_ROW = 3  # an agent whose trials keep failing stops (like W&B's agent)
+
+
+class TrialError(Exception):
+    """The trial's job failed (recorded on the trial); the agent goes on to the next."""
+
+
+class TrialSkipped(Exception):
+    """The trial was taken but must not run (cap reached, grid point taken)."""
+
+
+@dataclass
+class AgentReport:
+    """What one agent did: the trials it ran (number → state name)."""
+
+    trials: dict[int, str] = field(default_factory=dict)
+    stopped: str = ""
+
+
+def suggest(trial: optuna.Trial, name: str,
+            dist: optuna.distributions.BaseDistribution) -> Any:
+    """The trial's value of one parameter, through Optuna's public suggest API."""
+    from optuna.distributions import CategoricalDistribution, IntDistribution
+
+    if isinstance(dist, CategoricalDistribution):
+        return trial.suggest_categorical(name, dist.choices)
+    if isinstance(dist, IntDistribution):
+        return trial.suggest_int(name, dist.low, dist.high, step=dist.step, log=dist.log)
+    return trial.suggest_float(name, dist.low, dist.high, step=dist.step, log=dist.log)
+
+
+def run_job(sweep: Sweep, params: Mapping[str, Any], run_dir: Path, *,
+            device: str | None = None, on_record=None, replicas=None) -> float:
+    """Run the sweep's job with one trial's parameters into `run_dir`; returns the final value
+    of the metric (the job's last logged value, or its end-of-run evaluation)."""
+    spec = sweep.spec
+    logged, final = job_metrics(spec)
+    init = init_checkpoint(sweep)
+    if spec.job == "pretrain":
+        from popbert.config import DEFAULT_PRESET, load_config
+        from popbert.train.pretrain import run_pretraining
+
+        overrides = spec.overrides(params)
+        if device is not None:
+            overrides.append(override_text("execution.device", device))
+        cfg = load_config(spec.config or DEFAULT_PRESET, overrides)
+        run_pretraining(cfg, run_dir, init_from=init, replicas=replicas, on_record=on_record)
+        results: dict[str, float] = {}
+    else:
+        results = _run_finetune(spec, params, run_dir, init, device, on_record)
+    if spec.metric in final:
+        value = results.get(spec.metric)
+    else:
+        value = last_value(run_dir / "metrics.jsonl", spec.metric)
+    if value is None or not math.isfinite(value):
+        raise TrialError(f"the job wrote no finite {spec.metric}")
+    return float(value)
+
+
+def last_value(metrics: Path, key: str) -> float | None:
+    """The last value of `key` in a metrics.jsonl (None when it never appears)."""
+    from popbert.observe.tracking import read_metrics
+
+    if not metrics.is_file():
+        return None
+    values = [r[key] for r in read_metrics(metrics) if isinstance(r.get(key), int | float)]
+    return float(values[-1]) if values else None
+
+
+def _run_finetune(spec: SweepSpec, params: Mapping[str, Any], run_dir: Path,
+                  init: Path | None, device: str | None, on_record) -> dict[str, float]:
+    from popbert.train.finetune import TrainOptions, finetune_classify, finetune_squad
+
+    args = spec.job_args(params)
+    options = spec.finetune_options(params)
+    for key in ("epochs", "warmup_proportion", "eval_batch_size"):
+        if key in args:
+            options[key] = args.pop(key)
+    if device is not None:
+        options["device"] = device
+    checkpoint = Path(args.pop("checkpoint")) if "checkpoint" in args else init
+    train_file = Path(args.pop("train"))
+    if spec.job == "finetune squad":
+        predict = args.pop("predict", None)
+        result = finetune_squad(checkpoint, train_file, run_dir,
+                                predict_file=Path(predict) if predict else None,
+                                options=TrainOptions(**options), on_record=on_record, **args)
+    else:
+        evaluation = args.pop("eval", None)
+        labels = args.pop("labels", None)
+        pair = args.pop("text_pair_column", None)
+        result = finetune_classify(
+            checkpoint, train_file, run_dir, eval_file=Path(evaluation) if evaluation else None,
+            options=TrainOptions(**options), on_record=on_record, pair_column=pair,
+            labels=[x.strip() for x in labels.split(",")] if labels else None, **args)
+    return dict(result.metrics)
+
+
+class Agent:
+    """Runs trials of one sweep until it is done, `count` trials ran, or it is interrupted."""
+
+    def __init__(self, sweep: Sweep, count: int | None = None, device: str | None = None):
+        if count is not None and count < 1:
+            raise UsageError(f"--count: expected a positive number of trials, got {count}")
+        self.sweep = sweep
+        self.spec = sweep.spec
+        self.count = count
+        self.device = device
+        self.replicas = None
+        self.report = AgentReport()
+
+    # -- one trial ------------------------------------------------------------------------------
+
+    def objective(self, trial: optuna.Trial) -> float:
+        from popbert.sweep.study import search_space
+
+        params = {name: suggest(trial, name, dist)
+                  for name, dist in search_space(self.spec).items()}
+        self._number = trial.number
+        trials = trial.study.get_trials(deepcopy=False)
+        me = next(t for t in trials if t.number == trial.number)
+        reason = why_skip(self.spec, me, trials)
+        if reason is not None:
+            trial.set_user_attr(OUTCOME, "skipped")
+            trial.set_user_attr("error", reason)
+            raise TrialSkipped(reason)
+        run_dir = self.sweep.trial_dir(trial.number)
+        for key, value in {"run_dir": str(run_dir), "host": socket.gethostname(),
+                           "pid": os.getpid(), "device": self.device or "config"}.items():
+            trial.set_user_attr(key, value)
+        log.info("trial %d: %s → %s", trial.number, params, run_dir)
+        self._broadcast(("trial", trial.number, params))
+        try:
+            value = run_job(self.sweep, params, run_dir, device=self.device,
+                            on_record=self._reporter(trial), replicas=self.replicas)
+        except optuna.TrialPruned:
+            raise
+        except Exception as error:
+            from popbert.train.loop import RunStopped
+
+            if isinstance(error, RunStopped):
+                trial.set_user_attr(OUTCOME, "pruned")
+                trial.set_user_attr("stopped_step", error.step)
+                log.info("trial %d pruned at step %d", trial.number, error.step)
+                raise optuna.TrialPruned(str(error)) from None
+            message = " ".join(str(error).split()) or type(error).__name__
+            trial.set_user_attr(OUTCOME, "error")
+            trial.set_user_attr("error", message[:1000])
+            if not isinstance(error, PopbertError | TrialError):
+                log.exception("trial %d failed", trial.number)
+            raise TrialError(message) from None
+        trial.set_user_attr(OUTCOME, "complete")
+        log.info("trial %d: %s = %.6g", trial.number, self.spec.metric, value)
+        return value
+
+    def _reporter(self, trial: optuna.Trial | None):
+        """The loop's `on_record`: report each value of the metric; a reason to stop when the
+        pruner prunes (only replica 0 asks the store; the loop agrees with the others)."""
+        metric = self.spec.metric
+        _, final = job_metrics(self.spec)
+        if metric in final:  # an end-of-run evaluation: nothing to report on the way
+            return None
+        seen = [0]
+
+        def on_record(step: int, record: dict[str, float]) -> str | None:
+            value = record.get(metric)
+            if trial is None or not isinstance(value, int | float) or not math.isfinite(value):
+                return None
+            seen[0] += 1
+            trial.report(float(value), seen[0])
+            if trial.should_prune():
+                return f"pruned ({metric} {value:.4g} after {seen[0]} values)"
+            return None
+
+        return on_record
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> AgentReport:
+        """Take and run trials until the sweep is done or `count` trials ran."""
+        recheck(self.sweep)
+        self._join_replicas()
+        if self.replicas is not None and not self.replicas.is_main:
+            self._follow()
+            return self.report
+        salt = os.getpid()
+        study = self.sweep.load_study(make_sampler(self.spec, salt), make_pruner(self.spec))
+        failures = 0
+        try:
+            while self.count is None or len(self.report.trials) < self.count:
+                optuna.storages.fail_stale_trials(study)
+                if slots_left(self.spec, study) == 0:
+                    self.report.stopped = "the sweep is done"
+                    break
+                self._number = None
+                try:
+                    study.optimize(self.objective, n_trials=1, catch=(TrialError, TrialSkipped),
+                                   gc_after_trial=True)
+                except KeyboardInterrupt:
+                    self._retry_interrupted(study)
+                    raise
+                if self._number is None:
+                    continue
+                trial = study.get_trials(deepcopy=False)[self._number]
+                outcome = trial.user_attrs.get(OUTCOME)
+                if outcome == "skipped":
+                    continue
+                self.report.trials[trial.number] = trial.state.name
+                failures = failures + 1 if outcome == "error" else 0
+                if failures >= FAILURES_IN_A_ROW:
+                    raise UsageError(f"sweep {self.sweep.id}: {failures} trials in a row "
+                                     f"failed; the last: trial {trial.number}: "
+                                     f"{trial.user_attrs.get('error')}")
+            else:
+                self.report.stopped = f"ran --count {self.count} trials"
+        finally:
+            self._broadcast(("stop",))
+        log.info("agent done (%s): trials %s", self.report.stopped or "stopped",
+                 ", ".join(f"{n} {s}" for n, s in self.report.trials.items()) or "none")
+        return self.report
+
+    def _retry_interrupted(self, study: optuna.Study) -> None:
+        """An interrupted trial (Ctrl-C) is failed by Optuna; put it back for the next agent, as
+        the heartbeat would for a killed one."""
+        number = getattr(self, "_number", None)
+        if number is None:
+            return
+        trial = study.get_trials(deepcopy=False)[number]
+        if trial.state == TrialState.FAIL and OUTCOME not in trial.user_attrs:
+            retry_callback()(study, trial)
+            log.info("trial %d interrupted: queued again for the next agent", number)
+
+    # -- torchrun -------------------------------------------------------------------------------
+
+    def _join_replicas(self) -> None:
+        from popbert.distributed import world_size_from_env
+
+        if world_size_from_env() == 1:
+            return
+        if self.spec.job != "pretrain":
+            raise ConfigError(f"sweep {self.sweep.id}: {self.spec.job} runs in one process; "
+                              "start its agent without torchrun")
+        from popbert.distributed import init_replicas
+        from popbert.runtime.devices import resolve_device
+
+        overrides = ([override_text("execution.device", self.device)]
+                     if self.device is not None else [])
+        cfg = base_config(self.spec)
+        if overrides:
+            from popbert.config import DEFAULT_PRESET, load_config
+
+            cfg = load_config(self.spec.config or DEFAULT_PRESET,
+                              self.spec.overrides() + overrides)
+        self.replicas = init_replicas(cfg, resolve_device(cfg.execution.device))
+
+    def _broadcast(self, message: tuple) -> None:
+        if self.replicas is not None and self.replicas.distributed:
+            self.replicas.all_gather_object(message)
+
+    def _follow(self) -> None:
+        """Replicas other than 0: run each trial replica 0 announces, until it says stop."""
+        while True:
+            message = self.replicas.all_gather_object(None)[0]
+            if message[0] != "trial":
+                return
+            _, number, params = message
+            try:
+                run_job(self.sweep, params, self.sweep.trial_dir(number), device=self.device,
+                        on_record=lambda step, record: None, replicas=self.replicas)
+            except Exception as error:  # replica 0 records it
+                log.debug("trial %d on this replica: %s", number, error)
+
+
+def run_agent(sweep_ref: str | os.PathLike[str], *, storage: str | None = None,
+              count: int | None = None, device: str | None = None,
+              output_dir: Path | None = None) -> AgentReport:
+    """Open a sweep (directory, or id in `storage`) and run an agent on it."""
+    sweep = open_sweep(sweep_ref, storage, output_dir)
+    return Agent(sweep, count=count, device=device).run()
+
+
+def run_sweep(path: str | os.PathLike[str], agents: int, *, output_dir: Path | None = None,
+              storage: str | None = None, count: int | None = None,
+              devices: list[str] | None = None) -> Sweep:
+    """Create a sweep and run `agents` local agent processes on it to the end (each logs to
+    `agent-<i>.log` in the sweep directory; device `devices[i % len(devices)]`)."""
+    if agents < 1:
+        raise UsageError(f"--agents: expected a positive number, got {agents}")
+    from popbert.sweep.spec import load_spec
+
+    spec = load_spec(path)
+    if cap(spec) is None and count is None:
+        raise UsageError(f"{path}: method {spec.method} without run_cap never ends: set "
+                         "run_cap in the sweep file or pass --count")
+    sweep = create_sweep(path, output_dir, storage)
+    processes = []
+    for i in range(agents):
+        command = [sys.executable, "-m", "popbert", "sweep", "agent", str(sweep.directory)]
+        if count is not None:
+            command += ["--count", str(count)]
+        if devices:
+            command += ["--device", devices[i % len(devices)]]
+        logfile = open(sweep.directory / f"agent-{i}.log", "ab")  # noqa: SIM115
+        processes.append((subprocess.Popen(command, stdout=logfile, stderr=subprocess.STDOUT),
+                          logfile))
+    failed = []
+    try:
+        for i, (process, logfile) in enumerate(processes):
+            code = process.wait()
+            logfile.close()
+            if code != 0:
+                failed.append(f"agent {i} exited with {code} (see "
+                              f"{sweep.directory / f'agent-{i}.log'})")
+    except BaseException:
+        for process, _ in processes:
+            if process.poll() is None:
+                process.terminate()
+        raise
+    if failed:
+        raise UsageError(f"sweep {sweep.id}: " + "; ".join(failed))
+    return sweep
+
+
+__all__ = ["Agent", "AgentReport", "FAILURES_IN_A_ROW", "TrialError", "TrialSkipped",
+           "last_value", "run_agent", "run_job", "run_sweep", "suggest"]

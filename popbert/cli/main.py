@@ -237,10 +237,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from popbert.observe.plots import plot_metrics
+    """One run (its metrics.jsonl or directory): its full plot; several, or --metric: overlaid."""
+    if len(args.paths) == 1 and not args.metric:
+        from popbert.observe.plots import plot_metrics
 
-    output = args.output if args.output is not None else args.metrics.with_suffix(".png")
-    path = plot_metrics(args.metrics, output)
+        metrics = args.paths[0]
+        if metrics.is_dir():
+            metrics = metrics / "metrics.jsonl"
+        output = args.output if args.output is not None else metrics.with_suffix(".png")
+        path = plot_metrics(metrics, output)
+    else:
+        from popbert.observe.compare import compare_runs
+
+        path = compare_runs(args.paths, args.output if args.output is not None
+                            else Path("compare.png"), metrics=args.metric)
     logger.info("wrote %s", path)
     return 0
 
@@ -448,10 +458,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
     p.set_defaults(handler=_cmd_plan)
 
-    p = sub.add_parser("plot", parents=[common], help="plot a run's metrics.jsonl to PNG")
-    p.add_argument("metrics", type=Path, metavar="METRICS.jsonl")
+    p = sub.add_parser("plot", parents=[common], help="plot a run's metrics, or overlay "
+                       "several runs' curves labelled by what differs in their configs")
+    p.add_argument("paths", type=Path, nargs="+", metavar="RUN_DIR",
+                   help="run directories (or their metrics.jsonl); one: its full plot; "
+                        "several: their curves in one PNG")
     p.add_argument("--output", "-o", type=Path, default=None, metavar="FILE.png",
-                   help="default: next to the metrics file, same name with .png")
+                   help="default: next to one run's metrics file, same name with .png; "
+                        "compare.png for several runs")
+    p.add_argument("--metric", action="append", default=[], metavar="KEY",
+                   help="a metrics.jsonl key to compare (repeatable; default: loss and "
+                        "the validation metrics)")
     p.set_defaults(handler=_cmd_plot)
 
     from popbert.cli.data import add_commands as add_data_commands

@@ -17,7 +17,9 @@ from popbert.errors import UsageError
 from popbert.observe.tracking import read_metrics
 
 
-def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+def metric_series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the records that logged `key` as a number (NaN and non-numbers left
+    out, so a curve has only points that can be drawn)."""
     steps, values = [], []
     for r in records:
         v = r.get(key)
@@ -27,7 +29,7 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return steps, values
 
 
-def _by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def one_record_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One record per step, the last logged (a resumed run re-logs steps after its checkpoint)."""
     latest: dict[int, dict[str, Any]] = {}
     for r in records:
@@ -46,7 +48,7 @@ def plot_metrics(metrics_jsonl: str | os.PathLike[str],
     metrics_jsonl = Path(metrics_jsonl)
     if not metrics_jsonl.is_file():
         raise UsageError(f"metrics file not found: {metrics_jsonl}")
-    records = _by_step(read_metrics(metrics_jsonl))
+    records = one_record_per_step(read_metrics(metrics_jsonl))
     if not records:
         raise UsageError(f"{metrics_jsonl}: no logged steps to plot")
     fig = draw_metrics(records, f"Pre-training metrics: {metrics_jsonl.resolve().parent.name}")
@@ -68,7 +70,7 @@ def draw_metrics(records: list[dict[str, Any]], title: str) -> Any:
     fig.suptitle(title)
 
     def line(ax: Any, key: str, label: str, **kw: Any) -> bool:
-        steps, values = _series(records, key)
+        steps, values = metric_series(records, key)
         if steps:
             kw.setdefault("marker", "." if len(steps) < 30 else None)
             ax.plot(steps, values, label=label, **kw)
@@ -102,12 +104,12 @@ def draw_metrics(records: list[dict[str, Any]], title: str) -> Any:
 
     ax = axes[1, 0]
     has_lr = line(ax, "lr", "learning rate", color="tab:purple")
-    ax.set_title("Learning rate" + (" and loss scale" if _series(records, "loss_scale")[0]
+    ax.set_title("Learning rate" + (" and loss scale" if metric_series(records, "loss_scale")[0]
                                     else ""))
     ax.set_ylabel("learning rate")
     ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     handles, labels = ax.get_legend_handles_labels() if has_lr else ([], [])
-    if _series(records, "loss_scale")[0]:
+    if metric_series(records, "loss_scale")[0]:
         ax2 = ax.twinx()
         line(ax2, "loss_scale", "loss scale", color="tab:red", linestyle="--")
         ax2.set_yscale("log", base=2)
@@ -129,4 +131,4 @@ def draw_metrics(records: list[dict[str, Any]], title: str) -> Any:
     return fig
 
 
-__all__ = ["draw_metrics", "plot_metrics"]
+__all__ = ["draw_metrics", "metric_series", "one_record_per_step", "plot_metrics"]

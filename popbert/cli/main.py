@@ -474,6 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
     from popbert.cli.data import add_commands as add_data_commands
 
     add_data_commands(sub, common)  # prepare-data and its stages
+    from popbert.cli.sweep import add_commands as add_sweep_commands
+
+    add_sweep_commands(sub, common)  # sweep create | agent | run | show
     return parser
 
 

@@ -1,0 +1,112 @@
+"""`popbert sweep create | agent | run | show`: hyperparameter sweeps (popbert.sweep).
+
+A SWEEP argument is a sweep directory (made by `create`, holding `sweep.yaml` and the embedded
+store), or a sweep id together with `--storage URL` of the store it lives in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+logger = logging.getLogger("popbert")
+
+
+def _cmd_create(args: argparse.Namespace) -> int:
+    from popbert.sweep.study import create_sweep
+
+    sweep = create_sweep(args.file, args.output_dir, args.storage)
+    logger.info("sweep %s in %s; run agents with: popbert sweep agent %s", sweep.id,
+                sweep.directory, sweep.directory)
+    sys.stdout.write(sweep.id + "\n")
+    return 0
+
+
+def _cmd_agent(args: argparse.Namespace) -> int:
+    from popbert.sweep.agent import run_agent
+
+    run_agent(args.sweep, storage=args.storage, count=args.count, device=args.device,
+              output_dir=args.output_dir)
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from popbert.sweep.agent import run_sweep
+    from popbert.sweep.show import table
+
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
+    sweep = run_sweep(args.file, args.agents, output_dir=args.output_dir, storage=args.storage,
+                      count=args.count, devices=devices)
+    sys.stdout.write(table(sweep, sweep.load_study()))
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from popbert.sweep.show import plot_sweep, table
+    from popbert.sweep.study import open_sweep
+
+    sweep = open_sweep(args.sweep, args.storage)
+    study = sweep.load_study()
+    sys.stdout.write(table(sweep, study))
+    if not args.no_plots:
+        for path in plot_sweep(sweep, study, args.plots_dir):
+            logger.info("wrote %s", path)
+    return 0
+
+
+def add_commands(sub, common: argparse.ArgumentParser) -> None:
+    """Register `popbert sweep` and its verbs on the top-level subparsers."""
+    group = sub.add_parser(
+        "sweep", parents=[common], help="hyperparameter sweeps (W&B sweep files, Optuna store)",
+        description="Sweep config keys over any job (pretrain, finetune squad, finetune "
+                    "classify) with grid, random or Bayesian search; every trial is a popbert "
+                    "run directory.")
+    verbs = group.add_subparsers(dest="sweep_verb", metavar="VERB", required=True)
+
+    p = verbs.add_parser("create", parents=[common], help="check a sweep file, create the sweep "
+                         "and print its id")
+    p.add_argument("file", type=Path, metavar="FILE.yaml")
+    p.add_argument("--output-dir", "-o", type=Path, default=None, metavar="DIR",
+                   help="sweep directory (default sweeps/<id>)")
+    p.add_argument("--storage", default=None, metavar="URL",
+                   help="Optuna RDB store (e.g. postgresql://user:pw@host/db) for agents on "
+                        "several machines; default: DIR/study.db (SQLite)")
+    p.set_defaults(handler=_cmd_create)
+
+    p = verbs.add_parser("agent", parents=[common], help="run trials of a sweep until it is "
+                         "done (or --count trials)")
+    p.add_argument("sweep", metavar="SWEEP", help="sweep directory, or id with --storage")
+    p.add_argument("--storage", default=None, metavar="URL")
+    p.add_argument("--count", type=int, default=None, metavar="N",
+                   help="run at most N trials in this agent")
+    p.add_argument("--device", default=None, metavar="DEVICE",
+                   help="pin this agent's trials to a device (cpu, cuda, cuda:1)")
+    p.add_argument("--output-dir", "-o", type=Path, default=None, metavar="DIR",
+                   help="where the trials' run directories go for a sweep given by id "
+                        "(default: its directory if it exists here, else sweeps/<id>)")
+    p.set_defaults(handler=_cmd_agent)
+
+    p = verbs.add_parser("run", parents=[common], help="create a sweep and run N local agents "
+                         "to the end")
+    p.add_argument("file", type=Path, metavar="FILE.yaml")
+    p.add_argument("--agents", type=int, default=1, metavar="N")
+    p.add_argument("--output-dir", "-o", type=Path, default=None, metavar="DIR")
+    p.add_argument("--storage", default=None, metavar="URL")
+    p.add_argument("--count", type=int, default=None, metavar="N",
+                   help="trials per agent (needed without run_cap for random and bayes)")
+    p.add_argument("--devices", default=None, metavar="D1,D2,...",
+                   help="pin agent i to device i modulo the list (e.g. cuda:0,cuda:1)")
+    p.set_defaults(handler=_cmd_run)
+
+    p = verbs.add_parser("show", parents=[common], help="the trials best first, and PNG plots")
+    p.add_argument("sweep", metavar="SWEEP", help="sweep directory, or id with --storage")
+    p.add_argument("--storage", default=None, metavar="URL")
+    p.add_argument("--plots-dir", type=Path, default=None, metavar="DIR",
+                   help="where the PNG plots go (default SWEEP/plots)")
+    p.add_argument("--no-plots", action="store_true", help="only the table")
+    p.set_defaults(handler=_cmd_show)
+
+
+__all__ = ["add_commands"]

@@ -41,10 +41,12 @@ from popbert.sweep.study import (
     Sweep,
     cap,
     create_sweep,
+    fail_stale_trials,
     init_checkpoint,
     make_pruner,
     make_sampler,
     open_sweep,
+    quiet,
     recheck,
     retry_callback,
     slots_left,
@@ -243,14 +245,16 @@ class Agent:
         failures = 0
         try:
             while self.count is None or len(self.report.trials) < self.count:
-                optuna.storages.fail_stale_trials(study)
-                if slots_left(self.spec, study) == 0:
+                fail_stale_trials(study)
+                if slots_left(self.spec, study) == 0 and not study.get_trials(
+                        deepcopy=False, states=(TrialState.WAITING,)):  # no retry queued
                     self.report.stopped = "the sweep is done"
                     break
                 self._number = None
                 try:
-                    study.optimize(self.objective, n_trials=1, catch=(TrialError, TrialSkipped),
-                                   gc_after_trial=True)
+                    with quiet():  # Optuna's heartbeat thread is "experimental"
+                            study.optimize(self.objective, n_trials=1,
+                                       catch=(TrialError, TrialSkipped), gc_after_trial=True)
                 except KeyboardInterrupt:
                     self._retry_interrupted(study)
                     raise

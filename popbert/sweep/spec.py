@@ -465,19 +465,19 @@ def check_spec(spec: SweepSpec) -> None:
                 raise ConfigError(f"{src}: parameters.{p.name}: pretrain has no args; expected "
                                   "a config key such as optimizer.lr")
         _check_config_keys(spec)
-        cfg = base_config(spec)
-        if spec.metric.startswith("val_") and not (
-                cfg.training.eval_every and (cfg.data.validation_fraction
-                                             or cfg.data.validation_files)):
-            raise ConfigError(f"{src}: metric.name: {spec.metric} is a validation metric: set "
-                              "training.eval_every and data.validation_fraction (or "
-                              "data.validation_files) under set")
     else:
         _check_finetune(spec)
     logged, final = job_metrics(spec)
     if spec.metric not in logged + final:
         raise ConfigError(f"{src}: metric.name: {spec.job} does not write {spec.metric!r}; "
                           f"expected one of {', '.join(dict.fromkeys(final + logged))}")
+    if spec.job == "pretrain" and spec.metric.startswith("val_"):
+        cfg = base_config(spec)
+        if not (cfg.training.eval_every and (cfg.data.validation_fraction
+                                             or cfg.data.validation_files)):
+            raise ConfigError(f"{src}: metric.name: {spec.metric} is a validation metric: set "
+                              "training.eval_every and data.validation_fraction (or "
+                              "data.validation_files) under set")
     if spec.job == "finetune squad" and spec.metric in final and "predict" not in spec.args:
         raise ConfigError(f"{src}: metric.name: {spec.metric} is scored on args.predict "
                           "(a SQuAD file with answers); set it")

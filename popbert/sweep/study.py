@@ -16,11 +16,13 @@ point was taken) and `error` (the message).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import uuid
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,9 +36,6 @@ from popbert.errors import ConfigError, UsageError
 from popbert.sweep.spec import Parameter, SweepSpec, check_spec, parse_spec
 
 log = logging.getLogger(__name__)
-# Heartbeats, their stale-trial callback and fail_stale_trials are marked experimental in
-# Optuna; popbert relies on them on purpose, so the per-call warnings are noise.
-warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 optuna.logging.disable_default_handler()  # Optuna's own lines go through logging like ours
 optuna.logging.enable_propagation()
 
@@ -92,7 +91,8 @@ def make_storage(url: str, heartbeat: float | None = None) -> optuna.storages.RD
                      grace_period=max(int(round(2 * heartbeat)), 2),
                      heartbeat_stale_trial_callback=retry_callback())
     try:
-        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, **extra)
+        with quiet():
+            return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, **extra)
     except (ImportError, ModuleNotFoundError) as error:
         raise ConfigError(f"--storage {url}: its database driver is missing ({error}); for "
                           "PostgreSQL: pip install 'popbert[sweep-server]'") from None
@@ -104,7 +104,23 @@ def make_storage(url: str, heartbeat: float | None = None) -> optuna.storages.RD
 def retry_callback():
     """Optuna's callback that queues a copy of a trial whose agent stopped beating (same
     parameters, grid point and user attributes), at most `MAX_RETRY` times."""
-    return optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRY)
+    with quiet():
+        return optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRY)
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Heartbeats, their stale-trial callback and fail_stale_trials are marked experimental in
+    Optuna; popbert relies on them on purpose, so those warnings are noise."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        yield
+
+
+def fail_stale_trials(study: optuna.Study) -> None:
+    """Fail the trials whose agents stopped beating (and queue their retries) now."""
+    with quiet():
+        optuna.storages.fail_stale_trials(study)
 
 
 def _safe_url(url: str) -> str:
@@ -370,9 +386,9 @@ def slots_left(spec: SweepSpec, study: optuna.Study) -> int | None:
     return max(limit - held, 0)
 
 
-__all__ = ["DIR_ATTR", "MAX_RETRY", "OUTCOME", "SPEC_ATTR", "STUDY_DB",
-           "SWEEP_FILE", "TRIALS", "Sweep", "best_trial", "cap", "create_sweep",
-           "default_storage", "distribution", "grid", "grid_size", "holds_slot",
-           "init_checkpoint", "make_pruner", "make_sampler", "make_storage", "new_sweep_id",
-           "open_sweep", "recheck", "resolve_init_from", "retry_callback", "search_space",
-           "slots_left", "why_skip"]
+__all__ = ["DIR_ATTR", "MAX_RETRY", "OUTCOME", "SPEC_ATTR", "STUDY_DB", "SWEEP_FILE", "Sweep",
+           "TRIALS", "best_trial", "cap", "create_sweep", "default_storage", "distribution",
+           "fail_stale_trials", "grid", "grid_size", "holds_slot", "init_checkpoint",
+           "make_pruner", "make_sampler", "make_storage", "new_sweep_id", "open_sweep", "quiet",
+           "recheck", "resolve_init_from", "retry_callback", "search_space", "slots_left",
+           "why_skip"]

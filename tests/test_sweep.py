@@ -1,0 +1,241 @@
+"""`popbert sweep`: grid, random and Bayesian sweeps on the embedded study store, agents that
+share a sweep, Hyperband pruning, a killed agent's trial retried, phase 2 from phase 1's best.
+
+Every trial is a pre-training run of a BERT far below the tiny preset (1 layer, hidden 32,
+sequence 32) for a dozen steps, so a trial takes a couple of seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import optuna
+import pytest
+import safetensors.numpy
+import yaml
+from optuna.trial import TrialState
+
+from popbert.cli import main as cli
+from popbert.sweep.agent import Agent, run_agent
+from popbert.sweep.study import OUTCOME, create_sweep, open_sweep
+
+SMALL = {"model.num_layers": 1, "model.hidden_size": 32, "model.num_heads": 2,
+         "model.intermediate_size": 64, "model.sequence_length": 32,
+         "model.max_position_embeddings": 64, "model.max_predictions_per_seq": 5,
+         "execution.micro_batch_size": 8, "execution.threads": 1, "execution.device": "cpu",
+         "training.steps": 12, "training.log_every": 4, "optimizer.warmup_steps": 0}
+VALIDATION = {"data.validation_fraction": 0.1, "training.eval_every": 4,
+              "training.eval_batches": 2}
+
+
+def sweep_file(tmp_path: Path, name: str = "sweep.yaml", **content: Any) -> Path:
+    body = {"job": "pretrain", "config": "tiny", "set": dict(SMALL),
+            "method": "grid", "metric": {"name": "loss", "goal": "minimize"},
+            "parameters": {"optimizer.lr": {"values": [1e-3]}}}
+    body.update(content)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+def trials(directory: Path) -> list[optuna.trial.FrozenTrial]:
+    return open_sweep(directory).load_study().get_trials()
+
+
+def test_grid_sweep_two_agents_share_the_grid(tmp_path: Path, capsys) -> None:
+    lrs = [3e-4, 1e-3, 3e-3, 1e-2]
+    path = sweep_file(tmp_path, parameters={"optimizer.lr": {"values": lrs}})
+    out = tmp_path / "grid"
+    assert cli.main(["sweep", "run", str(path), "--agents", "2", "-o", str(out)]) == 0
+
+    done = trials(out)
+    finished = [t for t in done if t.state == TrialState.COMPLETE]
+    assert len(finished) == 4, [(t.number, t.state, t.user_attrs) for t in done]
+    assert sorted(t.params["optimizer.lr"] for t in finished) == lrs  # each point once
+    assert len({t.user_attrs["pid"] for t in finished}) == 2  # both agents ran trials
+    for t in finished:
+        run = Path(t.user_attrs["run_dir"])
+        assert run == out / "trials" / f"trial-{t.number:04d}"
+        assert (run / "checkpoints" / "step-000012" / "state.json").is_file()
+        logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert t.value == pytest.approx(logged[-1]["loss"])
+        assert yaml.safe_load((run / "config.yaml").read_text())["optimizer"]["lr"] == \
+            t.params["optimizer.lr"]
+    capsys.readouterr()
+
+    assert cli.main(["sweep", "show", str(out)]) == 0
+    shown = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in shown[2:6]]
+    values = [float(r[2]) for r in rows]
+    assert values == sorted(values)  # best first
+    best = min(finished, key=lambda t: t.value)
+    assert rows[0][0] == str(best.number)
+    for png in ("metric_by_trial.png", "metric_vs_params.png", "param_importance.png"):
+        assert (out / "plots" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # The sweep is done: another agent finds nothing left to run.
+    assert run_agent(out).trials == {}
+    assert len(trials(out)) == 4
+
+
+@pytest.mark.parametrize("method", ["random", "bayes"])
+def test_run_cap_holds_across_agents(tmp_path: Path, method: str) -> None:
+    path = sweep_file(tmp_path, method=method, run_cap=3, seed=1,
+                      set={**SMALL, "training.steps": 4},
+                      parameters={"optimizer.lr": {"distribution": "log_uniform_values",
+                                                   "min": 1e-4, "max": 1e-2},
+                                  "execution.micro_batch_size": {"values": [4, 8]}})
+    sweep = create_sweep(path, tmp_path / method)
+    assert Agent(sweep, count=2).run().trials.keys() == {0, 1}  # --count stops this agent
+    second = Agent(open_sweep(tmp_path / method)).run()  # a second agent: only the cap is left
+    assert list(second.trials) == [2]
+    assert second.stopped == "the sweep is done"
+    done = trials(tmp_path / method)
+    assert [t.state for t in done] == [TrialState.COMPLETE] * 3
+    assert all(1e-4 <= t.params["optimizer.lr"] <= 1e-2 for t in done)
+
+
+def test_hyperband_prunes_a_hopeless_trial_at_once(tmp_path: Path) -> None:
+    steps = 16
+    path = sweep_file(tmp_path, seed=0, metric={"name": "val_mlm_loss", "goal": "minimize"},
+                      set={**SMALL, **VALIDATION, "training.steps": steps},
+                      parameters={"optimizer.lr": {"values": [3e-3, 1e-7]}},
+                      early_terminate={"type": "hyperband", "min_iter": 1, "max_iter": 2})
+    sweep = create_sweep(path, tmp_path / "hb")
+    Agent(sweep).run()
+    good, bad = sorted(trials(tmp_path / "hb"), key=lambda t: -t.params["optimizer.lr"])
+    assert good.number < bad.number, "the seed should run the good learning rate first"
+    assert good.state == TrialState.COMPLETE
+    assert bad.state == TrialState.PRUNED and bad.user_attrs[OUTCOME] == "pruned"
+    run = Path(bad.user_attrs["run_dir"])
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged[-1]["step"] == bad.user_attrs["stopped_step"] < steps  # stopped at once
+    assert bad.value == pytest.approx(logged[-1]["val_mlm_loss"])  # its last reported value
+    assert (run / "metrics.png").is_file()  # the partial run is kept, with its plot
+
+
+def test_killed_agent_trial_fails_and_is_retried(tmp_path: Path) -> None:
+    path = sweep_file(tmp_path, heartbeat=1, set={**SMALL, "training.steps": 100,
+                                                  "training.log_every": 1})
+    sweep = create_sweep(path, tmp_path / "kill")
+    agent = subprocess.Popen([sys.executable, "-m", "popbert", "sweep", "agent",
+                              str(sweep.directory)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, env=os.environ.copy())
+    metrics = sweep.trial_dir(0) / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 60
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+            assert agent.poll() is None and time.monotonic() < deadline, "trial never started"
+            time.sleep(0.05)
+        os.kill(agent.pid, signal.SIGKILL)  # mid-trial
+    finally:
+        agent.wait()
+    (first,) = trials(sweep.directory)
+    assert first.state == TrialState.RUNNING  # nobody has noticed yet
+    time.sleep(2.5)  # past the grace period: two heartbeats missed
+
+    report = Agent(open_sweep(sweep.directory)).run()
+    failed, retried = trials(sweep.directory)
+    assert failed.state == TrialState.FAIL and OUTCOME not in failed.user_attrs
+    assert retried.state == TrialState.COMPLETE and report.trials == {1: "COMPLETE"}
+    assert retried.system_attrs["failed_trial"] == 0 and retried.params == failed.params
+    assert Path(retried.user_attrs["run_dir"]).name == "trial-0001"
+    assert (sweep.trial_dir(1) / "checkpoints" / "step-000100").is_dir()
+
+
+def test_phase_two_starts_from_phase_one_best_trial(tmp_path: Path) -> None:
+    phase1 = sweep_file(tmp_path, "phase1.yaml",
+                        parameters={"optimizer.lr": {"values": [1e-7, 3e-3]}})
+    first = create_sweep(phase1, tmp_path / "p1")
+
+    bad_init = sweep_file(tmp_path, "early.yaml", init_from={"sweep": str(tmp_path / "p1")})
+    with pytest.raises(Exception, match="has no finished trial"):
+        create_sweep(bad_init, tmp_path / "early")
+
+    Agent(first).run()
+    best = min(trials(tmp_path / "p1"), key=lambda t: t.value)
+    assert best.params["optimizer.lr"] == 3e-3
+
+    # Phase 2 at twice the sequence length, with a vanishing learning rate: its weights after
+    # two steps are still those of phase 1's best trial.
+    phase2 = sweep_file(tmp_path, "phase2.yaml", init_from={"sweep": str(tmp_path / "p1"),
+                                                            "trial": "best"},
+                        set={**SMALL, "model.sequence_length": 64,
+                             "model.max_predictions_per_seq": 10, "training.steps": 2,
+                             "optimizer.decay": "none", "optimizer.weight_decay": 0.0},
+                        parameters={"optimizer.lr": {"values": [1e-9]}})
+    second = create_sweep(phase2, tmp_path / "p2")
+    recorded = yaml.safe_load((second.directory / "sweep.yaml").read_text())
+    assert recorded["init_from_resolved"]["trial"] == best.number
+    Agent(second).run()
+    (trial,) = trials(tmp_path / "p2")
+    assert trial.state == TrialState.COMPLETE
+    run = Path(trial.user_attrs["run_dir"])
+    assert yaml.safe_load((run / "config.yaml").read_text())["model"]["sequence_length"] == 64
+
+    def weights(run_dir: Path, step: int) -> dict[str, np.ndarray]:
+        return safetensors.numpy.load_file(
+            str(run_dir / "checkpoints" / f"step-{step:06d}" / "weights.safetensors"))
+
+    before = weights(Path(best.user_attrs["run_dir"]), 12)
+    after = weights(run, 2)
+    other = next(t for t in trials(tmp_path / "p1") if t.number != best.number)
+    assert before.keys() == after.keys()
+    for name in before:
+        np.testing.assert_allclose(after[name], before[name], rtol=0, atol=1e-6, err_msg=name)
+    far = weights(Path(other.user_attrs["run_dir"]), 12)
+    assert max(np.abs(after[k] - far[k]).max() for k in far) > 1e-4
+
+
+BAD = [
+    ({"method": "hill_climb"}, "method: expected grid, random or bayes, got 'hill_climb'"),
+    ({"parameters": {"optimizer.lrr": {"values": [1e-3]}}},
+     "parameters.optimizer.lrr: --set optimizer.lrr=0.001: unknown key optimizer.lrr"),
+    ({"parameters": {"optimizer.lr": {"distribution": "log_uniform_values", "min": 1e-4,
+                                      "max": 1e-2}}},
+     "parameters.optimizer.lr: method grid needs discrete values"),
+    ({"method": "random", "parameters": {"optimizer.lr": {"min": 1e-2, "max": 1e-4}}},
+     "parameters.optimizer.lr: min (0.01) is greater than max (0.0001)"),
+    ({"metric": {"name": "val_f1", "goal": "minimize"}},
+     "metric.name: pretrain does not write 'val_f1'; expected one of loss"),
+    ({"metric": {"name": "val_mlm_loss", "goal": "minimize"}},
+     "metric.name: val_mlm_loss is a validation metric: set training.eval_every"),
+    ({"metric": {"name": "loss", "goal": "lowest"}},
+     "metric.goal: expected minimize or maximize, got 'lowest'"),
+    ({"parameters": {"optimizer.lr": {"values": ["fast"]}}},
+     "parameters.optimizer.lr: --set optimizer.lr=\"fast\": optimizer.lr: expected float"),
+    ({"early_terminate": {"type": "median"}}, "early_terminate.type: expected hyperband"),
+    ({"run_cap": 0}, "run_cap: expected a positive integer, got 0"),
+]
+
+
+@pytest.mark.parametrize(("change", "message"), BAD, ids=[m.split(":")[0] for _, m in BAD])
+def test_bad_sweep_files_are_one_line_exit_2(tmp_path: Path, capsys, change: dict,
+                                             message: str) -> None:
+    path = sweep_file(tmp_path, **change)
+    assert cli.main(["sweep", "create", str(path), "-o", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert err.startswith(f"popbert: error: {path}: {message}"), err
+    assert not (tmp_path / "s").exists()  # nothing created
+
+
+def test_init_from_a_sweep_without_finished_trials_is_refused(tmp_path: Path, capsys) -> None:
+    assert cli.main(["sweep", "create", str(sweep_file(tmp_path)), "-o",
+                     str(tmp_path / "p1")]) == 0
+    capsys.readouterr()
+    path = sweep_file(tmp_path, "p2.yaml", init_from={"sweep": str(tmp_path / "p1")})
+    assert cli.main(["sweep", "create", str(path), "-o", str(tmp_path / "p2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"popbert: error: {path}: init_from.sweep {tmp_path / 'p1'}: has no "
+                   "finished trial to start from"), err
+    assert cli.main(["sweep", "agent", str(tmp_path / "nowhere")]) == 2
+    assert "no such sweep directory" in capsys.readouterr().err

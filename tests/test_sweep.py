@@ -32,6 +32,7 @@ SMALL = {"model.num_layers": 1, "model.hidden_size": 32, "model.num_heads": 2,
          "model.max_position_embeddings": 64, "model.max_predictions_per_seq": 5,
          "execution.micro_batch_size": 8, "execution.threads": 1, "execution.device": "cpu",
          "training.steps": 12, "training.log_every": 4, "optimizer.warmup_steps": 0}
+SENTIMENT = Path(__file__).parent / "fixtures" / "classification" / "sentiment.tsv"
 VALIDATION = {"data.validation_fraction": 0.1, "training.eval_every": 4,
               "training.eval_batches": 2}
 
@@ -41,6 +42,7 @@ def sweep_file(tmp_path: Path, name: str = "sweep.yaml", **content: Any) -> Path
             "method": "grid", "metric": {"name": "loss", "goal": "minimize"},
             "parameters": {"optimizer.lr": {"values": [1e-3]}}}
     body.update(content)
+    body = {k: v for k, v in body.items() if v is not None}
     path = tmp_path / name
     path.write_text(yaml.safe_dump(body))
     return path
@@ -194,6 +196,26 @@ def test_phase_two_starts_from_phase_one_best_trial(tmp_path: Path) -> None:
     far = weights(Path(other.user_attrs["run_dir"]), 12)
     assert max(np.abs(after[k] - far[k]).max() for k in far) > 1e-4
 
+    # A fine-tuning sweep from the same trial: sequence classification, sweeping the job's own
+    # epochs under fixed config keys; the metric is the job's end-of-run evaluation.
+    classify = sweep_file(tmp_path, "classify.yaml", job="finetune classify", config=None,
+                          init_from={"sweep": str(tmp_path / "p1")},
+                          args={"train": str(SENTIMENT), "max_seq_length": 32},
+                          set={"optimizer.lr": 1e-3, "execution.micro_batch_size": 4,
+                               "execution.threads": 1, "execution.device": "cpu"},
+                          metric={"name": "accuracy", "goal": "maximize"},
+                          parameters={"args.epochs": {"values": [1, 2]}})
+    third = create_sweep(classify, tmp_path / "cls")
+    Agent(third).run()
+    runs = trials(tmp_path / "cls")
+    assert [t.state for t in runs] == [TrialState.COMPLETE] * 2
+    for t in runs:
+        run = Path(t.user_attrs["run_dir"])
+        assert t.value == json.loads((run / "eval_results.json").read_text())["accuracy"]
+        cfg = yaml.safe_load((run / "config.yaml").read_text())
+        assert cfg["training"]["steps"] == 4 * t.params["args.epochs"]  # 16 examples, batch 4
+        assert cfg["optimizer"]["lr"] == 1e-3 and cfg["model"]["sequence_length"] == 32
+
 
 BAD = [
     ({"method": "hill_climb"}, "method: expected grid, random or bayes, got 'hill_climb'"),
@@ -239,3 +261,27 @@ def test_init_from_a_sweep_without_finished_trials_is_refused(tmp_path: Path, ca
                    "finished trial to start from"), err
     assert cli.main(["sweep", "agent", str(tmp_path / "nowhere")]) == 2
     assert "no such sweep directory" in capsys.readouterr().err
+
+
+def test_agent_by_id_in_a_shared_store_pinned_to_a_device(tmp_path: Path, capsys) -> None:
+    """A store outside the sweep directory (as a PostgreSQL server would be): an agent elsewhere
+    needs only the id and the URL; --device overrides the config's execution.device."""
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    path = sweep_file(tmp_path, set={**SMALL, "execution.device": "auto"})
+    assert cli.main(["sweep", "create", str(path), "-o", str(tmp_path / "made"),
+                     "--storage", url]) == 0
+    sweep_id = capsys.readouterr().out.strip()
+    assert not (tmp_path / "made" / "study.db").exists()
+    elsewhere = tmp_path / "elsewhere"
+    assert cli.main(["sweep", "agent", sweep_id, "--storage", url, "-o", str(elsewhere),
+                     "--device", "cpu", "--count", "1"]) == 0
+    (trial,) = open_sweep(sweep_id, url).load_study().get_trials()
+    assert trial.state == TrialState.COMPLETE and trial.user_attrs["device"] == "cpu"
+    run = Path(trial.user_attrs["run_dir"])
+    assert run == elsewhere / "trials" / "trial-0000"
+    assert yaml.safe_load((run / "config.yaml").read_text())["execution"]["device"] == "cpu"
+    capsys.readouterr()
+    assert cli.main(["sweep", "show", sweep_id, "--storage", url, "--no-plots"]) == 0
+    assert f"sweep {sweep_id} (grid, minimize loss)" in capsys.readouterr().out
+    assert cli.main(["sweep", "agent", "no-such-id", "--storage", url]) == 2
+    assert f"no sweep of that id in {url}" in capsys.readouterr().err

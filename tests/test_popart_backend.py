@@ -487,6 +487,95 @@ def test_train_loop_drives_it(popart: types.ModuleType) -> None:
     assert len(logged(popart, "TrainingSession.run")) == 3
 
 
+
+def weight_checksum(session: PopartTrainingSession, weights: dict[str, torch.Tensor]) -> float:
+    """What the stand-in's inference session answers when it holds ``weights`` (and the graph's
+    constants): the sum of its float initializers."""
+    values = {t.name: numpy_helper.to_array(t) for t in session.proto.graph.initializer}
+    values.update({n: w.numpy() for n, w in weights.items()})
+    return float(sum(a.astype(np.float64).sum() for a in values.values() if a.dtype.kind == "f"))
+
+
+def test_evaluate_runs_an_inference_session_on_the_trained_weights(
+        popart: types.ModuleType) -> None:
+    """``evaluate`` (validation) runs one micro-batch through a ``popart.InferenceSession`` of
+    the same graph on IPUs of its own — no replicas, accumulation or pipelining, one batch per
+    step, the loss and scalar outputs anchored — made once, given the training session's current
+    weights (again only after training changed them), and leaves training as it was."""
+    cfg = config("tiny", "model.layers_per_ipu=[1,1]", "execution.pipeline=true",
+                 "execution.gradient_accumulation=4", "execution.replicas=2",
+                 "execution.replicated_tensor_sharding=true", "execution.micro_batch_size=2")
+    session = session_of(cfg)
+    untrained = weight_checksum(session, session.weights())
+    session.run(batch_for(cfg, session.micro_batches_per_run()))
+    trained = session.weights()
+    state = session.state_dict()
+    popart.LOG.clear()
+    outputs = session.evaluate(batch_for(cfg, 2, seed=5))
+    [(made,)] = logged(popart, "InferenceSession")
+    assert made["numIpus"] == 2  # the graph's 2 IPUs, one replica
+    options = assigned(popart)
+    assert options.get("virtualGraphMode") == "Manual"
+    for key in ("enablePipelining", "enableReplicatedGraphs", "enableGradientAccumulation",
+                "optimizerStateTensorLocationSettings", "enableStochasticRounding"):
+        assert key not in options, key
+    [(batches_per_step, anchors)] = logged(popart, "DataFlow")
+    assert batches_per_step == 1
+    assert set(anchors) == {"loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy"}
+    assert logged(popart, "InferenceSession.writeWeights") == [(sorted(trained),)]
+    [(shapes,)] = logged(popart, "InferenceSession.run")
+    assert shapes["input_ids"] == (2, 128)  # one micro-batch, no leading factors
+    # The answer is the stand-in's checksum of the weights it evaluated with: the trained ones.
+    assert set(outputs) == set(anchors)
+    assert all(v.dim() == 0 for v in outputs.values())
+    assert float(outputs["loss"]) == pytest.approx(weight_checksum(session, trained), rel=1e-6)
+    assert float(outputs["loss"]) != pytest.approx(untrained, rel=1e-6)
+    # Training untouched: no training-session call but reading its weights, same state after.
+    assert {e[0] for e in popart.LOG if e[0].startswith("TrainingSession")} <= {
+        "TrainingSession.weightsToHost", "TrainingSession.readWeights"}
+    after = session.state_dict()
+    assert after["step"] == state["step"] == 1 and after["rng"] == state["rng"]
+    assert all(torch.equal(after["weights"][n], state["weights"][n]) for n in state["weights"])
+
+    # Made once; weights sent again only after training changed them.
+    popart.LOG.clear()
+    session.evaluate(batch_for(cfg, 2, seed=6))
+    assert not logged(popart, "InferenceSession") and not logged(
+        popart, "InferenceSession.writeWeights")
+    session.run(batch_for(cfg, session.micro_batches_per_run()))
+    again = session.evaluate(batch_for(cfg, 2, seed=6))
+    assert len(logged(popart, "InferenceSession.writeWeights")) == 1
+    assert float(again["loss"]) == pytest.approx(weight_checksum(session, session.weights()),
+                                                 rel=1e-6)
+    # A batch that does not fit is an InputError before PopART is asked anything.
+    with pytest.raises(InputError, match="input_ids"):
+        session.evaluate({**batch_for(cfg, 2), "input_ids": torch.zeros(2, 7, dtype=torch.int64)})
+    session.close()
+    assert len(logged(popart, "DeviceInfo.detach")) == 2  # training's IPUs and validation's
+
+
+def test_train_loop_validates_through_it(popart: types.ModuleType) -> None:
+    """The training loop's validation (``eval_every``) runs on the PopART session: ``val_*``
+    metrics at the evaluated steps. A popart-dialect graph: the stand-in checks each fed
+    micro-batch against its static shapes and UINT32 inputs."""
+    cfg = config("tiny", "execution.micro_batch_size=2")
+    session = session_of(cfg, build_bert(cfg.model, seed=0, batch_size=graph_batch_size(cfg)))
+
+    def batches() -> Iterator[dict[str, torch.Tensor]]:
+        for seed in range(1, 100):
+            yield batch_for(cfg, session.micro_batches_per_run() * 2, seed)
+
+    validation = [batch_for(cfg, 2, seed=100), batch_for(cfg, 2, seed=101)]
+    records: list[dict] = []
+    train_loop(session, batches(), steps=4, log_every=1, validation=validation, eval_every=2,
+               on_record=lambda step, record: records.append(record))
+    evaluated = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in evaluated] == [2, 4]
+    expected = weight_checksum(session, session.weights())
+    assert evaluated[-1]["val_loss"] == pytest.approx(expected, rel=1e-6)
+    assert len(logged(popart, "InferenceSession.run")) == 4  # 2 batches x 2 evaluations
+
+
 # -- half weights ---------------------------------------------------------------------------------
 
 def test_half_weights_are_stored_in_float16_and_computed_from_fp32_views(

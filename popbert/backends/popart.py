@@ -56,6 +56,10 @@ micro-batches (PopART runs all replicas from this one process) and returns each 
 mean per optimizer step, as the torch backend does. ``step_hook`` is called once per run with
 the run's first step: the learning rate can only change between runs on a device.
 
+``evaluate(batch)`` (validation during pre-training) runs one micro-batch through a
+``popart.InferenceSession`` of the same graph — no dropout, no update — on IPUs of its own,
+given the training session's weights after each training run; training's state is untouched.
+
 Nothing here has run on an IPU or the IPU Model (this repository's machines have no Poplar SDK);
 ``tests/test_popart_backend.py`` checks the translation against a stand-in that records calls
 (a contract test), and ``scripts/popart_smoke.py`` is the first thing to run where the SDK is.
@@ -63,6 +67,7 @@ Nothing here has run on an IPU or the IPU Model (this repository's machines have
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -457,6 +462,11 @@ class PopartTrainingSession:
         self.seed = int(options.seed if options.seed is not None else torch.initial_seed())
         self._session.setRandomSeed(self.seed)
         self._host_weights: dict[str, torch.Tensor] | None = None
+        # Validation (``evaluate``): its inference session, made at the first call, and whether
+        # it holds the training session's current weights.
+        self._validation: Any = None
+        self._validation_device: Any = None
+        self._validation_current = False
 
     # -- what the training loop uses --------------------------------------------------------------
     @property
@@ -490,6 +500,7 @@ class PopartTrainingSession:
         anchors = self._session.initAnchorArrays()
         self._session.run(self._popart.PyStepIO(feeds, anchors))
         self._host_weights = None
+        self._validation_current = False
         self.step += iterations
         outputs = {name: torch.from_numpy(
             np.asarray(anchors[name], dtype=np.float64).reshape(iterations, -1).mean(axis=1)
@@ -567,6 +578,51 @@ class PopartTrainingSession:
         self._session.writeWeights(self._popart.PyWeightsIO(arrays))
         self._session.weightsFromHost()
         self._host_weights = None
+        self._validation_current = False
+
+    # -- validation -----------------------------------------------------------------------------
+    def evaluate(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """The loss and the scalar outputs for one micro-batch with dropout off and no update
+        (validation), as the torch session's ``evaluate``: a ``popart.InferenceSession`` of the
+        same graph (PopART applies no dropout in an inference session), made at the first call
+        on IPUs of its own (the graph's, one replica, no accumulation or pipelining), and given
+        the training session's current weights whenever training changed them. Training is left
+        as it was: its step, weights, optimizer state and device RNG are not touched. Each
+        output comes back in its per-micro-batch shape (scalars 0-d)."""
+        tensors = self.inputs.check(batch)
+        if self._validation is None:
+            self._validation = self._inference_session()
+        if not self._validation_current:
+            arrays = {n: _c_array(w.numpy(), self.layout.weights[n][1])
+                      for n, w in self.weights().items()}
+            self._validation.writeWeights(self._popart.PyWeightsIO(arrays))
+            self._validation.weightsFromHost()
+            self._validation_current = True
+        feeds = {name: np.ascontiguousarray(tensors[name].detach().cpu().numpy().astype(
+            self.layout.input_dtypes[name], copy=False)) for name in self.input_names}
+        anchors = self._validation.initAnchorArrays()
+        self._validation.run(self._popart.PyStepIO(feeds, anchors))
+        return {name: torch.from_numpy(np.array(anchors[name], copy=True))
+                for name in self.anchors}
+
+    def _inference_session(self) -> Any:
+        """PopART's inference session for ``evaluate``: one micro-batch per run."""
+        popart_ = self._popart
+        single = dataclasses.replace(self.options, gradient_accumulation=1, device_iterations=1,
+                                     replication_factor=1, replicated_tensor_sharding=False,
+                                     pipeline=False, recompute=False)
+        user_options = session_options(popart_, single, self.popart_options,
+                                       manual_placement=self.layout.placed,
+                                       stochastic_rounding=False)
+        self._validation_device = acquire_device(popart_, self.popart_options,
+                                                 device_ipus(1, self.layout.ipus))
+        session = popart_.InferenceSession(
+            fnModel=self.proto.SerializeToString(), dataFlow=data_flow(popart_, 1, self.anchors),
+            deviceInfo=self._validation_device, userOptions=user_options)
+        session.prepareDevice()
+        log.info("validation: a PopART inference session on %d IPU(s)",
+                 self._validation_device.numIpus)
+        return session
 
     # -- state ----------------------------------------------------------------------------------
     def _optimizer_state_ids(self) -> list[str]:
@@ -641,8 +697,10 @@ class PopartTrainingSession:
         self.step = int(state["step"])
 
     def close(self) -> None:
-        """Give the IPUs back (``DeviceInfo.detach``)."""
+        """Give the IPUs back (``DeviceInfo.detach``), validation's too."""
         self.device_info.detach()
+        if self._validation_device is not None:
+            self._validation_device.detach()
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:

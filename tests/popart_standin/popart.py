@@ -531,7 +531,7 @@ class TrainingSession:
 
     def prepareDevice(self, loadEngine: bool = True) -> None:
         self.prepared = True
-        _log("TrainingSession.prepareDevice")
+        _log(f"{type(self).__name__}.prepareDevice")
 
     def _need_device(self, what: str) -> None:
         if not self.prepared:
@@ -540,24 +540,24 @@ class TrainingSession:
     def setRandomSeed(self, seedValue: int) -> None:
         self._need_device("setRandomSeed")
         self.seed = int(seedValue)
-        _log("TrainingSession.setRandomSeed", int(seedValue))
+        _log(f"{type(self).__name__}.setRandomSeed", int(seedValue))
 
     def getRNGState(self) -> list[int]:
         return list(self.rng_state)
 
     def setRNGState(self, rngValue: list[int]) -> None:
         self.rng_state = [int(v) for v in rngValue]
-        _log("TrainingSession.setRNGState", list(self.rng_state))
+        _log(f"{type(self).__name__}.setRNGState", list(self.rng_state))
 
     def weightsFromHost(self) -> None:
         self._need_device("weightsFromHost")
         self.device = {n: a.copy() for n, a in self.host.items()}
-        _log("TrainingSession.weightsFromHost")
+        _log(f"{type(self).__name__}.weightsFromHost")
 
     def weightsToHost(self) -> None:
         self._need_device("weightsToHost")
         self.host = {n: a.copy() for n, a in self.device.items()}
-        _log("TrainingSession.weightsToHost")
+        _log(f"{type(self).__name__}.weightsToHost")
 
     def readWeights(self, weightsIo: PyWeightsIO) -> None:
         for name, array in weightsIo.weights.items():
@@ -568,7 +568,7 @@ class TrainingSession:
                 raise popart_exception(f"readWeights: {name} is {source.dtype}{list(source.shape)}"
                                        f", the array {array.dtype}{list(array.shape)}")
             array[...] = source
-        _log("TrainingSession.readWeights", sorted(weightsIo.weights))
+        _log(f"{type(self).__name__}.readWeights", sorted(weightsIo.weights))
 
     def writeWeights(self, weightsIo: PyWeightsIO) -> None:
         for name, array in weightsIo.weights.items():
@@ -580,7 +580,7 @@ class TrainingSession:
                                        f"{list(target.shape)}, the array {array.dtype}"
                                        f"{list(array.shape)}")
             self.host[name] = array.copy()
-        _log("TrainingSession.writeWeights", sorted(weightsIo.weights))
+        _log(f"{type(self).__name__}.writeWeights", sorted(weightsIo.weights))
 
     def updateOptimizerFromHost(self, optimizer: Adam) -> None:
         if not isinstance(optimizer, Adam):
@@ -659,7 +659,62 @@ class TrainingSession:
                     self.device["Accl1___" + name] = self.device["Accl1___" + name] + 1
         self.runs += 1
         self.rng_state = [v + 1 for v in self.rng_state]
-        _log("TrainingSession.run", {n: a.shape for n, a in stepio.inputs.items()})
+        _log(f"{type(self).__name__}.run", {n: a.shape for n, a in stepio.inputs.items()})
 
     def modelToHost(self, fn: str) -> None:
-        _log("TrainingSession.modelToHost", fn)
+        _log(f"{type(self).__name__}.modelToHost", fn)
+
+
+class InferenceSession(TrainingSession):
+    """``popart.InferenceSession``: the graph's forward pass (PopART applies no dropout in an
+    inference session) with a "device" and a host copy of every initializer, no optimizer and
+    no optimizer state. ``run`` fills every anchor with the sum of the float weights the
+    "device" holds (float64), so a test can see which weights an evaluation used; weights
+    never change."""
+
+    def __init__(self, fnModel: bytes, dataFlow: DataFlow, deviceInfo: DeviceInfo,
+                 inputShapeInfo: InputShapeInfo | None = None,
+                 patterns: Patterns | None = None, userOptions: SessionOptions | None = None,
+                 name: str = "inference") -> None:
+        if not isinstance(fnModel, bytes):
+            raise TypeError("InferenceSession: fnModel must be the serialised ModelProto (bytes)")
+        for arg, kind in ((dataFlow, DataFlow), (deviceInfo, DeviceInfo)):
+            if not isinstance(arg, kind):
+                raise TypeError(f"InferenceSession: expected a popart.{kind.__name__}, got "
+                                f"{type(arg).__name__}")
+        self.model = onnx.load_from_string(fnModel)
+        graph = self.model.graph
+        tensors = ({i.name for i in graph.input} | {o.name for o in graph.output}
+                   | {t.name for t in graph.initializer}
+                   | {v for n in graph.node for v in n.output})
+        for anchor in dataFlow.anchors():
+            if anchor not in tensors:
+                raise popart_exception(f"anchor {anchor} is not in the model")
+        self.options = userOptions if userOptions is not None else SessionOptions()
+        self.dataFlow = dataFlow
+        self.deviceInfo = deviceInfo
+        self.prepared = False
+        self.seed = None
+        self.rng_state = [0, 0, 0, 0]
+        self.runs = 0
+        self.host = {t.name: numpy_helper.to_array(t).copy() for t in graph.initializer}
+        self.device = {n: a.copy() for n, a in self.host.items()}
+        self.inputs = {i.name: i for i in graph.input if i.name not in self.host}
+        ipus = [a.i for n in graph.node for a in n.attribute if a.name == "__ipu_number"]
+        replicas = self.options.replicatedGraphCount if self.options.enableReplicatedGraphs else 1
+        if deviceInfo.numIpus < replicas * (max(ipus, default=0) + 1):
+            raise popart_exception(f"the device has {deviceInfo.numIpus} IPUs but the session "
+                                   f"needs {replicas} replica(s) x {max(ipus, default=0) + 1} "
+                                   "IPU(s)")
+        _log("InferenceSession", {"numIpus": deviceInfo.numIpus, "name": name,
+                                  "patterns": patterns})
+
+    def updateOptimizerFromHost(self, optimizer: Adam) -> None:
+        raise popart_exception("an InferenceSession has no optimizer")
+
+    def run(self, stepio: PyStepIO, debugName: str = "") -> None:
+        weights = [a for n, a in self.device.items() if a.dtype.kind == "f"]
+        checksum = float(sum(a.astype(np.float64).sum() for a in weights))
+        super().run(stepio, debugName)  # its checks; no optimizer state, so no weight moves
+        for array in stepio.outputs.values():
+            array[...] = checksum

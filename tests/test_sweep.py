@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -90,29 +91,41 @@ def test_grid_sweep_two_agents_share_the_grid(tmp_path: Path, capsys) -> None:
 
 @pytest.mark.parametrize("method", ["random", "bayes"])
 def test_run_cap_holds_across_agents(tmp_path: Path, method: str) -> None:
-    path = sweep_file(tmp_path, method=method, run_cap=3, seed=1,
+    path = sweep_file(tmp_path, method=method, run_cap=2, seed=1,
                       set={**SMALL, "training.steps": 4},
                       parameters={"optimizer.lr": {"distribution": "log_uniform_values",
                                                    "min": 1e-4, "max": 1e-2},
                                   "execution.micro_batch_size": {"values": [4, 8]}})
     sweep = create_sweep(path, tmp_path / method)
-    assert Agent(sweep, count=2).run().trials.keys() == {0, 1}  # --count stops this agent
+    assert Agent(sweep, count=1).run().trials.keys() == {0}  # --count stops this agent
     second = Agent(open_sweep(tmp_path / method)).run()  # a second agent: only the cap is left
-    assert list(second.trials) == [2]
+    assert list(second.trials) == [1]
     assert second.stopped == "the sweep is done"
     done = trials(tmp_path / method)
-    assert [t.state for t in done] == [TrialState.COMPLETE] * 3
+    assert [t.state for t in done] == [TrialState.COMPLETE] * 2
     assert all(1e-4 <= t.params["optimizer.lr"] <= 1e-2 for t in done)
 
 
 def test_hyperband_prunes_a_hopeless_trial_at_once(tmp_path: Path) -> None:
     steps = 16
-    path = sweep_file(tmp_path, seed=0, metric={"name": "val_mlm_loss", "goal": "minimize"},
-                      set={**SMALL, **VALIDATION, "training.steps": steps},
+    # seed 1: the grid runs lr 3e-3 first, so Hyperband has a good trial to compare with.
+    path = sweep_file(tmp_path, seed=1, metric={"name": "val_mlm_loss", "goal": "minimize"},
+                      set={**SMALL, **VALIDATION, "training.steps": steps,
+                           "execution.replicas": 2},
                       parameters={"optimizer.lr": {"values": [3e-3, 1e-7]}},
                       early_terminate={"type": "hyperband", "min_iter": 1, "max_iter": 2})
     sweep = create_sweep(path, tmp_path / "hb")
-    Agent(sweep).run()
+    # One agent under torchrun drives 2-replica trials; replica 0 talks to the store.
+    torchrun = Path(sys.executable).with_name("torchrun")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = subprocess.run(
+        [str(torchrun), "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "popbert", "sweep", "agent",
+         str(sweep.directory)], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
     good, bad = sorted(trials(tmp_path / "hb"), key=lambda t: -t.params["optimizer.lr"])
     assert good.number < bad.number, "the seed should run the good learning rate first"
     assert good.state == TrialState.COMPLETE
@@ -122,10 +135,11 @@ def test_hyperband_prunes_a_hopeless_trial_at_once(tmp_path: Path) -> None:
     assert logged[-1]["step"] == bad.user_attrs["stopped_step"] < steps  # stopped at once
     assert bad.value == pytest.approx(logged[-1]["val_mlm_loss"])  # its last reported value
     assert (run / "metrics.png").is_file()  # the partial run is kept, with its plot
+    assert yaml.safe_load((run / "config.yaml").read_text())["execution"]["replicas"] == 2
 
 
 def test_killed_agent_trial_fails_and_is_retried(tmp_path: Path) -> None:
-    path = sweep_file(tmp_path, heartbeat=1, set={**SMALL, "training.steps": 100,
+    path = sweep_file(tmp_path, heartbeat=1, set={**SMALL, "training.steps": 60,
                                                   "training.log_every": 1})
     sweep = create_sweep(path, tmp_path / "kill")
     agent = subprocess.Popen([sys.executable, "-m", "popbert", "sweep", "agent",
@@ -150,7 +164,7 @@ def test_killed_agent_trial_fails_and_is_retried(tmp_path: Path) -> None:
     assert retried.state == TrialState.COMPLETE and report.trials == {1: "COMPLETE"}
     assert retried.system_attrs["failed_trial"] == 0 and retried.params == failed.params
     assert Path(retried.user_attrs["run_dir"]).name == "trial-0001"
-    assert (sweep.trial_dir(1) / "checkpoints" / "step-000100").is_dir()
+    assert (sweep.trial_dir(1) / "checkpoints" / "step-000060").is_dir()
 
 
 def test_phase_two_starts_from_phase_one_best_trial(tmp_path: Path) -> None:

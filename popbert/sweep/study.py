@@ -318,10 +318,12 @@ def grid_size(spec: SweepSpec) -> int:
 
 def make_sampler(spec: SweepSpec, salt: int = 0) -> optuna.samplers.BaseSampler:
     """grid → GridSampler, random → RandomSampler, bayes → TPESampler (or GPSampler with
-    `sampler: gp`). `salt` separates the random streams of agents sharing a `seed`."""
-    seed = None if spec.seed is None else spec.seed + salt
+    `sampler: gp`). `salt` separates the random streams of agents sharing a `seed` (not a
+    grid's: its order follows `seed` alone, and a running grid point is never handed out
+    twice)."""
     if spec.method == "grid":
-        return optuna.samplers.GridSampler(grid(spec), seed=seed)
+        return optuna.samplers.GridSampler(grid(spec), seed=spec.seed)
+    seed = None if spec.seed is None else spec.seed + salt
     if spec.method == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if spec.sampler == "gp":

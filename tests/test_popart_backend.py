@@ -280,6 +280,7 @@ def expected_specifics(cfg: RunConfig, proto: onnx.ModelProto) -> dict[str, dict
     ("tiny", ["optimizer.name=lamb"], "Lamb"),
     ("base-128", [], "LambNoBias"),
     ("large-128", [], "LambNoBias"),
+    ("groupbert-base-128", [], "LambNoBias"),  # grouped FFN and convolution weights too
 ])
 def test_optimizer(popart: types.ModuleType, preset: str, overrides: list[str],
                    mode: str) -> None:

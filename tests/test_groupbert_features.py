@@ -27,7 +27,7 @@ import onnx
 import pytest
 import safetensors.numpy
 import torch
-from bert_helpers import padded_batch, small_config
+from bert_helpers import one_thread, padded_batch, small_config  # noqa: F401 (autouse)
 from test_distributed import assert_same, free_port
 from test_packed_model import K, match_rows, only_sequence, sequences
 from test_popart_dialect import assert_gradients_close

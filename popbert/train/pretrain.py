@@ -87,9 +87,6 @@ def check_supported(cfg: RunConfig) -> None:
         except BackendUnavailable as error:
             raise BackendUnavailable(f"execution.backend is 'popart': {error}") from None
         check_run_config(cfg)
-        if cfg.training.eval_every:
-            raise ConfigError("training.eval_every: validation runs on the torch backend only "
-                              "(PopartTrainingSession has no evaluate yet); set it to 0")
     if e.recompute and not e.pipeline:
         m = cfg.model
         checkpoints = sum(max(n - 1, 0) for n in m.layers_per_ipu or []) if m.recompute else 0

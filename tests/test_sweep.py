@@ -157,7 +157,7 @@ def test_killed_agent_trial_fails_and_is_retried(tmp_path: Path) -> None:
         agent.wait()
     (first,) = trials(sweep.directory)
     assert first.state == TrialState.RUNNING  # nobody has noticed yet
-    time.sleep(2.5)  # past the grace period: two heartbeats missed
+    time.sleep(4)  # past the grace period (two heartbeats; the store counts whole seconds)
 
     report = Agent(open_sweep(sweep.directory)).run()
     failed, retried = trials(sweep.directory)
@@ -276,6 +276,12 @@ def test_init_from_a_sweep_without_finished_trials_is_refused(tmp_path: Path, ca
                    "finished trial to start from"), err
     assert cli.main(["sweep", "agent", str(tmp_path / "nowhere")]) == 2
     assert "no such sweep directory" in capsys.readouterr().err
+    endless = sweep_file(tmp_path, "endless.yaml", method="random",
+                         parameters={"optimizer.lr": {"min": 1e-4, "max": 1e-2}})
+    assert cli.main(["sweep", "run", str(endless), "-o", str(tmp_path / "endless")]) == 2
+    assert "without run_cap never ends: set run_cap in the sweep file or pass --count" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "endless").exists()
 
 
 def test_agent_by_id_in_a_shared_store_pinned_to_a_device(tmp_path: Path, capsys) -> None:

@@ -176,7 +176,7 @@ def _plot_params(sweep: Sweep, trials: list[FrozenTrial], path: Path) -> Path:
         dist = sweep.spec.parameters[name]
         numbers = [t.params.get(name) for t in trials]
         if all(isinstance(x, int | float) and x > 0 for x in numbers) and (
-                "log" in dist.distribution or _spread(numbers) >= 100):
+                "log" in dist.distribution or _spread(numbers) >= 10):
             ax.set_xscale("log")
         ax.set_xlabel(name)
         ax.set_ylabel(sweep.spec.metric)

@@ -308,3 +308,36 @@ def test_agent_by_id_in_a_shared_store_pinned_to_a_device(tmp_path: Path, capsys
     assert f"sweep {sweep_id} (grid, minimize loss)" in capsys.readouterr().out
     assert cli.main(["sweep", "agent", "no-such-id", "--storage", url]) == 2
     assert f"no sweep of that id in {url}" in capsys.readouterr().err
+
+
+def test_earlier_trials_decide_which_later_one_runs(tmp_path: Path) -> None:
+    """The rule agents on several machines share: a trial runs unless earlier live trials hold
+    the cap or its grid point. Trials that died (no outcome) free their place for their retry;
+    a job that failed by itself keeps it."""
+    from optuna.distributions import CategoricalDistribution
+
+    from popbert.sweep.spec import load_spec
+    from popbert.sweep.study import holds_slot, why_skip
+
+    spec = load_spec(sweep_file(tmp_path, run_cap=3, parameters={
+        "optimizer.lr": {"values": [1e-4, 1e-3, 1e-2, 1e-1]}}))
+    study = optuna.create_study()
+    dist = {"optimizer.lr": CategoricalDistribution([1e-4, 1e-3, 1e-2, 1e-1])}
+
+    def add(state: TrialState, grid_id: int, **user: Any) -> None:
+        study.add_trial(optuna.trial.create_trial(
+            state=state, params={"optimizer.lr": dist["optimizer.lr"].choices[grid_id]},
+            distributions=dist, value=1.0 if state == TrialState.COMPLETE else None,
+            user_attrs=user, system_attrs={"grid_id": grid_id}))
+
+    add(TrialState.COMPLETE, 0)
+    add(TrialState.FAIL, 1)                    # 1: its agent died ...
+    add(TrialState.RUNNING, 1)                 # 2: ... and this is its retry
+    add(TrialState.RUNNING, 1)                 # 3: a race: the same point again
+    add(TrialState.FAIL, 2, outcome="error")   # 4: diverged: a run all the same
+    add(TrialState.RUNNING, 3)                 # 5: over the cap (0, 2, 4 hold it)
+    t = study.get_trials()
+    assert [holds_slot(x) for x in t] == [True, False, True, True, True, True]
+    assert why_skip(spec, t[2], t) is None
+    assert "grid point 1" in why_skip(spec, t[3], t)
+    assert why_skip(spec, t[5], t) == "the sweep's 3 trials are taken"

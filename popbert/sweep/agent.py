@@ -240,8 +240,7 @@ class Agent:
         if self.replicas is not None and not self.replicas.is_main:
             self._follow()
             return self.report
-        salt = os.getpid()
-        study = self.sweep.load_study(make_sampler(self.spec, salt), make_pruner(self.spec))
+        study = self.sweep.load_study(make_sampler(self.spec), make_pruner(self.spec))
         failures = 0
         try:
             while self.count is None or len(self.report.trials) < self.count:
@@ -251,6 +250,10 @@ class Agent:
                     self.report.stopped = "the sweep is done"
                     break
                 self._number = None
+                if self.spec.method != "grid":
+                    # Seeded by the trials so far: one agent's sweep is reproducible from
+                    # `seed`, and agents that ask at different times sample differently.
+                    study.sampler = make_sampler(self.spec, len(study.get_trials(deepcopy=False)))
                 try:
                     with quiet():  # Optuna's heartbeat thread is "experimental"
                             study.optimize(self.objective, n_trials=1,

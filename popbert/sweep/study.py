@@ -318,9 +318,8 @@ def grid_size(spec: SweepSpec) -> int:
 
 def make_sampler(spec: SweepSpec, salt: int = 0) -> optuna.samplers.BaseSampler:
     """grid → GridSampler, random → RandomSampler, bayes → TPESampler (or GPSampler with
-    `sampler: gp`). `salt` separates the random streams of agents sharing a `seed` (not a
-    grid's: its order follows `seed` alone, and a running grid point is never handed out
-    twice)."""
+    `sampler: gp`). `salt` is added to `seed` (the agent passes the number of trials so far);
+    a grid's order follows `seed` alone (a running grid point is never handed out twice)."""
     if spec.method == "grid":
         return optuna.samplers.GridSampler(grid(spec), seed=spec.seed)
     seed = None if spec.seed is None else spec.seed + salt

@@ -101,6 +101,12 @@ def run_job(sweep: Sweep, params: Mapping[str, Any], run_dir: Path, *,
         if device is not None:
             overrides.append(override_text("execution.device", device))
         cfg = load_config(spec.config or DEFAULT_PRESET, overrides)
+        if cfg.tracking.backend != "none":  # W&B: the trials of a sweep are one group
+            named = {"tracking.group": sweep.id,
+                     "tracking.run_name": f"{sweep.id}-{Path(run_dir).name}"}
+            overrides += [override_text(k, v) for k, v in named.items()
+                          if getattr(cfg.tracking, k.split(".")[1]) is None]
+            cfg = load_config(spec.config or DEFAULT_PRESET, overrides)
         run_pretraining(cfg, run_dir, init_from=init, replicas=replicas, on_record=on_record)
         results: dict[str, float] = {}
     else:

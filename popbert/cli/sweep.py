@@ -14,7 +14,17 @@ from pathlib import Path
 logger = logging.getLogger("popbert")
 
 
+def _optuna_logs_through_logging() -> None:
+    """Optuna's own lines ("Trial 3 finished ...") through the CLI's log handler, like ours,
+    instead of Optuna's separate stderr handler."""
+    import optuna
+
+    optuna.logging.disable_default_handler()
+    optuna.logging.enable_propagation()
+
+
 def _cmd_create(args: argparse.Namespace) -> int:
+    _optuna_logs_through_logging()
     from popbert.sweep.study import create_sweep
 
     sweep = create_sweep(args.file, args.output_dir, args.storage)
@@ -25,6 +35,7 @@ def _cmd_create(args: argparse.Namespace) -> int:
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
+    _optuna_logs_through_logging()
     from popbert.sweep.agent import run_agent
 
     run_agent(args.sweep, storage=args.storage, count=args.count, device=args.device,
@@ -33,6 +44,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    _optuna_logs_through_logging()
     from popbert.sweep.agent import run_sweep
     from popbert.sweep.show import table
 
@@ -44,6 +56,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
+    _optuna_logs_through_logging()
     from popbert.sweep.show import plot_sweep, table
     from popbert.sweep.study import open_sweep
 

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -36,8 +37,6 @@ from popbert.errors import ConfigError, UsageError
 from popbert.sweep.spec import Parameter, SweepSpec, check_spec, parse_spec
 
 log = logging.getLogger(__name__)
-optuna.logging.disable_default_handler()  # Optuna's own lines go through logging like ours
-optuna.logging.enable_propagation()
 
 SWEEP_FILE = "sweep.yaml"
 STUDY_DB = "study.db"
@@ -92,13 +91,25 @@ def make_storage(url: str, heartbeat: float | None = None) -> optuna.storages.RD
                      heartbeat_stale_trial_callback=retry_callback())
     try:
         with quiet():
-            return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, **extra)
+            return optuna.storages.RDBStorage(driver_url(url), engine_kwargs=kwargs, **extra)
     except (ImportError, ModuleNotFoundError) as error:
-        raise ConfigError(f"--storage {url}: its database driver is missing ({error}); for "
-                          "PostgreSQL: pip install 'popbert[sweep-server]'") from None
+        raise ConfigError(f"--storage {_safe_url(url)}: its database driver is missing "
+                          f"({error}); for PostgreSQL: pip install 'popbert[sweep-server]'"
+                          ) from None
     except Exception as error:  # sqlalchemy's own errors: a bad URL, a server not there
         raise ConfigError(f"--storage {_safe_url(url)}: cannot open the study store: "
                           f"{' '.join(str(error).split())[:300]}") from None
+
+
+def driver_url(url: str) -> str:
+    """`url` with a PostgreSQL driver that is installed: SQLAlchemy 2.1 reads a plain
+    `postgresql://` as psycopg 3, while popbert's sweep-server extra installs psycopg2."""
+    import importlib.util
+
+    if url.startswith("postgresql://") and importlib.util.find_spec("psycopg") is None \
+            and importlib.util.find_spec("psycopg2") is not None:
+        return "postgresql+psycopg2://" + url[len("postgresql://"):]
+    return url
 
 
 def retry_callback():
@@ -192,17 +203,22 @@ def create_sweep(path: str | os.PathLike[str], output_dir: Path | None = None,
                          "another directory")
     from popbert.io.run_dir import create_output_dir
 
-    create_output_dir(directory, "-o")
+    created = create_output_dir(directory, "-o")
     directory = directory.resolve()
     url = storage or default_storage(directory)
     data = {"id": sweep_id, "storage": url if storage else None, "spec": spec.to_dict()}
     if init is not None:
         data["init_from_resolved"] = init
-    study = optuna.create_study(study_name=sweep_id, storage=make_storage(url),
-                                direction=spec.goal)
-    study.set_user_attr(SPEC_ATTR, {k: v for k, v in data.items() if k != "storage"})
-    study.set_user_attr(DIR_ATTR, str(directory))
-    atomic_write_text(directory / SWEEP_FILE, dump_yaml(data))
+    try:
+        study = optuna.create_study(study_name=sweep_id, storage=make_storage(url),
+                                    direction=spec.goal)
+        study.set_user_attr(SPEC_ATTR, {k: v for k, v in data.items() if k != "storage"})
+        study.set_user_attr(DIR_ATTR, str(directory))
+        atomic_write_text(directory / SWEEP_FILE, dump_yaml(data))
+    except BaseException:
+        if created:  # a store that cannot be reached leaves no half-made sweep behind
+            shutil.rmtree(directory, ignore_errors=True)
+        raise
     log.info("created sweep %s in %s (store %s)", sweep_id, directory, _safe_url(url))
     return Sweep(sweep_id, url, directory, _spec_of(data, str(directory / SWEEP_FILE)))
 

@@ -23,7 +23,14 @@ from popbert.optimizers.schedules import (
     set_lr,
     warmup_decay,
 )
-from popbert.optimizers.stochastic_rounding import round_to_dtype, stochastic_round
+from popbert.optimizers.stochastic_rounding import (
+    ROUNDING_SCHEME,
+    hashed_round_fn,
+    round_to_dtype,
+    rounding_key,
+    stochastic_round,
+    stochastic_round_hashed,
+)
 
 __all__ = [
     "AdamFamilyOptimizer",
@@ -32,18 +39,22 @@ __all__ = [
     "DEFAULT_NO_TRUST",
     "Lamb",
     "LossScaler",
+    "ROUNDING_SCHEME",
     "Schedule",
     "classify_parameter",
     "functional",
     "grads_have_overflow",
+    "hashed_round_fn",
     "linear_scaling_rule",
     "make_schedule",
     "param_groups_by_name",
     "parse_piecewise",
     "piecewise_constant",
     "round_to_dtype",
+    "rounding_key",
     "set_lr",
     "stochastic_round",
+    "stochastic_round_hashed",
     "unscale_grads_",
     "warmup_decay",
 ]

@@ -226,7 +226,11 @@ def clip_coefficient(total_sq_norm: Tensor | float, max_norm: float, eps: float 
 
 # ----------------------------------------------------------------------------- whole steps
 
-RoundFn = Callable[[Tensor, torch.dtype], Tensor]
+#: ``round_fn(values, out, i, start)`` writes FP32 ``values`` (flat) into the half tensor ``out``
+#: (same number of elements); they are elements ``start...`` of fragment ``i`` of the step's
+#: lists, so counter-based stochastic rounding knows each element's index (see
+#: :func:`popbert.optimizers.stochastic_rounding.hashed_round_fn`).
+RoundFn = Callable[[Tensor, Tensor, int, int], None]
 TilePlan = list[list[tuple[int, int, int]]]
 CPU_TILE_NUMEL = 1 << 21
 
@@ -313,6 +317,7 @@ class _Tile:
         exp_avg_sqs: list[Tensor],
         steps: Sequence[int],
     ) -> None:
+        self.tile = tile
         self.index = [i for i, _, _ in tile]
         self.steps = [steps[i] for i in self.index]
         self.params = _take(params, tile)
@@ -320,6 +325,7 @@ class _Tile:
         self.exp_avg_sqs = _take(exp_avg_sqs, tile)
         self._grads = _take(grads, tile)
         self._flat: Tensor | None = None
+        self._views: list[Tensor] = []
 
     def grads(self, grad_factor: float) -> list[Tensor]:
         if grad_factor == 1.0 and all(g.dtype == torch.float32 for g in self._grads):
@@ -329,19 +335,22 @@ class _Tile:
     def weights(self) -> list[Tensor]:
         if self.params[0].dtype == torch.float32:
             return self.params
-        self._flat, views = _fp32_copy(self.params)
-        return views
+        self._flat, self._views = _fp32_copy(self.params)
+        return self._views
 
     def store(self, round_fn: RoundFn | None) -> None:
-        """Write FP32 working weights back into half parameters."""
+        """Write FP32 working weights back into half parameters (round to nearest without
+        ``round_fn``), piece by piece so the rounding knows where each element belongs."""
         if self._flat is None:
             return
-        dtype = self.params[0].dtype
-        flat = round_fn(self._flat, dtype) if round_fn is not None else self._flat.to(dtype)
-        sizes = [p.numel() for p in self.params]
-        chunks = [c.view(p.shape) for c, p in zip(flat.split(sizes), self.params, strict=True)]
-        torch._foreach_copy_(self.params, chunks)
-        self._flat = None
+        if round_fn is None:
+            torch._foreach_copy_(self.params, self._views)
+        else:
+            offset = 0
+            for (i, start, stop), p in zip(self.tile, self.params, strict=True):
+                round_fn(self._flat[offset:offset + stop - start], p, i, start)
+                offset += stop - start
+        self._flat, self._views = None, []
 
 
 def _tiles(
@@ -380,9 +389,9 @@ def adamw_step_(
     """One AdamW step in place (torch.optim.AdamW's update, computed in FP32).
 
     ``params`` share one dtype: FP32 is updated in place; FP16/BF16 is widened to FP32 per
-    tile and written back with ``round_fn(x, dtype)`` (default: round to nearest). ``grads``
-    of any float dtype are widened and multiplied by ``grad_factor`` (unscale, clip) without
-    modifying them. Moments are FP32. ``tile_numel``: see :func:`default_tile_numel`.
+    tile and written back with ``round_fn`` (see :data:`RoundFn`; default: round to nearest).
+    ``grads`` of any float dtype are widened and multiplied by ``grad_factor`` (unscale, clip)
+    without modifying them. Moments are FP32. ``tile_numel``: see :func:`default_tile_numel`.
     """
     for tile in _tiles(params, grads, exp_avgs, exp_avg_sqs, tile_numel):
         t = _Tile(tile, params, grads, exp_avgs, exp_avg_sqs, steps)

@@ -22,9 +22,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from popbert.optimizers import functional as F
-from popbert.optimizers.stochastic_rounding import round_to_dtype
+from popbert.optimizers.stochastic_rounding import ROUNDING_SCHEME, hashed_round_fn
 
-__all__ = ["AdamFamilyOptimizer", "Lamb", "AdamW"]
+__all__ = ["AdamFamilyOptimizer", "Lamb", "AdamW", "note_old_rounding_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +41,11 @@ class AdamFamilyOptimizer(Optimizer):
     Group options: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bias_correction``,
     ``trust_ratio`` (LAMB layer adaptation on/off), ``max_trust_ratio``, ``max_weight_norm``,
     ``stochastic_rounding`` (``None``: on for half weights). Optimizer-wide: ``max_grad_norm``
-    (global clipping over all groups) and the stochastic-rounding generator (``generator`` or
-    ``seed``; default seed ``torch.initial_seed()``, so ``torch.manual_seed`` controls it).
+    (global clipping over all groups) and the stochastic-rounding seed (``seed``, or the initial
+    seed of ``generator``; default ``torch.initial_seed()``, so ``torch.manual_seed`` controls
+    it). Rounding bits are a hash of (seed, the parameter's step, its position among all
+    parameters, element index): no generator state, so a checkpoint's steps and seed resume
+    them exactly.
     """
 
     _allow_trust_ratio = True
@@ -88,22 +91,19 @@ class AdamFamilyOptimizer(Optimizer):
             self._seed = int(generator.initial_seed())
         else:
             self._seed = int(torch.initial_seed() if seed is None else seed)
-        self._generators: dict[str, torch.Generator] = {}
-        if generator is not None:
-            self._generators[_device_key(generator.device)] = generator
 
     # ------------------------------------------------------------------ public accessors
 
     @property
     def seed(self) -> int:
-        """Seed of the stochastic-rounding generators (a sharded optimizer derives each
-        replica's from it)."""
+        """Seed of the stochastic rounding (a sharded optimizer uses it unchanged)."""
         return self._seed
 
-    def rounding_generators(self) -> dict[str, torch.Generator]:
-        """The stochastic-rounding generator of each device used so far (or restored), by
-        device key; a copy of the mapping, the generators themselves are shared."""
-        return dict(self._generators)
+    def tensor_ids(self) -> dict[int, int]:
+        """``id(param)`` -> the parameter's position among all groups' parameters: the tensor
+        id its stochastic rounding hashes (stable across checkpoints, shared with RTS)."""
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        return {id(p): i for i, p in enumerate(params)}
 
     def tile_numel_for(self, device: torch.device) -> int | None:
         """Elements per tile of the step on ``device`` (resolves ``tile_numel="auto"``)."""
@@ -127,15 +127,6 @@ class AdamFamilyOptimizer(Optimizer):
                     f"got {p.dtype}"
                 )
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        key = _device_key(device)
-        gen = self._generators.get(key)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(self._seed)
-            self._generators[key] = gen
-        return gen
-
     def _init_state(self, p: Tensor) -> dict[str, Any]:
         state = self.state[p]
         if not state:
@@ -145,16 +136,14 @@ class AdamFamilyOptimizer(Optimizer):
         return state
 
     def state_dict(self) -> dict[str, Any]:
-        """Torch's state dict plus the stochastic-rounding seed and generator states."""
+        """Torch's state dict plus the stochastic-rounding seed and scheme (the per-parameter
+        steps, already in the state, are the rest of the rounding counter)."""
         sd = super().state_dict()
-        sd[_RNG_KEY] = {
-            "seed": self._seed,
-            "generators": {key: gen.get_state() for key, gen in self._generators.items()},
-        }
+        sd[_RNG_KEY] = {"seed": self._seed, "scheme": ROUNDING_SCHEME}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict, keeping moments in FP32 and restoring generator states.
+        """Load a state dict, keeping moments in FP32 and restoring the rounding seed.
 
         Torch's loader casts state tensors to the parameter dtype; that would truncate FP32
         moments of half weights, so they are re-copied from ``state_dict`` afterwards. Tensors
@@ -192,15 +181,7 @@ class AdamFamilyOptimizer(Optimizer):
                 group["trust_ratio"] = False
         if rng is not None:
             self._seed = int(rng["seed"])
-            self._generators = {}
-            for key, gen_state in rng["generators"].items():
-                try:
-                    gen = torch.Generator(device=key)
-                except RuntimeError:
-                    logger.warning("cannot restore the rounding generator of device %s", key)
-                    continue
-                gen.set_state(gen_state.clone())
-                self._generators[key] = gen
+            note_old_rounding_state(rng)
 
     # ------------------------------------------------------------------ the step
 
@@ -240,9 +221,10 @@ class AdamFamilyOptimizer(Optimizer):
             sq_norm = _total_sq_norm(grads) * grad_factor**2
             grad_factor *= F.clip_coefficient(sq_norm, self.max_grad_norm)
 
+        ids = self.tensor_ids()
         for group, params in active:
             for (device, dtype), bucket in _bucket_by_device_dtype(params).items():
-                self._update_bucket(group, bucket, device, dtype, grad_factor)
+                self._update_bucket(group, bucket, device, dtype, grad_factor, ids)
         return loss
 
     def _update_bucket(
@@ -252,6 +234,7 @@ class AdamFamilyOptimizer(Optimizer):
         device: torch.device,
         dtype: torch.dtype,
         grad_factor: float,
+        ids: dict[int, int],
     ) -> None:
         states = [self._init_state(p) for p in params]
         for state in states:
@@ -261,13 +244,9 @@ class AdamFamilyOptimizer(Optimizer):
         exp_avg_sqs = [state["exp_avg_sq"] for state in states]
 
         round_fn = None
-        if dtype != torch.float32:
-            stochastic = group["stochastic_rounding"]
-            stochastic = True if stochastic is None else bool(stochastic)
-            gen = self._generator(device) if stochastic else None
-
-            def round_fn(x: Tensor, target: torch.dtype) -> Tensor:
-                return round_to_dtype(x, target, stochastic, gen)
+        stochastic = group["stochastic_rounding"]
+        if dtype != torch.float32 and (stochastic is None or bool(stochastic)):
+            round_fn = hashed_round_fn(self._seed, steps, [ids[id(p)] for p in params])
 
         common = {
             "lr": group["lr"],
@@ -378,13 +357,13 @@ class AdamW(AdamFamilyOptimizer):
         )
 
 
-def _device_key(device: torch.device | str) -> str:
-    device = torch.device(device)
-    if device.type != "cpu" and device.index is None:
-        device = torch.device(device.type, torch.get_device_module(device.type).current_device())
-    return str(device)
-
-
+def note_old_rounding_state(rng: dict[str, Any]) -> None:
+    """Log when a checkpoint's rounding state comes from the generator-based scheme."""
+    if rng.get("generators") or rng.get("replica_generators"):
+        logger.info(
+            "the checkpoint holds stochastic-rounding generator states from an older popbert; "
+            "rounding bits now hash (seed, step, tensor, element), so half weights resume with "
+            "different random bits than that run would have drawn (the seed is kept)")
 def _validate_group(group: dict[str, Any]) -> None:
     beta1, beta2 = group["betas"]
     group["betas"] = (float(beta1), float(beta2))

@@ -20,14 +20,44 @@ Overflow follows IEEE semantics: a value between the largest finite number and t
 (unrepresentable) grid point rounds to the largest finite value or to infinity with the same
 proportional probabilities; anything beyond becomes infinity. NaN stays NaN, infinities and
 representable values are unchanged.
+
+Two sources of random bits:
+
+* :func:`stochastic_round` draws them from a ``torch.Generator`` (general use, tests).
+* :func:`stochastic_round_hashed` (the optimizers' path) hashes ``(key, element index)`` with a
+  counter-based integer hash, where :func:`rounding_key` derives the key from ``(seed, step,
+  tensor id)``. No generator state: the bits of an element are a pure function of where it is,
+  so a resumed run, or a sharded optimizer that knows each element's index in its tensor,
+  rounds exactly as the original. The whole rounding (hash, add, truncate, convert) is one
+  elementwise int32 expression, compiled with ``torch.compile`` into a single multithreaded,
+  vectorised loop for large tensors (torch's CPU generator is single-threaded and was 2-3x the
+  cost of an FP32 optimizer step); the eager fallback evaluates the same expression and gives
+  bit-identical results. FP16 inputs below ``2**-24`` (rare) take the exact Bernoulli path,
+  with its digits hashed from the same key.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Callable, Sequence
+
 import torch
 from torch import Tensor
 
-__all__ = ["stochastic_round", "round_to_dtype"]
+__all__ = [
+    "COMPILE_MIN_NUMEL",
+    "ROUNDING_SCHEME",
+    "RoundFn",
+    "hash_bits",
+    "hashed_round_fn",
+    "round_to_dtype",
+    "rounding_key",
+    "stochastic_round",
+    "stochastic_round_hashed",
+]
+
+logger = logging.getLogger(__name__)
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FP16_MIN_NORMAL = 2.0**-14  # below it FP16's spacing is a constant 2**-24
@@ -51,29 +81,42 @@ def _check_input(x: Tensor, dtype: torch.dtype) -> Tensor:
     )
 
 
-def _exact_bernoulli(p: Tensor, generator: torch.Generator | None) -> Tensor:
+def _exact_bernoulli(
+    p: Tensor,
+    generator: torch.Generator | None,
+    digits: Callable[[int], Tensor] | None = None,
+) -> Tensor:
     """Draw ``True`` with probability exactly ``p`` (FP32 values in [0, 1); NaN gives False).
 
     ``p`` is compared digit by digit, 24 bits at a time, against a uniform random number of
     unbounded precision; a tie on one digit defers to the next. FP32 probabilities are finite
-    binary fractions, so six digits make the draw exact.
+    binary fractions, so six digits make the draw exact. ``digits(d)`` supplies the ``d``-th
+    digit of every lane (integers in ``[0, 2**24)``); by default they come from ``generator``.
     """
     result = torch.zeros(p.shape, dtype=torch.bool, device=p.device)
     active = torch.ones(p.shape, dtype=torch.bool, device=p.device)
     frac = p
-    for _ in range(_BERNOULLI_DIGITS):
+    for d in range(_BERNOULLI_DIGITS):
         scaled = frac * _DIGIT  # exact: multiplication by a power of two without overflow
         digit = torch.floor(scaled)
-        u = torch.randint(
-            0, 1 << 24, p.shape, device=p.device, dtype=torch.int32, generator=generator
-        ).float()  # integers below 2**24 are exact in FP32
+        if digits is None:
+            raw = torch.randint(
+                0, 1 << 24, p.shape, device=p.device, dtype=torch.int32, generator=generator
+            )
+        else:
+            raw = digits(d)
+        u = raw.float()  # integers below 2**24 are exact in FP32
         result |= active & (u < digit)
         active &= u == digit
         frac = scaled - digit
     return result
 
 
-def _round_fp16_subnormal(x: Tensor, generator: torch.Generator | None) -> Tensor:
+def _round_fp16_subnormal(
+    x: Tensor,
+    generator: torch.Generator | None,
+    digits: Callable[[int], Tensor] | None = None,
+) -> Tensor:
     """Stochastic rounding onto the fixed grid ``k * 2**-24`` (FP16 subnormals), NaN kept.
 
     ``|x| * 2**24`` is exact, so this is integer stochastic rounding of a value below 1024
@@ -81,7 +124,7 @@ def _round_fp16_subnormal(x: Tensor, generator: torch.Generator | None) -> Tenso
     """
     scaled = x.abs() * _FP16_SUBNORMAL_SCALE
     whole = torch.floor(scaled)
-    up = _exact_bernoulli(scaled - whole, generator)
+    up = _exact_bernoulli(scaled - whole, generator, digits)
     magnitude = (whole + up.float()) / _FP16_SUBNORMAL_SCALE  # NaN stays NaN
     return torch.copysign(magnitude, x)
 
@@ -130,6 +173,223 @@ def stochastic_round(
             values = _round_fp16_subnormal(values, generator)
         out.view(-1).index_copy_(0, lanes, values)  # bfloat16: only NaN lanes, kept as they are
     return out.to(dtype)  # exact: every value lies on the target grid (or overflows to inf)
+
+
+# ----------------------------------------------------------------------------- counter-based bits
+
+_MASK32 = (1 << 32) - 1
+_MASK64 = (1 << 64) - 1
+_MIX_1 = 0x7FEB352D  # lowbias32 multipliers (C. Wellons, hash-prospector), as int32
+_MIX_2 = 0x846CA68B - (1 << 32)
+_DIGIT_STRIDE = 0x9E3779B9  # golden-ratio step between the keys of Bernoulli digits
+#: Tensors (pieces) with at least this many elements use the compiled kernel; smaller ones the
+#: eager expression (same bits; a compiled call costs tens of microseconds of dispatch).
+COMPILE_MIN_NUMEL = 1 << 15
+_MAX_INDEX = (1 << 31) - 1
+_FP16_TINY_EXPONENT = 103  # biased FP32 exponent of 2**-24, FP16's smallest subnormal
+_FP16_NORMAL_EXPONENT = 113  # of 2**-14, FP16's smallest normal
+_QUIET_NAN_BIT = 1 << 22
+
+Key = tuple[int, int]
+#: Names the bit source in optimizer checkpoints (older ones carry generator states instead).
+ROUNDING_SCHEME = "hash-lowbias32x2-v1"
+
+
+def _int32(value: int) -> int:
+    value &= _MASK32
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def rounding_key(seed: int, step: int, tensor_id: int) -> Key:
+    """The 64-bit key (two int32 halves) of one tensor's rounding at one optimizer step.
+
+    SplitMix64 chained over ``seed``, ``step`` and ``tensor_id``: any change of one gives an
+    unrelated key, so steps and tensors draw independent bits from the same seed.
+    """
+    z = _splitmix64(seed & _MASK64)
+    z = _splitmix64(z ^ (step & _MASK64))
+    z = _splitmix64(z ^ (tensor_id & _MASK64))
+    return _int32(z), _int32(z >> 32)
+
+
+def _mix32(h: Tensor) -> Tensor:
+    """lowbias32, an invertible 32-bit avalanche mixer, in wrapping int32 arithmetic (the
+    masks turn torch's arithmetic right shifts into logical ones)."""
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = h * _MIX_1
+    h = h ^ ((h >> 15) & 0x1FFFF)
+    h = h * _MIX_2
+    return h ^ ((h >> 16) & 0xFFFF)
+
+
+def hash_bits(index: Tensor, key: tuple[int | Tensor, int | Tensor]) -> Tensor:
+    """32 pseudo-random bits (int32) per element index: two keyed rounds of lowbias32.
+
+    A bijection of ``index`` for a fixed key (distinct elements never share bits within a
+    tensor) and, through the second keyed round, unrelated bit streams for different keys.
+    """
+    return _mix32(_mix32(index ^ key[0]) ^ key[1])
+
+
+def _index(bits: Tensor, args: Tensor) -> Tensor:
+    return torch.arange(bits.shape[0], dtype=torch.int32, device=bits.device) + args[0]
+
+
+def _bf16_kernel(bits: Tensor, args: Tensor) -> Tensor:
+    """BF16 values of FP32 patterns ``bits``; ``args`` = [offset, key0, key1].
+
+    Adds 16 random bits below BF16's last mantissa bit and truncates them (the conversion is
+    then exact). NaN lanes skip the add (it could carry out of their payload) and are
+    quietened, so they stay NaN whatever the conversion does with the payload.
+    """
+    noise = hash_bits(_index(bits, args), (args[1], args[2])) & 0xFFFF
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    rounded = torch.where(nan, bits | _QUIET_NAN_BIT, (bits + noise) & -65536)
+    return rounded.view(torch.float32).to(torch.bfloat16)
+
+
+def _fp16_kernel(bits: Tensor, args: Tensor) -> tuple[Tensor, Tensor]:
+    """FP16 values of FP32 patterns ``bits``, and whether any lane is below ``2**-24``.
+
+    FP16's spacing is ``2**13`` FP32 patterns from its smallest normal up; below it the spacing
+    is the constant ``2**-24``, i.e. ``2**(13 + 113 - e)`` patterns at biased exponent ``e``
+    down to ``2**-24`` (``e = 103``). Those lanes get that many random bits, so only inputs
+    below ``2**-24`` (flagged, rounded afterwards) need more than the 32 hashed bits.
+    """
+    noise = hash_bits(_index(bits, args), (args[1], args[2]))
+    magnitude = bits & 0x7FFFFFFF
+    exponent = magnitude >> 23
+    low_bits = (_FP16_NORMAL_EXPONENT - exponent).clamp(0, 10) + 13
+    low_mask = torch.bitwise_left_shift(torch.ones_like(low_bits), low_bits) - 1
+    rounded = ((bits + (noise & low_mask)) & ~low_mask).view(torch.float32)
+    nan = magnitude > 0x7F800000
+    values = torch.where(nan, bits.view(torch.float32), rounded).to(torch.float16)
+    tiny = (exponent < _FP16_TINY_EXPONENT) & (magnitude != 0)
+    return values, tiny.any()
+
+
+_KERNELS: dict[torch.dtype, Callable[[Tensor, Tensor], object]] = {
+    torch.bfloat16: _bf16_kernel,
+    torch.float16: _fp16_kernel,
+}
+_compiled_kernels: dict[torch.dtype, Callable[[Tensor, Tensor], object]] = {}
+_compile_disabled = os.environ.get("POPBERT_SR_COMPILE", "1") == "0"
+
+
+def _run_kernel(dtype: torch.dtype, bits: Tensor, args: Tensor, compiled: bool | None) -> object:
+    global _compile_disabled
+    kernel = _KERNELS[dtype]
+    forced = compiled is True
+    if compiled is None:
+        compiled = not _compile_disabled and bits.numel() >= COMPILE_MIN_NUMEL
+    if not compiled:
+        return kernel(bits, args)
+    fn = _compiled_kernels.get(dtype)
+    if fn is None:
+        fn = torch.compile(kernel, dynamic=True)
+        _compiled_kernels[dtype] = fn
+    try:
+        return fn(bits, args)
+    except Exception:  # no C++ compiler, unsupported platform...: the eager path is exact too
+        if forced:
+            raise
+        logger.warning("compiling the stochastic-rounding kernel failed; using eager torch "
+                       "(same bits, slower)", exc_info=True)
+        _compile_disabled = True
+        return kernel(bits, args)
+
+
+def stochastic_round_hashed(
+    x: Tensor,
+    dtype: torch.dtype,
+    key: Key,
+    offset: int = 0,
+    *,
+    out: Tensor | None = None,
+    compiled: bool | None = None,
+) -> Tensor:
+    """Stochastic rounding of FP32 ``x`` to ``dtype`` with counter-based random bits.
+
+    Element ``i`` of ``x`` (row-major) is element ``offset + i`` of its tensor and draws its
+    bits from ``hash_bits(offset + i, key)``, so rounding a tensor whole or in slices (tiles,
+    shards) gives the same result. Same guarantees as :func:`stochastic_round`: exact
+    probabilities, unbiased, special values kept. ``out`` (``dtype``, ``x``'s number of
+    elements, any shape) receives the result. ``compiled``: ``None`` compiles for tensors of at
+    least :data:`COMPILE_MIN_NUMEL` elements (``POPBERT_SR_COMPILE=0`` turns that off),
+    ``True`` / ``False`` force it; both give identical bits.
+    """
+    x = _check_input(x, dtype)
+    if dtype == torch.float32:
+        if out is not None:
+            out.copy_(x.view(out.shape))
+            return out
+        return x
+    n = x.numel()
+    if offset < 0 or offset + n - 1 > _MAX_INDEX:
+        raise ValueError(f"element indices {offset}..{offset + n - 1} exceed the int32 counter")
+    flat = x.reshape(-1)
+    bits = flat.view(torch.int32)
+    args = torch.tensor([offset, key[0], key[1]], dtype=torch.int32, device=x.device)
+    with torch.no_grad():
+        if n == 0:
+            result = torch.empty(0, dtype=dtype, device=x.device)
+        elif dtype == torch.bfloat16:
+            result = _run_kernel(dtype, bits, args, compiled)
+        else:
+            result, any_tiny = _run_kernel(dtype, bits, args, compiled)
+            if bool(any_tiny):
+                _round_fp16_tiny_lanes(flat, result, key, offset)
+    result = result.view(x.shape)
+    if out is not None:
+        out.copy_(result.view(out.shape))
+        return out
+    return result
+
+
+def _round_fp16_tiny_lanes(flat: Tensor, result: Tensor, key: Key, offset: int) -> None:
+    """Exact rounding of the lanes below ``2**-24`` into ``result`` (digits hashed per lane)."""
+    magnitude = flat.view(torch.int32) & 0x7FFFFFFF
+    tiny = ((magnitude >> 23) < _FP16_TINY_EXPONENT) & (magnitude != 0)
+    lanes = tiny.nonzero().squeeze(1)
+    index = lanes.to(torch.int32) + offset
+
+    def digits(d: int) -> Tensor:
+        digit_key = (_int32(key[0] + (d + 1) * _DIGIT_STRIDE), key[1])
+        return (hash_bits(index, digit_key) >> 8) & 0xFFFFFF
+
+    values = _round_fp16_subnormal(flat.index_select(0, lanes), None, digits)
+    result.index_copy_(0, lanes, values.to(torch.float16))
+
+
+RoundFn = Callable[[Tensor, Tensor, int, int], None]
+
+
+def hashed_round_fn(
+    seed: int,
+    steps: Sequence[int],
+    tensor_ids: Sequence[int],
+    offsets: Sequence[int] | None = None,
+) -> RoundFn:
+    """A ``round_fn`` for :mod:`popbert.optimizers.functional` steps, rounding stochastically.
+
+    Fragment ``i`` of the step's lists is part of tensor ``tensor_ids[i]`` starting at element
+    ``offsets[i]`` (0 by default) and is at optimizer step ``steps[i]``: its bits depend on
+    ``(seed, steps[i], tensor_ids[i], element index)`` only.
+    """
+
+    def round_fn(values: Tensor, out: Tensor, i: int, start: int) -> None:
+        key = rounding_key(seed, steps[i], tensor_ids[i])
+        base = 0 if offsets is None else offsets[i]
+        stochastic_round_hashed(values, out.dtype, key, base + start, out=out)
+
+    return round_fn
 
 
 def round_to_dtype(

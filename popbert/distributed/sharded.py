@@ -7,7 +7,9 @@ its flat gradient is reduce-scattered and added to an FP32 shard accumulator, so
 :mod:`popbert.optimizers.functional`; LAMB's per-tensor norms are partial sums over the pieces of
 each tensor that the shard holds, completed by one small all-reduce. The updated shard is rounded
 to the weight dtype (stochastically for half weights) and all-gathered into the flat weight
-buffer, in the weight dtype. Checkpoints hold the gathered, unsharded optimizer state in the
+buffer, in the weight dtype. Stochastic rounding hashes (seed, step, tensor, element index within
+the tensor), so a replica rounds its slice exactly as the unsharded optimizer rounds those
+elements. Checkpoints hold the gathered, unsharded optimizer state in the
 ordinary optimizer's format, so they load with or without RTS and on any replica count.
 """
 
@@ -27,10 +29,10 @@ from popbert.distributed.buffers import (
     flat_spaces,
     flatten_parameters,
 )
-from popbert.distributed.replicas import SEED_STRIDE, Replicas
+from popbert.distributed.replicas import Replicas
 from popbert.optimizers import functional as F
 from popbert.optimizers.optimizer import AdamFamilyOptimizer
-from popbert.optimizers.stochastic_rounding import round_to_dtype
+from popbert.optimizers.stochastic_rounding import hashed_round_fn
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +127,6 @@ class ShardedOptimizer:
                 torch.zeros(shard_size, **fp32), torch.zeros(shard_size, **fp32),
                 torch.zeros(shard_size if size > 1 else 0, dtype=space.dtype,
                             device=space.device)))
-        self._generators: dict[str, torch.Generator] = {}
         log.info("replicated tensor sharding: replica %d holds %d of %d optimizer values",
                  rank, sum(s.shard_size for s in self.shards),
                  sum(s.space.numel for s in self.shards))
@@ -142,18 +143,6 @@ class ShardedOptimizer:
     def gradient_shard_bytes(self) -> int:
         """Bytes of this replica's FP32 accumulated-gradient shard."""
         return sum(s.shard_size * 4 for s in self.shards)
-
-    def _seed(self) -> int:
-        return self.base.seed + SEED_STRIDE * self.replicas.rank
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        key = str(device)
-        gen = self._generators.get(key)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(self._seed())
-            self._generators[key] = gen
-        return gen
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradient buffers (the views stay attached; ``set_to_none`` ignored)."""
@@ -234,7 +223,7 @@ class ShardedOptimizer:
                     eps=group["eps"], weight_decay=group["weight_decay"],
                     bias_correction=group["bias_correction"], grad_factor=factor,
                     tile_numel=self.base.tile_numel_for(device),
-                    round_fn=self._round_fn(group, space))
+                    round_fn=self._round_fn(group, space, pieces))
                 lists = ([shard.view(mine, p) for p in pieces],
                          [shard.view(shard.grad_acc, p) for p in pieces],
                          [shard.view(shard.exp_avg, p) for p in pieces],
@@ -250,18 +239,14 @@ class ShardedOptimizer:
             self.replicas.all_gather(shard.weights, mine.clone())
         self._accumulated = 0
 
-    def _round_fn(self, group: dict[str, Any], space: FlatSpace) -> Any:
-        """Rounding of updated half weights: stochastic with this replica's generator."""
-        if space.dtype == torch.float32:
-            return None
+    def _round_fn(self, group: dict[str, Any], space: FlatSpace, pieces: list[_Piece]) -> Any:
+        """Rounding of updated half weights: stochastic with the unsharded optimizer's bits
+        (same seed, step and tensor ids; element indices offset to where each piece starts)."""
         stochastic = group["stochastic_rounding"]
-        stochastic = True if stochastic is None else bool(stochastic)
-        gen = self._generator(space.device) if stochastic else None
-
-        def round_fn(x: Tensor, dtype: torch.dtype) -> Tensor:
-            return round_to_dtype(x, dtype, stochastic, gen)
-
-        return round_fn
+        if space.dtype == torch.float32 or not (stochastic is None or bool(stochastic)):
+            return None
+        return hashed_round_fn(self.base.seed, [self.steps[p.index] for p in pieces],
+                               [p.index for p in pieces], [p.param_offset for p in pieces])
 
     def _norm_device(self) -> torch.device:
         return self.shards[0].grad_acc.device if self.shards else torch.device("cpu")
@@ -287,12 +272,6 @@ class ShardedOptimizer:
                     entry[key] = full[offset:offset + p.numel()].view(p.shape).clone()
                 state[i] = entry
         sd["state"] = state
-        generators = {key: gen.get_state() for key, gen in self._generators.items()}
-        rng = dict(sd.get("popbert_rng", {}))
-        rng["replica_generators"] = self.replicas.all_gather_object(generators)
-        if rng["replica_generators"][0]:
-            rng["generators"] = rng["replica_generators"][0]
-        sd["popbert_rng"] = rng
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -303,10 +282,9 @@ class ShardedOptimizer:
                 for s, g in zip(saved_groups, self.param_groups)):
             raise ValueError("optimizer state has different parameter groups than this model")
         rng = dict(state_dict.get("popbert_rng") or {})
-        replica_generators = rng.pop("replica_generators", None)
         base_sd = {"state": {}, "param_groups": saved_groups}
         if rng:
-            base_sd["popbert_rng"] = rng
+            base_sd["popbert_rng"] = rng  # the seed; old generator states are only noted
         self.base.load_state_dict(base_sd)
         self.param_groups = self.base.param_groups
         saved_ids = list(chain.from_iterable(g["params"] for g in saved_groups))
@@ -330,14 +308,4 @@ class ShardedOptimizer:
                                          f"{tuple(p.shape)}")
                     flat = value.reshape(-1)[piece.param_offset:piece.param_offset + piece.length]
                     target[piece.shard_offset:piece.shard_offset + piece.length].copy_(flat)
-        self._generators = {}
-        if replica_generators is not None and len(replica_generators) == self.replicas.size:
-            for key, gen_state in replica_generators[self.replicas.rank].items():
-                gen = torch.Generator(device=key)
-                gen.set_state(gen_state.clone())
-                self._generators[key] = gen
-        elif self.replicas.size == 1 and self.base.rounding_generators():
-            self._generators = self.base.rounding_generators()
-        elif any(s.space.dtype != torch.float32 for s in self.shards):
-            log.info("replica count changed: stochastic-rounding generators restart from the seed")
         self._accumulated = 0

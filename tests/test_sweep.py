@@ -341,3 +341,28 @@ def test_earlier_trials_decide_which_later_one_runs(tmp_path: Path) -> None:
     assert why_skip(spec, t[2], t) is None
     assert "grid point 1" in why_skip(spec, t[3], t)
     assert why_skip(spec, t[5], t) == "the sweep's 3 trials are taken"
+
+
+def test_two_agents_share_a_grid_on_a_postgresql_store(tmp_path: Path, postgres_url: str
+                                                       ) -> None:
+    """The multi-machine store: a real PostgreSQL server (started by the fixture in a temporary
+    directory); two agents found through it by sweep id, as they would be from other machines."""
+    lrs = [1e-3, 1e-2]
+    path = sweep_file(tmp_path, parameters={"optimizer.lr": {"values": lrs}},
+                      set={**SMALL, "training.steps": 4})
+    sweep = create_sweep(path, tmp_path / "made", storage=postgres_url)
+    assert not (sweep.directory / "study.db").exists()
+    agents = [subprocess.Popen([sys.executable, "-m", "popbert", "sweep", "agent", sweep.id,
+                                "--storage", postgres_url, "-o", str(tmp_path / f"machine{i}")],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+              for i in range(2)]
+    for agent in agents:
+        _, err = agent.communicate(timeout=300)
+        assert agent.returncode == 0, err[-3000:]
+    done = open_sweep(sweep.id, postgres_url).load_study().get_trials()
+    finished = [t for t in done if t.state == TrialState.COMPLETE]
+    assert sorted(t.params["optimizer.lr"] for t in finished) == lrs
+    assert all(t.user_attrs[OUTCOME] == "skipped" for t in done if t not in finished)
+    for t in finished:  # each run is on the machine whose agent ran it
+        run = Path(t.user_attrs["run_dir"])
+        assert run.parent.parent.name.startswith("machine") and (run / "metrics.jsonl").is_file()

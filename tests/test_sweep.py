@@ -234,6 +234,8 @@ def test_phase_two_starts_from_phase_one_best_trial(tmp_path: Path) -> None:
         assert cfg["optimizer"]["lr"] == 1e-3 and cfg["model"]["sequence_length"] == 32
 
 
+FINETUNE = {"job": "finetune classify", "config": None, "set": {},
+            "args": {"train": str(SENTIMENT), "checkpoint": str(SENTIMENT.parent)}}
 BAD = [
     ({"method": "hill_climb"}, "method: expected grid, random or bayes, got 'hill_climb'"),
     ({"parameters": {"optimizer.lrr": {"values": [1e-3]}}},
@@ -253,6 +255,12 @@ BAD = [
      "parameters.optimizer.lr: --set optimizer.lr=\"fast\": optimizer.lr: expected float"),
     ({"early_terminate": {"type": "median"}}, "early_terminate.type: expected hyperband"),
     ({"run_cap": 0}, "run_cap: expected a positive integer, got 0"),
+    ({**FINETUNE, "parameters": {"optimizer.eps": {"values": [1e-8]}}},
+     "parameters.optimizer.eps: optimizer.eps is a config key fine-tuning does not take"),
+    ({**FINETUNE, "parameters": {"optimizer.lr": {"values": ["fast"]}}},
+     "parameters.optimizer.lr: --set optimizer.lr=\"fast\": optimizer.lr: expected float"),
+    ({**FINETUNE, "parameters": {"args.train": {"values": ["a.tsv"]}}},
+     "parameters.args.train: args.train is not an option finetune classify sweeps"),
 ]
 
 

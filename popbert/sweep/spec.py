@@ -537,6 +537,15 @@ def _check_finetune(spec: SweepSpec) -> None:
         if key not in FINETUNE_KEYS:
             raise ConfigError(f"{src}: {where}: {key} is a config key fine-tuning does not "
                               f"take; expected one of {', '.join(FINETUNE_KEYS)} or args.<option>")
+        values = spec.parameters[key].edge_values() if key in spec.parameters \
+            else [spec.set[key]]
+        for value in values:  # the field's type, checked as --set checks it
+            from popbert.config import DEFAULT_PRESET, load_config
+
+            try:
+                load_config(DEFAULT_PRESET, [override_text(key, value)])
+            except ConfigError as error:
+                raise ConfigError(f"{src}: {where}: {error}") from None
 
 
 def _check_config_key(src: str, where: str, key: str) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -106,13 +106,28 @@ def truncate_seq_pair(tokens_a: list[int], tokens_b: list[int], max_num_tokens: 
     """Trim the longer segment in place, one token at a time from a random end.
 
     Random ends (not always the tail) avoid biasing the model towards sentence starts.
+    The draws are Google's, one `rng.random()` per token removed, but only the counts are
+    kept in the loop and each list is cut once: deleting a list's first element one token at a
+    time moved the whole list each time and was the pairing's largest cost.
     """
-    while len(tokens_a) + len(tokens_b) > max_num_tokens:
-        trunc = tokens_a if len(tokens_a) > len(tokens_b) else tokens_b
-        if rng.random() < 0.5:
-            del trunc[0]
+    len_a, len_b = len(tokens_a), len(tokens_b)
+    if len_a + len_b <= max_num_tokens:
+        return
+    front_a = front_b = 0
+    draw = rng.random
+    while len_a + len_b > max_num_tokens:
+        if len_a > len_b:
+            if draw() < 0.5:
+                front_a += 1
+            len_a -= 1
         else:
-            trunc.pop()
+            if draw() < 0.5:
+                front_b += 1
+            len_b -= 1
+    del tokens_a[front_a + len_a:]
+    del tokens_a[:front_a]
+    del tokens_b[front_b + len_b:]
+    del tokens_b[:front_b]
 
 
 class InstanceCreator:
@@ -157,7 +172,25 @@ class InstanceCreator:
     def create_instances_from_document(self, all_documents: Sequence[Document],
                                        document_index: int,
                                        rng: random.Random) -> list[TrainingInstance]:
-        """Segment pairs of one document (Google's `create_instances_from_document`)."""
+        """Masked instances of one document (Google's `create_instances_from_document`)."""
+        instances: list[TrainingInstance] = []
+        # Each pair is masked before the generator draws the next: Google's order of draws.
+        for tokens_a, tokens_b, is_random_next in self.document_pairs(all_documents,
+                                                                      document_index, rng):
+            tokens = [self.cls_id, *tokens_a, self.sep_id, *tokens_b, self.sep_id]
+            segment_ids = [0] * (len(tokens_a) + 2) + [1] * (len(tokens_b) + 1)
+            tokens, positions, labels = self.create_masked_lm_predictions(tokens, rng)
+            instances.append(TrainingInstance(tokens, segment_ids, is_random_next, positions,
+                                              labels))
+        return instances
+
+    def document_pairs(self, all_documents: Sequence[Document], document_index: int,
+                       rng: random.Random) -> Iterator[tuple[list[int], list[int], bool]]:
+        """(segment A, segment B, is random next) of one document, truncated, unmasked.
+
+        Google's pairing alone, so the array path (`create_instance_arrays`) can lay pairs out
+        in bulk without building a `TrainingInstance` per pair.
+        """
         opts = self.options
         document = all_documents[document_index]
         max_num_tokens = opts.sequence_length - 3
@@ -165,7 +198,6 @@ class InstanceCreator:
         if rng.random() < opts.short_seq_prob:
             target_seq_length = rng.randint(2, max_num_tokens)
 
-        instances: list[TrainingInstance] = []
         current_chunk: list[list[int]] = []
         current_length = 0
         i = 0
@@ -215,15 +247,10 @@ class InstanceCreator:
                     truncate_seq_pair(tokens_a, tokens_b, max_num_tokens, rng)
                     if not tokens_a or not tokens_b:
                         raise DataError("internal error: empty segment after truncation")
-                    tokens = [self.cls_id, *tokens_a, self.sep_id, *tokens_b, self.sep_id]
-                    segment_ids = [0] * (len(tokens_a) + 2) + [1] * (len(tokens_b) + 1)
-                    tokens, positions, labels = self.create_masked_lm_predictions(tokens, rng)
-                    instances.append(TrainingInstance(tokens, segment_ids, is_random_next,
-                                                      positions, labels))
+                    yield tokens_a, tokens_b, is_random_next
                 current_chunk = []
                 current_length = 0
             i += 1
-        return instances
 
     def create_masked_lm_predictions(self, tokens: list[int], rng: random.Random
                                      ) -> tuple[list[int], list[int], list[int]]:
@@ -312,12 +339,32 @@ def create_pretraining_arrays(documents: Sequence[Document], tokenizer: WordPiec
     return instances_to_arrays(instances, options.sequence_length, options.max_predictions_per_seq)
 
 
-class _PairCreator(InstanceCreator):
-    """Google's pairing (segment A/B, random next, truncation) without per-instance masking."""
-
-    def create_masked_lm_predictions(self, tokens: list[int], rng: random.Random
-                                     ) -> tuple[list[int], list[int], list[int]]:
-        return tokens, [], []
+def _pairs_to_arrays(flat: list[int], lengths_a: list[int], lengths_b: list[int],
+                     random_next: list[bool], sequence_length: int,
+                     max_predictions_per_seq: int) -> dict[str, np.ndarray]:
+    """`instances_to_arrays` for unmasked pairs given as one flat token list (each pair
+    `[CLS] A [SEP] B [SEP]`, back to back) and the segment lengths: a few numpy operations
+    instead of a `TrainingInstance` and five row copies per pair."""
+    len_a = np.asarray(lengths_a, dtype=np.int64)
+    lengths = len_a + np.asarray(lengths_b, dtype=np.int64) + 3
+    n = len(lengths)
+    if n and int(lengths.max()) > sequence_length:
+        row = int(np.argmax(lengths > sequence_length))
+        raise DataError(f"instance {row} has {int(lengths[row])} tokens; shape is "
+                        f"({sequence_length}, {max_predictions_per_seq})")
+    columns = np.arange(sequence_length)
+    inside = columns[None, :] < lengths[:, None]
+    input_ids = np.zeros((n, sequence_length), dtype=np.int32)
+    input_ids[inside] = np.asarray(flat, dtype=np.int32)  # row-major: each row's tokens in order
+    return {
+        "input_ids": input_ids,
+        "input_mask": inside.astype(np.int32),
+        "segment_ids": (inside & (columns[None, :] >= len_a[:, None] + 2)).astype(np.int32),
+        "masked_lm_positions": np.zeros((n, max_predictions_per_seq), dtype=np.int32),
+        "masked_lm_ids": np.zeros((n, max_predictions_per_seq), dtype=np.int32),
+        "next_sentence_labels": np.where(np.asarray(random_next, dtype=bool), NSP_RANDOM_NEXT,
+                                         NSP_IS_NEXT).astype(np.int32),
+    }
 
 
 def mask_arrays(arrays: dict[str, np.ndarray], tokenizer: WordPieceTokenizer,
@@ -354,9 +401,9 @@ def mask_arrays(arrays: dict[str, np.ndarray], tokenizer: WordPieceTokenizer,
         arrays["masked_lm_positions"][:] = 0
         arrays["masked_lm_ids"][:] = 0
         return
-    sizes = np.zeros((n, max_words), np.int64)
     r, c = np.nonzero(candidate)
-    np.add.at(sizes, (r, word[r, c]), 1)
+    cell = r * max_words + word[r, c]  # (row, word) of each candidate, flat
+    sizes = np.bincount(cell, minlength=n * max_words).reshape(n, max_words)
     # Random word order per row (absent words last), then greedy: take a word if it fits.
     keys = rng.random((n, max_words))
     keys[sizes == 0] = 2.0
@@ -376,7 +423,7 @@ def mask_arrays(arrays: dict[str, np.ndarray], tokenizer: WordPieceTokenizer,
     taken = np.zeros((n, max_words), bool)
     np.put_along_axis(taken, order, taken_ranked, axis=1)
     chosen = candidate.copy()
-    chosen[r, c] = taken[r, word[r, c]]
+    chosen[r, c] = taken.reshape(-1)[cell]
 
     rows, cols = np.nonzero(chosen)  # row-major: positions ascending within each row
     original = ids[rows, cols].copy()
@@ -406,7 +453,8 @@ def create_instance_arrays(documents: Sequence[Document], tokenizer: WordPieceTo
     numpy generator seeded with `seed`. Deterministic for a seed; several times faster than
     `create_pretraining_arrays`, whose per-token Python masking dominates its run time.
     """
-    creator = _PairCreator(tokenizer, options)
+    creator = InstanceCreator(tokenizer, options)
+    cls_id, sep_id = creator.cls_id, creator.sep_id
     rng = random.Random(options.seed)
     all_documents = [d for d in documents if d]
     if not all_documents:
@@ -414,12 +462,24 @@ def create_instance_arrays(documents: Sequence[Document], tokenizer: WordPieceTo
     rng.shuffle(all_documents)
     passes = []
     for _ in range(options.dupe_factor):
-        pairs: list[TrainingInstance] = []
+        flat: list[int] = []
+        lengths_a: list[int] = []
+        lengths_b: list[int] = []
+        random_next: list[bool] = []
         for index in range(len(all_documents)):
-            pairs.extend(creator.create_instances_from_document(all_documents, index, rng))
-        passes.append(instances_to_arrays(pairs, options.sequence_length,
-                                          options.max_predictions_per_seq))
-        del pairs
+            for tokens_a, tokens_b, is_random_next in creator.document_pairs(all_documents,
+                                                                             index, rng):
+                flat.append(cls_id)
+                flat.extend(tokens_a)
+                flat.append(sep_id)
+                flat.extend(tokens_b)
+                flat.append(sep_id)
+                lengths_a.append(len(tokens_a))
+                lengths_b.append(len(tokens_b))
+                random_next.append(is_random_next)
+        passes.append(_pairs_to_arrays(flat, lengths_a, lengths_b, random_next,
+                                       options.sequence_length, options.max_predictions_per_seq))
+        del flat
     generator = np.random.default_rng(options.seed)
     total = sum(len(p["input_ids"]) for p in passes)
     order = generator.permutation(total)

@@ -39,6 +39,8 @@ from popbert.builders.placement import PlacementPlan
 from popbert.graph.builder import Builder, TensorInfo
 
 BATCH = "batch_size"
+# The symbolic sequence axis of inference exports (`build_bert(..., dynamic_sequence=True)`).
+SEQUENCE = "sequence_length"
 # Label of an unused NSP slot in a packed row (PyTorch's and HF's ignore index).
 NSP_IGNORE = -100
 
@@ -53,6 +55,7 @@ class BertGraph:
     inputs: dict[str, str] = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)
     batch_size: int | str = BATCH
+    sequence_length: int | str = 0
 
     def add_input(self, name: str, shape: list, signed: bool = False) -> str:
         """An integer input; `signed` if it can hold negative values. Its type follows the
@@ -93,7 +96,8 @@ def register_task(name: str) -> Callable[[TaskHead], TaskHead]:
 
 
 def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = True,
-               seed: int = 0, zeros: bool = False, batch_size: int | str = BATCH) -> BertGraph:
+               seed: int = 0, zeros: bool = False, batch_size: int | str = BATCH,
+               dynamic_sequence: bool = False) -> BertGraph:
     """Emit the BERT graph for `task`.
 
     task="pretraining" with_loss=True is the training graph (labels in, losses and accuracies
@@ -102,6 +106,12 @@ def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = 
     from `register_task`. `zeros=True` skips random initialisation (fast structural builds).
     `batch_size` is the batch dimension of every input: symbolic by default, an int for a graph
     compiled for one micro batch (required by `model.dialect: popart`).
+
+    `dynamic_sequence=True` (inference exports only) gives every input a symbolic sequence axis
+    (`SEQUENCE`) of any length up to `max_position_embeddings`: reshapes go through 0/-1 or the
+    inputs' `Shape`, positions are a `Slice` of the position table and the attention mask is
+    expanded to the input's length. Training graphs keep `config.sequence_length` baked in:
+    static shapes are what IPUs compile, so the popart dialect and packing refuse the flag.
     """
     config.validate()
     if task not in TASK_HEADS:
@@ -114,7 +124,11 @@ def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = 
     if config.packed and task != "pretraining":
         raise ValueError(f"model.packed is for pre-training only; task {task!r} takes one "
                          f"sequence per row")
-    seq = config.sequence_length
+    if dynamic_sequence and (config.dialect != "onnx" or config.packed):
+        raise ValueError("dynamic_sequence is for onnx-dialect inference graphs; the popart "
+                         "dialect and packed rows need model.sequence_length fixed")
+    seq: int | str = SEQUENCE if dynamic_sequence else config.sequence_length
+    graph.sequence_length = seq
     input_ids = graph.add_input("input_ids", [batch_size, seq])
     segment_ids = graph.add_input("segment_ids", [batch_size, seq])
     if config.packed:
@@ -130,7 +144,8 @@ def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = 
                                             position_ids)
             mask = layers.packed_attention_mask(b, sequence_index, seq)
         else:
-            hidden, word_table = embeddings(b, config, init, input_ids, segment_ids)
+            hidden, word_table = embeddings(b, config, init, input_ids, segment_ids,
+                                            dynamic_sequence=dynamic_sequence)
             mask = layers.attention_mask(b, input_mask, seq)
 
     # The one place the architecture is chosen: only the encoder layers differ.
@@ -146,11 +161,11 @@ def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = 
         with plan.scope(b, where):
             if groupbert_keep is not None:
                 hidden = groupbert.groupbert_layer(b, config, init, hidden, mask, groupbert_keep,
-                                                   index, conv_keep)
+                                                   index, conv_keep, seq)
                 if index == config.num_layers - 1:
                     hidden = groupbert.final_norm(b, config, init, hidden)
             else:
-                hidden = encoder_layer(b, config, init, hidden, mask, index)
+                hidden = encoder_layer(b, config, init, hidden, mask, index, seq)
             if config.recompute and plan.enabled and plan.checkpoint_layer(index):
                 hidden = b.checkpointOutput([hidden])[0]
 
@@ -201,10 +216,12 @@ def pretraining_head(b: Builder, config: BertConfig, init: layers.WeightInit, gr
 
 
 def embeddings(b: Builder, config: BertConfig, init: layers.WeightInit, input_ids: str,
-               segment_ids: str, position_ids: str | None = None) -> tuple[str, str]:
+               segment_ids: str, position_ids: str | None = None,
+               dynamic_sequence: bool = False) -> tuple[str, str]:
     """Word + position + segment embeddings, LayerNorm, dropout. Returns (hidden, word table).
 
-    Positions are 0..S-1 unless `position_ids` [B, S] come from the data (packed rows).
+    Positions are 0..S-1 unless `position_ids` [B, S] come from the data (packed rows); with
+    `dynamic_sequence` the first S rows of the position table, S read from `input_ids`.
     """
     h = config.hidden_size
     with b.nameScope("Embedding"):
@@ -216,12 +233,17 @@ def embeddings(b: Builder, config: BertConfig, init: layers.WeightInit, input_id
                                                     "Segment_Dict")
         words = b.aiOnnx.gather([word_table, layers.as_index(b, input_ids, "WordIndex")],
                                 "Words", axis=0)
-        if position_ids is None:
-            position_ids = b.addConstant(np.arange(config.sequence_length, dtype=np.int64),
-                                         "position_ids")
-        positions = b.aiOnnx.gather(
-            [position_table, layers.as_index(b, position_ids, "PositionIndex")], "Positions",
-            axis=0)
+        if position_ids is None and dynamic_sequence:
+            length = b.aiOnnx.shape([input_ids], "Length", start=1, end=2)
+            zero = b.addConstant(np.array([0], np.int64), "first_position")
+            positions = b.aiOnnx.slice([position_table, zero, length, zero], "Positions")
+        else:
+            if position_ids is None:
+                position_ids = b.addConstant(np.arange(config.sequence_length, dtype=np.int64),
+                                             "position_ids")
+            positions = b.aiOnnx.gather(
+                [position_table, layers.as_index(b, position_ids, "PositionIndex")],
+                "Positions", axis=0)
         segments = b.aiOnnx.gather(
             [segment_table, layers.as_index(b, segment_ids, "SegmentIndex")], "Segments", axis=0)
         x = b.aiOnnx.add([b.aiOnnx.add([words, positions], "AddPositions"), segments],
@@ -232,16 +254,19 @@ def embeddings(b: Builder, config: BertConfig, init: layers.WeightInit, input_id
 
 
 def encoder_layer(b: Builder, config: BertConfig, init: layers.WeightInit, x: str, mask: str,
-                  index: int) -> str:
-    """Post-norm transformer layer: attention → add & norm → FFN → add & norm."""
+                  index: int, seq_len: int | str | None = None) -> str:
+    """Post-norm transformer layer: attention → add & norm → FFN → add & norm.
+
+    `seq_len`: the graph's sequence axis (symbolic in dynamic exports); the config's if None."""
     h, heads = config.hidden_size, config.num_heads
     with b.nameScope(f"Layer{index}"):
         with b.nameScope("Attention"):
             qkv = layers.dense(b, x, h, 3 * h, init, "QKV")
             q, k, v = layers.split(b, qkv, 3, -1, "Split")
-            context = layers.multi_head_attention(b, q, k, v, mask, h, heads,
-                                                  config.sequence_length,
-                                                  config.attention_dropout)
+            context = layers.multi_head_attention(
+                b, q, k, v, mask, h, heads,
+                config.sequence_length if seq_len is None else seq_len,
+                config.attention_dropout)
             out = layers.dense(b, context, h, h, init, "Out")
             out = layers.dropout(b, out, config.hidden_dropout)
             x = layers.layer_norm(b, b.aiOnnx.add([x, out], "Residual"), h,

@@ -59,43 +59,50 @@ def convolution_module(b: Builder, config: BertConfig, init: layers.WeightInit, 
     return layers.dense(b, y, h, h, init, "Out")
 
 
-def grouped_ffn(b: Builder, config: BertConfig, init: layers.WeightInit, x: str) -> str:
-    """Dense H→I, GELU, grouped I→H, dense H→H (pre-residual)."""
+def grouped_ffn(b: Builder, config: BertConfig, init: layers.WeightInit, x: str,
+                seq_len: int | str | None = None) -> str:
+    """Dense H→I, GELU, grouped I→H, dense H→H (pre-residual). `seq_len`: the graph's sequence
+    axis (symbolic in dynamic exports), the config's if None."""
     h, inner = config.hidden_size, config.intermediate_size
     y = layers.gelu(b, layers.dense(b, _norm(b, config, init, x), h, inner, init, "1"))
-    y = layers.grouped_matmul(b, y, inner, h, config.ffn_groups, config.sequence_length, init,
+    y = layers.grouped_matmul(b, y, inner, h, config.ffn_groups,
+                              config.sequence_length if seq_len is None else seq_len, init,
                               "Grouped")
     return layers.dense(b, y, h, h, init, "Out")
 
 
 def attention_module(b: Builder, config: BertConfig, init: layers.WeightInit, x: str,
-                     mask: str) -> str:
+                     mask: str, seq_len: int | str | None = None) -> str:
     """PreNorm multi-head attention: LayerNorm, fused QKV, attention, output (pre-residual)."""
     h = config.hidden_size
     qkv = layers.dense(b, _norm(b, config, init, x), h, 3 * h, init, "QKV")
     q, k, v = layers.split(b, qkv, 3, -1, "Split")
-    context = layers.multi_head_attention(b, q, k, v, mask, h, config.num_heads,
-                                          config.sequence_length, config.attention_dropout)
+    context = layers.multi_head_attention(
+        b, q, k, v, mask, h, config.num_heads,
+        config.sequence_length if seq_len is None else seq_len, config.attention_dropout)
     return layers.dense(b, context, h, h, init, "Out")
 
 
 def groupbert_layer(b: Builder, config: BertConfig, init: layers.WeightInit, x: str, mask: str,
-                    keep: str, index: int, conv_keep: str | None = None) -> str:
+                    keep: str, index: int, conv_keep: str | None = None,
+                    seq_len: int | str | None = None) -> str:
     """One GroupBERT layer: Conv, FFN1, Attention, FFN2 modules, each PreNorm + residual.
 
     `mask` is the additive attention mask, `keep` the float [B, S, 1] 1/0 padding mask,
-    `conv_keep` (packed rows only) the convolution's per-offset same-sequence mask.
+    `conv_keep` (packed rows only) the convolution's per-offset same-sequence mask, `seq_len`
+    the graph's sequence axis (symbolic in dynamic exports; the config's if None).
     """
     with b.nameScope(f"Layer{index}"):
         with b.nameScope("Conv"):
             x = _residual(b, config, init, x, convolution_module(b, config, init, x, keep,
                                                                    conv_keep))
         with b.nameScope("FFN1"):
-            x = _residual(b, config, init, x, grouped_ffn(b, config, init, x))
+            x = _residual(b, config, init, x, grouped_ffn(b, config, init, x, seq_len))
         with b.nameScope("Attention"):
-            x = _residual(b, config, init, x, attention_module(b, config, init, x, mask))
+            x = _residual(b, config, init, x, attention_module(b, config, init, x, mask,
+                                                               seq_len))
         with b.nameScope("FFN2"):
-            x = _residual(b, config, init, x, grouped_ffn(b, config, init, x))
+            x = _residual(b, config, init, x, grouped_ffn(b, config, init, x, seq_len))
     return x
 
 

@@ -91,6 +91,20 @@ def _int_dtype(b: Builder, x: str) -> np.dtype:
     return np.dtype(b.getTensorDtypeString(x))
 
 
+def sequence_entry(seq_len: int | str) -> int:
+    """The sequence axis as a Reshape target entry: the length when static, -1 ("infer from
+    the element count") when symbolic. At most one -1 per target, so callers keep the batch
+    as 0 ("copy") and every other entry static."""
+    return -1 if isinstance(seq_len, str) else seq_len
+
+
+def leading_dims(b: Builder, x: str, count: int, name: str) -> str:
+    """The first `count` dimensions of `x` as an int64 [count] tensor (`Shape` with `end`,
+    opset 15+): for targets with more than one symbolic dimension (batch and sequence), which a
+    single -1 cannot express. Symbolic shapes exist only in the onnx dialect."""
+    return b.aiOnnx.shape([x], name, end=count)
+
+
 def dense(b: Builder, x: str, in_features: int, out_features: int, init: WeightInit,
           name: str, bias: bool = True) -> str:
     """x @ W + B with W stored [in, out] (Google BERT's layout)."""
@@ -155,7 +169,7 @@ def glu(b: Builder, x: str, in_features: int, out_features: int, init: WeightIni
 
 
 def grouped_matmul(b: Builder, x: str, in_features: int, out_features: int, groups: int,
-                   seq_len: int, init: WeightInit, name: str, bias: bool = True) -> str:
+                   seq_len: int | str, init: WeightInit, name: str, bias: bool = True) -> str:
     """Block-diagonal x @ W over [B, S, in] → [B, S, out]: group g's in/G inputs feed only its
     out/G outputs (1/G of a dense layer's weights and FLOPs).
 
@@ -165,6 +179,7 @@ def grouped_matmul(b: Builder, x: str, in_features: int, out_features: int, grou
     to [B, S, out]; then the bias `B` [out]. Group-major makes each group one large matmul; a
     [B, S, G, 1, in/G] operand broadcast against W runs B·S·G one-row matmuls and copies W
     B·S times (GroupBERT's training step was 5x slower on CPU at H128 that way).
+    A symbolic `seq_len` (inference exports) takes the [B, S] of the merge from `x`'s shape.
     """
     if in_features % groups or out_features % groups:
         raise ValueError(f"grouped_matmul {name!r}: {groups} groups must divide {in_features} "
@@ -178,9 +193,15 @@ def grouped_matmul(b: Builder, x: str, in_features: int, out_features: int, grou
         grouped = b.aiOnnx.transpose([grouped], "GroupMajor", perm=[1, 0, 2])
         y = b.aiOnnx.matmul([grouped, weight], "MatMul")
         y = b.aiOnnx.transpose([y], "TokenMajor", perm=[1, 0, 2])
-        y = b.aiOnnx.reshape(
-            [y, b.addConstant(np.array([-1, seq_len, out_features], np.int64), "merge_shape")],
-            "Merge")
+        if isinstance(seq_len, str):
+            merge = b.aiOnnx.concat(
+                [leading_dims(b, x, 2, "TokenDims"),
+                 b.addConstant(np.array([out_features], np.int64), "out_dim")],
+                "merge_shape", axis=0)
+        else:
+            merge = b.addConstant(np.array([-1, seq_len, out_features], np.int64),
+                                  "merge_shape")
+        y = b.aiOnnx.reshape([y, merge], "Merge")
         if bias:
             b_ = b.addInitializedInputTensor(init.constant([out_features], 0.0), "B")
             y = b.aiOnnx.add([y, b_], "Add")
@@ -361,10 +382,11 @@ def serialization_factor(vocab_size: int, steps: int = MLM_SERIALIZATION_STEPS) 
     return next(f for f in range(min(steps, vocab_size), 0, -1) if vocab_size % f == 0)
 
 
-def attention_mask(b: Builder, input_mask: str, seq_len: int) -> str:
+def attention_mask(b: Builder, input_mask: str, seq_len: int | str) -> str:
     """[B, S] 1/0 mask → additive [B, 1, S, S] float mask (0 keep, -10000 drop).
 
-    Expanded over the query axis because ONNX Runtime's Attention kernel does not broadcast it.
+    Expanded over the query axis because ONNX Runtime's Attention kernel does not broadcast it;
+    with a symbolic `seq_len` the expanded shape is read from the mask itself.
     """
     with b.nameScope("AttentionMask"):
         as_float = b.aiOnnx.cast([input_mask], "Cast", to=1)
@@ -372,7 +394,12 @@ def attention_mask(b: Builder, input_mask: str, seq_len: int) -> str:
         inverted = b.aiOnnx.sub([one, as_float], "Invert")
         additive = b.aiOnnx.mul([inverted, scalar(b, MASK_VALUE, np.float32, "big")], "Scale")
         mask = unsqueeze(b, additive, [1, 2], "Unsqueeze")
-        shape = b.addConstant(np.array([1, 1, seq_len, seq_len], np.int64), "shape")
+        if isinstance(seq_len, str):
+            length = b.aiOnnx.shape([input_mask], "Length", start=1, end=2)
+            shape = b.aiOnnx.concat([b.addConstant(np.array([1, 1], np.int64), "ones"),
+                                     length, length], "shape", axis=0)
+        else:
+            shape = b.addConstant(np.array([1, 1, seq_len, seq_len], np.int64), "shape")
         return b.aiOnnx.expand([mask, shape], "Expand")
 
 
@@ -398,18 +425,20 @@ def packed_attention_mask(b: Builder, sequence_index: str, seq_len: int) -> str:
 
 
 def multi_head_attention(b: Builder, q: str, k: str, v: str, mask: str, hidden: int,
-                         heads: int, seq_len: int, attention_dropout: float) -> str:
+                         heads: int, seq_len: int | str, attention_dropout: float) -> str:
     """Scaled dot-product attention over [B, S, H] tensors, returning [B, S, H].
 
     With no attention-probability dropout the `onnx` dialect emits the fused opset-23
     `Attention` op; otherwise (and in the `popart` dialect) the explicit
-    MatMul/Softmax/Dropout/MatMul chain, since `Attention` has no dropout.
+    MatMul/Softmax/Dropout/MatMul chain, since `Attention` has no dropout. A symbolic
+    `seq_len` reshapes through -1 (`sequence_entry`).
     """
     if b.dialect == "onnx" and attention_dropout <= 0.0:
         return b.aiOnnx.attention([q, k, v, mask], "Attention", q_num_heads=heads,
                                   kv_num_heads=heads)
     head_dim = hidden // heads
-    split_shape = b.addConstant(np.array([0, seq_len, heads, head_dim], np.int64), "heads_shape")
+    split_shape = b.addConstant(np.array([0, sequence_entry(seq_len), heads, head_dim],
+                                           np.int64), "heads_shape")
 
     def heads_first(t: str, perm: list[int], name: str) -> str:
         return b.aiOnnx.transpose([b.aiOnnx.reshape([t, split_shape], f"{name}/Reshape")],
@@ -426,7 +455,8 @@ def multi_head_attention(b: Builder, q: str, k: str, v: str, mask: str, hidden: 
     probs = dropout(b, probs, attention_dropout, "ProbsDropout")
     context = b.aiOnnx.matmul([probs, vh], "Context")
     context = b.aiOnnx.transpose([context], "Context/Transpose", perm=[0, 2, 1, 3])
-    merge = b.addConstant(np.array([0, seq_len, hidden], np.int64), "merge_shape")
+    merge = b.addConstant(np.array([0, sequence_entry(seq_len), hidden], np.int64),
+                          "merge_shape")
     return b.aiOnnx.reshape([context, merge], "Context/Reshape")
 
 

@@ -14,7 +14,8 @@ weights in one external data file next to the `.onnx` (`<name>.onnx.data`).
 
 Fine-tuned models carry what `popbert.serve.predict` needs to serve them without torch or the
 checkpoint in the ONNX metadata (`popbert.*` keys: task, vocabulary, lowercasing, window sizes,
-label names).
+label names); every export records `popbert.sequence_length`, the length it was trained at (the
+SQuAD window and the classification truncation length when the axis is symbolic).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from onnx import TensorProto, numpy_helper
 
 import popbert.builders.tasks  # noqa: F401  (registers the squad and classification heads)
 from popbert.atomic import atomic_write_bytes
-from popbert.builders.bert import BATCH, build_bert
+from popbert.builders.bert import BATCH, SEQUENCE, build_bert
 from popbert.builders.bert_config import BertConfig
 from popbert.errors import CheckpointError, UsageError
 from popbert.graph.annotations import METADATA_PREFIX, strip_annotations, trainable_initializers
@@ -102,10 +103,11 @@ def to_float16(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def sample_batch(config: BertConfig, task: str, batch_size: int = 2,
-                 seed: int = 0) -> dict[str, np.ndarray]:
-    """A padded batch of valid ids for verification (second row half padding)."""
+                 seed: int = 0, sequence_length: int | None = None) -> dict[str, np.ndarray]:
+    """A padded batch of valid ids for verification (second row half padding), of
+    `sequence_length` tokens (the config's by default; at least 4)."""
     rng = np.random.default_rng(seed)
-    seq = config.sequence_length
+    seq = sequence_length or config.sequence_length
     mask = np.ones((batch_size, seq), np.int64)
     mask[1:, seq // 2:] = 0
     batch = {"input_ids": rng.integers(1, config.vocab_size, (batch_size, seq)) * mask,
@@ -152,6 +154,46 @@ def compare(reference: Mapping[str, np.ndarray], theirs: Mapping[str, np.ndarray
                                f"Runtime and the torch backend by {difference:.3g} "
                                f"(> {allowed:.3g})")
     return worst
+
+
+def check_shapes(config: BertConfig, batch_size: int | None,
+                 sequence_length: int | None) -> list[tuple[int, int]]:
+    """The (batch, length) pairs an export is checked at: a symbolic axis at two values (2 and
+    3 rows; the config's length and a shorter odd one), a fixed axis at its value."""
+    batches = (2, 3) if batch_size is None else (batch_size, batch_size)
+    if sequence_length is not None:
+        lengths = (sequence_length, sequence_length)
+    else:
+        lengths = (config.sequence_length, max(4, config.sequence_length // 2 + 1))
+    return sorted(set(zip(batches, lengths)))
+
+
+def optimize_for_ort(model: onnx.ModelProto, config: BertConfig) -> onnx.ModelProto:
+    """`model` through ONNX Runtime's transformer optimizer (model_type "bert"): its Python
+    fusions only (`opt_level=0`), so the file stays portable across execution providers; ORT
+    applies its own graph optimisations when it loads the file anyway. The operators the
+    fusions added (op type → count) are logged and stored as `popbert.fusions` metadata."""
+    import json
+    from collections import Counter
+
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    before = Counter(node.op_type for node in model.graph.node)
+    # The optimizer warns about every producer but PyTorch/Keras/TF; ours is known.
+    logging.getLogger("onnxruntime.transformers.optimizer").setLevel(logging.ERROR)
+    out = optimize_model(model, model_type="bert", num_heads=config.num_heads,
+                         hidden_size=config.hidden_size, opt_level=0).model
+    domains = {node.domain for node in out.graph.node} - {"", "ai.onnx"}
+    imported = {opset.domain for opset in out.opset_import}
+    for domain in sorted(domains - imported):  # the fused contrib ops' domain (com.microsoft)
+        out.opset_import.append(onnx.helper.make_opsetid(domain, 1))
+    after = Counter(node.op_type for node in out.graph.node)
+    fused = {op: count - before[op] for op, count in sorted(after.items())
+             if count > before[op]}
+    log.info("ONNX Runtime transformer optimizer added %s", fused or "no fused operators")
+    onnx.helper.set_model_props(out, {**{p.key: p.value for p in model.metadata_props},
+                                      f"{METADATA_PREFIX}fusions": json.dumps(fused)})
+    return out
 
 
 def verify(model: onnx.ModelProto, config: BertConfig, task: str) -> float:
@@ -215,13 +257,15 @@ def _write(model: onnx.ModelProto, output: Path, external_data_threshold: int) -
 def export_weights(weights: Mapping[str, torch.Tensor | np.ndarray], config: BertConfig,
                    task: str, output: Path, *, dtype: str = "float32",
                    batch_size: int | None = None, sequence_length: int | None = None,
-                   metadata: Mapping[str, str] | None = None,
+                   optimize: bool = False, metadata: Mapping[str, str] | None = None,
                    external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> Path:
     """Build the `task` inference graph with `weights`, check, write and verify it.
 
-    `batch_size=None` keeps the batch dimension symbolic; `sequence_length` overrides the
-    config's (at most `max_position_embeddings`). `metadata` is stored as ONNX metadata props.
-    The file is removed again if ONNX Runtime disagrees with the torch backend.
+    `batch_size=None` / `sequence_length=None` keep that axis symbolic (any batch; any length
+    up to `max_position_embeddings`), an integer fixes it (the length at most
+    `max_position_embeddings`). `optimize` applies ONNX Runtime's transformer optimizer
+    (`optimize_for_ort`). `metadata` is stored as ONNX metadata props. ONNX Runtime must agree
+    with the torch backend at every `check_shapes` pair; the file is removed again if not.
     """
     if task not in TASKS:
         raise UsageError(f"--task: expected one of {', '.join(TASKS)}, got {task!r}")
@@ -229,10 +273,14 @@ def export_weights(weights: Mapping[str, torch.Tensor | np.ndarray], config: Ber
         raise UsageError(f"--dtype: expected one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
     if batch_size is not None and batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
+    if optimize and dtype != "float32":
+        raise UsageError("--optimize: ONNX Runtime's transformer fusions are applied to float32 "
+                         "exports only; drop --optimize or use --dtype float32")
     config = inference_config(config, sequence_length)
     try:
         graph = build_bert(config, task=task, with_loss=False, zeros=True,
-                           batch_size=BATCH if batch_size is None else batch_size)
+                           batch_size=BATCH if batch_size is None else batch_size,
+                           dynamic_sequence=sequence_length is None)
     except ValueError as error:  # e.g. classification without model.task.num_labels
         raise UsageError(f"cannot build the {task} graph: {error}") from None
     built = graph.model()
@@ -243,25 +291,35 @@ def export_weights(weights: Mapping[str, torch.Tensor | np.ndarray], config: Ber
                               f"fine-tune a {task} model first")
     model = strip_annotations(with_weights(built, weights))
     model.graph.name = f"popbert_{task}"
-    batch = sample_batch(config, task, batch_size=batch_size or 2)
-    reference = torch_outputs(model, batch)
+    batches = [sample_batch(config, task, batch_size=rows, seed=index, sequence_length=length)
+               for index, (rows, length) in enumerate(
+                   check_shapes(config, batch_size, sequence_length))]
+    references = [torch_outputs(model, batch) for batch in batches]
     if dtype == "float16":
         model = to_float16(model)
     onnx.helper.set_model_props(model, {**(metadata or {}),
                                         f"{METADATA_PREFIX}task": task,
-                                        f"{METADATA_PREFIX}dtype": dtype})
+                                        f"{METADATA_PREFIX}dtype": dtype,
+                                        f"{METADATA_PREFIX}sequence_length":
+                                            str(config.sequence_length)})
+    if optimize:
+        model = optimize_for_ort(model, config)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     source = _write(model, output, external_data_threshold)
     try:
-        difference = compare(reference, ort_outputs(source, batch), dtype)
+        difference = max(compare(reference, ort_outputs(source, batch), dtype)
+                         for reference, batch in zip(references, batches))
     except BaseException:
         output.unlink(missing_ok=True)
         output.with_name(output.name + ".data").unlink(missing_ok=True)
         raise
-    log.info("exported %s (%s, %s, batch %s, seq %d): ONNX Runtime matches the torch backend "
-             "to %.2g", output, task, dtype, batch_size or "dynamic", config.sequence_length,
-             difference)
+    checked = ", ".join(f"{len(b['input_ids'])}x{b['input_ids'].shape[1]}" for b in batches)
+    log.info("exported %s (%s, %s%s, batch %s, sequence %s): ONNX Runtime matches the torch "
+             "backend to %.2g at batch x length %s", output, task, dtype,
+             ", optimized" if optimize else "", batch_size or BATCH,
+             sequence_length or f"{SEQUENCE} (trained at {config.sequence_length})", difference,
+             checked)
     return output
 
 
@@ -282,6 +340,7 @@ def task_metadata(config: BertConfig, vocab: Path | None) -> dict[str, str]:
 
 def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str = "float32",
                       batch_size: int | None = None, sequence_length: int | None = None,
+                      optimize: bool = False,
                       external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> Path:
     """`popbert export`: a checkpoint directory (or run directory) → inference ONNX file."""
     from popbert.config import config_from_dict
@@ -300,5 +359,6 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
         metadata = task_metadata(cfg.model, vocab)
     return export_weights(restored.weights, cfg.model, task, output, dtype=dtype,
                           batch_size=batch_size, sequence_length=sequence_length,
-                          metadata=metadata, external_data_threshold=external_data_threshold)
+                          optimize=optimize, metadata=metadata,
+                          external_data_threshold=external_data_threshold)
 

@@ -12,9 +12,12 @@ from popbert.data import (
     DataError,
     InstanceCreator,
     InstanceOptions,
+    TrainingInstance,
     WordPieceTokenizer,
     bundled_corpus_path,
+    create_instance_arrays,
     create_pretraining_arrays,
+    instances_to_arrays,
     read_documents,
     truncate_seq_pair,
 )
@@ -269,6 +272,58 @@ def test_truncate_seq_pair_trims_longer_side():
     a, b = list(range(4)), list(range(100, 104))
     truncate_seq_pair(a, b, 4, rng)
     assert len(a) == 2 and len(b) == 2
+
+
+def google_truncate(tokens_a, tokens_b, max_num_tokens, rng):
+    """Google's `truncate_seq_pair`, one token per iteration: the behaviour to keep."""
+    while len(tokens_a) + len(tokens_b) > max_num_tokens:
+        trunc = tokens_a if len(tokens_a) > len(tokens_b) else tokens_b
+        if rng.random() < 0.5:
+            del trunc[0]
+        else:
+            trunc.pop()
+
+
+def test_truncate_seq_pair_is_googles_draw_for_draw():
+    """Same segments and the same random-number state after it as Google's loop, so every
+    later draw (and so every shard) is unchanged."""
+    cases = random.Random(7)
+    for _ in range(300):
+        a = list(range(cases.randint(0, 60)))
+        b = list(range(1000, 1000 + cases.randint(0, 60)))
+        limit = cases.randint(0, 70)
+        seed = cases.random()
+        ours, theirs = random.Random(seed), random.Random(seed)
+        a2, b2 = list(a), list(b)
+        truncate_seq_pair(a, b, limit, ours)
+        google_truncate(a2, b2, limit, theirs)
+        assert (a, b) == (a2, b2)
+        assert ours.getstate() == theirs.getstate()
+
+
+def test_bulk_layout_is_the_per_instance_layout(documents, tokenizer):
+    """`create_instance_arrays` lays pairs out in bulk; unmasked, its rows must be exactly
+    `instances_to_arrays` of the same pairs (same seeded pairing, shuffle and order)."""
+    options = InstanceOptions(seed=3, dupe_factor=2, sequence_length=64,
+                              max_predictions_per_seq=10)
+    out = create_instance_arrays(documents[:150], tokenizer, options)
+    creator = InstanceCreator(tokenizer, options)
+    rng = random.Random(options.seed)
+    docs = [d for d in documents[:150] if d]
+    rng.shuffle(docs)
+    instances = []
+    for _ in range(options.dupe_factor):
+        for index in range(len(docs)):
+            for a, b, random_next in creator.document_pairs(docs, index, rng):
+                instances.append(TrainingInstance(
+                    [tokenizer.cls_id, *a, tokenizer.sep_id, *b, tokenizer.sep_id],
+                    [0] * (len(a) + 2) + [1] * (len(b) + 1), random_next, [], []))
+    expected = instances_to_arrays(instances, 64, 10)
+    order = np.random.default_rng(options.seed).permutation(len(instances))
+    assert len(out["input_ids"]) == len(instances)
+    assert np.array_equal(original_ids(out), expected["input_ids"][order])
+    for name in ("input_mask", "segment_ids", "next_sentence_labels"):
+        assert np.array_equal(out[name], expected[name][order]), name
 
 
 def test_single_document_corpus_and_bad_options(tokenizer):

@@ -171,9 +171,14 @@ class SweepSpec:
             return None
         cfg = base_config(self)
         t = cfg.training
+        validating = bool(t.eval_every and (cfg.data.validation_fraction
+                                            or cfg.data.validation_files))
         if self.metric.startswith("val_"):
-            return max(t.steps // t.eval_every, 1) if t.eval_every else None
-        return max(math.ceil(t.steps / t.log_every), 1)
+            return max(t.steps // t.eval_every, 1) if validating else None
+        # The loop logs every log_every steps, at the last step, and at every evaluation.
+        logged = {s for s in range(1, t.steps + 1) if s % t.log_every == 0 or s == t.steps
+                  or (validating and s % t.eval_every == 0)}
+        return max(len(logged), 1)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON/YAML) that `parse_spec` reads back as an equal spec."""

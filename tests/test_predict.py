@@ -1,8 +1,12 @@
-"""`popbert predict squad`: ONNX Runtime alone answers questions like the training path does.
+"""`popbert predict squad` and `predict classify`: ONNX Runtime alone predicts like the training
+path does.
 
 A small random squad model (exported with its vocabulary and window sizes in the ONNX metadata)
 answers the SQuAD fixture; the answers are arbitrary but must be exactly those the torch path
-(popbert.data.squad features → InferenceSession → the same decoding) gives.
+(popbert.data.squad features → InferenceSession → the same decoding) gives. A small random
+classification model labels a TSV file with the probabilities the torch path gives for
+`popbert.data.classification`'s encoding, whatever the batch size and whether the export's
+sequence axis is symbolic (batches cut to their longest row) or fixed.
 """
 
 from __future__ import annotations
@@ -21,12 +25,18 @@ import popbert.builders.tasks  # noqa: F401
 from popbert.builders.bert import build_bert
 from popbert.cli import main as cli
 from popbert.config import TaskConfig, dump_config, load_config
+from popbert.data.classification import encode_classification, read_classification_file
 from popbert.data.squad import WindowOptions, decode_answers, read_squad, squad_features
-from popbert.data.tokenization import bundled_vocab_path, make_tokenizer, parse_vocab
+from popbert.data.tokenization import (
+    WordPieceTokenizer,
+    bundled_vocab_path,
+    make_tokenizer,
+    parse_vocab,
+)
 from popbert.graph.annotations import trainable_initializers
 from popbert.io.checkpoint import Checkpoint, save_checkpoint
 from popbert.runtime.session import InferenceSession
-from popbert.serve.predict import SquadPredictor
+from popbert.serve.predict import ClassifyPredictor, SquadPredictor, read_texts
 
 FIXTURE = Path(__file__).parent / "fixtures" / "squad" / "squad-v1.1-sample.json"
 SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",
@@ -133,3 +143,129 @@ def test_wrong_models_are_one_line_errors(squad_run, tmp_path: Path) -> None:
         assert result.returncode == 2 and len(lines) == 1, result.stderr
         assert fragment in lines[0]
         assert not (tmp_path / "p.json").exists()
+
+
+CLASSIFY = TaskConfig(name="classification", lowercase=True, num_labels=3,
+                      labels=["neg", "neutral", "pos"])
+TEXTS = ["a short one", "the film was long and, frankly, far too slow for anyone to enjoy at all",
+         "fine", "it is what it is", "an unremarkable but pleasant afternoon at the cinema",
+         "bad", "good good good"]
+
+
+@pytest.fixture(scope="module")
+def classify_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """A run directory holding a random classification model (labels in its config)."""
+    cfg = load_config("tiny", SMALL)
+    cfg.model.task = CLASSIFY
+    cfg.data.vocab_file = str(bundled_vocab_path())
+    model = build_bert(cfg.model, task="classification", seed=5).model()
+    values = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    # A head far from uniform, so that rows get different labels.
+    weights = {n: torch.from_numpy(values[n] * (60 if n.startswith(("Classifier", "NSP/Pool")) else 3))
+               for n in trainable_initializers(model)}
+    run = tmp_path_factory.mktemp("classify") / "run"
+    save_checkpoint(run / "checkpoints" / "step-000001", Checkpoint(step=1, weights=weights),
+                    dump_config(cfg))
+    return run, weights
+
+
+@pytest.fixture(scope="module")
+def classify_files(classify_run, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The default (dynamic batch and length) export, a fixed one, and a labelled TSV file."""
+    directory = tmp_path_factory.mktemp("classify-onnx")
+    files = {"dynamic": directory / "dynamic.onnx", "fixed": directory / "fixed.onnx",
+             "tsv": directory / "texts.tsv"}
+    assert cli.main(["export", "--checkpoint", str(classify_run[0]), "--task",
+                     "classification", "--output", str(files["dynamic"])]) == 0
+    assert cli.main(["export", "--checkpoint", str(classify_run[0]), "--task",
+                     "classification", "--output", str(files["fixed"]), "--batch-size", "4",
+                     "--sequence-length", "40"]) == 0
+    labels = ["pos", "neg", "neutral", "pos", "pos", "neg", "pos"]
+    files["tsv"].write_text("sentence\tlabel\n" + "".join(
+        f"{text}\t{label}\n" for text, label in zip(TEXTS, labels)), encoding="utf-8")
+    return files
+
+
+def torch_probabilities(weights, path: Path) -> np.ndarray:
+    """The training side: popbert.data.classification's encoding, the torch backend's logits."""
+    cfg = load_config("tiny", SMALL)
+    cfg.model.task = CLASSIFY
+    arrays = encode_classification(read_classification_file(path, require_labels=False),
+                                   WordPieceTokenizer(bundled_vocab_path()), 40)
+    session = InferenceSession(build_bert(cfg.model, task="classification", with_loss=False,
+                                          zeros=True).model())
+    session.load_weights(weights, strict=False)
+    return torch.softmax(session.run(arrays)["logits"], dim=-1).numpy()
+
+
+def test_classify_matches_the_torch_path_at_any_batch(classify_run, classify_files,
+                                                      tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    expected = torch_probabilities(classify_run[1], classify_files["tsv"])
+    names = CLASSIFY.labels
+    assert len(set(expected.argmax(axis=1))) > 1  # not vacuous: different rows, labels
+    output = tmp_path / "predictions.jsonl"
+    assert cli.main(["predict", "classify", "--model", str(classify_files["dynamic"]),
+                     "--data", str(classify_files["tsv"]), "--output", str(output),
+                     "--batch-size", "3"]) == 0
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["line"] for r in records] == list(range(2, 2 + len(TEXTS)))
+    assert [r["label"] for r in records] == [names[i] for i in expected.argmax(axis=1)]
+    probabilities = np.array([[r["probabilities"][n] for n in names] for r in records])
+    np.testing.assert_allclose(probabilities, expected, atol=1e-4)
+    assert records[0]["gold"] == "pos"
+    metrics = json.loads(capsys.readouterr().out)
+    gold = ["pos", "neg", "neutral", "pos", "pos", "neg", "pos"]
+    assert metrics["accuracy"] == pytest.approx(
+        np.mean([r["label"] == g for r, g in zip(records, gold)]))
+    data = read_texts(classify_files["tsv"])
+    dynamic = ClassifyPredictor(classify_files["dynamic"])
+    fixed = ClassifyPredictor(classify_files["fixed"])
+    assert (dynamic.batch_size, dynamic.dynamic_sequence, dynamic.sequence_length) == (
+        None, True, 40)
+    assert (fixed.batch_size, fixed.dynamic_sequence, fixed.sequence_length) == (4, False, 40)
+    for predictor, batch_size in ((dynamic, 1), (dynamic, 16), (fixed, 1)):
+        np.testing.assert_allclose(predictor.probabilities(data, batch_size), expected,
+                                   atol=1e-4, err_msg=f"{predictor.path.name} {batch_size}")
+
+
+def test_classify_a_text_file_without_torch(classify_run, classify_files,
+                                            tmp_path: Path) -> None:
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(TEXTS[:3]) + "\n\n", encoding="utf-8")
+    output = tmp_path / "out.jsonl"
+    code = (
+        "import sys\n"
+        "from popbert.cli.main import main\n"
+        f"rc = main(['predict', 'classify', '--model', {str(classify_files['dynamic'])!r}, "
+        f"'--data', {str(texts)!r}, '--output', {str(output)!r}])\n"
+        "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+        "assert not loaded, loaded\n"
+        "sys.exit(rc)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    expected = torch_probabilities(classify_run[1], classify_files["tsv"])[:3]
+    assert [r["line"] for r in records] == [1, 2, 3] and "gold" not in records[0]
+    np.testing.assert_allclose([[r["probabilities"][n] for n in CLASSIFY.labels]
+                                for r in records], expected, atol=1e-4)
+
+
+def test_classify_errors_are_one_line(exported: Path, classify_files, tmp_path: Path) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n", encoding="utf-8")
+    for model, data, extra, fragment in [
+            (exported, classify_files["tsv"], [], "is not a popbert classification export"),
+            (classify_files["dynamic"], tmp_path / "missing.tsv", [], "file not found"),
+            (classify_files["dynamic"], empty, [], "no text lines"),
+            (classify_files["dynamic"], classify_files["tsv"], ["--batch-size", "0"],
+             "--batch-size must be >= 1")]:
+        result = subprocess.run([sys.executable, "-m", "popbert", "predict", "classify",
+                                 "--model", str(model), "--data", str(data), "--output",
+                                 str(tmp_path / "p.jsonl"), *extra],
+                                capture_output=True, text=True, timeout=120)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, result.stderr
+        assert fragment in lines[0], lines[0]
+        assert not (tmp_path / "p.jsonl").exists()

@@ -114,6 +114,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
                if getattr(args, key) is not None}
     if args.dtype != "float32":
         options["dtype"] = args.dtype
+    if args.optimize:
+        options["optimize"] = True
     path = export_checkpoint(checkpoint=checkpoint, task=args.task, output=args.output,
                              **options)
     logger.info("wrote %s", path)
@@ -201,6 +203,19 @@ def _cmd_predict_squad(args: argparse.Namespace) -> int:
                   max_answer_length=args.max_answer_length, batch_size=args.batch_size,
                   threads=args.threads)
     logger.info("wrote %s", args.output)
+    return 0
+
+
+def _cmd_predict_classify(args: argparse.Namespace) -> int:
+    from popbert.serve.predict import predict_classify  # ONNX Runtime only: no torch
+
+    metrics = predict_classify(args.model, args.data, args.output, batch_size=args.batch_size,
+                               threads=args.threads, text_column=args.text_column,
+                               pair_column=args.text_pair_column,
+                               label_column=args.label_column)
+    logger.info("wrote %s", args.output)
+    if metrics is not None:
+        _print_json(metrics)
     return 0
 
 
@@ -366,6 +381,26 @@ def _add_predict_commands(sub, common: argparse.ArgumentParser) -> None:
                    help="windows per run (a fixed-batch export uses its own)")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     p.set_defaults(handler=_cmd_predict_squad)
+    p = tasks.add_parser("classify", parents=[common],
+                         help="label texts with a classification ONNX export",
+                         description="Label every row of a TSV/CSV/JSONL file (columns as in "
+                                     "`finetune classify`) or every line of a .txt file; write "
+                                     "JSON lines with the label and each label's probability, "
+                                     "and print accuracy and F1 if the file has labels.")
+    p.add_argument("--model", type=Path, required=True, metavar="FILE.onnx")
+    p.add_argument("--data", type=Path, required=True, metavar="FILE")
+    p.add_argument("--output", "-o", type=Path, default=Path("predictions.jsonl"),
+                   metavar="FILE.jsonl")
+    p.add_argument("--text-column", default=None,
+                   help="text column (default: the first of sentence, text, sentence1, ...)")
+    p.add_argument("--text-pair-column", default=None,
+                   help="second text column of sentence pairs")
+    p.add_argument("--label-column", default="label",
+                   help="gold labels, if the file has them (scored, not required)")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="rows per run (a fixed-batch export uses its own)")
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    p.set_defaults(handler=_cmd_predict_classify)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -408,7 +443,11 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--batch-size", type=int, default=None, metavar="N",
                        help="fix the batch dimension to N instead")
     p.add_argument("--sequence-length", type=int, default=None, metavar="N",
-                   help="input length (default: the checkpoint's model.sequence_length)")
+                   help="fix the input length to N (default: a symbolic sequence axis, any "
+                        "length up to model.max_position_embeddings)")
+    p.add_argument("--optimize", action="store_true",
+                   help="apply ONNX Runtime's transformer optimizer (BERT fusions) to the "
+                        "export; float32 only, checked like the plain export")
     p.set_defaults(handler=_cmd_export)
 
     p = sub.add_parser("import-hf", parents=[common],

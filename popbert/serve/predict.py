@@ -1,15 +1,20 @@
-"""Answer SQuAD-style questions with an exported model in ONNX Runtime alone (no torch).
+"""Serve exported squad and classification models in ONNX Runtime alone (no torch).
 
 `popbert predict squad --model squad.onnx --data questions.json --output predictions.json`
 reads the model's `popbert.*` metadata (vocabulary, lowercasing, window sizes; written by
 `popbert.io.export.task_metadata`), cuts each context into overlapping windows, runs ONNX Runtime
-and picks the best span over all windows.
+and picks the best span over all windows. `popbert predict classify --model cls.onnx --data
+texts.tsv --output predictions.jsonl` encodes each row (or line of a .txt file) and writes its
+label and the probability of every label.
 
-Reading SQuAD files, windows and span decoding are `popbert.data.squad`, the same code that
-fine-tuning builds its features and predictions with, so serving cannot drift from training.
-This module adds only what serving needs: loading the ONNX model, reading its metadata and
-running it in batches. Its imports (numpy, tokenizers, onnxruntime, the torch-free
-`popbert.data.squad` and `popbert.data.tokenization`) must never pull in torch.
+Reading SQuAD files, windows and span decoding are `popbert.data.squad`, reading and encoding
+classification rows `popbert.data.classification`: the same code that fine-tuning builds its
+features and predictions with, so serving cannot drift from training. This module adds only
+what serving needs: loading the ONNX model, reading its metadata and running it in batches
+(`ExportedModel.run`). On an export with a symbolic sequence axis (the default) rows are run in
+order of length and each batch is cut to its longest row, so short inputs cost what their length
+does. Its imports (numpy, tokenizers, onnxruntime and the torch-free `popbert.data` modules) must
+never pull in torch.
 """
 
 from __future__ import annotations
@@ -17,11 +22,20 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from popbert.atomic import atomic_write_text
+from popbert.data.classification import (
+    ClassificationData,
+    classification_metrics,
+    encode_classification,
+    label_ids,
+    read_classification_file,
+)
 from popbert.data.squad import (
     Candidate,
     Question,
@@ -33,20 +47,25 @@ from popbert.data.squad import (
     window_arrays,
     write_predictions,
 )
-from popbert.data.tokenization import make_tokenizer, parse_vocab
+from popbert.data.tokenization import WordPieceTokenizer, make_tokenizer, parse_vocab
 from popbert.errors import UsageError
 from popbert.graph.annotations import METADATA_PREFIX
 
 log = logging.getLogger(__name__)
 
-# Prefix of the ONNX metadata keys popbert writes (`popbert.io.export` imports it from here, so
-# writer and reader agree on one spelling, and serving needs no torch to know it).
+# Start/end logit of a token cut off a batch (beyond its longest row): padding, never an answer.
+CUT_LOGIT = -10000.0
 
 
-class SquadPredictor:
-    """An exported `squad` model in ONNX Runtime, with the tokenizer its metadata describes."""
+class ExportedModel:
+    """A popbert `task` export in ONNX Runtime's CPU provider, with its metadata.
 
-    def __init__(self, model: Path, threads: int | None = None) -> None:
+    `batch_size` is the export's fixed batch (None: symbolic); `sequence_length` its fixed
+    length, or for a symbolic sequence axis the length it was trained at (metadata
+    `popbert.sequence_length`), which serving pads or truncates inputs to.
+    """
+
+    def __init__(self, model: Path, task: str, threads: int | None = None) -> None:
         import onnxruntime as ort
 
         model = Path(model)
@@ -61,42 +80,86 @@ class SquadPredictor:
         except Exception as error:  # ORT's own exception types: report, no traceback
             raise UsageError(f"--model: {model}: ONNX Runtime cannot load it "
                              f"({' '.join(str(error).split())[:200]})") from None
-        meta = self.session.get_modelmeta().custom_metadata_map
-        if meta.get(f"{METADATA_PREFIX}task") != "squad":
-            raise UsageError(f"--model: {model} is not a popbert squad export (export it with "
-                             "`popbert export --task squad` from a fine-tuned checkpoint)")
-        for key in ("vocab", "doc_stride", "max_query_length"):
-            if f"{METADATA_PREFIX}{key}" not in meta:
-                raise UsageError(f"--model: {model}: metadata {METADATA_PREFIX}{key} missing")
-        self.vocab = parse_vocab(meta[f"{METADATA_PREFIX}vocab"],
+        self.path = model
+        self.meta = self.session.get_modelmeta().custom_metadata_map
+        if self.meta.get(f"{METADATA_PREFIX}task") != task:
+            raise UsageError(f"--model: {model} is not a popbert {task} export (export it with "
+                             f"`popbert export --task {task}` from a fine-tuned checkpoint)")
+        self.vocab = parse_vocab(self.text("vocab"),
                                  f"--model: {model}: metadata {METADATA_PREFIX}vocab")
-        self.lowercase = bool(json.loads(meta.get(f"{METADATA_PREFIX}lowercase", "true")))
-        self.tokenizer = make_tokenizer(self.vocab, self.lowercase)
+        self.lowercase = bool(json.loads(self.meta.get(f"{METADATA_PREFIX}lowercase", "true")))
         shape = self.session.get_inputs()[0].shape
         self.batch_size = shape[0] if isinstance(shape[0], int) else None
-        self.sequence_length = int(shape[1])
-        self.options = WindowOptions(self.sequence_length,
-                                     int(json.loads(meta[f"{METADATA_PREFIX}doc_stride"])),
-                                     int(json.loads(meta[f"{METADATA_PREFIX}max_query_length"])))
+        self.dynamic_sequence = not isinstance(shape[1], int)
+        self.sequence_length = (int(json.loads(self.text("sequence_length")))
+                                if self.dynamic_sequence else int(shape[1]))
         self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def text(self, key: str) -> str:
+        """Metadata `popbert.<key>`; a one-line error naming the model if it is missing."""
+        value = self.meta.get(f"{METADATA_PREFIX}{key}")
+        if value is None:
+            raise UsageError(f"--model: {self.path}: metadata {METADATA_PREFIX}{key} missing")
+        return value
+
+    def run(self, arrays: Mapping[str, np.ndarray], batch_size: int = 16,
+            per_token: Mapping[str, float] | None = None) -> dict[str, np.ndarray]:
+        """All outputs for the rows of `arrays` ([N, S] inputs), `batch_size` rows per run (a
+        fixed-batch export runs its own batch, the last one padded).
+
+        With a symbolic sequence axis rows run longest first (by `input_mask`) and each batch
+        is cut to its longest row; the outputs named in `per_token` ([N, S, ...]) are padded
+        back to S with the value given. Outputs come back in the rows' order.
+        """
+        from tqdm import tqdm
+
+        if batch_size < 1:
+            raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
+        step = self.batch_size or batch_size
+        rows = len(arrays["input_ids"])
+        lengths = np.asarray(arrays["input_mask"]).sum(axis=1)
+        order = (np.argsort(-lengths, kind="stable") if self.dynamic_sequence
+                 else np.arange(rows))
+        full = np.asarray(arrays["input_ids"]).shape[1]
+        per_token = per_token or {}
+        parts: dict[str, list[np.ndarray]] = {name: [] for name in self.output_names}
+        for first in tqdm(range(0, rows, step), desc="predict", unit="batch",
+                          total=math.ceil(rows / step), disable=rows <= step):
+            chosen = order[first:first + step]
+            real = len(chosen)
+            if self.batch_size is not None:
+                chosen = np.concatenate([chosen, np.repeat(chosen[-1:], self.batch_size - real)])
+            width = max(1, int(lengths[chosen].max())) if self.dynamic_sequence else full
+            feeds = {name: np.ascontiguousarray(np.asarray(value)[chosen, :width])
+                     for name, value in arrays.items()}
+            for name, value in zip(self.output_names, self.session.run(None, feeds)):
+                value = np.asarray(value, np.float32)[:real]
+                if name in per_token and value.shape[1] < full:
+                    pad = [(0, 0)] * value.ndim
+                    pad[1] = (0, full - value.shape[1])
+                    value = np.pad(value, pad, constant_values=per_token[name])
+                parts[name].append(value)
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(rows)
+        return {name: np.concatenate(values)[inverse] for name, values in parts.items()}
+
+
+class SquadPredictor(ExportedModel):
+    """An exported `squad` model in ONNX Runtime, with the tokenizer its metadata describes."""
+
+    def __init__(self, model: Path, threads: int | None = None) -> None:
+        super().__init__(model, "squad", threads)
+        self.tokenizer = make_tokenizer(self.vocab, self.lowercase)
+        self.options = WindowOptions(self.sequence_length,
+                                     int(json.loads(self.text("doc_stride"))),
+                                     int(json.loads(self.text("max_query_length"))))
 
     def logits(self, windows: Sequence[Window], batch_size: int = 16
                ) -> tuple[np.ndarray, np.ndarray]:
-        """Start and end logits [N, S] for `windows`, in batches (padded to a fixed batch)."""
-        from tqdm import tqdm
-
-        step = self.batch_size or batch_size
-        starts, ends = [], []
-        for first in tqdm(range(0, len(windows), step), desc="predict", unit="batch",
-                          total=math.ceil(len(windows) / step), disable=len(windows) <= step):
-            chunk = list(windows[first:first + step])
-            real = len(chunk)
-            if self.batch_size is not None:
-                chunk += [chunk[-1]] * (self.batch_size - real)
-            out = dict(zip(self.output_names, self.session.run(None, window_arrays(chunk))))
-            starts.append(np.asarray(out["start_logits"], np.float32)[:real])
-            ends.append(np.asarray(out["end_logits"], np.float32)[:real])
-        return np.concatenate(starts), np.concatenate(ends)
+        """Start and end logits [N, S] for `windows`, in batches of `batch_size` windows."""
+        out = self.run(window_arrays(windows), batch_size,
+                       per_token={"start_logits": CUT_LOGIT, "end_logits": CUT_LOGIT})
+        return out["start_logits"], out["end_logits"]
 
     def predict(self, questions: Sequence[Question], n_best_size: int = 20,
                 max_answer_length: int = 30, batch_size: int = 16
@@ -105,6 +168,52 @@ class SquadPredictor:
         windows = build_windows(questions, self.tokenizer, self.vocab, self.options)
         start, end = self.logits(windows, batch_size)
         return decode_answers(questions, windows, start, end, n_best_size, max_answer_length)
+
+
+def read_texts(path: Path, text_column: str | None = None, pair_column: str | None = None,
+               label_column: str = "label") -> ClassificationData:
+    """Rows to classify: a TSV/CSV/JSONL file as fine-tuning reads it (labels optional), or a
+    `.txt` file with one text per non-empty line."""
+    path = Path(path)
+    if path.suffix.lower() != ".txt":
+        return read_classification_file(path, text_column, pair_column, label_column,
+                                        require_labels=False)
+    if not path.is_file():
+        raise UsageError(f"--data: file not found: {path}")
+    texts, lines = [], []
+    for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
+        if line.strip():
+            texts.append(line.strip())
+            lines.append(number)
+    if not texts:
+        raise UsageError(f"--data: {path}: no text lines")
+    return ClassificationData(path, texts, None, None, lines)
+
+
+class ClassifyPredictor(ExportedModel):
+    """An exported `classification` model: texts in, label names and probabilities out."""
+
+    def __init__(self, model: Path, threads: int | None = None) -> None:
+        super().__init__(model, "classification", threads)
+        self.labels = [str(x) for x in json.loads(self.text("labels"))]
+        # The training encoder (`encode_classification`) reads its vocabulary from a file.
+        with tempfile.TemporaryDirectory(prefix="popbert-vocab-") as tmp:
+            vocab = Path(tmp) / "vocab.txt"
+            vocab.write_text(self.text("vocab"), encoding="utf-8")
+            self.tokenizer = WordPieceTokenizer(vocab, lowercase=self.lowercase)
+
+    def probabilities(self, data: ClassificationData, batch_size: int = 16) -> np.ndarray:
+        """Softmax over the labels, [N, num_labels], for the rows of `data`."""
+        arrays = encode_classification(data, self.tokenizer, self.sequence_length)
+        logits = self.run(arrays, batch_size)["logits"]
+        shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+        return shifted / shifted.sum(axis=1, keepdims=True)
+
+    def predict(self, data: ClassificationData, batch_size: int = 16
+                ) -> tuple[list[str], np.ndarray]:
+        """(label name, probabilities) of every row of `data`."""
+        probabilities = self.probabilities(data, batch_size)
+        return [self.labels[i] for i in probabilities.argmax(axis=1)], probabilities
 
 
 def predict_squad(model: Path, data: Path, output: Path, n_best_size: int = 20,
@@ -119,4 +228,35 @@ def predict_squad(model: Path, data: Path, output: Path, n_best_size: int = 20,
     return predictions
 
 
-__all__ = ["SquadPredictor", "predict_squad"]
+def predict_classify(model: Path, data: Path, output: Path, batch_size: int = 16,
+                     threads: int | None = None, text_column: str | None = None,
+                     pair_column: str | None = None, label_column: str = "label"
+                     ) -> dict[str, float] | None:
+    """`popbert predict classify`: label every row of `data` and write `output` as JSON lines
+    (`line`, `label`, `probabilities` by label, `gold` where the file has labels). Returns
+    accuracy and F1 when the file is labelled (with the model's labels), else None."""
+    predictor = ClassifyPredictor(model, threads)
+    rows = read_texts(data, text_column, pair_column, label_column)
+    predicted, probabilities = predictor.predict(rows, batch_size)
+    gold = rows.labels
+    records = []
+    for index, (line, label) in enumerate(zip(rows.lines, predicted)):
+        record = {"line": line, "label": label,
+                  "probabilities": {name: round(float(p), 6)
+                                    for name, p in zip(predictor.labels, probabilities[index])}}
+        if gold is not None:
+            record["gold"] = gold[index]
+        records.append(json.dumps(record) + "\n")
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(output, "".join(records))
+    log.info("labelled %d rows of %s with %s: %s", len(records), data, model, output)
+    if gold is None:
+        return None
+    metrics = classification_metrics(probabilities.argmax(axis=1),
+                                     label_ids(rows, predictor.labels), len(predictor.labels))
+    metrics["examples"] = len(records)
+    return metrics
+
+
+__all__ = ["CUT_LOGIT", "ClassifyPredictor", "ExportedModel", "SquadPredictor",
+           "predict_classify", "predict_squad", "read_texts"]

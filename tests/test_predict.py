@@ -160,8 +160,9 @@ def classify_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     cfg.data.vocab_file = str(bundled_vocab_path())
     model = build_bert(cfg.model, task="classification", seed=5).model()
     values = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
-    # A head far from uniform, so that rows get different labels.
-    weights = {n: torch.from_numpy(values[n] * (60 if n.startswith(("Classifier", "NSP/Pool")) else 3))
+    # A pooler and head far from uniform, so that rows get different labels.
+    head = ("Classifier", "NSP/Pool")
+    weights = {n: torch.from_numpy(values[n] * (60 if n.startswith(head) else 3))
                for n in trainable_initializers(model)}
     run = tmp_path_factory.mktemp("classify") / "run"
     save_checkpoint(run / "checkpoints" / "step-000001", Checkpoint(step=1, weights=weights),

@@ -106,28 +106,13 @@ def truncate_seq_pair(tokens_a: list[int], tokens_b: list[int], max_num_tokens: 
     """Trim the longer segment in place, one token at a time from a random end.
 
     Random ends (not always the tail) avoid biasing the model towards sentence starts.
-    The draws are Google's, one `rng.random()` per token removed, but only the counts are
-    kept in the loop and each list is cut once: deleting a list's first element one token at a
-    time moved the whole list each time and was the pairing's largest cost.
     """
-    len_a, len_b = len(tokens_a), len(tokens_b)
-    if len_a + len_b <= max_num_tokens:
-        return
-    front_a = front_b = 0
-    draw = rng.random
-    while len_a + len_b > max_num_tokens:
-        if len_a > len_b:
-            if draw() < 0.5:
-                front_a += 1
-            len_a -= 1
+    while len(tokens_a) + len(tokens_b) > max_num_tokens:
+        trunc = tokens_a if len(tokens_a) > len(tokens_b) else tokens_b
+        if rng.random() < 0.5:
+            del trunc[0]
         else:
-            if draw() < 0.5:
-                front_b += 1
-            len_b -= 1
-    del tokens_a[front_a + len_a:]
-    del tokens_a[:front_a]
-    del tokens_b[front_b + len_b:]
-    del tokens_b[:front_b]
+            trunc.pop()
 
 
 class InstanceCreator:
@@ -401,9 +386,9 @@ def mask_arrays(arrays: dict[str, np.ndarray], tokenizer: WordPieceTokenizer,
         arrays["masked_lm_positions"][:] = 0
         arrays["masked_lm_ids"][:] = 0
         return
+    sizes = np.zeros((n, max_words), np.int64)
     r, c = np.nonzero(candidate)
-    cell = r * max_words + word[r, c]  # (row, word) of each candidate, flat
-    sizes = np.bincount(cell, minlength=n * max_words).reshape(n, max_words)
+    np.add.at(sizes, (r, word[r, c]), 1)
     # Random word order per row (absent words last), then greedy: take a word if it fits.
     keys = rng.random((n, max_words))
     keys[sizes == 0] = 2.0
@@ -423,7 +408,7 @@ def mask_arrays(arrays: dict[str, np.ndarray], tokenizer: WordPieceTokenizer,
     taken = np.zeros((n, max_words), bool)
     np.put_along_axis(taken, order, taken_ranked, axis=1)
     chosen = candidate.copy()
-    chosen[r, c] = taken.reshape(-1)[cell]
+    chosen[r, c] = taken[r, word[r, c]]
 
     rows, cols = np.nonzero(chosen)  # row-major: positions ascending within each row
     original = ids[rows, cols].copy()
@@ -448,10 +433,11 @@ def create_instance_arrays(documents: Sequence[Document], tokenizer: WordPieceTo
 
     Same steps as `InstanceCreator.create_training_instances` (documents shuffled once with
     `random.Random(seed)`, `dupe_factor` passes of pairing, instances shuffled) except that each
-    pass becomes compact int32 arrays before the next starts (Python lists of one pass at a time,
-    not of all), the final shuffle is a numpy permutation, and masking is vectorised, all from a
-    numpy generator seeded with `seed`. Deterministic for a seed; several times faster than
-    `create_pretraining_arrays`, whose per-token Python masking dominates its run time.
+    pass becomes compact int32 arrays before the next starts (one flat token list per pass, laid
+    out in bulk: no `TrainingInstance` per pair), the final shuffle is a numpy permutation, and
+    masking is vectorised, all from a numpy generator seeded with `seed`. Deterministic for a
+    seed; several times faster than `create_pretraining_arrays`, whose per-token Python masking
+    dominates its run time.
     """
     creator = InstanceCreator(tokenizer, options)
     cls_id, sep_id = creator.cls_id, creator.sep_id

@@ -274,33 +274,6 @@ def test_truncate_seq_pair_trims_longer_side():
     assert len(a) == 2 and len(b) == 2
 
 
-def google_truncate(tokens_a, tokens_b, max_num_tokens, rng):
-    """Google's `truncate_seq_pair`, one token per iteration: the behaviour to keep."""
-    while len(tokens_a) + len(tokens_b) > max_num_tokens:
-        trunc = tokens_a if len(tokens_a) > len(tokens_b) else tokens_b
-        if rng.random() < 0.5:
-            del trunc[0]
-        else:
-            trunc.pop()
-
-
-def test_truncate_seq_pair_is_googles_draw_for_draw():
-    """Same segments and the same random-number state after it as Google's loop, so every
-    later draw (and so every shard) is unchanged."""
-    cases = random.Random(7)
-    for _ in range(300):
-        a = list(range(cases.randint(0, 60)))
-        b = list(range(1000, 1000 + cases.randint(0, 60)))
-        limit = cases.randint(0, 70)
-        seed = cases.random()
-        ours, theirs = random.Random(seed), random.Random(seed)
-        a2, b2 = list(a), list(b)
-        truncate_seq_pair(a, b, limit, ours)
-        google_truncate(a2, b2, limit, theirs)
-        assert (a, b) == (a2, b2)
-        assert ours.getstate() == theirs.getstate()
-
-
 def test_bulk_layout_is_the_per_instance_layout(documents, tokenizer):
     """`create_instance_arrays` lays pairs out in bulk; unmasked, its rows must be exactly
     `instances_to_arrays` of the same pairs (same seeded pairing, shuffle and order)."""

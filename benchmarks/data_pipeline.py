@@ -251,7 +251,68 @@ def pipeline_pack(shards: Path, work: Path, workers: int, strategy: str, k: int)
     return {"items": record["stats"]["sequences"], "unit": "sequences", **record["stats"]}
 
 
+# ------------------------------------------------------------------------------ per-stage costs
+# The whole `prepare-data wikipedia` path on the dump, one stage per fresh process and one worker,
+# so each stage's CPU seconds and peak RSS are its own and per core.
+def stage_extract(dump: Path, work: Path, part_bytes: int) -> dict:
+    from popbert.data.wikipedia import extract_dump
+
+    record = extract_dump(dump, work / "extracted", 1, part_bytes)
+    return {"items": record["stats"]["articles"], "unit": "articles"}
+
+
+def stage_sentences(work: Path) -> dict:
+    from popbert.data.sentences import split_sentences
+
+    record = split_sentences(sorted((work / "extracted").glob("part-*.jsonl")),
+                             work / "sentences", 1)
+    return {"items": record["stats"]["sentences_written_now"], "unit": "sentences"}
+
+
+def stage_vocab(work: Path, name: str) -> dict:
+    from popbert.data.vocab import train_vocab
+
+    tokenizer = train_vocab(sorted((work / "sentences").glob("part-*.txt")), work / name)
+    return {"items": tokenizer.vocab_size, "unit": "entries"}
+
+
+def stage_instances(work: Path, seq: int, pred: int, dupe: int, out: str = "",
+                    baseline: str = "") -> dict:
+    """`baseline`: a file holding another version of `popbert.data.instances` (say the one
+    before a change) whose `create_instance_arrays` the stage then runs instead."""
+    from popbert.data import prepare
+    from popbert.data.instances import InstanceOptions
+
+    if baseline:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("instances_baseline", str(baseline))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        prepare.create_instance_arrays = module.create_instance_arrays
+    options = InstanceOptions(seq, pred, dupe_factor=dupe)
+    record = prepare.create_instances(sorted((work / "sentences").glob("part-*.txt")),
+                                      work / "vocab.txt",
+                                      work / (out or prepare.instances_dir_name(options)),
+                                      options, 1)
+    return {"items": record["stats"]["instances_written_now"], "unit": "instances"}
+
+
+def stage_pack(work: Path, seq: int, pred: int, dupe: int) -> dict:
+    from popbert.data.instances import InstanceOptions
+    from popbert.data.prepare import instances_dir_name, pack_shards, packed_dir_name
+
+    options = InstanceOptions(seq, pred, dupe_factor=dupe)
+    record = pack_shards(sorted((work / instances_dir_name(options)).glob("part-*.h5")),
+                         work / packed_dir_name(options), seed=options.seed, workers=1)
+    return {"items": record["stats"]["packs"], "unit": "rows"}
+
+
 VARIANTS = {
+    "stage_extract": stage_extract, "stage_sentences": stage_sentences,
+    "stage_vocab": stage_vocab, "stage_instances": stage_instances, "stage_pack": stage_pack,
+
     "simple_extract": simple_extract, "pipeline_extract": pipeline_extract,
     "simple_sentences": simple_sentences, "pipeline_sentences": pipeline_sentences,
     "simple_instances": simple_instances, "pipeline_instances": pipeline_instances,
@@ -267,11 +328,28 @@ def run_one(spec: dict) -> dict:
     workers = next((a for a in args if isinstance(a, int) and not isinstance(a, bool)), 1)
     if not spec["variant"].startswith("pipeline"):
         workers = 1
+    if spec["variant"].startswith("stage"):
+        warm_up()
+    before = usage(workers)[1]
     start = time.perf_counter()
     result = fn(*args)
     result["seconds"] = time.perf_counter() - start
     result["peak_mb"], result["cpu_seconds"] = usage(workers)
+    result["work_cpu_seconds"] = result["cpu_seconds"] - before
     return result
+
+
+def warm_up() -> None:
+    """Pay a process's fixed costs (imports, nupunkt's model) before the clock starts: a worker
+    pays them once, whatever the dump's size, so they must not enter a per-MB rate."""
+    import h5py  # noqa: F401
+    import nupunkt
+    import tokenizers  # noqa: F401
+    import wikiextractor.extract  # noqa: F401
+
+    import popbert.data.prepare  # noqa: F401
+
+    nupunkt.sent_tokenize("Warm up. The model loads once per process.")
 
 
 def measure(variant: str, *args) -> dict:
@@ -317,14 +395,205 @@ def check_reference_tokenizer(sentences: Path) -> str:
     return f"{same} of {len(sample)} sentences"
 
 
+# ------------------------------------------------------------------------------ per-stage report
+STAGES = ("extract", "sentences", "vocab", "instances", "pack")
+SEQ, PRED, DUPE_CLI = 128, 20, 5  # `prepare-data wikipedia`'s defaults at phase 1
+FULL_DUMP_GB = 25.0  # assumption, see RESULTS_data.md: enwiki pages-articles.xml.bz2, late 2026
+DEFAULT_PART_BYTES = 8 << 20
+
+
+def shard_digests(directory: Path) -> dict[str, str]:
+    """sha256 of every dataset of every shard: what must not change when the code gets faster."""
+    import hashlib
+
+    import h5py
+    import numpy as np
+
+    out = {}
+    for shard in sorted(directory.glob("part-*.h5")):
+        with h5py.File(shard, "r") as f:
+            for name in sorted(f):
+                data = np.ascontiguousarray(f[name][()])
+                out[f"{shard.name}/{name}"] = hashlib.sha256(data.tobytes()).hexdigest()
+    return out
+
+
+def largest_part_mb(dump: Path, part_bytes: int) -> float:
+    """Wikitext MB of the largest extract part: what bounds a worker's memory."""
+    from popbert.data.wikipedia import iter_parts
+
+    return max(sum(len(p.text) for p in part) for part in iter_parts(dump, part_bytes)) / 2**20
+
+
+def median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def stage_report(dump: Path, repeats: int, baseline_rev: str | None, dump_gb: float,
+                 cores: int) -> str:
+    """Per stage of `prepare-data wikipedia` on the dump: compressed MB per CPU second (per
+    core), peak RSS per worker, the extrapolation to the full dump on `cores` cores, and (with
+    `baseline_rev`) the instances stage before/after, interleaved, with shard digests."""
+    mb = dump.stat().st_size / 1e6
+    load = os.getloadavg()
+    lines: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="popbert-stages-") as tmp:
+        root = Path(tmp)
+        runs: dict[str, list[dict]] = {name: [] for name in STAGES}
+        small: dict[str, dict] = {}
+        for rep in range(repeats):
+            work = root / f"run{rep}"
+            print(f"stages, run {rep + 1} of {repeats}", file=sys.stderr)
+            runs["extract"].append(measure("stage_extract", dump, work, DEFAULT_PART_BYTES))
+            runs["sentences"].append(measure("stage_sentences", work))
+            if rep == 0:
+                runs["vocab"].append(measure("stage_vocab", work, "vocab.txt"))
+            else:  # one vocabulary for all runs, so instances and pack do the same work
+                runs["vocab"].append(measure("stage_vocab", work, "vocab-again.txt"))
+                shutil.copy(root / "run0" / "vocab.txt", work / "vocab.txt")
+            runs["instances"].append(measure("stage_instances", work, SEQ, PRED, DUPE_CLI))
+            runs["pack"].append(measure("stage_pack", work, SEQ, PRED, DUPE_CLI))
+        # Memory against part size: the same path with 2 MB parts (several parts, 1 worker).
+        work = root / "small"
+        small_bytes = 2 << 20
+        small["extract"] = measure("stage_extract", dump, work, small_bytes)
+        small["sentences"] = measure("stage_sentences", work)
+        shutil.copy(root / "run0" / "vocab.txt", work / "vocab.txt")
+        small["vocab"] = runs["vocab"][0]
+        small["instances"] = measure("stage_instances", work, SEQ, PRED, DUPE_CLI)
+        small["pack"] = measure("stage_pack", work, SEQ, PRED, DUPE_CLI)
+        part_default = largest_part_mb(dump, DEFAULT_PART_BYTES)
+        part_small = largest_part_mb(dump, small_bytes)
+
+        ab = None
+        if baseline_rev:
+            baseline = root / "instances_baseline.py"
+            source = subprocess.run(["git", "-C", str(REPO), "show",
+                                     f"{baseline_rev}:data/instances.py"], capture_output=True,
+                                    text=True, check=True).stdout
+            baseline.write_text(source, encoding="utf-8")
+            ab = {"before": [], "after": []}
+            work = root / "run0"
+            for rep in range(repeats):
+                for name, path in (("before", str(baseline)), ("after", "")):
+                    print(f"instances {name}, run {rep + 1}", file=sys.stderr)
+                    out = f"ab-{name}-{rep}"
+                    ab[name].append(measure("stage_instances", work, SEQ, PRED, DUPE_CLI, out,
+                                            path))
+            digests = {name: shard_digests(work / f"ab-{name}-0") for name in ab}
+            same = digests["before"] == digests["after"] and bool(digests["before"])
+
+    def rate(cpu: float) -> float:
+        return mb / cpu
+
+    lines += [f"Dump: `{dump.name}`, {mb:.2f} MB compressed ({runs['extract'][0]['items']} "
+              f"articles). Defaults of `prepare-data wikipedia`: parts of 8 MB of wikitext, "
+              f"nupunkt, a {runs['vocab'][0]['items']:,}-entry vocabulary trained on the "
+              f"sample (asked for 30,522), seq {SEQ}, {PRED} predictions, dupe factor "
+              f"{DUPE_CLI}, SPFHP packing (3 per row); 1 worker per stage, each stage in a fresh "
+              f"process, {repeats} runs. Load average before: {load[0]:.1f} / {load[1]:.1f} / "
+              f"{load[2]:.1f} (1/5/15 min), after: {os.getloadavg()[0]:.1f}.", "",
+              "Work CPU s: user + system CPU of the stage after imports and model loading "
+              "(a fixed cost per process); median (min–max) of the runs. MB/CPU s: compressed "
+              "dump MB per CPU second of that stage, i.e. per core. Peak MB: the process's max "
+              "RSS (imports included).", "",
+              "| stage | output | work CPU s | process CPU s | MB/CPU s (per core) | "
+              "peak MB (1 worker) |",
+              "| --- | --- | ---: | ---: | ---: | ---: |"]
+    total_cpu = 0.0
+    medians = {}
+    for name in STAGES:
+        cpu = [r["work_cpu_seconds"] for r in runs[name]]
+        medians[name] = median(cpu)
+        total_cpu += medians[name]
+        first = runs[name][0]
+        lines.append(f"| {name} | {first['items']:,} {first['unit']} | {medians[name]:.2f} "
+                     f"({min(cpu):.2f}–{max(cpu):.2f}) | "
+                     f"{median([r['cpu_seconds'] for r in runs[name]]):.2f} | "
+                     f"{rate(medians[name]):.2f} | "
+                     f"{max(r['peak_mb'] for r in runs[name]):.0f} |")
+    lines.append(f"| **dump → packed shards** | | {total_cpu:.2f} | | {rate(total_cpu):.2f} | |")
+
+    # Peak per worker against the largest part's wikitext: a line through the two part sizes.
+    lines += ["", f"Peak RSS per worker against part size (largest part: {part_small:.1f} MB "
+              f"of wikitext with 2 MB parts, {part_default:.1f} MB with the default 8 MB parts, "
+              f"the sample being smaller than one default part); a straight line through the "
+              f"two, read at 8.5 MB (a default part: 8 MB plus the page that crosses it):", "",
+              "| stage | peak MB, 2 MB parts | peak MB, default | per MB of part | at 8.5 MB |",
+              "| --- | ---: | ---: | ---: | ---: |"]
+    per_worker = {}
+    for name in STAGES:
+        lo, hi = small[name]["peak_mb"], max(r["peak_mb"] for r in runs[name])
+        slope = max(0.0, (hi - lo) / (part_default - part_small))
+        per_worker[name] = hi + slope * (8.5 - part_default)
+        if name == "vocab":
+            lines.append(f"| vocab | – | {hi:.0f} | – | – (one trainer over the whole corpus; "
+                         f"see below) |")
+            continue
+        lines.append(f"| {name} | {lo:.0f} | {hi:.0f} | {slope:.1f} | {per_worker[name]:.0f} |")
+
+    full_mb = dump_gb * 1000
+    lines += ["", f"Extrapolation to the full English dump: {dump_gb:.0f} GB compressed "
+              f"(assumed), {cores} cores, {cores} workers, linear scaling in compressed bytes "
+              f"and across workers assumed:", "",
+              "| stage | CPU hours | hours on " f"{cores} cores | peak memory, "
+              f"{cores} workers |", "| --- | ---: | ---: | ---: |"]
+    total_h = 0.0
+    for name in STAGES:
+        cpu_h = full_mb / rate(medians[name]) / 3600
+        total_h += cpu_h
+        memory = (f"{cores} × {per_worker[name]:.0f} MB = "
+                  f"{cores * per_worker[name] / 1024:.1f} GB") if name != "vocab" else \
+            "one process; grows with distinct words (not measured at scale)"
+        lines.append(f"| {name} | {cpu_h:.1f} | {cpu_h / cores:.2f} | {memory} |")
+    lines.append(f"| **total** | {total_h:.1f} | {total_h / cores:.2f} | |")
+
+    if ab is not None:
+        before = [r["work_cpu_seconds"] for r in ab["before"]]
+        after = [r["work_cpu_seconds"] for r in ab["after"]]
+        lines += ["", f"### instances stage before/after (`{baseline_rev}`'s "
+                  f"`create_instance_arrays` vs this tree's), interleaved, same inputs", "",
+                  "| version | work CPU s per run | median | MB/CPU s | peak MB |",
+                  "| --- | --- | ---: | ---: | ---: |"]
+        for name, cpu in (("before", before), ("after", after)):
+            lines.append(f"| {name} | {', '.join(f'{c:.2f}' for c in cpu)} | "
+                         f"{median(cpu):.2f} | {rate(median(cpu)):.2f} | "
+                         f"{max(r['peak_mb'] for r in ab[name]):.0f} |")
+        lines += ["", f"Speed-up of the stage: {median(before) / median(after):.2f}x fewer CPU "
+                  f"seconds. Shard datasets identical before and after (sha256 of all "
+                  f"{len(digests['after'])} datasets): {'yes' if same else 'NO'}."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--output", type=Path, default=None, help="also write the table here")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--stages", action="store_true",
+                        help="instead: per-stage cost of `prepare-data wikipedia` on the dump "
+                             "sample and its extrapolation to the full dump")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per stage (--stages)")
+    parser.add_argument("--baseline-rev", default=None, metavar="REV",
+                        help="--stages: also time the instances stage with REV's "
+                             "data/instances.py, interleaved with this tree's")
+    parser.add_argument("--dump-gb", type=float, default=FULL_DUMP_GB,
+                        help="compressed size of the full dump assumed for the extrapolation")
+    parser.add_argument("--cores", type=int, default=16)
     args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(run_one(json.loads(args.one))))
+        return 0
+    if args.stages:
+        dump = args.data_dir / DUMP
+        if not dump.is_file():
+            parser.error(f"{dump} not found (see --data-dir)")
+        report = stage_report(dump, args.repeats, args.baseline_rev, args.dump_gb, args.cores)
+        print(report)
+        if args.output:
+            args.output.write_text(report, encoding="utf-8")
         return 0
     dump, vital = args.data_dir / DUMP, args.data_dir / VITAL
     for path in (dump, vital):

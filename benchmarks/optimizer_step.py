@@ -7,12 +7,20 @@ as actually allocated: 4 + 8 for FP32 weights, 2 + 8 for half weights (no master
 
     python benchmarks/optimizer_step.py            # BERT-Base, ~110M parameters
     python benchmarks/optimizer_step.py --small    # a quick run
+    python benchmarks/optimizer_step.py --sr-ratio --threads 2   # half weights + SR vs FP32
+
+``--sr-ratio`` times popbert's own steps round-robin (LAMB and AdamW, FP32 weights and half
+weights with stochastic rounding) and reports each half-weight step against the FP32 step of
+the same class: medians of wall and process CPU time, and the median of the per-round ratios
+(robust to load that drifts during the run on a shared machine).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
+import statistics
 import time
 from collections.abc import Callable
 
@@ -150,6 +158,51 @@ def cases(device: torch.device) -> list[tuple[str, torch.dtype, Callable]]:
     return result
 
 
+def sr_ratio(shapes: Shapes, device: torch.device, steps: int, warmup: int) -> None:
+    """Half weights + stochastic rounding vs FP32 weights, same optimizer, interleaved."""
+    wd, lr = 0.01, 1e-3
+    timed_step = _timer(device)
+    runs = [
+        ("Lamb", torch.float32),
+        ("Lamb", torch.bfloat16),
+        ("Lamb", torch.float16),
+        ("AdamW", torch.float32),
+        ("AdamW", torch.bfloat16),
+    ]
+    classes = {"Lamb": Lamb, "AdamW": AdamW}
+    opts = []
+    for cls, dtype in runs:
+        named = make_params(shapes, dtype, device)
+        opts.append(classes[cls](param_groups_by_name(named, wd), lr=lr, seed=0))
+    for _ in range(warmup):  # the first half-weight step also compiles the rounding kernel
+        for opt in opts:
+            timed_step(opt)
+    times: list[list[tuple[float, float]]] = [[] for _ in runs]
+    load_before = os.getloadavg()[0]
+    for _ in range(steps):
+        for k, opt in enumerate(opts):
+            times[k].append(timed_step(opt))
+    load_after = os.getloadavg()[0]
+    print(f"load average (1 min) {load_before:.1f} before, {load_after:.1f} after")
+    header = (f"{'optimizer':<8} {'weights':<9} {'wall med':>9} {'cpu med':>9} "
+              f"{'wall x':>7} {'cpu x':>7} {'round wall x':>13} {'round cpu x':>12}")
+    print(header)
+    print("-" * len(header))
+    for k, (cls, dtype) in enumerate(runs):
+        base = runs.index((cls, torch.float32))
+        wall = statistics.median(t[0] for t in times[k])
+        cpu = statistics.median(t[1] for t in times[k])
+        base_wall = statistics.median(t[0] for t in times[base])
+        base_cpu = statistics.median(t[1] for t in times[base])
+        per_round = [(a[0] / b[0], a[1] / b[1]) for a, b in zip(times[k], times[base])]
+        kind = str(dtype).replace("torch.", "") + ("+SR" if dtype != torch.float32 else "")
+        print(f"{cls:<8} {kind:<9} {wall:>9.1f} {cpu:>9.1f} {wall / base_wall:>6.2f}x "
+              f"{cpu / base_cpu:>6.2f}x {statistics.median(r[0] for r in per_round):>12.2f}x "
+              f"{statistics.median(r[1] for r in per_round):>11.2f}x")
+    print("ms per step, medians over the timed rounds; 'x': against the same class with FP32 "
+          "weights; 'round': median of the per-round ratios")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="a 2-layer, 256-wide model")
@@ -160,6 +213,8 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
     )
+    parser.add_argument("--sr-ratio", action="store_true",
+                        help="only half weights + stochastic rounding vs FP32, same optimizer")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -174,6 +229,9 @@ def main() -> None:
         f"device={device} torch={torch.__version__} threads={torch.get_num_threads()} "
         f"params={n_params / 1e6:.1f}M tensors={len(shapes)} steps={args.steps}"
     )
+    if args.sr_ratio:
+        sr_ratio(shapes, device, args.steps, args.warmup)
+        return
     timed_step = _timer(device)
     all_cases = cases(device)
     base_name, base_dtype, base_build = all_cases[0]

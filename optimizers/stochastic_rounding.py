@@ -275,35 +275,48 @@ def _fp16_kernel(bits: Tensor, args: Tensor) -> tuple[Tensor, Tensor]:
     return values, tiny.any()
 
 
-_KERNELS: dict[torch.dtype, Callable[[Tensor, Tensor], object]] = {
-    torch.bfloat16: _bf16_kernel,
-    torch.float16: _fp16_kernel,
+def _bf16_kernel_into(bits: Tensor, args: Tensor, out: Tensor) -> None:
+    out.copy_(_bf16_kernel(bits, args))
+
+
+def _fp16_kernel_into(bits: Tensor, args: Tensor, out: Tensor) -> Tensor:
+    values, any_tiny = _fp16_kernel(bits, args)
+    out.copy_(values)
+    return any_tiny
+
+
+_KERNELS: dict[torch.dtype, Callable[..., object]] = {
+    torch.bfloat16: _bf16_kernel_into,
+    torch.float16: _fp16_kernel_into,
 }
-_compiled_kernels: dict[torch.dtype, Callable[[Tensor, Tensor], object]] = {}
+_compiled_kernels: dict[torch.dtype, Callable[..., object]] = {}
 _compile_disabled = os.environ.get("POPBERT_SR_COMPILE", "1") == "0"
 
 
-def _run_kernel(dtype: torch.dtype, bits: Tensor, args: Tensor, compiled: bool | None) -> object:
+def _run_kernel(
+    dtype: torch.dtype, bits: Tensor, args: Tensor, out: Tensor, compiled: bool | None
+) -> object:
+    """Round into ``out`` (1-D, contiguous); the compiled kernel writes it in the same loop."""
     global _compile_disabled
     kernel = _KERNELS[dtype]
     forced = compiled is True
     if compiled is None:
         compiled = not _compile_disabled and bits.numel() >= COMPILE_MIN_NUMEL
     if not compiled:
-        return kernel(bits, args)
+        return kernel(bits, args, out)
     fn = _compiled_kernels.get(dtype)
     if fn is None:
         fn = torch.compile(kernel, dynamic=True)
         _compiled_kernels[dtype] = fn
     try:
-        return fn(bits, args)
+        return fn(bits, args, out)
     except Exception:  # no C++ compiler, unsupported platform...: the eager path is exact too
         if forced:
             raise
         logger.warning("compiling the stochastic-rounding kernel failed; using eager torch "
                        "(same bits, slower)", exc_info=True)
         _compile_disabled = True
-        return kernel(bits, args)
+        return kernel(bits, args, out)
 
 
 def stochastic_round_hashed(
@@ -326,31 +339,33 @@ def stochastic_round_hashed(
     ``True`` / ``False`` force it; both give identical bits.
     """
     x = _check_input(x, dtype)
+    n = x.numel()
+    if out is not None and (out.dtype != dtype or out.numel() != n):
+        raise ValueError(f"out must be {dtype} with {n} elements, got {out.dtype} with "
+                         f"{out.numel()}")
     if dtype == torch.float32:
         if out is not None:
             out.copy_(x.view(out.shape))
             return out
         return x
-    n = x.numel()
     if offset < 0 or offset + n - 1 > _MAX_INDEX:
         raise ValueError(f"element indices {offset}..{offset + n - 1} exceed the int32 counter")
     flat = x.reshape(-1)
     bits = flat.view(torch.int32)
     args = torch.tensor([offset, key[0], key[1]], dtype=torch.int32, device=x.device)
+    direct = out is not None and out.is_contiguous()
+    # Detached: autograd flags of a parameter would make the compiled kernel specialise again.
+    result = out.detach().view(-1) if direct else torch.empty(n, dtype=dtype, device=x.device)
     with torch.no_grad():
-        if n == 0:
-            result = torch.empty(0, dtype=dtype, device=x.device)
-        elif dtype == torch.bfloat16:
-            result = _run_kernel(dtype, bits, args, compiled)
-        else:
-            result, any_tiny = _run_kernel(dtype, bits, args, compiled)
-            if bool(any_tiny):
+        if n > 0:
+            any_tiny = _run_kernel(dtype, bits, args, result, compiled)
+            if dtype == torch.float16 and bool(any_tiny):
                 _round_fp16_tiny_lanes(flat, result, key, offset)
-    result = result.view(x.shape)
-    if out is not None:
+    if out is None:
+        return result.view(x.shape)
+    if not direct:
         out.copy_(result.view(out.shape))
-        return out
-    return result
+    return out
 
 
 def _round_fp16_tiny_lanes(flat: Tensor, result: Tensor, key: Key, offset: int) -> None:

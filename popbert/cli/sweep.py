@@ -1,7 +1,8 @@
 """`popbert sweep create | agent | run | show`: hyperparameter sweeps (popbert.sweep).
 
 A SWEEP argument is a sweep directory (made by `create`, holding `sweep.yaml` and the embedded
-store), or a sweep id together with `--storage URL` of the store it lives in.
+store), or a sweep id together with `--storage URL` of the store it lives in, or for a sweep
+file with `backend: wandb` the W&B sweep's `entity/project/id` (`create` prints it).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+
+from popbert.errors import UsageError
 
 logger = logging.getLogger("popbert")
 
@@ -23,8 +26,25 @@ def _optuna_logs_through_logging() -> None:
     optuna.logging.enable_propagation()
 
 
+def _backend(path: Path) -> str:
+    """The sweep file's `backend` (the file is checked in full by whoever creates it)."""
+    from popbert.sweep.spec import load_spec
+
+    return load_spec(path, check=False).backend
+
+
 def _cmd_create(args: argparse.Namespace) -> int:
     _optuna_logs_through_logging()
+    if _backend(args.file) == "wandb":
+        from popbert.sweep.wandb_backend import create_wandb_sweep
+
+        if args.storage is not None:
+            raise UsageError("--storage: a sweep of backend wandb lives on the W&B server")
+        sweep = create_wandb_sweep(args.file, args.output_dir)
+        logger.info("W&B sweep %s (popbert's side in %s); run agents with: popbert sweep "
+                    "agent %s", sweep.id, sweep.directory, sweep.id)
+        sys.stdout.write(sweep.id + "\n")
+        return 0
     from popbert.sweep.study import create_sweep
 
     sweep = create_sweep(args.file, args.output_dir, args.storage)
@@ -36,6 +56,14 @@ def _cmd_create(args: argparse.Namespace) -> int:
 
 def _cmd_agent(args: argparse.Namespace) -> int:
     _optuna_logs_through_logging()
+    from popbert.sweep.wandb_backend import is_wandb_sweep, run_wandb_agent
+
+    if is_wandb_sweep(args.sweep, args.storage):
+        run_wandb_agent(args.sweep, count=args.count, device=args.device,
+                        output_dir=args.output_dir, sweep_file=args.file)
+        return 0
+    if args.file is not None:
+        raise UsageError("--file: only for a W&B sweep given by its path (entity/project/id)")
     from popbert.sweep.agent import run_agent
 
     run_agent(args.sweep, storage=args.storage, count=args.count, device=args.device,
@@ -48,6 +76,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from popbert.sweep.agent import run_sweep
     from popbert.sweep.show import table
 
+    if _backend(args.file) == "wandb":
+        raise UsageError(f"{args.file}: backend wandb: W&B's controller runs the sweep; create "
+                         "it with popbert sweep create and start agents with popbert sweep agent")
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
     sweep = run_sweep(args.file, args.agents, output_dir=args.output_dir, storage=args.storage,
                       count=args.count, devices=devices)
@@ -90,10 +121,14 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
 
     p = verbs.add_parser("agent", parents=[common], help="run trials of a sweep until it is "
                          "done (or --count trials)")
-    p.add_argument("sweep", metavar="SWEEP", help="sweep directory, or id with --storage")
+    p.add_argument("sweep", metavar="SWEEP", help="sweep directory, or id with --storage, or "
+                   "a W&B sweep's entity/project/id (backend wandb)")
     p.add_argument("--storage", default=None, metavar="URL")
     p.add_argument("--count", type=int, default=None, metavar="N",
                    help="run at most N trials in this agent")
+    p.add_argument("--file", type=Path, default=None, metavar="FILE.yaml",
+                   help="a W&B sweep given by entity/project/id: its sweep file (popbert's "
+                        "job, config, set, args), where its sweep directory is not here")
     p.add_argument("--device", default=None, metavar="DEVICE",
                    help="pin this agent's trials to a device (cpu, cuda, cuda:1)")
     p.add_argument("--output-dir", "-o", type=Path, default=None, metavar="DIR",

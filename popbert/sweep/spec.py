@@ -14,6 +14,7 @@ parameters:
 run_cap: 10
 early_terminate: {type: hyperband, min_iter: 1, eta: 3}
 init_from: {sweep: sweeps/phase1, trial: best}   # phase 2: start from another sweep's trial
+backend: optuna               # optuna (default) | wandb: the same sweep on a W&B server
 ```
 
 Parameters and `set` keys are config keys (checked by loading the config with them, through
@@ -38,12 +39,13 @@ from popbert.config.yaml_io import parse_yaml
 from popbert.errors import ConfigError
 
 METHODS = ("grid", "random", "bayes")
+BACKENDS = ("optuna", "wandb")  # who runs the search: the Optuna store, or a W&B server
 GOALS = ("minimize", "maximize")
 JOBS = ("pretrain", "finetune squad", "finetune classify")
 BAYES_SAMPLERS = ("tpe", "gp")
 TOP_LEVEL = ("name", "description", "program", "command", "job", "config", "set", "args",
              "method", "metric", "parameters", "run_cap", "early_terminate", "init_from",
-             "sampler", "seed", "heartbeat")
+             "sampler", "seed", "heartbeat", "backend", "project", "entity")
 # W&B distributions popbert maps onto Optuna's (`log_uniform` takes exponents, as in W&B).
 DISTRIBUTIONS = ("constant", "categorical", "int_uniform", "uniform", "q_uniform",
                  "log_uniform", "log_uniform_values", "q_log_uniform_values")
@@ -140,6 +142,9 @@ class SweepSpec:
     seed: int | None = None
     heartbeat: float = 30.0
     name: str | None = None
+    backend: str = "optuna"
+    project: str | None = None  # backend wandb: the W&B project and entity of the sweep
+    entity: str | None = None
     source: str = "<sweep>"
 
     def overrides(self, params: Mapping[str, Any] | None = None) -> list[str]:
@@ -195,7 +200,8 @@ class SweepSpec:
                 if p.q is not None:
                     entry["q"] = p.q
                 out["parameters"][name] = entry
-        for key in ("config", "run_cap", "early_terminate", "seed", "name"):
+        for key in ("config", "run_cap", "early_terminate", "seed", "name", "project",
+                    "entity"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.set:
@@ -206,6 +212,8 @@ class SweepSpec:
             out["init_from"] = {k: v for k, v in asdict(self.init_from).items() if v is not None}
         out["sampler"] = self.sampler
         out["heartbeat"] = self.heartbeat
+        if self.backend != "optuna":
+            out["backend"] = self.backend
         return out
 
 
@@ -422,11 +430,17 @@ def parse_spec(raw: Any, source: str = "<sweep>") -> SweepSpec:
           "a preset name or a config file", config)
     name = raw.get("name")
     _need(name is None or isinstance(name, str), source, "name", "a string", name)
+    backend = raw.get("backend", "optuna")
+    _need(backend in BACKENDS, source, "backend", " or ".join(BACKENDS), backend)
+    for key in ("project", "entity"):
+        _need(raw.get(key) is None or isinstance(raw[key], str), source, key,
+              f"a W&B {key} name", raw.get(key))
     return SweepSpec(job=job, method=method, metric=metric["name"], goal=goal,
                      parameters=parameters, config=config, set=fixed, args=dict(args),
                      run_cap=run_cap, early_terminate=dict(early) if early else None,
                      init_from=init_from, sampler=sampler, seed=seed, heartbeat=float(heartbeat),
-                     name=name, source=source)
+                     name=name, backend=backend, project=raw.get("project"),
+                     entity=raw.get("entity"), source=source)
 
 
 def _flatten_set(fixed: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -576,6 +590,7 @@ def _check_arg(src: str, key: str, kind: Any, value: Any) -> None:
         _need(isinstance(value, str), src, key, "a string", value)
 
 
-__all__ = ["BAYES_SAMPLERS", "DISTRIBUTIONS", "FINETUNE_ARGS", "FINETUNE_KEYS", "GOALS", "JOBS",
-           "METHODS", "InitFrom", "Parameter", "SweepSpec", "base_config", "check_spec",
-           "job_metrics", "load_spec", "override_text", "parse_parameter", "parse_spec"]
+__all__ = ["BACKENDS", "BAYES_SAMPLERS", "DISTRIBUTIONS", "FINETUNE_ARGS", "FINETUNE_KEYS",
+           "GOALS", "JOBS", "METHODS", "InitFrom", "Parameter", "SweepSpec", "base_config",
+           "check_spec", "job_metrics", "load_spec", "override_text", "parse_parameter",
+           "parse_spec"]

@@ -195,6 +195,9 @@ def create_sweep(path: str | os.PathLike[str], output_dir: Path | None = None,
     from popbert.sweep.spec import load_spec
 
     spec = load_spec(path)
+    if spec.backend != "optuna":
+        raise UsageError(f"{path}: backend {spec.backend}: the sweep runs on W&B "
+                         "(popbert.sweep.wandb_backend.create_wandb_sweep), not in a study")
     init = resolve_init_from(spec)
     sweep_id = new_sweep_id(spec, str(path))
     directory = Path(output_dir) if output_dir is not None else Path("sweeps") / sweep_id
@@ -253,6 +256,9 @@ def open_sweep(ref: str | os.PathLike[str], storage: str | None = None,
     if (directory / SWEEP_FILE).is_file():
         path = directory / SWEEP_FILE
         data = parse_yaml(path.read_text(encoding="utf-8"), str(path))
+        if data.get("backend", "optuna") != "optuna":
+            raise UsageError(f"{ref}: a W&B sweep ({data['id']}): its trials and plots are on "
+                             "W&B; run its agent with popbert sweep agent")
         url = storage or data.get("storage") or default_storage(directory)
         return Sweep(data["id"], url, directory.resolve(), _spec_of(data, str(path)))
     if directory.exists() and storage is None:

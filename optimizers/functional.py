@@ -226,11 +226,11 @@ def clip_coefficient(total_sq_norm: Tensor | float, max_norm: float, eps: float 
 
 # ----------------------------------------------------------------------------- whole steps
 
-#: ``round_fn(values, out, i, start)`` writes FP32 ``values`` (flat) into the half tensor ``out``
-#: (same number of elements); they are elements ``start...`` of fragment ``i`` of the step's
-#: lists, so counter-based stochastic rounding knows each element's index (see
-#: :func:`popbert.optimizers.stochastic_rounding.hashed_round_fn`).
-RoundFn = Callable[[Tensor, Tensor, int, int], None]
+#: ``round_fn(values, outs, pieces)`` writes flat FP32 ``values`` into the half tensors ``outs``
+#: (their concatenation); ``pieces[k] = (i, start)``: ``outs[k]`` holds elements ``start...`` of
+#: fragment ``i`` of the step's lists, so counter-based stochastic rounding knows each element's
+#: index (see :func:`popbert.optimizers.stochastic_rounding.hashed_round_fn`).
+RoundFn = Callable[[Tensor, list[Tensor], list[tuple[int, int]]], None]
 TilePlan = list[list[tuple[int, int, int]]]
 CPU_TILE_NUMEL = 1 << 21
 
@@ -340,16 +340,13 @@ class _Tile:
 
     def store(self, round_fn: RoundFn | None) -> None:
         """Write FP32 working weights back into half parameters (round to nearest without
-        ``round_fn``), piece by piece so the rounding knows where each element belongs."""
+        ``round_fn``), telling the rounding where each element belongs."""
         if self._flat is None:
             return
         if round_fn is None:
             torch._foreach_copy_(self.params, self._views)
         else:
-            offset = 0
-            for (i, start, stop), p in zip(self.tile, self.params, strict=True):
-                round_fn(self._flat[offset:offset + stop - start], p, i, start)
-                offset += stop - start
+            round_fn(self._flat, self.params, [(i, start) for i, start, _ in self.tile])
         self._flat, self._views = None, []
 
 

@@ -242,28 +242,30 @@ def _index(bits: Tensor, args: Tensor) -> Tensor:
     return torch.arange(bits.shape[0], dtype=torch.int32, device=bits.device) + args[0]
 
 
-def _bf16_kernel(bits: Tensor, args: Tensor) -> Tensor:
-    """BF16 values of FP32 patterns ``bits``; ``args`` = [offset, key0, key1].
+def _bf16_round(bits: Tensor, index: Tensor, key0: Tensor | int, key1: Tensor | int) -> Tensor:
+    """BF16 values of FP32 patterns ``bits`` (elementwise; keys scalar or per element).
 
     Adds 16 random bits below BF16's last mantissa bit and truncates them (the conversion is
     then exact). NaN lanes skip the add (it could carry out of their payload) and are
     quietened, so they stay NaN whatever the conversion does with the payload.
     """
-    noise = hash_bits(_index(bits, args), (args[1], args[2])) & 0xFFFF
+    noise = hash_bits(index, (key0, key1)) & 0xFFFF
     nan = (bits & 0x7FFFFFFF) > 0x7F800000
     rounded = torch.where(nan, bits | _QUIET_NAN_BIT, (bits + noise) & -65536)
     return rounded.view(torch.float32).to(torch.bfloat16)
 
 
-def _fp16_kernel(bits: Tensor, args: Tensor) -> tuple[Tensor, Tensor]:
-    """FP16 values of FP32 patterns ``bits``, and whether any lane is below ``2**-24``.
+def _fp16_round(
+    bits: Tensor, index: Tensor, key0: Tensor | int, key1: Tensor | int
+) -> tuple[Tensor, Tensor]:
+    """FP16 values of FP32 patterns ``bits``, and the lanes below ``2**-24`` (elementwise).
 
     FP16's spacing is ``2**13`` FP32 patterns from its smallest normal up; below it the spacing
     is the constant ``2**-24``, i.e. ``2**(13 + 113 - e)`` patterns at biased exponent ``e``
     down to ``2**-24`` (``e = 103``). Those lanes get that many random bits, so only inputs
     below ``2**-24`` (flagged, rounded afterwards) need more than the 32 hashed bits.
     """
-    noise = hash_bits(_index(bits, args), (args[1], args[2]))
+    noise = hash_bits(index, (key0, key1))
     magnitude = bits & 0x7FFFFFFF
     exponent = magnitude >> 23
     low_bits = (_FP16_NORMAL_EXPONENT - exponent).clamp(0, 10) + 13
@@ -272,6 +274,16 @@ def _fp16_kernel(bits: Tensor, args: Tensor) -> tuple[Tensor, Tensor]:
     nan = magnitude > 0x7F800000
     values = torch.where(nan, bits.view(torch.float32), rounded).to(torch.float16)
     tiny = (exponent < _FP16_TINY_EXPONENT) & (magnitude != 0)
+    return values, tiny
+
+
+def _bf16_kernel(bits: Tensor, args: Tensor) -> Tensor:
+    """One tensor's slice: ``args`` = [offset of its first element, key0, key1]."""
+    return _bf16_round(bits, _index(bits, args), args[1], args[2])
+
+
+def _fp16_kernel(bits: Tensor, args: Tensor) -> tuple[Tensor, Tensor]:
+    values, tiny = _fp16_round(bits, _index(bits, args), args[1], args[2])
     return values, tiny.any()
 
 
@@ -360,7 +372,8 @@ def stochastic_round_hashed(
         if n > 0:
             any_tiny = _run_kernel(dtype, bits, args, result, compiled)
             if dtype == torch.float16 and bool(any_tiny):
-                _round_fp16_tiny_lanes(flat, result, key, offset)
+                index = torch.arange(n, dtype=torch.int32, device=x.device) + offset
+                _round_fp16_tiny_lanes(flat, result, index, key[0], key[1])
     if out is None:
         return result.view(x.shape)
     if not direct:
@@ -368,22 +381,59 @@ def stochastic_round_hashed(
     return out
 
 
-def _round_fp16_tiny_lanes(flat: Tensor, result: Tensor, key: Key, offset: int) -> None:
-    """Exact rounding of the lanes below ``2**-24`` into ``result`` (digits hashed per lane)."""
+def _round_fp16_tiny_lanes(
+    flat: Tensor, result: Tensor, index: Tensor, key0: Tensor | int, key1: Tensor | int
+) -> None:
+    """Exact rounding of the lanes below ``2**-24`` into ``result`` (digits hashed per lane).
+
+    ``index``, ``key0`` and ``key1`` are per element of ``flat`` (keys may be scalars).
+    """
     magnitude = flat.view(torch.int32) & 0x7FFFFFFF
     tiny = ((magnitude >> 23) < _FP16_TINY_EXPONENT) & (magnitude != 0)
     lanes = tiny.nonzero().squeeze(1)
-    index = lanes.to(torch.int32) + offset
+    lane_index = index.index_select(0, lanes)
+    keys = [k.index_select(0, lanes) if isinstance(k, Tensor) else k for k in (key0, key1)]
 
     def digits(d: int) -> Tensor:
-        digit_key = (_int32(key[0] + (d + 1) * _DIGIT_STRIDE), key[1])
-        return (hash_bits(index, digit_key) >> 8) & 0xFFFFFF
+        digit_key = (keys[0] + _int32((d + 1) * _DIGIT_STRIDE), keys[1])  # wraps like int32
+        if not isinstance(digit_key[0], Tensor):
+            digit_key = (_int32(digit_key[0]), digit_key[1])
+        return (hash_bits(lane_index, digit_key) >> 8) & 0xFFFFFF
 
     values = _round_fp16_subnormal(flat.index_select(0, lanes), None, digits)
     result.index_copy_(0, lanes, values.to(torch.float16))
 
 
-RoundFn = Callable[[Tensor, Tensor, int, int], None]
+RoundFn = Callable[[Tensor, list[Tensor], list[tuple[int, int]]], None]
+
+
+def _round_small(values: list[Tensor], outs: list[Tensor], bases: list[int],
+                 keys: list[Key]) -> None:
+    """Round several small slices in one eager pass (same elementwise arithmetic as the
+    per-tensor kernel, with per-element indices and keys, so the same bits): small tensors
+    (biases, norms) would otherwise cost a few dozen small torch calls each."""
+    device = values[0].device
+    sizes = [v.numel() for v in values]
+    flat = torch.cat([v.reshape(-1) for v in values])
+    counts = torch.tensor(sizes, device=device)
+    starts = torch.tensor(bases, dtype=torch.int32, device=device)
+    first = torch.tensor([0, *sizes[:-1]], device=device).cumsum(0).to(torch.int32)
+    lane = torch.arange(flat.numel(), dtype=torch.int32, device=device)
+    index = lane + (starts - first).repeat_interleave(counts)
+    key0 = torch.tensor([k[0] for k in keys], dtype=torch.int32,
+                        device=device).repeat_interleave(counts)
+    key1 = torch.tensor([k[1] for k in keys], dtype=torch.int32,
+                        device=device).repeat_interleave(counts)
+    bits = flat.view(torch.int32)
+    dtype = outs[0].dtype
+    if dtype == torch.bfloat16:
+        result = _bf16_round(bits, index, key0, key1)
+    else:
+        result, tiny = _fp16_round(bits, index, key0, key1)
+        if bool(tiny.any()):
+            _round_fp16_tiny_lanes(flat, result, index, key0, key1)
+    chunks = result.split(sizes)
+    torch._foreach_copy_(outs, [c.view(o.shape) for c, o in zip(chunks, outs, strict=True)])
 
 
 def hashed_round_fn(
@@ -396,13 +446,27 @@ def hashed_round_fn(
 
     Fragment ``i`` of the step's lists is part of tensor ``tensor_ids[i]`` starting at element
     ``offsets[i]`` (0 by default) and is at optimizer step ``steps[i]``: its bits depend on
-    ``(seed, steps[i], tensor_ids[i], element index)`` only.
+    ``(seed, steps[i], tensor_ids[i], element index)`` only. Pieces of at least
+    :data:`COMPILE_MIN_NUMEL` elements take the compiled kernel one by one, smaller ones one
+    batched eager pass.
     """
 
-    def round_fn(values: Tensor, out: Tensor, i: int, start: int) -> None:
-        key = rounding_key(seed, steps[i], tensor_ids[i])
-        base = 0 if offsets is None else offsets[i]
-        stochastic_round_hashed(values, out.dtype, key, base + start, out=out)
+    def round_fn(values: Tensor, outs: list[Tensor], pieces: list[tuple[int, int]]) -> None:
+        small: tuple[list[Tensor], list[Tensor], list[int], list[Key]] = ([], [], [], [])
+        offset = 0
+        for out, (i, start) in zip(outs, pieces, strict=True):
+            n = out.numel()
+            part = values[offset:offset + n]
+            offset += n
+            key = rounding_key(seed, steps[i], tensor_ids[i])
+            base = (0 if offsets is None else offsets[i]) + start
+            if n >= COMPILE_MIN_NUMEL:
+                stochastic_round_hashed(part, out.dtype, key, base, out=out)
+            else:
+                for collected, item in zip(small, (part, out, base, key), strict=True):
+                    collected.append(item)
+        if small[0]:
+            _round_small(*small)
 
     return round_fn
 

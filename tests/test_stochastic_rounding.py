@@ -437,3 +437,26 @@ def test_sharded_optimizer_rounds_exactly_like_the_unsharded_one(dtype: torch.dt
         s1.shards[0].weights[:half].copy_(s0.shards[0].weights[:half])
     for a, b in zip(shards[0][0], plain, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_round_fn_batches_small_pieces_with_the_same_bits(monkeypatch, dtype) -> None:
+    """Pieces below the compile threshold are rounded in one batched pass: same bits as one
+    call per piece (per-element indices and keys, FP16's exact tiny-value path included)."""
+    from popbert.optimizers import hashed_round_fn
+    from popbert.optimizers import stochastic_rounding as sr
+
+    monkeypatch.setattr(sr, "COMPILE_MIN_NUMEL", 50)  # pieces of 60 and 100: per piece
+    monkeypatch.setattr(sr, "_compile_disabled", True)  # ... in eager torch
+    sizes = [10, 100, 3, 60, 1, 7]
+    values = _special_mix(sum(sizes))
+    values[5] = 2.0**-30  # below FP16's smallest subnormal
+    steps, ids, offsets = [3, 3, 4, 3, 9, 3], [0, 1, 2, 3, 4, 5], [0, 5, 0, 100, 0, 2]
+    outs = [torch.empty(n, dtype=dtype) for n in sizes]
+    starts = [0, 7, 0, 0, 0, 11]
+    hashed_round_fn(11, steps, ids, offsets)(values, outs, list(enumerate(starts)))
+    for k, part in enumerate(values.split(sizes)):
+        key = rounding_key(11, steps[k], ids[k])
+        expected = stochastic_round_hashed(part, dtype, key, offsets[k] + starts[k],
+                                           compiled=False)
+        assert torch.equal(outs[k].view(torch.int16), expected.view(torch.int16)), k

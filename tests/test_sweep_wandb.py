@@ -145,6 +145,7 @@ def fake_agent(params: dict[str, Any], run_id: str):
         env = {"WANDB_RUN_ID": run_id, "WANDB_SWEEP_PARAM_PATH": str(param_file),
                "WANDB_SWEEP_ID": sweep_id}
         os.environ.update(env)
+        wandb.teardown()  # as pyagent does before each run: wandb reads the environment anew
         try:
             function()
             wandb.finish()

@@ -21,6 +21,7 @@ import yaml
 from popbert.cli.main import main
 from popbert.observe.tracking import read_metrics
 
+wandb = pytest.importorskip("wandb")
 wandb_pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 
 GROUP = "sweep-test-group"
@@ -141,5 +142,40 @@ def test_final_checkpoint_is_a_model_artifact(tracked: dict[str, Any]) -> None:
     checkpoint = tracked["run_dir"] / "checkpoints" / "step-000004"
     on_disk = {p.relative_to(checkpoint).as_posix(): p.stat().st_size
                for p in checkpoint.rglob("*") if p.is_file()}
+    uploaded = {entry.path: entry.size for entry in artifact.manifest.contents}
+    assert uploaded == on_disk and "weights.safetensors" in uploaded
+
+
+def test_finetuning_checkpoint_is_a_model_artifact(tracked: dict[str, Any],
+                                                   tmp_path: Path) -> None:
+    """Fine-tuning from the tracked run inherits its tracking (W&B, log_checkpoint): the
+    fine-tuned checkpoint is saved before the run's logger closes, so it is uploaded."""
+    from popbert.train.finetune import TrainOptions, finetune_classify
+
+    sentiment = Path(__file__).parent / "fixtures" / "classification" / "sentiment.tsv"
+    out = tmp_path / "classify"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_MODE", "offline")
+        mp.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
+        mp.setenv("WANDB_SILENT", "true")
+        (tmp_path / "wandb-dir").mkdir()
+        wandb.teardown()  # wandb reads WANDB_* once per process setup: make it read these
+        try:
+            result = finetune_classify(tracked["run_dir"], sentiment, out, max_seq_length=32,
+                                       options=TrainOptions(epochs=1, batch_size=8,
+                                                            device="cpu", threads=1,
+                                                            log_every=1))
+        finally:
+            wandb.teardown()
+    (run_file,) = (tmp_path / "wandb-dir").glob("wandb/offline-run-*/run-*.wandb")
+    records = list(offline_records(run_file))
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    (artifact,) = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"]
+    assert artifact.type == "model" and artifact.name == f"checkpoint-{run.run_id}"
+    assert result.checkpoint == out / "checkpoints" / f"step-{result.steps:06d}"
+    assert json.loads(artifact.metadata) == {"step": result.steps,
+                                             "checkpoint": result.checkpoint.name}
+    on_disk = {p.relative_to(result.checkpoint).as_posix(): p.stat().st_size
+               for p in result.checkpoint.rglob("*") if p.is_file()}
     uploaded = {entry.path: entry.size for entry in artifact.manifest.contents}
     assert uploaded == on_disk and "weights.safetensors" in uploaded

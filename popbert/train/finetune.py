@@ -180,9 +180,13 @@ def _batches(arrays: Mapping[str, np.ndarray], batch_size: int, epochs: int, see
 
 def train(cfg: RunConfig, task: str, weights: Mapping[str, torch.Tensor],
           arrays: Mapping[str, np.ndarray], output_dir: Path, epochs: int,
-          on_record: RecordHook | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:
+          on_record: RecordHook | None = None,
+          save: Callable[[dict[str, torch.Tensor]], Path] | None = None
+          ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Train the `task` graph from `weights` through the training loop; returns (trained
-    weights, fresh weight names). `on_record`: see `train_loop` (a sweep's pruner)."""
+    weights, fresh weight names). `on_record`: see `train_loop` (a sweep's pruner). `save`
+    writes the trained weights' checkpoint before the metrics logger closes, so the logger can
+    upload it (`tracking.log_checkpoint`)."""
     e = cfg.execution
     if e.replicas != 1 or e.pipeline or e.replicated_tensor_sharding:
         raise ConfigError("fine-tuning runs in one process: set execution.replicas=1, "
@@ -205,12 +209,19 @@ def train(cfg: RunConfig, task: str, weights: Mapping[str, torch.Tensor],
     schedule = lr_schedule(cfg)
     session.step_hook = lambda step: set_lr(session.optimizer, schedule, step)
     t = cfg.training
-    with MetricsLogger(output_dir, cfg.to_dict()) as tracker:
+    tracker = MetricsLogger(output_dir, cfg.to_dict())
+    saved: Path | None = None
+    try:
         train_loop(session, _batches(arrays, e.micro_batch_size, epochs, t.seed),
                    steps=t.steps, log_every=t.log_every, schedule=schedule, tracker=tracker,
                    samples_per_step=e.micro_batch_size, desc=f"finetune {task}",
                    divergence_factor=t.divergence_factor, on_record=on_record)
-    return session.weights(), fresh
+        trained = session.weights()
+        if save is not None:
+            saved = save(trained)
+    finally:
+        tracker.close(checkpoint=saved)
+    return trained, fresh
 
 
 def infer(model: BertConfig, task: str, weights: Mapping[str, torch.Tensor],
@@ -303,9 +314,15 @@ def finetune_squad(checkpoint: Path, train_file: Path, output_dir: Path,
              len(features), max_seq_length, steps)
 
     def body() -> FinetuneResult:
+        saved_at: list[Path] = []  # saved inside train(), before its logger closes
+
+        def save(trained: dict[str, torch.Tensor]) -> Path:
+            saved_at.append(_save(output_dir, cfg, trained, pretrained.vocab))
+            return saved_at[-1]
+
         weights, fresh = train(cfg, "squad", pretrained.weights, features.arrays, output_dir,
-                               options.epochs, on_record)
-        saved = _save(output_dir, cfg, weights, pretrained.vocab)
+                               options.epochs, on_record, save)
+        saved = saved_at[-1]
         result = FinetuneResult(output_dir, saved, steps, fresh=fresh)
         if to_predict is None:
             return result
@@ -376,9 +393,15 @@ def finetune_classify(checkpoint: Path, train_file: Path, output_dir: Path,
     log.info("classification: %d examples, labels %s; %d steps", len(train_data), names, steps)
 
     def body() -> FinetuneResult:
+        saved_at: list[Path] = []  # saved inside train(), before its logger closes
+
+        def save(trained: dict[str, torch.Tensor]) -> Path:
+            saved_at.append(_save(output_dir, cfg, trained, pretrained.vocab))
+            return saved_at[-1]
+
         weights, fresh = train(cfg, "classification", pretrained.weights, arrays, output_dir,
-                               options.epochs, on_record)
-        saved = _save(output_dir, cfg, weights, pretrained.vocab)
+                               options.epochs, on_record, save)
+        saved = saved_at[-1]
         logits = infer(model, "classification", weights, eval_arrays, options.eval_batch_size,
                        options.device)["logits"]
         predicted = logits.argmax(axis=-1)

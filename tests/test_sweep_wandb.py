@@ -31,6 +31,7 @@ from popbert.sweep import wandb_backend
 from popbert.sweep.spec import load_spec
 from popbert.sweep.wandb_backend import (
     open_wandb_sweep,
+    trial_function,
     wandb_agent,
     wandb_sweep_config,
 )
@@ -189,21 +190,9 @@ def test_agent_runs_a_real_trial_into_the_wandb_run(tmp_path: Path,
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in metrics] == [2, 4, 6, 8]
 
-    (run_file,) = (tmp_path / "wandb-dir").glob("wandb/offline-run-*/run-*.wandb")
-    run, history, summary, run_config = None, [], {}, {}
-    for record in offline_records(run_file):
-        kind = record.WhichOneof("record_type")
-        if kind == "run":
-            run = record.run
-            run_config.update({i.key: json.loads(i.value_json) for i in run.config.update})
-        elif kind == "config":  # later updates of the run's config
-            run_config.update({i.key: json.loads(i.value_json) for i in record.config.update})
-        elif kind == "history":
-            history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                            for i in record.history.item})
-        elif kind == "summary":
-            summary.update({i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                            for i in record.summary.update})
+    parsed = offline_run(tmp_path / "wandb-dir")
+    run, run_config = parsed["run"], parsed["config"]
+    history, summary = parsed["history"], parsed["summary"]
     assert run is not None and run.run_id == "run0001" and run.sweep_id == "abc123"
     # The sweep's parameters as W&B's agent handed them over, and the whole popbert config.
     assert run_config["optimizer.lr"] == 0.004 and run_config["training.log_every"] == 2
@@ -213,6 +202,80 @@ def test_agent_runs_a_real_trial_into_the_wandb_run(tmp_path: Path,
     logged = {row["_step"]: row["mlm_loss"] for row in history if "mlm_loss" in row}
     assert logged == {r["step"]: pytest.approx(r["mlm_loss"], rel=1e-12) for r in metrics}
     assert summary["mlm_loss"] == pytest.approx(metrics[-1]["mlm_loss"], rel=1e-12)
+
+
+def offline_run(wandb_dir: Path) -> dict[str, Any]:
+    """The one offline run under `wandb_dir`: its run record, config, history and summary."""
+    (run_file,) = wandb_dir.glob("wandb/offline-run-*/run-*.wandb")
+    parsed: dict[str, Any] = {"run": None, "config": {}, "history": [], "summary": {}}
+
+    def items(entries) -> dict[str, Any]:
+        return {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in entries}
+
+    for record in offline_records(run_file):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            parsed["run"] = record.run
+            parsed["config"].update(items(record.run.config.update))
+        elif kind == "config":  # later updates of the run's config
+            parsed["config"].update(items(record.config.update))
+        elif kind == "history":
+            parsed["history"].append(items(record.history.item))
+        elif kind == "summary":
+            parsed["summary"].update(items(record.summary.update))
+    return parsed
+
+
+def test_a_finetuning_trial_logs_its_records_and_its_evaluation(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    checkpoint = tmp_path / "pretrained"
+    args = ["pretrain", "--config", "tiny", "--output-dir", str(checkpoint)]
+    for key, value in {**SMALL, "training.steps": 2}.items():
+        args += ["--set", f"{key}={value}"]
+    assert cli.main(args) == 0
+    path = sweep_file(tmp_path, job="finetune classify", config=None,
+                      set={"execution.micro_batch_size": 8, "execution.threads": 1,
+                           "execution.device": "cpu", "training.log_every": 1},
+                      args={"checkpoint": str(checkpoint), "train": str(SENTIMENT),
+                            "max_seq_length": 32},
+                      metric={"name": "accuracy", "goal": "maximize"},
+                      parameters={"optimizer.lr": {"values": [1e-3, 1e-4]},
+                                  "args.epochs": {"values": [1, 2]}})
+    sweep = open_wandb_sweep("team/lamb/ft42", sweep_file=path, output_dir=tmp_path / "ft")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (tmp_path / "wandb-dir").mkdir()
+    agent, _ = fake_agent({"optimizer.lr": 1e-3, "args.epochs": 1}, "ftrun01")
+    monkeypatch.setattr(wandb, "agent", agent)
+    wandb_agent(sweep)
+
+    run_dir = sweep.directory / "trials" / "trial-ftrun01"
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["optimizer"]["lr"] == 1e-3 and config["training"]["steps"] == 2  # 16 / 8
+    assert config["tracking"]["backend"] == "none"  # the checkpoint's: the trial logs
+    accuracy = json.loads((run_dir / "eval_results.json").read_text())["accuracy"]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    parsed = offline_run(tmp_path / "wandb-dir")
+    assert parsed["run"].run_id == "ftrun01" and parsed["run"].sweep_id == "ft42"
+    assert parsed["config"]["optimizer.lr"] == 1e-3 and parsed["config"]["args.epochs"] == 1
+    losses = {row["_step"]: row["loss"] for row in parsed["history"] if "loss" in row}
+    assert losses == {r["step"]: pytest.approx(r["loss"], rel=1e-12) for r in metrics}
+    # The training batches' accuracy as logged, then the evaluation's, last (the summary's).
+    accuracies = {row["_step"]: row["accuracy"] for row in parsed["history"]
+                  if "accuracy" in row}
+    assert accuracies == {1: metrics[0]["accuracy"], 2: metrics[1]["accuracy"], 3: accuracy}
+    assert parsed["summary"]["accuracy"] == accuracy
+
+    # A checkpoint whose config tracks to W&B: its job's logger would end the agent's run
+    # before the evaluation is scored.
+    step = checkpoint / "checkpoints" / "step-000002" / "config.yaml"
+    saved = yaml.safe_load(step.read_text())
+    saved["tracking"]["backend"] = "wandb"
+    step.write_text(yaml.safe_dump(saved))
+    with pytest.raises(ConfigError, match="metric.name: accuracy is scored after the job's "
+                       "W&B run ends"):
+        trial_function(sweep)
 
 
 def test_errors_are_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -6,9 +6,10 @@ The sweep file already is W&B's sweep format; `wandb_sweep_config` keeps W&B's k
 `create_wandb_sweep` registers it with `wandb.sweep` and `run_wandb_agent` runs `wandb.agent`
 with `trial_function`: each W&B run reads its parameters from `wandb.config` and runs the same
 popbert trial as the Optuna agent (`popbert.sweep.agent.run_job`), into `trials/<run id>/`, with
-its metrics going to that W&B run (pre-training: `tracking.backend: wandb`, whose logger takes
-over the agent's run; fine-tuning: each logged record, and the end-of-run metric) under their
-metrics.jsonl names, so the sweep's metric is there by name.
+its metrics going to that W&B run under their metrics.jsonl names, so the sweep's metric is
+there by name: pre-training runs with `tracking.backend: wandb`, whose logger takes over the
+agent's run (wandb.init returns the active run); fine-tuning, which tracks as its checkpoint's
+config says, has each logged record and its end-of-run metric logged by the trial.
 
 W&B's controller does the search and Hyperband's early termination; it needs a W&B server and
 an account (`wandb login` or `WANDB_API_KEY`); in W&B's offline mode there is no controller, and
@@ -127,7 +128,7 @@ def _write_directory(directory: Path, sweep_path: str, spec: SweepSpec,
     if init is not None:
         data["init_from_resolved"] = init
     atomic_write_text(directory / SWEEP_FILE, dump_yaml(data))
-    log.info("created W&B sweep %s; popbert's side in %s", sweep_path, directory.resolve())
+    log.info("W&B sweep %s: popbert's side in %s", sweep_path, directory.resolve())
     return _sweep(data, directory, str(directory / SWEEP_FILE))
 
 
@@ -211,6 +212,14 @@ def trial_function(sweep: Sweep, device: str | None = None) -> Callable[[], None
                         replace(spec, set={**spec.set, "tracking.backend": "wandb"}))
     else:
         tracked = sweep
+    # Fine-tuning tracks as its checkpoint's config says; a job that tracks to W&B itself logs
+    # into the agent's run (wandb.init returns the active run) and finishes it at its end.
+    self_tracked = pretrain or _finetune_tracks_wandb(sweep)
+    if self_tracked and spec.metric in final:
+        raise ConfigError(f"{spec.source}: metric.name: {spec.metric} is scored after the "
+                          "job's W&B run ends (its checkpoint's config has tracking.backend "
+                          "wandb); under backend wandb fine-tune from a checkpoint with "
+                          "tracking.backend none, or sweep a metric the job logs")
 
     def trial() -> None:
         run = wandb.init()  # W&B's agent hands the run its parameters
@@ -227,20 +236,40 @@ def trial_function(sweep: Sweep, device: str | None = None) -> Callable[[], None
         run_dir = sweep.directory / TRIALS / f"trial-{run.id}"
         log.info("W&B run %s: %s → %s", run.id, params, run_dir)
 
+        last = [0]
+
         def on_record(step: int, record: dict[str, float]) -> None:
             run.log({k: v for k, v in record.items() if k != "step" and
                      not (isinstance(v, float) and math.isnan(v))}, step=step)
+            last[0] = step
 
         value = run_job(tracked, params, run_dir, device=device,
-                        on_record=None if pretrain else on_record)
-        if not pretrain:
-            if spec.metric in final:
-                run.log({spec.metric: value})
+                        on_record=None if self_tracked else on_record)
+        if not self_tracked:
+            if spec.metric in final:  # the end-of-run evaluation, once, under its name, after
+                # the last training step (classification's training records have an accuracy)
+                run.log({spec.metric: value}, step=last[0] + 1)
             run.summary[spec.metric] = value
             run.finish()
         log.info("W&B run %s: %s = %.6g", run.id, spec.metric, value)
 
     return trial
+
+
+def _finetune_tracks_wandb(sweep: Sweep) -> bool:
+    """Whether a fine-tuning sweep's checkpoint config has tracking.backend wandb (fine-tuning
+    keeps its checkpoint's tracking section)."""
+    from popbert.io.checkpoint import find_checkpoint
+    from popbert.sweep.study import init_checkpoint
+
+    start = sweep.spec.args.get("checkpoint") or init_checkpoint(sweep)
+    if start is None:
+        return False
+    config = find_checkpoint(Path(start)) / "config.yaml"
+    data = parse_yaml(config.read_text(encoding="utf-8"), str(config)) \
+        if config.is_file() else {}
+    tracking = data.get("tracking") if isinstance(data, dict) else None
+    return isinstance(tracking, dict) and tracking.get("backend") == "wandb"
 
 
 __all__ = ["DEFAULT_PROJECT", "HYPERBAND_ETA", "create_wandb_sweep", "is_wandb_sweep",

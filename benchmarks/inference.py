@@ -21,6 +21,7 @@ Outputs are checked to agree with `hf` before timing.
 
     python benchmarks/inference.py                       # 1 and 2 threads, MiniLM and BERT-Base
     python benchmarks/inference.py --models minilm --threads 2 --rounds 20 --output results.md
+    python benchmarks/inference.py --models base --rounds 9 --large-rounds 3   # a loaded machine
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def time_rotating(runners: dict[str, Callable[[], object]], rounds: int, blocks:
     spinning for a while after a call, so strictly interleaved single calls would each steal
     the CPU from the next. The first call of each block is discarded for the same reason."""
     names = list(runners)
-    per_block = max(2, -(-rounds // blocks))
+    per_block = max(1, -(-rounds // blocks))
     times: dict[str, list[float]] = {name: [] for name in names}
     for block in range(blocks):
         for name in names[block % len(names):] + names[:block % len(names)]:
@@ -189,8 +190,10 @@ def main() -> None:
     parser.add_argument("--sequence-length", type=int, default=128)
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--rounds", type=int, default=30,
-                        help="timed calls per variant and configuration (batch 32 uses a fifth, "
-                             "at least 5)")
+                        help="timed calls per variant at batch 1")
+    parser.add_argument("--large-rounds", type=int, default=None,
+                        help="timed calls per variant at larger batches (default: a fifth of "
+                             "--rounds, at least 3)")
     parser.add_argument("--output", type=Path, default=None, help="also write the table here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -221,7 +224,8 @@ def main() -> None:
                 torch._dynamo.reset()  # Inductor bakes the thread count into its kernels
                 compiled = torch.compile(model, dynamic=False)
                 for batch_size in args.batch_sizes:
-                    rounds = args.rounds if batch_size == 1 else max(5, args.rounds // 5)
+                    rounds = (args.rounds if batch_size == 1 else
+                              args.large_rounds or max(3, args.rounds // 5))
                     r = measure(model, compiled, files, batch_size, args.sequence_length,
                                 rounds, threads)
                     line = row(title, threads, batch_size, r)

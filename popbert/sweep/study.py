@@ -347,9 +347,13 @@ def make_sampler(spec: SweepSpec, salt: int = 0) -> optuna.samplers.BaseSampler:
     seed = None if spec.seed is None else spec.seed + salt
     if spec.method == "random":
         return optuna.samplers.RandomSampler(seed=seed)
+    # Both model the metric only after their random start-up trials (TPE's default: 10, which a
+    # sweep of 8 never leaves — it would be a random search); start modelling after a third of
+    # the cap, at least 3 trials.
+    startup = min(10, max(3, spec.run_cap // 3)) if spec.run_cap else 10
     if spec.sampler == "gp":
-        return optuna.samplers.GPSampler(seed=seed)
-    return optuna.samplers.TPESampler(seed=seed)
+        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=startup)
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup)
 
 
 def make_pruner(spec: SweepSpec) -> optuna.pruners.BasePruner:

@@ -46,6 +46,15 @@ SMALL = {"model.num_layers": 1, "model.hidden_size": 32, "model.num_heads": 2,
 SENTIMENT = Path(__file__).parent / "fixtures" / "classification" / "sentiment.tsv"
 
 
+@pytest.fixture(autouse=True)
+def fresh_wandb():
+    """wandb reads its WANDB_* environment once per process setup: each test here starts and
+    leaves it unset (as W&B's agent does before each run), so no test sees another's."""
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
 def sweep_file(tmp_path: Path, filename: str = "sweep.yaml", **content: Any) -> Path:
     body = {"job": "pretrain", "config": "tiny", "set": dict(SMALL), "backend": "wandb",
             "method": "grid", "metric": {"name": "loss", "goal": "minimize"},
@@ -294,6 +303,9 @@ def test_errors_are_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     fails(["sweep", "agent", "team/lamb/abc123", "--file", str(path)],
           "sweep backend wandb: WANDB_MODE is offline")
     fails(["sweep", "run", str(path)], "backend wandb: W&B's controller runs the sweep")
+    fails(["sweep", "agent", "runs/sweeps/lr"], "runs/sweeps/lr: no sweep directory here, nor "
+          "popbert's side of a W&B sweep in sweeps/lr; for a W&B sweep pass its sweep file "
+          "with --file FILE.yaml")
     fails(["sweep", "create", str(sweep_file(tmp_path, "bad.yaml", backend="ray"))],
           "bad.yaml: backend: expected optuna or wandb, got 'ray'")
 

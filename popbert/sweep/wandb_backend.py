@@ -102,6 +102,8 @@ def create_wandb_sweep(path: str | os.PathLike[str], output_dir: Path | None = N
     spec = load_spec(path)
     if spec.backend != "wandb":
         raise UsageError(f"{path}: backend is {spec.backend}, not wandb")
+    if output_dir is not None:  # before W&B makes a sweep this directory cannot hold
+        _check_free(Path(output_dir))
     wandb = require_server()
     init = resolve_init_from(spec)
     config = wandb_sweep_config(spec)
@@ -119,9 +121,7 @@ def _write_directory(directory: Path, sweep_path: str, spec: SweepSpec,
                      init: dict[str, Any] | None) -> Sweep:
     from popbert.io.run_dir import create_output_dir
 
-    if (directory / SWEEP_FILE).exists():
-        raise UsageError(f"-o {directory}: already holds a sweep ({SWEEP_FILE}); choose "
-                         "another directory")
+    _check_free(directory)
     create_output_dir(directory, "-o")
     data: dict[str, Any] = {"id": sweep_path, "backend": "wandb", "storage": None,
                             "spec": spec.to_dict()}
@@ -130,6 +130,12 @@ def _write_directory(directory: Path, sweep_path: str, spec: SweepSpec,
     atomic_write_text(directory / SWEEP_FILE, dump_yaml(data))
     log.info("W&B sweep %s: popbert's side in %s", sweep_path, directory.resolve())
     return _sweep(data, directory, str(directory / SWEEP_FILE))
+
+
+def _check_free(directory: Path) -> None:
+    if (directory / SWEEP_FILE).exists():
+        raise UsageError(f"-o {directory}: already holds a sweep ({SWEEP_FILE}); choose "
+                         "another directory")
 
 
 def _sweep(data: dict[str, Any], directory: Path, source: str) -> Sweep:
@@ -153,25 +159,34 @@ def open_wandb_sweep(ref: str | os.PathLike[str], sweep_file: Path | None = None
                      output_dir: Path | None = None) -> Sweep:
     """A W&B sweep by its directory, or by `entity/project/id` with popbert's side from
     `sweep_file` (another machine) or from `output_dir` / `sweeps/<id>` when it is there."""
+    directory = _local_side(ref, sweep_file, output_dir)
+    if (directory / SWEEP_FILE).is_file():
+        path = directory / SWEEP_FILE
+        return _sweep(parse_yaml(path.read_text(encoding="utf-8"), str(path)), directory,
+                      str(path))
+    spec = load_spec(sweep_file)
+    if spec.backend != "wandb":
+        raise UsageError(f"--file {sweep_file}: backend is {spec.backend}, not wandb")
+    return _write_directory(directory, str(ref), spec, resolve_init_from(spec))
+
+
+def _local_side(ref: str | os.PathLike[str], sweep_file: Path | None,
+                output_dir: Path | None) -> Path:
+    """The sweep directory of a W&B sweep here; one where `sweep_file` will be written, or a
+    one-line error when there is neither."""
     path = Path(ref)
     if (path / SWEEP_FILE).is_file():
-        data = parse_yaml((path / SWEEP_FILE).read_text(encoding="utf-8"),
-                          str(path / SWEEP_FILE))
-        return _sweep(data, path, str(path / SWEEP_FILE))
+        return path
     if not _SWEEP_PATH.match(str(ref)):
         raise UsageError(f"{ref}: not a sweep directory nor a W&B sweep path "
                          "(entity/project/id)")
     directory = Path(output_dir) if output_dir is not None \
         else Path("sweeps") / str(ref).rsplit("/", 1)[1]
-    if (directory / SWEEP_FILE).is_file():
-        return open_wandb_sweep(directory)
-    if sweep_file is None:
-        raise UsageError(f"{ref}: popbert's side of this W&B sweep is not in {directory}; "
-                         "pass its sweep file with --file FILE.yaml")
-    spec = load_spec(sweep_file)
-    if spec.backend != "wandb":
-        raise UsageError(f"--file {sweep_file}: backend is {spec.backend}, not wandb")
-    return _write_directory(directory, str(ref), spec, resolve_init_from(spec))
+    if not (directory / SWEEP_FILE).is_file() and sweep_file is None:
+        raise UsageError(f"{ref}: no sweep directory here, nor popbert's side of a W&B sweep "
+                         f"in {directory}; for a W&B sweep pass its sweep file with "
+                         "--file FILE.yaml")
+    return directory
 
 
 def run_wandb_agent(ref: str | os.PathLike[str], *, count: int | None = None,
@@ -181,6 +196,7 @@ def run_wandb_agent(ref: str | os.PathLike[str], *, count: int | None = None,
     is done, or `count` runs."""
     if count is not None and count < 1:
         raise UsageError(f"--count: expected a positive number of trials, got {count}")
+    _local_side(ref, sweep_file, output_dir)  # a typo is not a question for W&B
     require_server()
     sweep = open_wandb_sweep(ref, sweep_file, output_dir)
     recheck(sweep)

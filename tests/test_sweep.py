@@ -374,3 +374,39 @@ def test_two_agents_share_a_grid_on_a_postgresql_store(tmp_path: Path, postgres_
     for t in finished:  # each run is on the machine whose agent ran it
         run = Path(t.user_attrs["run_dir"])
         assert run.parent.parent.name.startswith("machine") and (run / "metrics.jsonl").is_file()
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "gp"])
+def test_bayes_samplers_model_the_metric_after_a_third_of_the_cap(sampler: str) -> None:
+    """`method: bayes` is TPE, or GP with `sampler: gp`; both stop sampling at random after
+    run_cap // 3 trials (at least 3), so a capped sweep is a Bayesian one, not a random one.
+    On a toy objective (no popbert run): two studies see the same 3 random start-up points but
+    opposite objectives; a sampler that models the metric then proposes different points, one
+    still in its random phase (no cap: 10 start-up trials) proposes the same ones."""
+    if sampler == "gp":
+        pytest.importorskip("scipy", reason="GPSampler needs scipy")
+    from popbert.sweep.spec import parse_spec
+    from popbert.sweep.study import make_sampler
+
+    def later_points(run_cap: int | None) -> list[list[float]]:
+        raw = {"job": "pretrain", "method": "bayes", "sampler": sampler, "seed": 0,
+               "metric": {"name": "loss", "goal": "minimize"},
+               "parameters": {"optimizer.lr": {"distribution": "log_uniform_values",
+                                               "min": 1e-5, "max": 1e-1}}}
+        if run_cap:
+            raw["run_cap"] = run_cap
+        points = []
+        for sign in (1.0, -1.0):
+            chosen = make_sampler(parse_spec(raw))
+            assert type(chosen).__name__ == {"tpe": "TPESampler", "gp": "GPSampler"}[sampler]
+            study = optuna.create_study(sampler=chosen)
+            study.optimize(lambda t, sign=sign: sign * abs(np.log10(
+                t.suggest_float("optimizer.lr", 1e-5, 1e-1, log=True)) + 3), n_trials=6)
+            points.append([t.params["optimizer.lr"] for t in study.trials])
+        assert points[0][:3] == points[1][:3]  # the same random start
+        return [points[0][3:], points[1][3:]]
+
+    modelled = later_points(run_cap=9)
+    assert modelled[0] != modelled[1]
+    still_random = later_points(run_cap=None)
+    assert still_random[0] == still_random[1]

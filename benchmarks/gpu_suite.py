@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,6 +51,9 @@ def _step_time_module():
     return module
 
 
+STEP_TIME = _step_time_module()  # the fair HF peer and the timing, shared with step_time.py
+
+
 # Dense BF16 tensor-core peaks (FLOP/s) from the vendors' data sheets, by device-name fragment.
 PEAK_BF16 = {"H200": 989.4e12, "H100 PCIe": 756.0e12, "H100": 989.4e12, "A100": 312.0e12,
              "L40S": 362.0e12, "L4": 121.0e12, "A10": 125.0e12}
@@ -77,19 +78,9 @@ def peak_flops(device: str, override_tflops: float | None) -> float | None:
 
 
 def seconds_per_step(step: Step, device: str, warmup: int, steps: int) -> float:
-    """Median wall seconds of one step after `warmup` untimed ones (compilation included there)."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Median wall seconds of one step after `warmup` untimed ones (compilation included there):
+    step_time's `measure` with a single contender."""
+    return STEP_TIME.measure({"step": step}, device, warmup, steps)["step"]
 
 
 def popbert_step(config: BertConfig, batch: dict[str, np.ndarray], device: str, compute: str,
@@ -165,7 +156,7 @@ def main() -> None:
     compute = "float32" if args.dry_run else "bfloat16"
     compile_ = not (args.no_compile or args.dry_run)
     peak = peak_flops(args.device, args.peak_tflops)
-    masked_head_loss = _step_time_module().masked_head_loss
+    masked_head_loss = STEP_TIME.masked_head_loss
     name = torch.cuda.get_device_name(torch.device(args.device)) \
         if args.device.startswith("cuda") else "CPU"
     print(f"device {name}, torch {torch.__version__}, compute {compute}, compile {compile_}, "

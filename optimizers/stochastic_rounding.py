@@ -188,6 +188,9 @@ COMPILE_MIN_NUMEL = 1 << 15
 _MAX_INDEX = (1 << 31) - 1
 _FP16_TINY_EXPONENT = 103  # biased FP32 exponent of 2**-24, FP16's smallest subnormal
 _FP16_NORMAL_EXPONENT = 113  # of 2**-14, FP16's smallest normal
+_FP16_EXACT_EXPONENT = 94  # of 2**-33: below it 32 random bits cannot decide exactly
+_FP16_TINY_BITS = _FP16_TINY_EXPONENT << 23  # FP32 pattern of 2**-24
+_SIGN_BIT = -(1 << 31)
 _QUIET_NAN_BIT = 1 << 22
 
 Key = tuple[int, int]
@@ -232,8 +235,8 @@ def _mix32(h: Tensor) -> Tensor:
 def hash_bits(index: Tensor, key: tuple[int | Tensor, int | Tensor]) -> Tensor:
     """32 pseudo-random bits (int32) per element index: two keyed rounds of lowbias32.
 
-    A bijection of ``index`` for a fixed key (distinct elements never share bits within a
-    tensor) and, through the second keyed round, unrelated bit streams for different keys.
+    A bijection of ``index`` for a fixed key (distinct elements of a tensor get distinct 32-bit
+    values) and, through the second keyed round, unrelated bit streams for different keys.
     """
     return _mix32(_mix32(index ^ key[0]) ^ key[1])
 
@@ -258,23 +261,38 @@ def _bf16_round(bits: Tensor, index: Tensor, key0: Tensor | int, key1: Tensor | 
 def _fp16_round(
     bits: Tensor, index: Tensor, key0: Tensor | int, key1: Tensor | int
 ) -> tuple[Tensor, Tensor]:
-    """FP16 values of FP32 patterns ``bits``, and the lanes below ``2**-24`` (elementwise).
+    """FP16 values of FP32 patterns ``bits``, and the lanes left to the exact path.
 
     FP16's spacing is ``2**13`` FP32 patterns from its smallest normal up; below it the spacing
     is the constant ``2**-24``, i.e. ``2**(13 + 113 - e)`` patterns at biased exponent ``e``
-    down to ``2**-24`` (``e = 103``). Those lanes get that many random bits, so only inputs
-    below ``2**-24`` (flagged, rounded afterwards) need more than the 32 hashed bits.
+    down to ``2**-24`` (``e = 103``): those lanes get that many random bits. Below ``2**-24``
+    the result is 0 or ``2**-24`` with probability ``|x| / 2**-24 = m * 2**(e - 126)`` (``m``
+    the 24-bit significand): a 32-bit draw decides it exactly while that is a multiple of
+    ``2**-32`` (``e >= 94``); only nonzero inputs below ``2**-33`` are flagged for the exact
+    multi-digit path.
     """
     noise = hash_bits(index, (key0, key1))
     magnitude = bits & 0x7FFFFFFF
     exponent = magnitude >> 23
     low_bits = (_FP16_NORMAL_EXPONENT - exponent).clamp(0, 10) + 13
     low_mask = torch.bitwise_left_shift(torch.ones_like(low_bits), low_bits) - 1
-    rounded = ((bits + (noise & low_mask)) & ~low_mask).view(torch.float32)
+    grid = (bits + (noise & low_mask)) & ~low_mask
+    # Unsigned 32-bit compare in int32: flipping the sign bits orders them as unsigned.
+    significand = (magnitude & 0x7FFFFF) | 0x800000
+    shift = (exponent - _FP16_EXACT_EXPONENT).clamp(0, 8)
+    threshold = torch.bitwise_left_shift(significand, shift)  # below 2**32 (wraps to int32)
+    up = (noise ^ _SIGN_BIT) < (threshold ^ _SIGN_BIT)
+    below = (bits & _SIGN_BIT) | (up.to(torch.int32) * _FP16_TINY_BITS)
+    rounded = torch.where(exponent < _FP16_TINY_EXPONENT, below, grid).view(torch.float32)
     nan = magnitude > 0x7F800000
     values = torch.where(nan, bits.view(torch.float32), rounded).to(torch.float16)
-    tiny = (exponent < _FP16_TINY_EXPONENT) & (magnitude != 0)
-    return values, tiny
+    return values, _fp16_tiny(bits)
+
+
+def _fp16_tiny(bits: Tensor) -> Tensor:
+    """Nonzero lanes below ``2**-33``: left to the exact multi-digit Bernoulli path."""
+    magnitude = bits & 0x7FFFFFFF
+    return (magnitude < (_FP16_EXACT_EXPONENT << 23)) & (magnitude != 0)
 
 
 def _bf16_kernel(bits: Tensor, args: Tensor) -> Tensor:
@@ -372,8 +390,9 @@ def stochastic_round_hashed(
         if n > 0:
             any_tiny = _run_kernel(dtype, bits, args, result, compiled)
             if dtype == torch.float16 and bool(any_tiny):
-                index = torch.arange(n, dtype=torch.int32, device=x.device) + offset
-                _round_fp16_tiny_lanes(flat, result, index, key[0], key[1])
+                lanes = _tiny_lanes(bits)
+                index = lanes.to(torch.int32) + offset
+                _round_fp16_tiny_lanes(flat, result, lanes, index, key[0], key[1])
     if out is None:
         return result.view(x.shape)
     if not direct:
@@ -381,24 +400,26 @@ def stochastic_round_hashed(
     return out
 
 
-def _round_fp16_tiny_lanes(
-    flat: Tensor, result: Tensor, index: Tensor, key0: Tensor | int, key1: Tensor | int
-) -> None:
-    """Exact rounding of the lanes below ``2**-24`` into ``result`` (digits hashed per lane).
+def _tiny_lanes(bits: Tensor) -> Tensor:
+    """Flat indices of the lanes :func:`_fp16_tiny` flags (rare: eager is fine)."""
+    return _fp16_tiny(bits).nonzero().squeeze(1)
 
-    ``index``, ``key0`` and ``key1`` are per element of ``flat`` (keys may be scalars).
-    """
-    magnitude = flat.view(torch.int32) & 0x7FFFFFFF
-    tiny = ((magnitude >> 23) < _FP16_TINY_EXPONENT) & (magnitude != 0)
-    lanes = tiny.nonzero().squeeze(1)
-    lane_index = index.index_select(0, lanes)
-    keys = [k.index_select(0, lanes) if isinstance(k, Tensor) else k for k in (key0, key1)]
+
+def _round_fp16_tiny_lanes(
+    flat: Tensor,
+    result: Tensor,
+    lanes: Tensor,
+    index: Tensor,
+    key0: Tensor | int,
+    key1: Tensor | int,
+) -> None:
+    """Exact rounding of the tiny ``lanes`` of ``flat`` into ``result``, with Bernoulli digits
+    hashed from each lane's element ``index`` and key (per lane, or scalars)."""
 
     def digits(d: int) -> Tensor:
-        digit_key = (keys[0] + _int32((d + 1) * _DIGIT_STRIDE), keys[1])  # wraps like int32
-        if not isinstance(digit_key[0], Tensor):
-            digit_key = (_int32(digit_key[0]), digit_key[1])
-        return (hash_bits(lane_index, digit_key) >> 8) & 0xFFFFFF
+        step = _int32((d + 1) * _DIGIT_STRIDE)
+        digit_key0 = key0 + step if isinstance(key0, Tensor) else _int32(key0 + step)
+        return (hash_bits(index, (digit_key0, key1)) >> 8) & 0xFFFFFF  # int32 add wraps
 
     values = _round_fp16_subnormal(flat.index_select(0, lanes), None, digits)
     result.index_copy_(0, lanes, values.to(torch.float16))
@@ -430,8 +451,10 @@ def _round_small(values: list[Tensor], outs: list[Tensor], bases: list[int],
         result = _bf16_round(bits, index, key0, key1)
     else:
         result, tiny = _fp16_round(bits, index, key0, key1)
-        if bool(tiny.any()):
-            _round_fp16_tiny_lanes(flat, result, index, key0, key1)
+        lanes = tiny.nonzero().squeeze(1)
+        if lanes.numel():
+            _round_fp16_tiny_lanes(flat, result, lanes, index.index_select(0, lanes),
+                                   key0.index_select(0, lanes), key1.index_select(0, lanes))
     chunks = result.split(sizes)
     torch._foreach_copy_(outs, [c.view(o.shape) for c, o in zip(chunks, outs, strict=True)])
 

@@ -384,8 +384,13 @@ def stochastic_round_hashed(
     bits = flat.view(torch.int32)
     args = torch.tensor([offset, key[0], key[1]], dtype=torch.int32, device=x.device)
     direct = out is not None and out.is_contiguous()
-    # Detached: autograd flags of a parameter would make the compiled kernel specialise again.
-    result = out.detach().view(-1) if direct else torch.empty(n, dtype=dtype, device=x.device)
+    if direct:
+        # A flat alias without autograd flags or a view base: the compiled kernel guards on
+        # those, and every parameter (piece) would otherwise compile its own variant.
+        result = torch.empty(0, dtype=dtype, device=x.device).set_(
+            out.untyped_storage(), out.storage_offset(), (n,), (1,))
+    else:
+        result = torch.empty(n, dtype=dtype, device=x.device)
     with torch.no_grad():
         if n > 0:
             any_tiny = _run_kernel(dtype, bits, args, result, compiled)

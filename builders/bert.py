@@ -55,7 +55,7 @@ class BertGraph:
     inputs: dict[str, str] = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)
     batch_size: int | str = BATCH
-    sequence_length: int | str = 0
+    sequence_length: int | str | None = None  # set by build_bert: an int, or SEQUENCE
 
     def add_input(self, name: str, shape: list, signed: bool = False) -> str:
         """An integer input; `signed` if it can hold negative values. Its type follows the

@@ -107,7 +107,10 @@ class _Session:
         self.input_names = list(self.module.input_names)
         self.output_names = list(self.module.output_names)
         self.inputs = InputChecker(self.proto, self.input_names)
-        self._forward = torch.compile(self.module) if self.options.compile else self.module
+        # Half weights are stored in FP16/BF16 only (no master copy): the graph computes from
+        # FP32 views of them, made inside the (compiled) forward so the casts fuse with it.
+        forward = self._from_fp32_views if self._half_weights else self.module
+        self._forward = torch.compile(forward) if self.options.compile else forward
         self._compute_dtype = torch_dtype(self.options.compute_dtype)
 
     def _make_program(self, training: bool) -> Program:
@@ -142,15 +145,15 @@ class _Session:
         with self._autocast():
             if self.program is not None:  # reads half weights as FP32 views itself
                 outputs = self.program(*feeds)
-            elif self._half_weights:
-                # Weights are stored in FP16/BF16 only (no master copy); the graph computes from
-                # FP32 views of them (autocast then lowers matmuls to the compute dtype), and
-                # gradients flow back through the casts into the half-precision weights.
-                views = {n: p.float() for n, p in self.module.named_parameters()}
-                outputs = torch.func.functional_call(self._forward, views, tuple(feeds))
             else:
                 outputs = self._forward(*feeds)
         return dict(zip(self.output_names, outputs))
+
+    def _from_fp32_views(self, *feeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The graph on FP32 views of the half-precision weights (autocast then lowers matmuls
+        to the compute dtype); gradients flow back through the casts into the stored weights."""
+        views = {n: p.float() for n, p in self.module.named_parameters()}
+        return torch.func.functional_call(self.module, views, feeds)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The trainable weights under their ONNX names (detached views)."""

@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 TIMEOUT_ENV = "POPBERT_REPLICA_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
-# Rank r > 0 seeds dropout and its rounding generator with seed + r * stride: distinct streams.
+# Rank r > 0 seeds dropout with seed + r * stride: distinct streams. (Stochastic rounding needs
+# no per-rank seed: its bits hash the element's index in the whole tensor.)
 SEED_STRIDE = 1_000_003
 
 

@@ -4,7 +4,7 @@ Layout of ``<output>/checkpoints/step-000010/``:
 
 - ``weights.safetensors``  trainable weights under their ONNX names (`popbert.io.hf_mapping` maps
                            them to Hugging Face `BertForPreTraining` names)
-- ``optimizer.pt``         optimizer state (FP32 moments, step counts, rounding generator), always
+- ``optimizer.pt``         optimizer state (FP32 moments, step counts, rounding seed), always
                            in the unsharded optimizer's format: a run with replicated tensor
                            sharding gathers it, so it loads with or without RTS, on any replica
                            count

@@ -410,3 +410,41 @@ def test_bayes_samplers_model_the_metric_after_a_third_of_the_cap(sampler: str) 
     assert modelled[0] != modelled[1]
     still_random = later_points(run_cap=None)
     assert still_random[0] == still_random[1]
+
+
+def test_show_compares_sweeps_by_best_so_far(tmp_path: Path, capsys) -> None:
+    """Two sweeps of one metric: each gets its table, and one plot holds both best-so-far
+    curves (in the order trials finished); sweeps of different metrics are one line, exit 2."""
+    from optuna.distributions import FloatDistribution
+
+    from popbert.sweep.show import best_so_far
+
+    dist = {"optimizer.lr": FloatDistribution(1e-5, 1e-1, log=True)}
+    lrs = {"optimizer.lr": {"distribution": "log_uniform_values", "min": 1e-5, "max": 1e-1}}
+    made = {}
+    for method, values in (("random", [3.0, 2.0, 2.5, 1.0]), ("bayes", [3.0, 1.5, 1.6, 1.7])):
+        sweep = create_sweep(sweep_file(tmp_path, f"{method}.yaml", method=method, run_cap=4,
+                                        parameters=lrs), tmp_path / method)
+        study = sweep.load_study()
+        for value in values:
+            study.add_trial(optuna.trial.create_trial(params={"optimizer.lr": 1e-3},
+                                                      distributions=dist, value=value))
+        made[method] = study
+    assert best_so_far(made["random"], "minimize") == [3.0, 2.0, 2.0, 1.0]
+    assert best_so_far(made["bayes"], "maximize") == [3.0, 3.0, 3.0, 3.0]
+
+    assert cli.main(["sweep", "show", str(tmp_path / "random"), str(tmp_path / "bayes"),
+                     "--plots-dir", str(tmp_path / "plots")]) == 0
+    out = capsys.readouterr().out
+    assert "best loss 1 first reached after 4 of 4" in out
+    assert "best loss 1.5 first reached after 2 of 4" in out
+    assert (tmp_path / "plots" / "best_so_far.png").stat().st_size > 10_000
+
+    other = create_sweep(sweep_file(tmp_path, "acc.yaml", metric={"name": "mlm_accuracy",
+                                                                  "goal": "maximize"}),
+                         tmp_path / "acc")
+    assert other.spec.metric == "mlm_accuracy"
+    capsys.readouterr()
+    assert cli.main(["sweep", "show", str(tmp_path / "random"), str(tmp_path / "acc")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "compare sweeps of one metric" in err[0], err

@@ -88,15 +88,38 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_show(args: argparse.Namespace) -> int:
     _optuna_logs_through_logging()
-    from popbert.sweep.show import plot_sweep, table
+    from popbert.sweep.show import (
+        best_so_far,
+        check_comparable,
+        plot_best_so_far,
+        plot_sweep,
+        table,
+    )
     from popbert.sweep.study import open_sweep
 
-    sweep = open_sweep(args.sweep, args.storage)
-    study = sweep.load_study()
-    sys.stdout.write(table(sweep, study))
-    if not args.no_plots:
-        for path in plot_sweep(sweep, study, args.plots_dir):
-            logger.info("wrote %s", path)
+    opened = []
+    for ref in args.sweep:
+        sweep = open_sweep(ref, args.storage)
+        opened.append((sweep, sweep.load_study()))
+    check_comparable([sweep for sweep, _ in opened])
+    for sweep, study in opened:
+        sys.stdout.write(table(sweep, study))
+        if not args.no_plots:
+            plots_dir = args.plots_dir / sweep.id if args.plots_dir and len(opened) > 1 \
+                else args.plots_dir
+            for path in plot_sweep(sweep, study, plots_dir):
+                logger.info("wrote %s", path)
+    if len(opened) > 1:
+        for sweep, study in opened:
+            best = best_so_far(study, sweep.spec.goal)
+            if best:
+                sys.stdout.write(f"{sweep.id}: best {sweep.spec.metric} {best[-1]:.4g} first "
+                                 f"reached after {best.index(best[-1]) + 1} of {len(best)} "
+                                 "finished trials\n")
+        if not args.no_plots:
+            out = (args.plots_dir or opened[0][0].directory / "plots") / "best_so_far.png"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            logger.info("wrote %s", plot_best_so_far(opened, out))
     return 0
 
 
@@ -148,8 +171,10 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
                    help="pin agent i to device i modulo the list (e.g. cuda:0,cuda:1)")
     p.set_defaults(handler=_cmd_run)
 
-    p = verbs.add_parser("show", parents=[common], help="the trials best first, and PNG plots")
-    p.add_argument("sweep", metavar="SWEEP", help="sweep directory, or id with --storage")
+    p = verbs.add_parser("show", parents=[common], help="the trials best first, and PNG plots; "
+                         "several sweeps: also their best-so-far curves in one plot")
+    p.add_argument("sweep", metavar="SWEEP", nargs="+",
+                   help="sweep directory, or id with --storage")
     p.add_argument("--storage", default=None, metavar="URL")
     p.add_argument("--plots-dir", type=Path, default=None, metavar="DIR",
                    help="where the PNG plots go (default SWEEP/plots)")

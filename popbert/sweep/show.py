@@ -4,7 +4,9 @@ The table ranks finished trials by the metric (then pruned trials by their last 
 running, waiting and failed ones); skipped trials (never run) are only counted. The plots come
 from the trials' own `metrics.jsonl` files and the study: the metric over the steps of every
 trial, the final metric against each parameter, and the parameters' importance (Optuna's
-fANOVA), written with matplotlib's Agg canvas like the runs' own plots.
+fANOVA), written with matplotlib's Agg canvas like the runs' own plots. Several sweeps of one
+metric (random against bayes, say) are compared by the best value found so far against the
+number of trials finished: which search found its best in fewer trials.
 """
 
 from __future__ import annotations
@@ -211,3 +213,48 @@ def _plot_importance(sweep: Sweep, study: optuna.Study, path: Path) -> Path | No
 
 
 __all__ = ["TrialRow", "plot_sweep", "ranked_trials", "table", "trial_rows"]
+
+
+def best_so_far(study: optuna.Study, goal: str) -> list[float]:
+    """The best metric value after each finished trial, in the order the trials finished
+    (completion time: with several agents, trial numbers are the order they started)."""
+    done = sorted((t for t in study.get_trials(deepcopy=False)
+                   if t.state == TrialState.COMPLETE and t.value is not None
+                   and math.isfinite(t.value)),
+                  key=lambda t: (t.datetime_complete is None, t.datetime_complete, t.number))
+    pick = min if goal == "minimize" else max
+    best: list[float] = []
+    for trial in done:
+        best.append(trial.value if not best else pick(best[-1], trial.value))
+    return best
+
+
+def check_comparable(sweeps: list[Sweep]) -> None:
+    """Sweeps compared in one plot must optimise the same metric in the same direction."""
+    from popbert.errors import UsageError
+
+    first = sweeps[0].spec
+    for sweep in sweeps[1:]:
+        if (sweep.spec.metric, sweep.spec.goal) != (first.metric, first.goal):
+            raise UsageError(f"sweep show: {sweep.directory} optimises {sweep.spec.goal} "
+                             f"{sweep.spec.metric}, {sweeps[0].directory} {first.goal} "
+                             f"{first.metric}; compare sweeps of one metric")
+
+
+def plot_best_so_far(sweeps: list[tuple[Sweep, optuna.Study]], path: Path) -> Path:
+    """One line per sweep: the best metric so far against trials finished."""
+    check_comparable([sweep for sweep, _ in sweeps])
+    first = sweeps[0][0].spec
+    fig = _figure(8, 5)
+    ax = fig.add_subplot(1, 1, 1)
+    for sweep, study in sweeps:
+        best = best_so_far(study, first.goal)
+        if best:
+            ax.plot(range(1, len(best) + 1), best, marker="o",
+                    label=f"{sweep.id} ({sweep.spec.method})")
+    ax.set_xlabel("trials finished")
+    ax.set_ylabel(f"best {first.metric} so far ({first.goal})")
+    ax.set_title(f"best {first.metric} found against trials")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

@@ -180,6 +180,9 @@ def _plot_params(sweep: Sweep, trials: list[FrozenTrial], path: Path) -> Path:
         if all(isinstance(x, int | float) and x > 0 for x in numbers) and (
                 "log" in dist.distribution or _spread(numbers) >= 10):
             ax.set_xscale("log")
+            # Within a decade or two, labelled minor ticks (2×10⁻⁵, 3×10⁻⁵, ...) overlap.
+            from matplotlib.ticker import NullFormatter
+            ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(name)
         ax.set_ylabel(sweep.spec.metric)
         ax.grid(alpha=0.3)

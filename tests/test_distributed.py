@@ -82,6 +82,14 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         run_pretraining(config(2, 2), f"{out}/dp2", replicas=mine)
         run_pretraining(config(2, 2, training__checkpoint_every=5, **rts), f"{out}/rts2",
                         replicas=mine)
+        # The same under execution.compile, with tests/test_compile.py's aot_eager backend.
+        import functools
+
+        eager_compile = torch.compile
+        torch.compile = functools.partial(eager_compile, backend="aot_eager")
+        run_pretraining(config(2, 2, execution__compile=True, **rts), f"{out}/rts2-compiled",
+                        replicas=mine)
+        torch.compile = eager_compile
     else:  # meanwhile: a 4-stage pipeline (embeddings | layer 0 | layer 1 | heads) x 2 replicas
         run_pretraining(config(2, 2, model__layers_per_ipu=[0, 1, 1], execution__pipeline=True),
                         f"{out}/pipe2", replicas=mine)
@@ -225,6 +233,12 @@ def test_replica_layouts_train_the_same_weights(runs: Path) -> None:
 def test_sharded_and_unsharded_optimizers_agree(runs: Path) -> None:
     assert_same(weights(runs / "rts2"), weights(runs / "dp2"), 1e-6, "RTS on vs off, 2 replicas")
     assert_same(weights(runs / "rts4"), weights(runs / "dp4"), 1e-6, "RTS on vs off, 4 replicas")
+
+
+def test_compiled_replicas_with_sharding_train_like_eager(runs: Path) -> None:
+    """execution.compile under torchrun-style replicas with replicated tensor sharding."""
+    assert_same(weights(runs / "rts2-compiled"), weights(runs / "rts2"), 1e-6,
+                "compiled vs eager, RTS, 2 replicas")
 
 
 def test_sharded_optimizer_matches_data_parallel_on_odd_shapes(runs: Path) -> None:

@@ -146,10 +146,11 @@ def test_final_checkpoint_is_a_model_artifact(tracked: dict[str, Any]) -> None:
     assert uploaded == on_disk and "weights.safetensors" in uploaded
 
 
-def test_finetuning_checkpoint_is_a_model_artifact(tracked: dict[str, Any],
+def test_finetuning_checkpoint_and_scores_reach_the_run(tracked: dict[str, Any],
                                                    tmp_path: Path) -> None:
     """Fine-tuning from the tracked run inherits its tracking (W&B, log_checkpoint): the
-    fine-tuned checkpoint is saved before the run's logger closes, so it is uploaded."""
+    fine-tuned checkpoint is saved and scored before the run's logger closes, so it is uploaded
+    and the scores are in the run's summary."""
     from popbert.train.finetune import TrainOptions, finetune_classify
 
     sentiment = Path(__file__).parent / "fixtures" / "classification" / "sentiment.tsv"
@@ -179,3 +180,11 @@ def test_finetuning_checkpoint_is_a_model_artifact(tracked: dict[str, Any],
                for p in result.checkpoint.rglob("*") if p.is_file()}
     uploaded = {entry.path: entry.size for entry in artifact.manifest.contents}
     assert uploaded == on_disk and "weights.safetensors" in uploaded
+    # The evaluation is scored before the logger closes, so its results reach the summary.
+    summary = {}
+    for record in records:
+        if record.WhichOneof("record_type") == "summary":
+            for item in record.summary.update:
+                summary[_key(item)] = json.loads(item.value_json)
+    assert summary["eval_accuracy"] == pytest.approx(result.metrics["accuracy"])
+    assert summary["eval_f1"] == pytest.approx(result.metrics["f1"])

@@ -142,6 +142,13 @@ class MetricsLogger:
             self._final["step"] = record["step"]
         return record
 
+    def summarize(self, results: Mapping[str, Any], prefix: str = "eval_") -> None:
+        """End-of-run results (a fine-tuning evaluation) for the W&B run's summary, as
+        `<prefix><name>`; not a training record, so not in metrics.jsonl (they have their own
+        file, eval_results.json)."""
+        if self._wandb_run is not None:
+            self._final.update({f"{prefix}{k}": _jsonable(v) for k, v in results.items()})
+
     def close(self, checkpoint: str | os.PathLike[str] | None = None) -> None:
         """Close the file and finish the W&B run (final metrics into its summary; with
         `log_checkpoint`, `checkpoint` or else the run's newest one as an artifact); safe to call

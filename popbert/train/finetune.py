@@ -181,12 +181,14 @@ def _batches(arrays: Mapping[str, np.ndarray], batch_size: int, epochs: int, see
 def train(cfg: RunConfig, task: str, weights: Mapping[str, torch.Tensor],
           arrays: Mapping[str, np.ndarray], output_dir: Path, epochs: int,
           on_record: RecordHook | None = None,
-          save: Callable[[dict[str, torch.Tensor]], Path] | None = None
+          save: Callable[[dict[str, torch.Tensor]], Path] | None = None,
+          evaluate: Callable[[dict[str, torch.Tensor]], Mapping[str, float]] | None = None
           ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Train the `task` graph from `weights` through the training loop; returns (trained
     weights, fresh weight names). `on_record`: see `train_loop` (a sweep's pruner). `save`
-    writes the trained weights' checkpoint before the metrics logger closes, so the logger can
-    upload it (`tracking.log_checkpoint`)."""
+    writes the trained weights' checkpoint and `evaluate` scores them, both before the metrics
+    logger closes, so the checkpoint can be uploaded (`tracking.log_checkpoint`) and the scores
+    reach the tracked run's summary (as `eval_<name>`)."""
     e = cfg.execution
     if e.replicas != 1 or e.pipeline or e.replicated_tensor_sharding:
         raise ConfigError("fine-tuning runs in one process: set execution.replicas=1, "
@@ -219,6 +221,8 @@ def train(cfg: RunConfig, task: str, weights: Mapping[str, torch.Tensor],
         trained = session.weights()
         if save is not None:
             saved = save(trained)
+        if evaluate is not None:
+            tracker.summarize(evaluate(trained))
     finally:
         tracker.close(checkpoint=saved)
     return trained, fresh
@@ -320,26 +324,30 @@ def finetune_squad(checkpoint: Path, train_file: Path, output_dir: Path,
             saved_at.append(_save(output_dir, cfg, trained, pretrained.vocab))
             return saved_at[-1]
 
-        weights, fresh = train(cfg, "squad", pretrained.weights, features.arrays, output_dir,
-                               options.epochs, on_record, save)
-        saved = saved_at[-1]
-        result = FinetuneResult(output_dir, saved, steps, fresh=fresh)
-        if to_predict is None:
-            return result
-        predict_questions, dataset = to_predict
-        feats = squad_features(predict_questions, tokenizer, vocab, windows)
-        logits = infer(model, "squad", weights, feats.arrays, options.eval_batch_size,
-                       options.device)
-        predictions, nbest = decode_answers(predict_questions, feats.windows,
-                                            logits["start_logits"], logits["end_logits"],
-                                            n_best_size, max_answer_length)
-        write_predictions(output_dir / "predictions.json", predictions, nbest)
-        if any(q.answers for q in predict_questions):
-            result.metrics = evaluate(dataset["data"], predictions)
-            atomic_write_text(output_dir / "eval_results.json",
-                              json.dumps(result.metrics, indent=2))
-            log.info("SQuAD %s: exact match %.2f, F1 %.2f", predict_file,
-                     result.metrics["exact_match"], result.metrics["f1"])
+        result = FinetuneResult(output_dir, Path(), steps)
+
+        def score(weights: dict[str, torch.Tensor]) -> dict[str, float]:
+            """Predict `predict_file` with the trained weights (and score it if it has answers)."""
+            predict_questions, dataset = to_predict
+            feats = squad_features(predict_questions, tokenizer, vocab, windows)
+            logits = infer(model, "squad", weights, feats.arrays, options.eval_batch_size,
+                           options.device)
+            predictions, nbest = decode_answers(predict_questions, feats.windows,
+                                                logits["start_logits"], logits["end_logits"],
+                                                n_best_size, max_answer_length)
+            write_predictions(output_dir / "predictions.json", predictions, nbest)
+            if any(q.answers for q in predict_questions):
+                result.metrics = evaluate(dataset["data"], predictions)
+                atomic_write_text(output_dir / "eval_results.json",
+                                  json.dumps(result.metrics, indent=2))
+                log.info("SQuAD %s: exact match %.2f, F1 %.2f", predict_file,
+                         result.metrics["exact_match"], result.metrics["f1"])
+            return result.metrics
+
+        _, result.fresh = train(cfg, "squad", pretrained.weights, features.arrays, output_dir,
+                                options.epochs, on_record, save,
+                                score if to_predict is not None else None)
+        result.checkpoint = saved_at[-1]
         return result
 
     return _run_in(output_dir, body)
@@ -399,21 +407,26 @@ def finetune_classify(checkpoint: Path, train_file: Path, output_dir: Path,
             saved_at.append(_save(output_dir, cfg, trained, pretrained.vocab))
             return saved_at[-1]
 
-        weights, fresh = train(cfg, "classification", pretrained.weights, arrays, output_dir,
-                               options.epochs, on_record, save)
-        saved = saved_at[-1]
-        logits = infer(model, "classification", weights, eval_arrays, options.eval_batch_size,
-                       options.device)["logits"]
-        predicted = logits.argmax(axis=-1)
-        metrics = classification_metrics(predicted, eval_labels, len(names))
-        metrics["examples"] = len(eval_labels)
-        atomic_write_text(output_dir / "eval_results.json", json.dumps(metrics, indent=2))
-        atomic_write_text(output_dir / "eval_predictions.jsonl", "".join(
-            json.dumps({"line": line, "label": names[int(p)], "gold": names[int(g)]}) + "\n"
-            for line, p, g in zip(eval_data.lines, predicted, eval_labels)))
-        log.info("classification %s: accuracy %.4f, F1 %.4f", eval_data.path,
-                 metrics["accuracy"], metrics["f1"])
-        return FinetuneResult(output_dir, saved, steps, metrics, fresh)
+        metrics: dict[str, float] = {}
+
+        def score(weights: dict[str, torch.Tensor]) -> dict[str, float]:
+            """Classify the evaluation file with the trained weights; accuracy and F1."""
+            logits = infer(model, "classification", weights, eval_arrays,
+                           options.eval_batch_size, options.device)["logits"]
+            predicted = logits.argmax(axis=-1)
+            metrics.update(classification_metrics(predicted, eval_labels, len(names)))
+            metrics["examples"] = len(eval_labels)
+            atomic_write_text(output_dir / "eval_results.json", json.dumps(metrics, indent=2))
+            atomic_write_text(output_dir / "eval_predictions.jsonl", "".join(
+                json.dumps({"line": line, "label": names[int(p)], "gold": names[int(g)]}) + "\n"
+                for line, p, g in zip(eval_data.lines, predicted, eval_labels)))
+            log.info("classification %s: accuracy %.4f, F1 %.4f", eval_data.path,
+                     metrics["accuracy"], metrics["f1"])
+            return metrics
+
+        _, fresh = train(cfg, "classification", pretrained.weights, arrays, output_dir,
+                         options.epochs, on_record, save, score)
+        return FinetuneResult(output_dir, saved_at[-1], steps, metrics, fresh)
 
     return _run_in(output_dir, body)
 

@@ -9,6 +9,7 @@ from `wandb sync`); everything is in the run's `.wandb` file, a LevelDB-style lo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 from collections.abc import Iterator
@@ -71,25 +72,27 @@ def _key(item: Any) -> str:
     return item.key or "/".join(item.nested_key)
 
 
-@pytest.fixture(scope="module")
-def tracked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """ONE tracked run for the file (each W&B run costs a service round trip); its parsed
-    offline records."""
-    root = tmp_path_factory.mktemp("wandb")
-    run_dir = root / "run"
+@contextlib.contextmanager
+def offline_wandb(directory: Path) -> Iterator[Path]:
+    """W&B in offline mode, writing under `directory`; yields the one run file it wrote.
+    wandb reads WANDB_* once per process setup, hence the teardown on both sides."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WANDB_MODE", "offline")
-        mp.setenv("WANDB_DIR", str(root / "wandb-dir"))
+        mp.setenv("WANDB_DIR", str(directory))
         mp.setenv("WANDB_SILENT", "true")
-        (root / "wandb-dir").mkdir()
-        args = ["pretrain", "--output-dir", str(run_dir)]
-        for override in TINY + TRACKING:
-            args += ["--set", override]
-        assert main(args) == 0
-    files = sorted((root / "wandb-dir").glob("wandb/offline-run-*/run-*.wandb"))
+        directory.mkdir()
+        wandb.teardown()
+        try:
+            yield directory
+        finally:
+            wandb.teardown()
+
+
+def parse_offline_run(directory: Path) -> dict[str, Any]:
+    """The records of the one offline run under `directory`, by kind."""
+    files = sorted(directory.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(files) == 1, files
-    parsed: dict[str, Any] = {"run_dir": run_dir, "run": None, "summary": {}, "history": [],
-                              "artifacts": []}
+    parsed: dict[str, Any] = {"run": None, "summary": {}, "history": [], "artifacts": []}
     for record in offline_records(files[0]):
         kind = record.WhichOneof("record_type")
         if kind == "run":
@@ -103,6 +106,20 @@ def tracked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         elif kind == "artifact":
             parsed["artifacts"].append(record.artifact)
     return parsed
+
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """ONE tracked run for the file (each W&B run costs a service round trip); its parsed
+    offline records."""
+    root = tmp_path_factory.mktemp("wandb")
+    run_dir = root / "run"
+    with offline_wandb(root / "wandb-dir"):
+        args = ["pretrain", "--output-dir", str(run_dir)]
+        for override in TINY + TRACKING:
+            args += ["--set", override]
+        assert main(args) == 0
+    return {"run_dir": run_dir, **parse_offline_run(root / "wandb-dir")}
 
 
 def test_run_has_group_name_and_the_whole_config(tracked: dict[str, Any]) -> None:
@@ -155,23 +172,13 @@ def test_finetuning_checkpoint_and_scores_reach_the_run(tracked: dict[str, Any],
 
     sentiment = Path(__file__).parent / "fixtures" / "classification" / "sentiment.tsv"
     out = tmp_path / "classify"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("WANDB_MODE", "offline")
-        mp.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
-        mp.setenv("WANDB_SILENT", "true")
-        (tmp_path / "wandb-dir").mkdir()
-        wandb.teardown()  # wandb reads WANDB_* once per process setup: make it read these
-        try:
-            result = finetune_classify(tracked["run_dir"], sentiment, out, max_seq_length=32,
-                                       options=TrainOptions(epochs=1, batch_size=8,
-                                                            device="cpu", threads=1,
-                                                            log_every=1))
-        finally:
-            wandb.teardown()
-    (run_file,) = (tmp_path / "wandb-dir").glob("wandb/offline-run-*/run-*.wandb")
-    records = list(offline_records(run_file))
-    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
-    (artifact,) = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"]
+    with offline_wandb(tmp_path / "wandb-dir"):
+        result = finetune_classify(tracked["run_dir"], sentiment, out, max_seq_length=32,
+                                   options=TrainOptions(epochs=1, batch_size=8, device="cpu",
+                                                        threads=1, log_every=1))
+    parsed = parse_offline_run(tmp_path / "wandb-dir")
+    run = parsed["run"]
+    (artifact,) = parsed["artifacts"]
     assert artifact.type == "model" and artifact.name == f"checkpoint-{run.run_id}"
     assert result.checkpoint == out / "checkpoints" / f"step-{result.steps:06d}"
     assert json.loads(artifact.metadata) == {"step": result.steps,
@@ -181,10 +188,6 @@ def test_finetuning_checkpoint_and_scores_reach_the_run(tracked: dict[str, Any],
     uploaded = {entry.path: entry.size for entry in artifact.manifest.contents}
     assert uploaded == on_disk and "weights.safetensors" in uploaded
     # The evaluation is scored before the logger closes, so its results reach the summary.
-    summary = {}
-    for record in records:
-        if record.WhichOneof("record_type") == "summary":
-            for item in record.summary.update:
-                summary[_key(item)] = json.loads(item.value_json)
+    summary = parsed["summary"]
     assert summary["eval_accuracy"] == pytest.approx(result.metrics["accuracy"])
     assert summary["eval_f1"] == pytest.approx(result.metrics["f1"])

@@ -24,7 +24,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from groupbert_vs_bert import LARGE_SIZES, SIZES, Size  # noqa: E402
+from groupbert_vs_bert import FAMILIES, LARGE_SIZES, SIZES, Size  # noqa: E402
+from step_time import timed  # noqa: E402  (the one timing routine of the benchmarks)
 
 import popbert  # noqa: E402
 from popbert.atomic import atomic_write_text  # noqa: E402
@@ -41,8 +41,6 @@ from popbert.config import RunConfig, load_config  # noqa: E402
 from popbert.data.pretraining import load_training_data, make_loader  # noqa: E402
 from popbert.plan import build_training_graph, training_flops_per_sequence  # noqa: E402
 from popbert.train import factories, pretrain  # noqa: E402
-
-FAMILIES = ("bert", "groupbert")
 
 
 def make_config(family: str, size: Size, args: argparse.Namespace) -> RunConfig:
@@ -63,14 +61,6 @@ def make_config(family: str, size: Size, args: argparse.Namespace) -> RunConfig:
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], Any], device: str) -> float:
-    sync(device)
-    start = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - start
 
 
 class Model:

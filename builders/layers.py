@@ -105,6 +105,12 @@ def leading_dims(b: Builder, x: str, count: int, name: str) -> str:
     return b.aiOnnx.shape([x], name, end=count)
 
 
+def _add_bias(b: Builder, y: str, features: int, init: WeightInit) -> str:
+    """y + B, the bias `B` (zeros) of the current name scope."""
+    bias = b.addInitializedInputTensor(init.constant([features], 0.0), "B")
+    return b.aiOnnx.add([y, bias], "Add")
+
+
 def dense(b: Builder, x: str, in_features: int, out_features: int, init: WeightInit,
           name: str, bias: bool = True) -> str:
     """x @ W + B with W stored [in, out] (Google BERT's layout)."""
@@ -112,8 +118,7 @@ def dense(b: Builder, x: str, in_features: int, out_features: int, init: WeightI
         weight = b.addInitializedInputTensor(init.normal([in_features, out_features]), "W")
         y = b.aiOnnx.matmul([x, weight], "MatMul")
         if bias:
-            b_ = b.addInitializedInputTensor(init.constant([out_features], 0.0), "B")
-            y = b.aiOnnx.add([y, b_], "Add")
+            y = _add_bias(b, y, out_features, init)
     return y
 
 
@@ -203,8 +208,7 @@ def grouped_matmul(b: Builder, x: str, in_features: int, out_features: int, grou
                                   "merge_shape")
         y = b.aiOnnx.reshape([y, merge], "Merge")
         if bias:
-            b_ = b.addInitializedInputTensor(init.constant([out_features], 0.0), "B")
-            y = b.aiOnnx.add([y, b_], "Add")
+            y = _add_bias(b, y, out_features, init)
     return y
 
 

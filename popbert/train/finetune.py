@@ -324,7 +324,7 @@ def finetune_squad(checkpoint: Path, train_file: Path, output_dir: Path,
             saved_at.append(_save(output_dir, cfg, trained, pretrained.vocab))
             return saved_at[-1]
 
-        result = FinetuneResult(output_dir, Path(), steps)
+        metrics: dict[str, float] = {}
 
         def score(weights: dict[str, torch.Tensor]) -> dict[str, float]:
             """Predict `predict_file` with the trained weights (and score it if it has answers)."""
@@ -337,18 +337,16 @@ def finetune_squad(checkpoint: Path, train_file: Path, output_dir: Path,
                                                 n_best_size, max_answer_length)
             write_predictions(output_dir / "predictions.json", predictions, nbest)
             if any(q.answers for q in predict_questions):
-                result.metrics = evaluate(dataset["data"], predictions)
-                atomic_write_text(output_dir / "eval_results.json",
-                                  json.dumps(result.metrics, indent=2))
+                metrics.update(evaluate(dataset["data"], predictions))
+                atomic_write_text(output_dir / "eval_results.json", json.dumps(metrics, indent=2))
                 log.info("SQuAD %s: exact match %.2f, F1 %.2f", predict_file,
-                         result.metrics["exact_match"], result.metrics["f1"])
-            return result.metrics
+                         metrics["exact_match"], metrics["f1"])
+            return metrics
 
-        _, result.fresh = train(cfg, "squad", pretrained.weights, features.arrays, output_dir,
-                                options.epochs, on_record, save,
-                                score if to_predict is not None else None)
-        result.checkpoint = saved_at[-1]
-        return result
+        _, fresh = train(cfg, "squad", pretrained.weights, features.arrays, output_dir,
+                         options.epochs, on_record, save,
+                         score if to_predict is not None else None)
+        return FinetuneResult(output_dir, saved_at[-1], steps, metrics, fresh)
 
     return _run_in(output_dir, body)
 

@@ -243,9 +243,21 @@ class Agent:
         """Take and run trials until the sweep is done or `count` trials ran."""
         recheck(self.sweep)
         self._join_replicas()
-        if self.replicas is not None and not self.replicas.is_main:
-            self._follow()
-            return self.report
+        finished = False
+        try:
+            if self.replicas is not None and not self.replicas.is_main:
+                self._follow()
+            else:
+                self._lead()
+            finished = True
+        finally:
+            if self.replicas is not None:
+                # Gloo's worker threads must not outlive the interpreter (abort at exit).
+                self.replicas.shutdown(clean=finished)
+        return self.report
+
+    def _lead(self) -> None:
+        """The agent that talks to the store (the only one, or replica 0 under torchrun)."""
         study = self.sweep.load_study(make_sampler(self.spec), make_pruner(self.spec))
         failures = 0
         try:
@@ -262,7 +274,7 @@ class Agent:
                     study.sampler = make_sampler(self.spec, len(study.get_trials(deepcopy=False)))
                 try:
                     with quiet():  # Optuna's heartbeat thread is "experimental"
-                            study.optimize(self.objective, n_trials=1,
+                        study.optimize(self.objective, n_trials=1,
                                        catch=(TrialError, TrialSkipped), gc_after_trial=True)
                 except KeyboardInterrupt:
                     self._retry_interrupted(study)
@@ -285,7 +297,6 @@ class Agent:
             self._broadcast(("stop",))
         log.info("agent done (%s): trials %s", self.report.stopped or "stopped",
                  ", ".join(f"{n} {s}" for n, s in self.report.trials.items()) or "none")
-        return self.report
 
     def _retry_interrupted(self, study: optuna.Study) -> None:
         """An interrupted trial (Ctrl-C) is failed by Optuna; put it back for the next agent, as

@@ -168,6 +168,9 @@ class LoweringState(Protocol):
     params: dict[str, nn.Parameter]
     used_params: set[str]
     folded_params: set[str]
+    # Additive block-diagonal attention masks -> the sequence_index they are made of
+    # (:func:`popbert.lowering.block_attention.find_block_diagonal_masks`).
+    block_masks: dict[str, str]
 
     def lookup(self, name: str, consumer: str) -> Any:
         """The value bound to ONNX tensor ``name`` (``consumer`` names the reader in errors)."""
@@ -235,6 +238,12 @@ class NodeContext:
     def lookup(self, name: str) -> Any:
         """The lowered value of any ONNX tensor ``name`` (e.g. an input of a fused neighbour)."""
         return self._low.lookup(name, self.name)
+
+    def block_segments(self, i: int) -> Any:
+        """When input ``i`` is a packed rows' block-diagonal attention mask, the lowered
+        ``sequence_index`` it is made of (attention can then run per sequence); else None."""
+        segments = self._low.block_masks.get(self.node.input[i]) if self.has_input(i) else None
+        return None if segments is None else self.lookup(segments)
 
     def output_used(self, i: int) -> bool:
         """Whether output ``i`` exists and is consumed (by a node or as a graph output)."""

@@ -53,6 +53,11 @@ import torch.fx as fx
 from torch import nn
 
 from popbert.graph.shapes import weight_free_copy
+from popbert.lowering.block_attention import (
+    emit_block_attention,
+    find_block_diagonal_masks,
+    find_masked_attention_chains,
+)
 from popbert.lowering.context import (
     FLOAT_DTYPES,
     ONNX_TO_TORCH,
@@ -71,6 +76,10 @@ from popbert.lowering.converters import CONVERTERS
 from popbert.lowering.fusion import emit_fused_linear, find_linear_fusions
 
 logger = logging.getLogger(__name__)
+
+# Initializers of at most this many elements are read at lowering time by the pattern matchers
+# (scales, mask constants, axes); weights are never copied for it.
+_SMALL_CONSTANT = 16
 
 __all__ = ["OnnxGraphModule", "lower_to_fx"]
 
@@ -107,6 +116,7 @@ class _Lowerer:
         self._n_consts = 0
         self.use_count: dict[str, int] = {}
         self.value_info: dict[str, ValueInfo] = {}
+        self.block_masks: dict[str, str] = {}
 
     # -- values --------------------------------------------------------------------------------
     def lookup(self, name: str, consumer: str) -> Any:
@@ -198,9 +208,20 @@ class _Lowerer:
             if self.fuse_linear
             else {}
         )
+        small = {i.name: onnx.numpy_helper.to_array(i) for i in g.initializer
+                 if int(np.prod(i.dims)) <= _SMALL_CONSTANT}
+        self.block_masks = find_block_diagonal_masks(nodes, small, self.use_count)
+        chains = find_masked_attention_chains(nodes, small, self.use_count, self.block_masks)
         skipped = set(fused.values())
+        skipped.update(i for chain in chains.values() for i in chain.nodes[:-1])
         for index, node in enumerate(nodes):
             if index in skipped:
+                continue
+            if index in chains:  # the chain's inner tensors only exist inside the fused call
+                for inner in chains[index].nodes[:-1]:
+                    self.env.update(dict.fromkeys(nodes[inner].output))
+                ctx = NodeContext(self, node, index)
+                self.bind(node.output[0], emit_block_attention(ctx, chains[index], nodes))
                 continue
             converter = CONVERTERS.get((normalize_domain(node.domain), node.op_type))
             if converter is None:

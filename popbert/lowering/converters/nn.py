@@ -5,7 +5,8 @@ Convolution is here too. They prefer torch's fused kernels (``F.linear``, ``F.la
 benchmarked against Hugging Face BERT, and fall back to a :mod:`popbert.lowering.functional`
 helper only where static shapes are unknown or ONNX asks for more than the kernel gives
 (LayerNormalization's Mean/InvStdDev outputs, Attention's softcap). The MatMul + Add fusion is a
-pass of its own (:mod:`popbert.lowering.fusion`).
+pass of its own (:mod:`popbert.lowering.fusion`), and so is attention over packed rows'
+block-diagonal mask (:mod:`popbert.lowering.block_attention`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from popbert.lowering.block_attention import BlockDiagonalAttention
 from popbert.lowering.context import NodeContext, register_converter
 from popbert.lowering.functional import (
     OnnxDropout,
@@ -181,6 +183,12 @@ def convert_attention(ctx: NodeContext) -> list[Any]:
             ctx.call(torch.transpose, ctx.call(torch.unflatten, t, -1, (h, -1)), 1, 2)
             for t, h in ((q, hq), (k, hk), (v, hk))
         )
+    segments = ctx.block_segments(3)
+    if segments is not None and not is_causal and hq == hk:
+        y = ctx.call_module(BlockDiagonalAttention(scale), q, k, v, segments)
+        if rank == 3:
+            y = ctx.call(torch.flatten, ctx.call(torch.transpose, y, 1, 2), 2)
+        return [y]
     if is_causal and mask is not None:
         mask = ctx.call(onnx_causal_mask, mask, int(q_len), int(k_len))  # type: ignore[arg-type]
         is_causal = False

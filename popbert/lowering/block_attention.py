@@ -1,0 +1,366 @@
+"""Attention within each packed sequence, without the dense ``[B, 1, S, S]`` mask.
+
+A packed row holds several sequences; the graph (``popbert.builders.layers.
+packed_attention_mask``) builds an additive block-diagonal mask from ``sequence_index``
+(``[B, S]``: k on the k-th sequence's tokens, 0 on padding) and every layer's attention adds it
+to ``[B, heads, S, S]`` scores. That is exact but spends the whole ``S × S`` on every row: a row
+of three sequences of 170 tokens at S = 512 computes 9× the attention it needs, and the mask
+itself is a ``B × S × S`` tensor.
+
+The lowering recognises that mask by its construction (:func:`find_block_diagonal_masks`) and
+the attention that reads it, either the fused opset-23 ``Attention`` op or the explicit
+``MatMul → Mul(scale) → Add(mask) → Softmax → [Dropout] → MatMul`` chain
+(:func:`find_masked_attention_chains`), and runs them as :class:`BlockDiagonalAttention`: the
+sequences of the batch are gathered into buckets of similar length, each bucket attends within
+itself (a ``[n, 1, 1, L]`` key mask for its own padding), and the outputs are scattered back.
+The attention work drops from ``B · S²`` to about ``Σ len²``.
+
+The result equals the masked dense attention for every real token (a masked score of -10000 is
+an exact zero after the softmax in FP32); padding tokens get zeros instead of the dense path's
+meaningless average, which nothing downstream reads. Under ``torch.compile`` (data-dependent
+bucket shapes would recompile every step) and whenever ``sequence_index`` is not the packer's
+layout (each sequence one contiguous run, numbered upwards along the row), the module computes
+the dense masked attention from ``sequence_index`` instead, which is exactly the graph's
+computation.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+import torch.nn.functional as F
+from onnx import numpy_helper
+from torch import Tensor, nn
+
+from popbert.graph.annotations import ANNOTATION_PREFIX
+from popbert.lowering.context import STANDARD_DOMAINS, NodeContext
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "BUCKET",
+    "MAX_MASK_VALUE",
+    "BlockDiagonalAttention",
+    "emit_block_attention",
+    "MaskedAttentionChain",
+    "find_block_diagonal_masks",
+    "find_masked_attention_chains",
+]
+
+#: Sequences are grouped by length rounded up to a multiple of this many tokens: at most
+#: ``S / BUCKET`` attention calls per layer, each padded by less than BUCKET tokens.
+BUCKET = 32
+#: The mask's "drop" value must be at most this (an exact zero after softmax in FP32).
+MAX_MASK_VALUE = -1e4
+
+
+# -- recognising the graph's block-diagonal mask ------------------------------------------------
+
+
+class _Graph:
+    """Producers, consumers and constant values of an ONNX graph, for pattern matching."""
+
+    def __init__(self, nodes: Sequence[onnx.NodeProto], initializers: Mapping[str, np.ndarray],
+                 use_count: Mapping[str, int]) -> None:
+        self.nodes = nodes
+        self.producer = {out: i for i, n in enumerate(nodes) for out in n.output if out}
+        self.initializers = initializers
+        self.use_count = use_count
+
+    def node(self, tensor: str, op_type: str) -> onnx.NodeProto | None:
+        i = self.producer.get(tensor)
+        if i is None:
+            return None
+        node = self.nodes[i]
+        ok = node.op_type == op_type and node.domain in STANDARD_DOMAINS
+        return node if ok else None
+
+    def constant(self, tensor: str) -> np.ndarray | None:
+        if tensor in self.initializers:
+            return self.initializers[tensor]
+        node = self.node(tensor, "Constant")
+        if node is None:
+            return None
+        for attr in node.attribute:
+            if attr.name == "value":
+                return numpy_helper.to_array(attr.t)
+            if attr.name in ("value_float", "value_int"):
+                return np.array(onnx.helper.get_attribute_value(attr))
+        return None
+
+    def scalar(self, tensor: str) -> float | None:
+        value = self.constant(tensor)
+        return float(value.reshape(-1)[0]) if value is not None and value.size == 1 else None
+
+    def unsqueezed(self, tensor: str, axis: int) -> str | None:
+        """The input of ``Unsqueeze(x, [axis])`` producing ``tensor`` (axes from opset 13 as an
+        input, before as an attribute)."""
+        node = self.node(tensor, "Unsqueeze")
+        if node is None:
+            return None
+        axes = None
+        if len(node.input) > 1 and node.input[1]:
+            value = self.constant(node.input[1])
+            axes = None if value is None else [int(a) for a in value.reshape(-1)]
+        else:
+            for attr in node.attribute:
+                if attr.name == "axes":
+                    axes = list(attr.ints)
+        return node.input[0] if axes == [axis] else None
+
+    def single_use(self, tensor: str) -> bool:
+        return self.use_count.get(tensor, 0) == 1
+
+
+def _without_cast(graph: _Graph, tensor: str) -> str:
+    node = graph.node(tensor, "Cast")
+    return node.input[0] if node is not None else tensor
+
+
+def _segments_of_allowed(graph: _Graph, allowed: str) -> str | None:
+    """``And(Equal(idx[:, :, None], idx[:, None, :]), Greater(idx[:, None, :], 0))`` → idx."""
+    node = graph.node(allowed, "And")
+    if node is None:
+        return None
+    for same_name, real_name in (node.input, reversed(node.input)):
+        same, real = graph.node(same_name, "Equal"), graph.node(real_name, "Greater")
+        if same is None or real is None:
+            continue
+        if graph.scalar(real.input[1]) != 0:
+            continue
+        keys = graph.unsqueezed(real.input[0], 1)
+        a, b = graph.unsqueezed(same.input[0], 2), graph.unsqueezed(same.input[1], 1)
+        if a is None or b is None:  # Equal is symmetric
+            a, b = graph.unsqueezed(same.input[1], 2), graph.unsqueezed(same.input[0], 1)
+        if keys is not None and a == b == keys:
+            return keys
+    return None
+
+
+def find_block_diagonal_masks(nodes: Sequence[onnx.NodeProto],
+                              initializers: Mapping[str, np.ndarray],
+                              use_count: Mapping[str, int]) -> dict[str, str]:
+    """Map each additive block-diagonal mask tensor → the ``sequence_index`` tensor it is made
+    of, for masks built as ``popbert.builders.layers.packed_attention_mask`` builds them:
+    ``Unsqueeze((1 - Cast(And(Equal(i[:, :, None], i[:, None, :]), i[:, None, :] > 0))) · c,
+    [1])`` with a constant ``c ≤ -1e4``."""
+    graph = _Graph(nodes, initializers, use_count)
+    masks: dict[str, str] = {}
+    for node in nodes:
+        if node.op_type != "Unsqueeze" or node.domain not in STANDARD_DOMAINS:
+            continue
+        mask = node.output[0]
+        scaled = graph.node(graph.unsqueezed(mask, 1) or "", "Mul")
+        if scaled is None:
+            continue
+        for inverted_name, big_name in (scaled.input, reversed(scaled.input)):
+            big = graph.scalar(big_name)
+            inverted = graph.node(inverted_name, "Sub")
+            if big is None or big > MAX_MASK_VALUE or inverted is None:
+                continue
+            if graph.scalar(inverted.input[0]) != 1.0:
+                continue
+            cast = graph.node(inverted.input[1], "Cast")
+            if cast is None:
+                continue
+            segments = _segments_of_allowed(graph, cast.input[0])
+            if segments is not None:
+                masks[mask] = _without_cast(graph, segments)
+                break
+    return masks
+
+
+@dataclass(frozen=True)
+class MaskedAttentionChain:
+    """``MatMul(q, kᵀ) · scale + mask → Softmax → [Dropout] → MatMul(·, v)`` in ONNX nodes."""
+
+    nodes: tuple[int, ...]  # node indices, the last is the output MatMul
+    q: str  # [B, heads, S, d]
+    k_transposed: str  # [B, heads, d, S]
+    v: str  # [B, heads, S, d]
+    segments: str  # the sequence_index the mask is made of
+    scale: float
+    dropout: float
+
+
+def _annotations(node: onnx.NodeProto) -> list[tuple[str, bytes]]:
+    return sorted((a.name, a.SerializeToString()) for a in node.attribute
+                  if a.name.startswith(ANNOTATION_PREFIX))
+
+
+def find_masked_attention_chains(nodes: Sequence[onnx.NodeProto],
+                                 initializers: Mapping[str, np.ndarray],
+                                 use_count: Mapping[str, int],
+                                 masks: Mapping[str, str]) -> dict[int, MaskedAttentionChain]:
+    """The explicit attention chains whose mask is one of ``masks``, by output MatMul index.
+
+    Every intermediate tensor must have that one consumer and every node the same device /
+    stage / recompute annotations, so the chain can run as one call without changing what the
+    backward pass keeps or where the work is placed.
+    """
+    graph = _Graph(nodes, initializers, use_count)
+    chains: dict[int, MaskedAttentionChain] = {}
+    for index, context in enumerate(nodes):
+        if context.op_type != "MatMul" or context.domain not in STANDARD_DOMAINS:
+            continue
+        probs_name, v = context.input
+        dropout, ratio = graph.node(probs_name, "Dropout"), 0.0
+        softmax_name = probs_name
+        if dropout is not None:
+            if len(dropout.input) > 2 and dropout.input[2]:
+                continue  # a training_mode input: leave it to the Dropout converter
+            ratio_value = (graph.scalar(dropout.input[1]) if len(dropout.input) > 1
+                           and dropout.input[1] else next(
+                               (a.f for a in dropout.attribute if a.name == "ratio"), 0.5))
+            if ratio_value is None or (len(dropout.output) > 1 and dropout.output[1]
+                                       and use_count.get(dropout.output[1], 0)):
+                continue
+            ratio, softmax_name = float(ratio_value), dropout.input[0]
+        softmax = graph.node(softmax_name, "Softmax")
+        if softmax is None:
+            continue
+        axis = next((a.i for a in softmax.attribute if a.name == "axis"), -1)
+        if axis not in (-1, 3):
+            continue
+        add = graph.node(softmax.input[0], "Add")
+        if add is None:
+            continue
+        for scaled_name, mask_name in (add.input, reversed(add.input)):  # noqa: B007
+            if mask_name in masks:
+                break
+        else:
+            continue
+        mul = graph.node(scaled_name, "Mul")
+        if mul is None:
+            continue
+        for scores_name, scale_name in (mul.input, reversed(mul.input)):
+            scale = graph.scalar(scale_name)
+            scores = graph.node(scores_name, "MatMul")
+            if scale is not None and scores is not None:
+                break
+        else:
+            continue
+        chain = [scores, mul, add, softmax] + ([dropout] if dropout is not None else [])
+        inner = [scores_name, scaled_name, softmax.input[0], softmax_name] + (
+            [probs_name] if dropout is not None else [])
+        if not all(graph.single_use(t) for t in inner):
+            continue
+        if any(_annotations(n) != _annotations(context) for n in chain):
+            continue
+        chains[index] = MaskedAttentionChain(
+            nodes=tuple(graph.producer[n.output[0]] for n in chain) + (index,),
+            q=scores.input[0], k_transposed=scores.input[1], v=v,
+            segments=masks[mask_name], scale=scale, dropout=ratio)
+    return chains
+
+
+# -- running it ----------------------------------------------------------------------------------
+
+
+def dense_block_mask(segments: Tensor, dtype: torch.dtype) -> Tensor:
+    """The graph's additive mask ``[B, 1, S, S]`` (0 keep, -10000 drop) from ``segments``."""
+    same = segments[:, :, None] == segments[:, None, :]
+    allowed = same & (segments[:, None, :] > 0)
+    return ((1.0 - allowed.to(dtype)) * -10000.0)[:, None]
+
+
+def _packed_runs(segments: Tensor) -> tuple[list[int], list[int]] | None:
+    """(start in the flattened ``[B·S]`` tokens, length) of every sequence, or None when some
+    row is not in the packer's layout (each sequence one run, numbered upwards)."""
+    rows, width = segments.shape
+    flat = segments.reshape(-1).to("cpu", torch.int64)
+    change = torch.ones_like(flat, dtype=torch.bool)
+    change[1:] = flat[1:] != flat[:-1]
+    change[::width] = True
+    starts = change.nonzero().squeeze(1)
+    ids = flat[starts]
+    lengths = torch.diff(starts, append=torch.tensor([flat.numel()]))
+    real = ids > 0
+    starts, ids, lengths = starts[real], ids[real], lengths[real]
+    same_row = (starts[1:] // width) == (starts[:-1] // width)
+    if bool((same_row & (ids[1:] <= ids[:-1])).any()):
+        return None  # an id repeats in a row after another: the dense mask links the runs
+    return starts.tolist(), lengths.tolist()
+
+
+class BlockDiagonalAttention(nn.Module):
+    """Softmax attention of ``[B, heads, S, d]`` q, k, v within each packed sequence.
+
+    ``varlen=False`` (or a compiled or non-packer-layout call) computes the dense masked
+    attention instead; both give the same real-token outputs.
+    """
+
+    def __init__(self, scale: float | None, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.scale = scale
+        self.dropout = float(dropout)
+        self.varlen = True
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale}, dropout={self.dropout}, varlen={self.varlen}"
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, segments: Tensor) -> Tensor:
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        p = self.dropout if self.training else 0.0
+        runs = None
+        if self.varlen and not torch.compiler.is_compiling():
+            runs = _packed_runs(segments)
+        if runs is None:
+            return self._dense(q, k, v, segments, scale, p)
+        return self._per_sequence(q, k, v, runs, scale, p)
+
+    @staticmethod
+    def _dense(q: Tensor, k: Tensor, v: Tensor, segments: Tensor, scale: float,
+               p: float) -> Tensor:
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        probs = torch.softmax(scores + dense_block_mask(segments, scores.dtype), dim=-1)
+        if p:
+            probs = F.dropout(probs, p, True)
+        return torch.matmul(probs, v)
+
+    @staticmethod
+    def _per_sequence(q: Tensor, k: Tensor, v: Tensor, runs: tuple[list[int], list[int]],
+                      scale: float, p: float) -> Tensor:
+        rows, heads, width, dim = q.shape
+        # [B, h, S, d] → one row per token [B·S, h, d] (a view when q is a head-split of
+        # [B, S, h·d], as the graph makes it).
+        tokens = [t.transpose(1, 2).reshape(rows * width, heads, t.shape[-1]) for t in (q, k, v)]
+        starts, lengths = runs
+        buckets: dict[int, list[int]] = {}
+        for i, length in enumerate(lengths):
+            buckets.setdefault(-(-length // BUCKET) * BUCKET, []).append(i)
+        outputs, positions = [], []
+        for size, members in sorted(buckets.items()):
+            size = min(size, width)
+            start = torch.tensor([starts[i] for i in members], device=q.device)
+            length = torch.tensor([lengths[i] for i in members], device=q.device)
+            offset = torch.arange(size, device=q.device)
+            valid = offset[None, :] < length[:, None]  # [n, L]
+            index = torch.where(valid, start[:, None] + offset[None, :], 0)
+            qb, kb, vb = (t[index].transpose(1, 2) for t in tokens)  # [n, h, L, d]
+            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=valid[:, None, None, :],
+                                                 dropout_p=p, scale=scale)
+            outputs.append(out.transpose(1, 2)[valid])  # [real tokens, h, d]
+            positions.append(index[valid])
+        flat = q.new_zeros(rows * width, heads, v.shape[-1])
+        flat = flat.index_copy(0, torch.cat(positions), torch.cat(outputs))
+        return flat.view(rows, width, heads, -1).transpose(1, 2)
+
+
+def emit_block_attention(ctx: NodeContext, chain: MaskedAttentionChain,
+                         nodes: Sequence[onnx.NodeProto]) -> Any:
+    """Lower an explicit attention chain over a block-diagonal mask (``ctx`` is its output
+    MatMul) as one :class:`BlockDiagonalAttention`; the fx node's meta names the chain."""
+    ctx.meta["fused"] = [{"op_type": nodes[i].op_type, "name": nodes[i].name,
+                          "outputs": list(nodes[i].output)} for i in chain.nodes[:-1]]
+    k = ctx.call(torch.transpose, ctx.lookup(chain.k_transposed), -1, -2)
+    module = BlockDiagonalAttention(chain.scale, chain.dropout)
+    return ctx.call_module(module, ctx.lookup(chain.q), k, ctx.lookup(chain.v),
+                           ctx.lookup(chain.segments))

@@ -4,7 +4,8 @@ The annotated ONNX graph is popbert's program; the torch backend runs it by tran
 ONNX node into plain torch calls ahead of time (no interpretation of the proto per step), so the
 result trains with autograd and is ``torch.compile``-friendly. This module drives that
 translation: :func:`lower_to_fx` binds initializers and inputs, infers static shapes, runs the
-fusion pass (:mod:`popbert.lowering.fusion`), hands each node to its converter
+fusion pass (:mod:`popbert.lowering.fusion`), finds attention over packed rows' block-diagonal
+mask (:mod:`popbert.lowering.block_attention`), hands each node to its converter
 (:mod:`popbert.lowering.converters`) and wraps the result in :class:`OnnxGraphModule`.
 
 Conventions of the lowered :class:`OnnxGraphModule`:
@@ -31,7 +32,8 @@ Conventions of the lowered :class:`OnnxGraphModule`:
   annotations (:mod:`popbert.graph.annotations`: ``IPU_NUMBER``, ``PIPELINE_STAGE``, ...) as
   python values; the node bound to an ONNX tensor also has ``node.meta["onnx_value"]`` = that
   tensor's name. Nodes fused from several ONNX nodes (MatMul + Add -> ``F.linear``) list the
-  others in ``meta["onnx"]["fused"]``.
+  others in ``meta["onnx"]["fused"]`` (so does the attention chain lowered as one
+  :class:`~popbert.lowering.block_attention.BlockDiagonalAttention`).
 * Dropout is an :class:`~popbert.lowering.functional.OnnxDropout` submodule: it follows
   ``module.train()`` / ``module.eval()`` (identity in eval, or when ``training_mode`` is a
   constant False).

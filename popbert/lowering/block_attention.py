@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -290,6 +291,52 @@ def _packed_runs(segments: Tensor) -> tuple[list[int], list[int]] | None:
     return starts.tolist(), lengths.tolist()
 
 
+@dataclass(frozen=True)
+class _Bucket:
+    index: Tensor  # [n, L] token of each slot in the flattened [B·S] tokens (0 on padding)
+    valid: Tensor  # [n, L] the slot holds a real token of its sequence
+
+
+def _bucket_plan(segments: Tensor) -> list[_Bucket] | None:
+    """The sequences grouped by length rounded up to BUCKET (None: not the packer's layout)."""
+    runs = _packed_runs(segments)
+    if runs is None:
+        return None
+    width = segments.shape[1]
+    starts, lengths = runs
+    groups: dict[int, list[int]] = {}
+    for i, length in enumerate(lengths):
+        groups.setdefault(min(-(-length // BUCKET) * BUCKET, width), []).append(i)
+    plan = []
+    for size, members in sorted(groups.items()):
+        start = torch.tensor([starts[i] for i in members])
+        length = torch.tensor([lengths[i] for i in members])
+        offset = torch.arange(size)
+        valid = offset[None, :] < length[:, None]
+        index = torch.where(valid, start[:, None] + offset[None, :], 0)
+        plan.append(_Bucket(index.to(segments.device), valid.to(segments.device)))
+    return plan
+
+
+class _PlanCache(threading.local):
+    """The last plan of this thread: every layer of one forward reads the same
+    ``sequence_index`` tensor, so the plan is built once per forward (pipeline stages run in
+    threads of their own, hence one slot per thread)."""
+
+    segments: Tensor | None = None
+    version: int = -1
+    plan: list[_Bucket] | None = None
+
+    def get(self, segments: Tensor) -> list[_Bucket] | None:
+        if self.segments is not segments or self.version != segments._version:
+            self.segments, self.version = segments, segments._version
+            self.plan = _bucket_plan(segments)
+        return self.plan
+
+
+_PLANS = _PlanCache()
+
+
 class BlockDiagonalAttention(nn.Module):
     """Softmax attention of ``[B, heads, S, d]`` q, k, v within each packed sequence.
 
@@ -309,12 +356,12 @@ class BlockDiagonalAttention(nn.Module):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, segments: Tensor) -> Tensor:
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         p = self.dropout if self.training else 0.0
-        runs = None
+        plan = None
         if self.varlen and not torch.compiler.is_compiling():
-            runs = _packed_runs(segments)
-        if runs is None:
+            plan = _PLANS.get(segments)
+        if plan is None:
             return self._dense(q, k, v, segments, scale, p)
-        return self._per_sequence(q, k, v, runs, scale, p)
+        return self._per_sequence(q, k, v, plan, scale, p)
 
     @staticmethod
     def _dense(q: Tensor, k: Tensor, v: Tensor, segments: Tensor, scale: float,
@@ -326,29 +373,19 @@ class BlockDiagonalAttention(nn.Module):
         return torch.matmul(probs, v)
 
     @staticmethod
-    def _per_sequence(q: Tensor, k: Tensor, v: Tensor, runs: tuple[list[int], list[int]],
-                      scale: float, p: float) -> Tensor:
-        rows, heads, width, dim = q.shape
+    def _per_sequence(q: Tensor, k: Tensor, v: Tensor, plan: list[_Bucket], scale: float,
+                      p: float) -> Tensor:
+        rows, heads, width, _ = q.shape
         # [B, h, S, d] → one row per token [B·S, h, d] (a view when q is a head-split of
         # [B, S, h·d], as the graph makes it).
         tokens = [t.transpose(1, 2).reshape(rows * width, heads, t.shape[-1]) for t in (q, k, v)]
-        starts, lengths = runs
-        buckets: dict[int, list[int]] = {}
-        for i, length in enumerate(lengths):
-            buckets.setdefault(-(-length // BUCKET) * BUCKET, []).append(i)
         outputs, positions = [], []
-        for size, members in sorted(buckets.items()):
-            size = min(size, width)
-            start = torch.tensor([starts[i] for i in members], device=q.device)
-            length = torch.tensor([lengths[i] for i in members], device=q.device)
-            offset = torch.arange(size, device=q.device)
-            valid = offset[None, :] < length[:, None]  # [n, L]
-            index = torch.where(valid, start[:, None] + offset[None, :], 0)
-            qb, kb, vb = (t[index].transpose(1, 2) for t in tokens)  # [n, h, L, d]
-            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=valid[:, None, None, :],
-                                                 dropout_p=p, scale=scale)
-            outputs.append(out.transpose(1, 2)[valid])  # [real tokens, h, d]
-            positions.append(index[valid])
+        for bucket in plan:
+            qb, kb, vb = (t[bucket.index].transpose(1, 2) for t in tokens)  # [n, h, L, d]
+            out = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=p, scale=scale,
+                                                 attn_mask=bucket.valid[:, None, None, :])
+            outputs.append(out.transpose(1, 2)[bucket.valid])  # [real tokens, h, d]
+            positions.append(bucket.index[bucket.valid])
         flat = q.new_zeros(rows * width, heads, v.shape[-1])
         flat = flat.index_copy(0, torch.cat(positions), torch.cat(outputs))
         return flat.view(rows, width, heads, -1).transpose(1, 2)

@@ -12,7 +12,7 @@ from test_packed_model import sequences
 
 from popbert.builders.bert import build_bert
 from popbert.data.packing import pack_instance_arrays
-from popbert.lowering.block_attention import BUCKET, BlockDiagonalAttention
+from popbert.lowering.block_attention import BUCKET, BlockDiagonalAttention, bucket_plan
 from popbert.lowering.lower import lower_to_fx
 from popbert.runtime.session import TrainingSession
 
@@ -58,6 +58,9 @@ def test_per_sequence_equals_dense_masked_attention():
     module = BlockDiagonalAttention(scale=None)
     dense, dense_grads = run(module, segments, tensors, varlen=False)
     per_seq, per_seq_grads = run(module, segments, tensors, varlen=True)
+    plan = bucket_plan(segments)
+    assert [b.index.shape[1] for b in plan] == [32, 64, 96, 128]  # really per sequence
+    assert sum(int(b.valid.sum()) for b in plan) == int((segments > 0).sum())
     assert torch.allclose(per_seq, dense, atol=TOL, rtol=0)
     for a, b in zip(per_seq_grads, dense_grads, strict=True):
         assert torch.allclose(a, b, atol=TOL, rtol=0)
@@ -79,6 +82,12 @@ def test_runs_not_in_packer_layout_take_the_dense_path():
     out, grads = run(module, segments, tensors, varlen=True)
     assert torch.equal(out, dense)
     assert all(torch.equal(a, b) for a, b in zip(grads, dense_grads, strict=True))
+
+
+def test_nearly_full_rows_keep_the_dense_attention():
+    """Buckets that would save under a tenth of the dense work are not worth moving tokens."""
+    assert bucket_plan(packed_segments([[128], [120, 8], [100, 20]], 128)) is None
+    assert bucket_plan(packed_segments([[64, 64], [100, 20]], 128)) is not None
 
 
 def test_dropout_is_seeded_and_only_in_training():
@@ -137,7 +146,7 @@ def test_packed_model_trains_the_same_per_sequence_or_dense():
     session = TrainingSession(build_bert(packed_config, seed=7).model(), "loss",
                               lambda params: torch.optim.SGD([p for _, p in params], lr=0.0))
     modules = [m for m in session.module.modules() if isinstance(m, BlockDiagonalAttention)]
-    assert modules
+    assert modules and bucket_plan(torch.from_numpy(packed["sequence_index"])) is not None
     results = {}
     for varlen in (True, False):
         for m in modules:

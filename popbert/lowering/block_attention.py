@@ -21,7 +21,8 @@ meaningless average, which nothing downstream reads. Under ``torch.compile`` (da
 bucket shapes would recompile every step) and whenever ``sequence_index`` is not the packer's
 layout (each sequence one contiguous run, numbered upwards along the row), the module computes
 the dense masked attention from ``sequence_index`` instead, which is exactly the graph's
-computation.
+computation; so it does when the buckets would save less than a tenth of the dense attention
+(:data:`MAX_WORK_FRACTION`: nearly full rows, where moving the tokens costs more).
 """
 
 from __future__ import annotations
@@ -48,9 +49,12 @@ log = logging.getLogger(__name__)
 __all__ = [
     "BUCKET",
     "MAX_MASK_VALUE",
+    "MAX_WORK_FRACTION",
     "BlockDiagonalAttention",
     "emit_block_attention",
+    "Bucket",
     "MaskedAttentionChain",
+    "bucket_plan",
     "find_block_diagonal_masks",
     "find_masked_attention_chains",
 ]
@@ -58,6 +62,11 @@ __all__ = [
 #: Sequences are grouped by length rounded up to a multiple of this many tokens: at most
 #: ``S / BUCKET`` attention calls per layer, each padded by less than BUCKET tokens.
 BUCKET = 32
+#: Attend per sequence only when the buckets' ``Σ n·L²`` is at most this fraction of the dense
+#: ``B·S²``: gathering and scattering the tokens costs about what 10% of the attention does
+#: (L4 H256 on CPU, dropout 0.1: at 0.99 and 0.92 per-sequence steps were 7% and 4% slower, at
+#: 0.89 5% faster, at 0.21 1.66x faster; `benchmarks/packing_throughput.py`).
+MAX_WORK_FRACTION = 0.9
 #: The mask's "drop" value must be at most this (an exact zero after softmax in FP32).
 MAX_MASK_VALUE = -1e4
 
@@ -292,13 +301,14 @@ def _packed_runs(segments: Tensor) -> tuple[list[int], list[int]] | None:
 
 
 @dataclass(frozen=True)
-class _Bucket:
+class Bucket:
     index: Tensor  # [n, L] token of each slot in the flattened [B·S] tokens (0 on padding)
     valid: Tensor  # [n, L] the slot holds a real token of its sequence
 
 
-def _bucket_plan(segments: Tensor) -> list[_Bucket] | None:
-    """The sequences grouped by length rounded up to BUCKET (None: not the packer's layout)."""
+def bucket_plan(segments: Tensor) -> list[Bucket] | None:
+    """The sequences grouped by length rounded up to BUCKET; None when the dense attention is
+    the better (or the only exact) choice."""
     runs = _packed_runs(segments)
     if runs is None:
         return None
@@ -307,6 +317,9 @@ def _bucket_plan(segments: Tensor) -> list[_Bucket] | None:
     groups: dict[int, list[int]] = {}
     for i, length in enumerate(lengths):
         groups.setdefault(min(-(-length // BUCKET) * BUCKET, width), []).append(i)
+    work = sum(len(members) * size * size for size, members in groups.items())
+    if work > MAX_WORK_FRACTION * segments.shape[0] * width * width:
+        return None  # too little to save: the dense masked attention is as fast
     plan = []
     for size, members in sorted(groups.items()):
         start = torch.tensor([starts[i] for i in members])
@@ -314,7 +327,7 @@ def _bucket_plan(segments: Tensor) -> list[_Bucket] | None:
         offset = torch.arange(size)
         valid = offset[None, :] < length[:, None]
         index = torch.where(valid, start[:, None] + offset[None, :], 0)
-        plan.append(_Bucket(index.to(segments.device), valid.to(segments.device)))
+        plan.append(Bucket(index.to(segments.device), valid.to(segments.device)))
     return plan
 
 
@@ -325,12 +338,12 @@ class _PlanCache(threading.local):
 
     segments: Tensor | None = None
     version: int = -1
-    plan: list[_Bucket] | None = None
+    plan: list[Bucket] | None = None
 
-    def get(self, segments: Tensor) -> list[_Bucket] | None:
+    def get(self, segments: Tensor) -> list[Bucket] | None:
         if self.segments is not segments or self.version != segments._version:
             self.segments, self.version = segments, segments._version
-            self.plan = _bucket_plan(segments)
+            self.plan = bucket_plan(segments)
         return self.plan
 
 
@@ -340,8 +353,9 @@ _PLANS = _PlanCache()
 class BlockDiagonalAttention(nn.Module):
     """Softmax attention of ``[B, heads, S, d]`` q, k, v within each packed sequence.
 
-    ``varlen=False`` (or a compiled or non-packer-layout call) computes the dense masked
-    attention instead; both give the same real-token outputs.
+    ``varlen=False`` (or a compiled call, rows not in the packer's layout, or rows so full that
+    little is saved: :data:`MAX_WORK_FRACTION`) computes the dense masked attention instead;
+    both give the same real-token outputs.
     """
 
     def __init__(self, scale: float | None, dropout: float = 0.0) -> None:
@@ -373,7 +387,7 @@ class BlockDiagonalAttention(nn.Module):
         return torch.matmul(probs, v)
 
     @staticmethod
-    def _per_sequence(q: Tensor, k: Tensor, v: Tensor, plan: list[_Bucket], scale: float,
+    def _per_sequence(q: Tensor, k: Tensor, v: Tensor, plan: list[Bucket], scale: float,
                       p: float) -> Tensor:
         rows, heads, width, _ = q.shape
         # [B, h, S, d] → one row per token [B·S, h, d] (a view when q is a head-split of

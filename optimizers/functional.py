@@ -29,11 +29,21 @@ update), so tensors that skipped steps keep their own bias correction. Updates f
 
 from __future__ import annotations
 
+import logging
 import math
+import struct
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+
+from popbert.optimizers.stochastic_rounding import (
+    COMPILE_MIN_NUMEL,
+    HashedRounding,
+    compilation_enabled,
+    hashed_round_bf16_bits,
+    stochastic_round_hashed,
+)
 
 __all__ = [
     "adam_moments_",
@@ -50,6 +60,8 @@ __all__ = [
     "default_tile_numel",
     "tile_plan",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 def _bias_corrections(beta: float, steps: Sequence[int], enabled: bool) -> list[float]:
@@ -366,6 +378,230 @@ def _tiles(
     return tile_plan([p.numel() for p in params], tile_numel, splittable)
 
 
+# ----------------------------------------------------------------------------- fused half steps
+#
+# Half weights with counter-based stochastic rounding skip the FP32 copies of weights and grads
+# and most passes over the state: per large piece, one compiled loop updates the FP32 moments in
+# place from the half (or FP32) gradient, torch's own ``sqrt`` takes the second moment (its CPU
+# kernel is not correctly rounded, and a compiled one would be: it stays eager so the result is
+# the unfused path's), and a second compiled loop computes the update from the half weight and
+# writes the stochastically rounded half weight (BF16; FP16 goes through FP32 and the rounding
+# kernel, which owns FP16's exact path for values below 2**-33). The arithmetic is the eager
+# path's, operation for operation, in FP32 with the same FP32 scalars; where torch's CPU kernels
+# fuse a multiply-add (lerp, addcmul's last step, add with alpha) the loops use an FMA too. So
+# weights and moments are bit-identical to the unfused path: checked on first use against it
+# on a probe (a torch build whose kernels round differently keeps the unfused path) and tested.
+# LAMB's per-tensor norms stay on torch's reductions (of the FP32 update and of the half weight,
+# equal to those of its exact FP32 widening), between a first and a second compiled pass.
+
+# FP32 scalars of one piece, in this order (as the eager ops cast their Python scalars).
+_LERP, _B2, _C2, _GSCALE, _EPS, _DIV, _DECAY, _STEP, _WD = range(9)
+_fused_kernels: dict[str, Callable[..., object]] = {}
+_fused_failed = False
+_fused_checked: dict[tuple[object, ...], bool] = {}
+
+
+def _fma(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+    """``a * b + c`` rounded once (Inductor's fused multiply-add; only ever compiled)."""
+    return torch.ops.prims.fma(a.expand_as(b), b, c)
+
+
+def _moments_kernel(g: Tensor, m: Tensor, v: Tensor, hp: Tensor, lerp_end: bool) -> None:
+    """``m.lerp_(g, 1 - b1)`` and ``v.mul_(b2).addcmul_(g, g, 1 - b2)`` in place, as torch's CPU
+    kernels compute them: lerp ``fma(w, g - m, m)`` (``fma(w - 1, g - m, g)`` for
+    ``w >= 0.5``), addcmul ``fma(c g, g, v)``; ``g`` widened and scaled first."""
+    g = g.float() * hp[_GSCALE]
+    m_new = _fma(hp[_LERP], g - m, g if lerp_end else m)
+    v_new = _fma(hp[_C2] * g, g, v * hp[_B2])
+    m.copy_(m_new)
+    v.copy_(v_new)
+
+
+def _round_into(w: Tensor, args: Tensor, out: Tensor) -> None:
+    """New FP32 weights into ``out``: an int32 ``out`` receives the patterns of their BF16
+    stochastic rounding (``args`` = [index of the first element, key0, key1]), an FP32 one
+    the weights themselves (FP16 is rounded by the rounding kernel)."""
+    if out.dtype == torch.int32:
+        index = torch.arange(w.shape[0], dtype=torch.int32, device=w.device) + args[0]
+        out.copy_(hashed_round_bf16_bits(w, index, args[1], args[2]))
+    else:
+        out.copy_(w)
+
+
+def _adamw_kernel(p: Tensor, m: Tensor, root: Tensor, hp: Tensor, args: Tensor,
+                  out: Tensor) -> None:
+    """``w * (1 - lr wd) + (-lr c) m / (sqrt(v) + eps')`` (mul, then addcdiv)."""
+    w = p.float() * hp[_DECAY] + hp[_STEP] * m / (root + hp[_EPS])
+    _round_into(w, args, out)
+
+
+def _lamb_update_kernel(p: Tensor, m: Tensor, root: Tensor, hp: Tensor, out: Tensor,
+                        widened: Tensor, decay: bool) -> None:
+    """LAMB's ``u = m / ((sqrt(v) + eps') / c) + wd w`` (the last step an FMA) into ``out``,
+    and the FP32 weights into ``widened`` (for their norm)."""
+    w = p.float()
+    u = m / ((root + hp[_EPS]) / hp[_DIV])
+    if decay:
+        u = _fma(hp[_WD], w, u)
+    out.copy_(u)
+    widened.copy_(w)
+
+
+def _apply_kernel(p: Tensor, u: Tensor, hp: Tensor, args: Tensor, out: Tensor) -> None:
+    """``w + alpha u`` as ``Tensor.add_(u, alpha=...)`` computes it (an FMA)."""
+    _round_into(_fma(hp[0], u, p.float()), args, out)
+
+
+_KERNEL_FNS: dict[str, Callable[..., None]] = {
+    "moments": _moments_kernel,
+    "adamw": _adamw_kernel,
+    "lamb_update": _lamb_update_kernel,
+    "apply": _apply_kernel,
+}
+
+
+def _run_fused(name: str, *operands: object) -> None:
+    fn = _fused_kernels.get(name)
+    if fn is None:
+        import torch._inductor.inductor_prims  # noqa: F401 - registers torch.ops.prims.fma
+
+        fn = torch.compile(_KERNEL_FNS[name], dynamic=True)
+        _fused_kernels[name] = fn
+    fn(*operands)
+
+
+def _flat_piece(t: Tensor, start: int, stop: int) -> Tensor:
+    """Elements ``start:stop`` of contiguous ``t`` as a flat alias without autograd flags or a
+    view base: the compiled kernels guard on those, and every parameter would otherwise
+    compile its own variant."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset() + start, (stop - start,), (1,))
+
+
+def _f32(value: float) -> float:
+    """``value`` as torch's CPU kernels use a Python scalar on FP32 tensors (rounded once)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+class _Scratch:
+    """A reusable flat FP32 buffer (one per step call: no allocation per piece)."""
+
+    def __init__(self) -> None:
+        self._buf: Tensor | None = None
+
+    def get(self, n: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        if self._buf is None or self._buf.numel() < n:
+            self._buf = torch.empty(n, dtype=torch.float32)
+        return _flat_piece(self._buf.view(dtype), 0, n)
+
+
+class _FusedPiece:
+    """One large piece of a half-weight step: flat aliases of weight, grad and moments, and
+    the piece's rounding counter (key and index of its first element)."""
+
+    def __init__(self, piece: tuple[int, int, int], lists: Sequence[list[Tensor]],
+                 rounding: HashedRounding, scratch: _Scratch) -> None:
+        i, start, stop = piece
+        self.i = i
+        self.n = stop - start
+        self.p, self.g, self.m, self.v = (_flat_piece(t[i], start, stop) for t in lists)
+        self.key = rounding.key(i)
+        self.base = rounding.base(i, start)
+        if self.base < 0 or self.base + self.n - 1 > (1 << 31) - 1:
+            raise ValueError(f"element indices {self.base}..{self.base + self.n - 1} "
+                             "exceed the int32 counter")
+        self.args = torch.tensor([self.base, *self.key], dtype=torch.int32)
+        self.scratch = scratch
+
+    def moments(self, hp: Tensor, lerp_end: bool) -> Tensor:
+        """Update the moments in place; returns ``sqrt(v)`` (torch's kernel, see above)."""
+        _run_fused("moments", self.g, self.m, self.v, hp, lerp_end)
+        return torch.sqrt(self.v)
+
+    def write(self, name: str, operands: tuple[object, ...]) -> None:
+        """Run kernel ``name`` into the scratch buffer: BF16 gets the patterns of its rounded
+        values (converted exactly by the copy), FP16 the FP32 weights, rounded by the
+        rounding kernel."""
+        if self.p.dtype == torch.bfloat16:
+            _run_fused(name, *operands, self.args, self.scratch.get(self.n, torch.int32))
+            self.p.copy_(self.scratch.get(self.n))
+            return
+        out = self.scratch.get(self.n)
+        _run_fused(name, *operands, self.args, out)
+        stochastic_round_hashed(out, self.p.dtype, self.key, self.base, out=self.p)
+
+
+def _moment_scalars(beta1: float, beta2: float, step: int, eps: float, bias_correction: bool,
+                    grad_factor: float) -> tuple[list[float], bool]:
+    """A piece's FP32 scalars for the moments and the denominator, and lerp's branch."""
+    weight = _f32(1.0 - beta1)
+    lerp_end = not abs(weight) < 0.5  # torch's is_lerp_weight_small
+    hp = [1.0] * 9
+    hp[_LERP] = weight - 1.0 if lerp_end else weight  # exact in FP32 (Sterbenz)
+    hp[_B2] = _f32(beta2)
+    hp[_C2] = _f32(1.0 - beta2)
+    hp[_GSCALE] = _f32(grad_factor)
+    bc2 = _bias_corrections(beta2, [step], bias_correction)[0]
+    hp[_EPS] = _f32(eps * math.sqrt(bc2) if bias_correction else eps)
+    return hp, lerp_end
+
+
+def _fused_adamw(piece: _FusedPiece, step: int, *, lr: float, beta1: float, beta2: float,
+                 eps: float, weight_decay: float, bias_correction: bool,
+                 grad_factor: float) -> None:
+    hp, lerp_end = _moment_scalars(beta1, beta2, step, eps, bias_correction, grad_factor)
+    if weight_decay != 0.0:
+        hp[_DECAY] = _f32(1.0 - lr * weight_decay)
+    hp[_STEP] = _f32(-lr * adam_direction_scales([step], beta1, beta2, bias_correction)[0])
+    scalars = torch.tensor(hp, dtype=torch.float32)
+    root = piece.moments(scalars, lerp_end)
+    piece.write("adamw", (piece.p, piece.m, root, scalars))
+
+
+def _fused_lamb_update(piece: _FusedPiece, step: int, widened: Tensor, *, beta1: float,
+                       beta2: float, eps: float, weight_decay: float, bias_correction: bool,
+                       grad_factor: float) -> Tensor:
+    """LAMB's first pass: moments in place, the FP32 weights into ``widened``; returns the
+    FP32 update ``u`` (flat)."""
+    hp, lerp_end = _moment_scalars(beta1, beta2, step, eps, bias_correction, grad_factor)
+    if bias_correction:
+        hp[_DIV] = _f32(adam_direction_scales([step], beta1, beta2, True)[0])
+    hp[_WD] = _f32(weight_decay)
+    scalars = torch.tensor(hp, dtype=torch.float32)
+    root = piece.moments(scalars, lerp_end)
+    _run_fused("lamb_update", piece.p, piece.m, root, scalars, root, widened,
+               weight_decay != 0.0)
+    return root  # the update, written over sqrt(v)
+
+
+def _fused_apply(piece: _FusedPiece, update: Tensor, alpha: float) -> None:
+    """``w += alpha u`` (``alpha`` cast as ``Tensor.add_`` casts it), then rounded."""
+    piece.write("apply", (piece.p, update, torch.tensor([alpha], dtype=torch.float32)))
+
+
+def _fusable(round_fn: RoundFn | None, params: list[Tensor]) -> HashedRounding | None:
+    """The hashed rounding to fuse into the step, or None for the unfused path."""
+    if _fused_failed or not isinstance(round_fn, HashedRounding) or not compilation_enabled():
+        return None
+    if not params or params[0].device.type != "cpu":
+        return None  # Inductor's CPU loops are what was measured and checked
+    return round_fn if params[0].dtype in (torch.float16, torch.bfloat16) else None
+
+
+def _split_tile(tile: list[tuple[int, int, int]], lists: Sequence[list[Tensor]],
+                fused: HashedRounding | None) -> tuple[list[tuple[int, int, int]],
+                                                       list[tuple[int, int, int]]]:
+    """(pieces for the fused kernels, the rest): large pieces of contiguous tensors."""
+    if fused is None:
+        return [], tile
+    big, rest = [], []
+    for piece in tile:
+        i, start, stop = piece
+        ok = stop - start >= COMPILE_MIN_NUMEL and all(t[i].is_contiguous() for t in lists)
+        (big if ok else rest).append(piece)
+    return big, rest
+
+
 def adamw_step_(
     params: list[Tensor],
     grads: list[Tensor],
@@ -390,7 +626,18 @@ def adamw_step_(
     ``grads`` of any float dtype are widened and multiplied by ``grad_factor`` (unscale, clip)
     without modifying them. Moments are FP32. ``tile_numel``: see :func:`default_tile_numel`.
     """
+    lists = (params, grads, exp_avgs, exp_avg_sqs)
+    fused = _fusable(round_fn, params)
+    scratch = _Scratch()
     for tile in _tiles(params, grads, exp_avgs, exp_avg_sqs, tile_numel):
+        big, tile = _split_tile(tile, lists, fused)
+        for piece in big:
+            assert fused is not None
+            _fused_adamw(_FusedPiece(piece, lists, fused, scratch), steps[piece[0]], lr=lr,
+                         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                         bias_correction=bias_correction, grad_factor=grad_factor)
+        if not tile:
+            continue
         t = _Tile(tile, params, grads, exp_avgs, exp_avg_sqs, steps)
         weights = t.weights()
         adam_moments_(t.exp_avgs, t.exp_avg_sqs, t.grads(grad_factor), beta1, beta2)
@@ -446,6 +693,8 @@ def lamb_step_(
     and returns it summed over replicas, e.g. ``lambda sq: (dist.all_reduce(sq), sq)[1]``.
     """
     plan = _tiles(params, grads, exp_avgs, exp_avg_sqs, tile_numel)
+    lists = (params, grads, exp_avgs, exp_avg_sqs)
+    fused = _fusable(round_fn, params)
     hyper = {
         "beta1": beta1,
         "beta2": beta2,
@@ -457,13 +706,37 @@ def lamb_step_(
         denoms = adam_denominators(t.exp_avg_sqs, t.steps, beta2, eps, bias_correction)
         return lamb_updates(weights, t.exp_avgs, denoms, t.steps, **hyper)
 
+    scratch, widened = _Scratch(), _Scratch()
+
+    def first_pass(tile: list[tuple[int, int, int]]) -> tuple[
+            list[tuple[_FusedPiece, Tensor, Tensor]], _Tile | None, list[Tensor], list[Tensor]]:
+        """Moments and updates of one tile: (fused pieces with their FP32 updates and weights'
+        squared norms, the unfused rest with its FP32 weights and updates)."""
+        big, rest = _split_tile(tile, lists, fused)
+        done = []
+        for piece in big:
+            assert fused is not None
+            fp = _FusedPiece(piece, lists, fused, scratch)
+            w32 = widened.get(fp.n)
+            update = _fused_lamb_update(fp, steps[piece[0]], w32, eps=eps,
+                                        grad_factor=grad_factor, **hyper)
+            # The norm of the FP32 weights, as the unfused path takes it (before w32 is reused).
+            done.append((fp, update, per_tensor_sq_norms([w32]) if trust_ratio else None))
+        if not rest:
+            return done, None, [], []
+        t = _Tile(rest, params, grads, exp_avgs, exp_avg_sqs, steps)
+        weights = t.weights()
+        adam_moments_(t.exp_avgs, t.exp_avg_sqs, t.grads(grad_factor), beta1, beta2)
+        return done, t, weights, updates_of(t, weights)
+
     if not trust_ratio:
         for tile in plan:
-            t = _Tile(tile, params, grads, exp_avgs, exp_avg_sqs, steps)
-            weights = t.weights()
-            adam_moments_(t.exp_avgs, t.exp_avg_sqs, t.grads(grad_factor), beta1, beta2)
-            apply_updates_(weights, updates_of(t, weights), lr)
-            t.store(round_fn)
+            done, t, weights, updates = first_pass(tile)
+            for fp, update, _ in done:
+                _fused_apply(fp, update, -lr)
+            if t is not None:
+                apply_updates_(weights, updates, lr)
+                t.store(round_fn)
         return
 
     if tensor_index is None:
@@ -472,6 +745,13 @@ def lamb_step_(
         num_tensors = max(tensor_index, default=-1) + 1
     device = params[0].device if params else torch.device("cpu")
     sq_norms = torch.zeros(2, num_tensors, dtype=torch.float64, device=device)
+
+    def add_norms(index: list[int], weight_sq: Tensor, updates: list[Tensor]) -> Tensor:
+        where = torch.tensor([tensor_index[i] for i in index], device=device)
+        partial = torch.stack([weight_sq, per_tensor_sq_norms(updates)])
+        sq_norms.index_add_(1, where, partial.to(device=device, dtype=torch.float64))
+        return where
+
     # A tensor's ratio is final once its last piece is through the first pass, so each tile is
     # applied as soon as all its tensors are complete: only the updates of tensors still in
     # progress are held. Shards wait for the all-reduce, so they hold everything.
@@ -482,17 +762,28 @@ def lamb_step_(
     ready_at = [max(last_tile[i] for i, _, _ in tile) for tile in plan]
     if reduce_sq_norms is not None:
         ready_at = [len(plan) - 1] * len(plan)
-    pending: list[tuple[_Tile, list[Tensor], list[Tensor], Tensor, int]] = []
+    pending: list[tuple[Callable[[Tensor], None], int]] = []
     for k, tile in enumerate(plan):
-        t = _Tile(tile, params, grads, exp_avgs, exp_avg_sqs, steps)
-        weights = t.weights()
-        adam_moments_(t.exp_avgs, t.exp_avg_sqs, t.grads(grad_factor), beta1, beta2)
-        updates = updates_of(t, weights)
-        index = torch.tensor([tensor_index[i] for i in t.index], device=device)
-        partial = torch.stack([per_tensor_sq_norms(weights), per_tensor_sq_norms(updates)])
-        sq_norms.index_add_(1, index, partial.to(device=device, dtype=torch.float64))
-        pending.append((t, weights, updates, index, ready_at[k]))
-        if pending[0][4] > k:
+        done, t, weights, updates = first_pass(tile)
+        if done:
+            where = add_norms([fp.i for fp, _, _ in done], torch.cat([sq for _, _, sq in done]),
+                              [u for _, u, _ in done])
+
+            def apply_fused(ratios: Tensor, done=done, where=where) -> None:
+                for (fp, update, _), ratio in zip(done, ratios[where].tolist(), strict=True):
+                    _fused_apply(fp, update, ratio * -lr)  # as apply_updates_ computes it
+
+            pending.append((apply_fused, ready_at[k]))
+        if t is not None:
+            where = add_norms(t.index, per_tensor_sq_norms(weights), updates)
+
+            def apply_rest(ratios: Tensor, t=t, weights=weights, updates=updates,
+                           where=where) -> None:
+                apply_updates_(weights, updates, lr, ratios[where])
+                t.store(round_fn)
+
+            pending.append((apply_rest, ready_at[k]))
+        if not pending or pending[0][1] > k:
             continue
         if reduce_sq_norms is not None:
             sq_norms = reduce_sq_norms(sq_norms)
@@ -502,9 +793,8 @@ def lamb_step_(
             max_trust_ratio=max_trust_ratio,
             max_weight_norm=max_weight_norm,
         )
-        while pending and pending[0][4] <= k:
-            t, weights, updates, index, _ = pending.pop(0)
-            apply_updates_(weights, updates, lr, ratios[index])
-            t.store(round_fn)
+        while pending and pending[0][1] <= k:
+            apply, _ = pending.pop(0)
+            apply(ratios)
     if reduce_sq_norms is not None and not plan:  # an empty shard still joins the all-reduce
         reduce_sq_norms(sq_norms)

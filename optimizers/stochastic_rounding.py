@@ -48,8 +48,11 @@ from torch import Tensor
 __all__ = [
     "COMPILE_MIN_NUMEL",
     "ROUNDING_SCHEME",
+    "HashedRounding",
     "RoundFn",
+    "compilation_enabled",
     "hash_bits",
+    "hashed_round_bf16_bits",
     "hashed_round_fn",
     "round_to_dtype",
     "rounding_key",
@@ -245,8 +248,9 @@ def _index(bits: Tensor, args: Tensor) -> Tensor:
     return torch.arange(bits.shape[0], dtype=torch.int32, device=bits.device) + args[0]
 
 
-def _bf16_round(bits: Tensor, index: Tensor, key0: Tensor | int, key1: Tensor | int) -> Tensor:
-    """BF16 values of FP32 patterns ``bits`` (elementwise; keys scalar or per element).
+def _bf16_round_bits(bits: Tensor, index: Tensor, key0: Tensor | int,
+                     key1: Tensor | int) -> Tensor:
+    """FP32 patterns of the BF16 values of FP32 patterns ``bits`` (low 16 bits zero).
 
     Adds 16 random bits below BF16's last mantissa bit and truncates them (the conversion is
     then exact). NaN lanes skip the add (it could carry out of their payload) and are
@@ -254,8 +258,12 @@ def _bf16_round(bits: Tensor, index: Tensor, key0: Tensor | int, key1: Tensor | 
     """
     noise = hash_bits(index, (key0, key1)) & 0xFFFF
     nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    rounded = torch.where(nan, bits | _QUIET_NAN_BIT, (bits + noise) & -65536)
-    return rounded.view(torch.float32).to(torch.bfloat16)
+    return torch.where(nan, bits | _QUIET_NAN_BIT, (bits + noise) & -65536)
+
+
+def _bf16_round(bits: Tensor, index: Tensor, key0: Tensor | int, key1: Tensor | int) -> Tensor:
+    """BF16 values of FP32 patterns ``bits`` (elementwise; keys scalar or per element)."""
+    return _bf16_round_bits(bits, index, key0, key1).view(torch.float32).to(torch.bfloat16)
 
 
 def _fp16_round(
@@ -464,30 +472,46 @@ def _round_small(values: list[Tensor], outs: list[Tensor], bases: list[int],
     torch._foreach_copy_(outs, [c.view(o.shape) for c, o in zip(chunks, outs, strict=True)])
 
 
-def hashed_round_fn(
-    seed: int,
-    steps: Sequence[int],
-    tensor_ids: Sequence[int],
-    offsets: Sequence[int] | None = None,
-) -> RoundFn:
+class HashedRounding:
     """A ``round_fn`` for :mod:`popbert.optimizers.functional` steps, rounding stochastically.
 
     Fragment ``i`` of the step's lists is part of tensor ``tensor_ids[i]`` starting at element
     ``offsets[i]`` (0 by default) and is at optimizer step ``steps[i]``: its bits depend on
-    ``(seed, steps[i], tensor_ids[i], element index)`` only. Pieces of at least
-    :data:`COMPILE_MIN_NUMEL` elements take the compiled kernel one by one, smaller ones one
-    batched eager pass.
+    ``(seed, steps[i], tensor_ids[i], element index)`` only. Called as a ``RoundFn``, pieces of
+    at least :data:`COMPILE_MIN_NUMEL` elements take the compiled kernel one by one, smaller
+    ones one batched eager pass. :meth:`key` and :meth:`base` expose the counter, so a step
+    can round inside its own fused kernel and draw the very same bits.
     """
 
-    def round_fn(values: Tensor, outs: list[Tensor], pieces: list[tuple[int, int]]) -> None:
+    def __init__(
+        self,
+        seed: int,
+        steps: Sequence[int],
+        tensor_ids: Sequence[int],
+        offsets: Sequence[int] | None = None,
+    ) -> None:
+        self.seed = seed
+        self.steps = steps
+        self.tensor_ids = tensor_ids
+        self.offsets = offsets
+
+    def key(self, i: int) -> Key:
+        """The rounding key of fragment ``i`` at its step."""
+        return rounding_key(self.seed, self.steps[i], self.tensor_ids[i])
+
+    def base(self, i: int, start: int) -> int:
+        """Index in its tensor of element ``start`` of fragment ``i``."""
+        return (0 if self.offsets is None else self.offsets[i]) + start
+
+    def __call__(self, values: Tensor, outs: list[Tensor], pieces: list[tuple[int, int]]) -> None:
         small: tuple[list[Tensor], list[Tensor], list[int], list[Key]] = ([], [], [], [])
         offset = 0
         for out, (i, start) in zip(outs, pieces, strict=True):
             n = out.numel()
             part = values[offset:offset + n]
             offset += n
-            key = rounding_key(seed, steps[i], tensor_ids[i])
-            base = (0 if offsets is None else offsets[i]) + start
+            key = self.key(i)
+            base = self.base(i, start)
             if n >= COMPILE_MIN_NUMEL:
                 stochastic_round_hashed(part, out.dtype, key, base, out=out)
             else:
@@ -496,7 +520,36 @@ def hashed_round_fn(
         if small[0]:
             _round_small(*small)
 
-    return round_fn
+
+def hashed_round_fn(
+    seed: int,
+    steps: Sequence[int],
+    tensor_ids: Sequence[int],
+    offsets: Sequence[int] | None = None,
+) -> HashedRounding:
+    """The :class:`HashedRounding` of one step's fragments (a ``RoundFn``)."""
+    return HashedRounding(seed, steps, tensor_ids, offsets)
+
+
+def hashed_round_bf16_bits(values: Tensor, index: Tensor, key0: Tensor | int,
+                           key1: Tensor | int) -> Tensor:
+    """BF16 stochastic rounding of FP32 ``values`` at element indices ``index`` (int32), as
+    the int32 patterns of FP32 numbers that convert to BF16 exactly (``.to(torch.bfloat16)``
+    of their float view is the rounded value).
+
+    The elementwise expression :func:`stochastic_round_hashed` evaluates (same bits for the
+    same key and indices), for callers that trace it into their own compiled loop, e.g. the
+    optimizers' fused half-weight step. Leaving the narrowing conversion to a separate eager
+    copy is faster on CPU: Inductor's bit cast feeding a BF16 conversion costs more than the
+    extra pass. Keys are scalars (int or int32 tensors) or per element.
+    """
+    return _bf16_round_bits(values.view(torch.int32), index, key0, key1)
+
+
+def compilation_enabled() -> bool:
+    """Whether stochastic rounding (and the fused half-weight steps) may use ``torch.compile``:
+    false under ``POPBERT_SR_COMPILE=0`` or after a compile failed on this platform."""
+    return not _compile_disabled
 
 
 def round_to_dtype(

@@ -197,16 +197,25 @@ def main() -> None:
                                                      batch_size)
     print(f"(packing the bundled corpus at {seq}: padding {stats.padding_before:.1%} of token "
           f"slots → {stats.padding_after:.1%}, at most {stats.speedup:.2f}x real tokens/s)")
-    for what, batch, extra in (("padded, bundled corpus", padded, {}),
-                               ("packed, bundled corpus", packed,
-                                dict(packed=True, max_sequences_per_pack=per_pack,
-                                     max_predictions_per_seq=packed["masked_lm_ids"].shape[1]))):
+    packing = dict(packed=True, max_sequences_per_pack=per_pack,
+                   max_predictions_per_seq=packed["masked_lm_ids"].shape[1])
+    # Compiled, packed rows attend through the graph's dense block-diagonal mask; eager, per
+    # sequence (popbert.lowering.block_attention), so both are measured.
+    for what, batch, extra, compiled in (
+            ("padded, bundled corpus", padded, {}, compile_),
+            ("packed, bundled corpus, " + ("dense mask (compiled)" if compile_ else
+                                            "per sequence where it pays (eager)"),
+             packed, packing, compile_),
+            ("packed, bundled corpus, per sequence (eager)", packed, packing, False)):
+        if what.endswith("(eager)") and not compile_:
+            continue  # the row above already ran eager, per sequence
+        extra = dict(extra)
         config = BertConfig(**{**SHAPES[model_name], "vocab_size": 8192}, sequence_length=seq,
                             max_position_embeddings=seq,
                             max_predictions_per_seq=extra.pop("max_predictions_per_seq",
                                                               padded["masked_lm_ids"].shape[1]),
                             **extra)
-        step, flops = popbert_step(config, batch, args.device, compute, compile_)
+        step, flops = popbert_step(config, batch, args.device, compute, compiled)
         row(f"popbert {what}", f"{model_name} seq {seq}", batch,
             seconds_per_step(step, args.device, args.warmup, args.steps), None)
         del step

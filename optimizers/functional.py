@@ -579,13 +579,70 @@ def _fused_apply(piece: _FusedPiece, update: Tensor, alpha: float) -> None:
     piece.write("apply", (piece.p, update, torch.tensor([alpha], dtype=torch.float32)))
 
 
-def _fusable(round_fn: RoundFn | None, params: list[Tensor]) -> HashedRounding | None:
-    """The hashed rounding to fuse into the step, or None for the unfused path."""
+_probe_mode: str | None = None  # "fused" / "unfused" while a probe runs (see _fusable)
+
+
+def _fusable(round_fn: RoundFn | None, params: list[Tensor], grads: list[Tensor],
+             probe: Callable[[], tuple[list[Tensor], list[Tensor]]], key: tuple[object, ...]
+             ) -> HashedRounding | None:
+    """The hashed rounding to fuse into the step, or None for the unfused path.
+
+    The first call of each kind (kernel, dtypes, flags) runs ``probe`` (the same step on
+    small random tensors) fused and unfused and fuses only if they agree bit for bit: a
+    torch build whose CPU kernels round differently (no FMA, say) keeps the unfused path.
+    """
+    global _fused_failed
+    if _probe_mode is not None:
+        return round_fn if _probe_mode == "fused" else None  # type: ignore[return-value]
     if _fused_failed or not isinstance(round_fn, HashedRounding) or not compilation_enabled():
         return None
     if not params or params[0].device.type != "cpu":
         return None  # Inductor's CPU loops are what was measured and checked
-    return round_fn if params[0].dtype in (torch.float16, torch.bfloat16) else None
+    if params[0].dtype not in (torch.float16, torch.bfloat16):
+        return None
+    key = (*key, params[0].dtype, tuple(sorted({str(g.dtype) for g in grads})))
+    ok = _fused_checked.get(key)
+    if ok is None:
+        try:
+            ok = _probe_agrees(probe)
+        except Exception:  # no C++ compiler, unsupported platform...: unfused is exact too
+            logger.warning("compiling the fused half-weight optimizer step failed; using the "
+                           "unfused step (same results, slower)", exc_info=True)
+            _fused_failed = True
+            return None
+        if not ok:
+            logger.warning("the fused half-weight optimizer step does not reproduce the unfused "
+                           "one bit for bit with this torch build (%s); using the unfused step",
+                           key)
+        _fused_checked[key] = ok
+    return round_fn if ok else None
+
+
+def _probe_agrees(probe: Callable[[], tuple[list[Tensor], list[Tensor]]]) -> bool:
+    global _probe_mode
+    results = []
+    for mode in ("fused", "unfused"):
+        _probe_mode = mode
+        try:
+            results.append(probe())
+        finally:
+            _probe_mode = None
+    (w1, s1), (w2, s2) = results
+    same = [torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(w1, w2)]
+    return all(same) and all(torch.equal(a, b) for a, b in zip(s1, s2, strict=True))
+
+
+def _probe_inputs(params: list[Tensor], grads: list[Tensor]) -> tuple[list[Tensor], ...]:
+    """Fresh random weights, grads and moments like the step's (one piece fused, one not)."""
+    gen = torch.Generator().manual_seed(0)
+    sizes = [COMPILE_MIN_NUMEL + 37, 53]
+    weights = [(torch.randn(n, generator=gen) * 0.05).to(params[0].dtype) for n in sizes]
+    grad = [(torch.randn(n, generator=gen) * 1e-3).to(grads[0].dtype) for n in sizes]
+    m = [torch.randn(n, generator=gen) * 1e-4 for n in sizes]
+    v = [torch.rand(n, generator=gen) * 1e-7 for n in sizes]
+    for w in weights:
+        w[:5] = 0.0  # exact zeros: LAMB's guards, and FP16 rounding of tiny results
+    return weights, grad, m, v
 
 
 def _split_tile(tile: list[tuple[int, int, int]], lists: Sequence[list[Tensor]],
@@ -627,15 +684,24 @@ def adamw_step_(
     without modifying them. Moments are FP32. ``tile_numel``: see :func:`default_tile_numel`.
     """
     lists = (params, grads, exp_avgs, exp_avg_sqs)
-    fused = _fusable(round_fn, params)
+    hyper = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps,
+             "weight_decay": weight_decay, "bias_correction": bias_correction,
+             "grad_factor": grad_factor}
+
+    def probe() -> tuple[list[Tensor], list[Tensor]]:
+        w, g, m, v = _probe_inputs(params, grads)
+        adamw_step_(w, g, m, v, [3, 3], **hyper, tile_numel=tile_numel,
+                    round_fn=HashedRounding(0, [3, 3], [0, 1]))
+        return w, m + v
+
+    fused = _fusable(round_fn, params, grads, probe,
+                     ("adamw", abs(_f32(1.0 - beta1)) >= 0.5, weight_decay != 0.0))
     scratch = _Scratch()
     for tile in _tiles(params, grads, exp_avgs, exp_avg_sqs, tile_numel):
         big, tile = _split_tile(tile, lists, fused)
         for piece in big:
             assert fused is not None
-            _fused_adamw(_FusedPiece(piece, lists, fused, scratch), steps[piece[0]], lr=lr,
-                         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                         bias_correction=bias_correction, grad_factor=grad_factor)
+            _fused_adamw(_FusedPiece(piece, lists, fused, scratch), steps[piece[0]], **hyper)
         if not tile:
             continue
         t = _Tile(tile, params, grads, exp_avgs, exp_avg_sqs, steps)
@@ -694,13 +760,24 @@ def lamb_step_(
     """
     plan = _tiles(params, grads, exp_avgs, exp_avg_sqs, tile_numel)
     lists = (params, grads, exp_avgs, exp_avg_sqs)
-    fused = _fusable(round_fn, params)
     hyper = {
         "beta1": beta1,
         "beta2": beta2,
         "weight_decay": weight_decay,
         "bias_correction": bias_correction,
     }
+
+    def probe() -> tuple[list[Tensor], list[Tensor]]:
+        w, g, m, v = _probe_inputs(params, grads)
+        lamb_step_(w, g, m, v, [3, 3], lr=lr, eps=eps, trust_ratio=trust_ratio,
+                   max_trust_ratio=max_trust_ratio, max_weight_norm=max_weight_norm,
+                   grad_factor=grad_factor, tile_numel=tile_numel,
+                   round_fn=HashedRounding(0, [3, 3], [0, 1]), **hyper)
+        return w, m + v
+
+    fused = _fusable(round_fn, params, grads, probe,
+                     ("lamb", trust_ratio, abs(_f32(1.0 - beta1)) >= 0.5,
+                      weight_decay != 0.0))
 
     def updates_of(t: _Tile, weights: list[Tensor]) -> list[Tensor]:
         denoms = adam_denominators(t.exp_avg_sqs, t.steps, beta2, eps, bias_correction)

@@ -269,7 +269,16 @@ def _bf16_round(bits: Tensor, index: Tensor, key0: Tensor | int, key1: Tensor | 
 def _fp16_round(
     bits: Tensor, index: Tensor, key0: Tensor | int, key1: Tensor | int
 ) -> tuple[Tensor, Tensor]:
-    """FP16 values of FP32 patterns ``bits``, and the lanes left to the exact path.
+    """FP16 values of FP32 patterns ``bits``, and the lanes left to the exact path."""
+    rounded, tiny = _fp16_round_bits(bits, index, key0, key1)
+    return rounded.view(torch.float32).to(torch.float16), tiny
+
+
+def _fp16_round_bits(
+    bits: Tensor, index: Tensor, key0: Tensor | int, key1: Tensor | int
+) -> tuple[Tensor, Tensor]:
+    """FP32 patterns of the FP16 values of FP32 patterns ``bits`` (converting them is exact),
+    and the lanes left to the exact path.
 
     FP16's spacing is ``2**13`` FP32 patterns from its smallest normal up; below it the spacing
     is the constant ``2**-24``, i.e. ``2**(13 + 113 - e)`` patterns at biased exponent ``e``
@@ -291,10 +300,8 @@ def _fp16_round(
     threshold = torch.bitwise_left_shift(significand, shift)  # below 2**32 (wraps to int32)
     up = (noise ^ _SIGN_BIT) < (threshold ^ _SIGN_BIT)
     below = (bits & _SIGN_BIT) | (up.to(torch.int32) * _FP16_TINY_BITS)
-    rounded = torch.where(exponent < _FP16_TINY_EXPONENT, below, grid).view(torch.float32)
-    nan = magnitude > 0x7F800000
-    values = torch.where(nan, bits.view(torch.float32), rounded).to(torch.float16)
-    return values, _fp16_tiny(bits)
+    rounded = torch.where(exponent < _FP16_TINY_EXPONENT, below, grid)
+    return torch.where(magnitude > 0x7F800000, bits, rounded), _fp16_tiny(bits)  # NaN kept
 
 
 def _fp16_tiny(bits: Tensor) -> Tensor:
@@ -303,29 +310,22 @@ def _fp16_tiny(bits: Tensor) -> Tensor:
     return (magnitude < (_FP16_EXACT_EXPONENT << 23)) & (magnitude != 0)
 
 
-def _bf16_kernel(bits: Tensor, args: Tensor) -> Tensor:
-    """One tensor's slice: ``args`` = [offset of its first element, key0, key1]."""
-    return _bf16_round(bits, _index(bits, args), args[1], args[2])
+def _bf16_kernel(bits: Tensor, args: Tensor, out: Tensor) -> None:
+    """One tensor's slice: ``args`` = [offset of its first element, key0, key1]. ``out``
+    (int32) receives FP32 patterns of the rounded values: the narrowing conversion is left to
+    an eager copy, which costs less than Inductor's bit cast feeding its conversion."""
+    out.copy_(_bf16_round_bits(bits, _index(bits, args), args[1], args[2]))
 
 
-def _fp16_kernel(bits: Tensor, args: Tensor) -> tuple[Tensor, Tensor]:
-    values, tiny = _fp16_round(bits, _index(bits, args), args[1], args[2])
-    return values, tiny.any()
-
-
-def _bf16_kernel_into(bits: Tensor, args: Tensor, out: Tensor) -> None:
-    out.copy_(_bf16_kernel(bits, args))
-
-
-def _fp16_kernel_into(bits: Tensor, args: Tensor, out: Tensor) -> Tensor:
-    values, any_tiny = _fp16_kernel(bits, args)
-    out.copy_(values)
-    return any_tiny
+def _fp16_kernel(bits: Tensor, args: Tensor, out: Tensor) -> Tensor:
+    rounded, tiny = _fp16_round_bits(bits, _index(bits, args), args[1], args[2])
+    out.copy_(rounded)
+    return tiny.any()
 
 
 _KERNELS: dict[torch.dtype, Callable[..., object]] = {
-    torch.bfloat16: _bf16_kernel_into,
-    torch.float16: _fp16_kernel_into,
+    torch.bfloat16: _bf16_kernel,
+    torch.float16: _fp16_kernel,
 }
 _compiled_kernels: dict[torch.dtype, Callable[..., object]] = {}
 _compile_disabled = os.environ.get("POPBERT_SR_COMPILE", "1") == "0"
@@ -334,27 +334,31 @@ _compile_disabled = os.environ.get("POPBERT_SR_COMPILE", "1") == "0"
 def _run_kernel(
     dtype: torch.dtype, bits: Tensor, args: Tensor, out: Tensor, compiled: bool | None
 ) -> object:
-    """Round into ``out`` (1-D, contiguous); the compiled kernel writes it in the same loop."""
+    """Round into ``out`` (1-D, contiguous): the kernel writes FP32 patterns of the rounded
+    values, converted exactly by one copy; FP16 returns whether some lanes are tiny."""
     global _compile_disabled
     kernel = _KERNELS[dtype]
     forced = compiled is True
     if compiled is None:
         compiled = not _compile_disabled and bits.numel() >= COMPILE_MIN_NUMEL
-    if not compiled:
-        return kernel(bits, args, out)
-    fn = _compiled_kernels.get(dtype)
-    if fn is None:
-        fn = torch.compile(kernel, dynamic=True)
-        _compiled_kernels[dtype] = fn
+    patterns = torch.empty(bits.shape[0], dtype=torch.int32, device=bits.device)
+    fn = kernel
+    if compiled:
+        fn = _compiled_kernels.get(dtype)
+        if fn is None:
+            fn = torch.compile(kernel, dynamic=True)
+            _compiled_kernels[dtype] = fn
     try:
-        return fn(bits, args, out)
+        any_tiny = fn(bits, args, patterns)
     except Exception:  # no C++ compiler, unsupported platform...: the eager path is exact too
-        if forced:
+        if forced or fn is kernel:
             raise
         logger.warning("compiling the stochastic-rounding kernel failed; using eager torch "
                        "(same bits, slower)", exc_info=True)
         _compile_disabled = True
-        return kernel(bits, args, out)
+        any_tiny = kernel(bits, args, patterns)
+    out.copy_(patterns.view(torch.float32))
+    return any_tiny
 
 
 def stochastic_round_hashed(

@@ -545,3 +545,146 @@ def test_state_dict_copies_are_independent() -> None:
     other.load_state_dict(state)
     _run(other, other.param_groups[0]["params"], range(2, 3))
     assert torch.equal(state["state"][0]["exp_avg"], opt.state[params[0]]["exp_avg"])
+
+
+# ----------------------------------------------------------------------------- fused half step
+
+_FUSE_MIN = 256  # pieces of at least this many elements take the fused kernels here
+
+
+def _count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Fuse pieces from ``_FUSE_MIN`` elements on and record every fused kernel launch."""
+    calls: list[str] = []
+    run = functional._run_fused
+
+    def counting(name: str, *operands: object) -> None:
+        calls.append(name)
+        run(name, *operands)
+
+    monkeypatch.setattr(functional, "COMPILE_MIN_NUMEL", _FUSE_MIN)
+    monkeypatch.setattr(functional, "_run_fused", counting)
+    return calls
+
+
+def _half_run(cls: type, dtype: torch.dtype, fused: bool, monkeypatch: pytest.MonkeyPatch
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[str]]:
+    """Three steps over weights the tiles cut into fused and unfused pieces, with decay and
+    no-decay (LAMB: trust and plain) groups, a loss scale and clipping."""
+    with monkeypatch.context() as patch:
+        calls = _count_fused_calls(patch)
+        patch.setattr(functional, "_fused_failed", not fused)
+        gen = torch.Generator().manual_seed(5)
+        shapes = {"dense.weight": (23, 41), "dense.bias": (300,), "ln.weight": (29,),
+                  "proj.weight": (640,), "proj.bias": (7,)}
+        named = [(name, torch.nn.Parameter((torch.randn(s, generator=gen) * 0.05).to(dtype)))
+                 for name, s in shapes.items()]
+        named[0][1].data.view(-1)[:40] = 0.0  # zeros: FP16's tiny results take the exact path
+        opt = cls(param_groups_by_name(named, 0.01), lr=2e-2, seed=11, max_grad_norm=5.0)
+        opt.tile_numel = 600  # dense.weight: pieces of 600 and 343, and small neighbours
+        params = [p for _, p in named]
+        for step in range(3):
+            for p in params:
+                p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(dtype)
+            opt.step(grad_scale=4.0 if step == 1 else None)
+        moments = [opt.state[p][k] for p in params for k in ("exp_avg", "exp_avg_sq")]
+        return [p.detach().clone() for p in params], moments, calls
+
+
+@pytest.mark.parametrize("cls", [AdamW, Lamb])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_half_step_is_bit_identical_to_the_unfused_one(
+    cls: type, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Weights, their stochastic rounding and both moments: the same bits as the FP32-copy
+    path (which torch.compile does not touch), for both optimizers and half formats."""
+    fused_w, fused_m, calls = _half_run(cls, dtype, True, monkeypatch)
+    plain_w, plain_m, plain_calls = _half_run(cls, dtype, False, monkeypatch)
+    assert "moments" in calls and not plain_calls  # the comparison is not vacuous
+    assert ("apply" in calls) == (cls is Lamb)
+    for a, b in zip(fused_w, plain_w, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    for a, b in zip(fused_m, plain_m, strict=True):
+        assert torch.equal(a, b)
+
+
+def _fragments(tensors: list[torch.Tensor], cut: int) -> list[torch.Tensor]:
+    """Tensor 0 split at element ``cut`` (as a shard boundary would), the others whole."""
+    flat = tensors[0].view(-1)
+    return [flat[:cut], flat[cut:], *tensors[1:]]
+
+
+def test_fused_steps_on_fragments_round_with_element_offsets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sharded use: fragments of a tensor know where they start (rounding offsets, LAMB's
+    partial norms summed by ``reduce_sq_norms``). AdamW on fragments equals the whole-tensor
+    step bit for bit; fused LAMB on fragments equals unfused LAMB on the same fragments."""
+    from popbert.optimizers.stochastic_rounding import HashedRounding
+
+    gen = torch.Generator().manual_seed(8)
+    shapes = [(30, 37), (700,)]
+    init = [(torch.randn(s, generator=gen) * 0.05).bfloat16() for s in shapes]
+    grads = [(torch.randn(s, generator=gen) * 1e-2).bfloat16() for s in shapes]
+    hyper = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-6, "weight_decay": 0.01}
+    cut = 333  # fragments of 333 and 777 elements, both fused
+
+    def run(kind: str, split: bool, fused: bool) -> list[torch.Tensor]:
+        with monkeypatch.context() as patch:
+            calls = _count_fused_calls(patch)
+            patch.setattr(functional, "_fused_failed", not fused)
+            w = [t.clone() for t in init]
+            m, v = [torch.zeros(s) for s in shapes], [torch.zeros(s) for s in shapes]
+            lists = [w, grads, m, v]
+            ids, offsets = [0, 1], [0, 0]
+            if split:
+                lists = [_fragments(t, cut) for t in lists]
+                ids, offsets = [0, 0, 1], [0, cut, 0]
+            for step in (1, 2):
+                steps = [step] * len(ids)
+                rounding = HashedRounding(3, steps, ids, offsets)
+                if kind == "adamw":
+                    functional.adamw_step_(*lists, steps, **hyper, round_fn=rounding)
+                else:
+                    functional.lamb_step_(*lists, steps, **hyper, round_fn=rounding,
+                                          tensor_index=ids, num_tensors=2,
+                                          reduce_sq_norms=lambda sq: sq.clone())
+            assert bool(calls) == fused
+            return [t.view(torch.int16) for t in w + m + v]
+
+    for kind, reference in (("adamw", run("adamw", False, False)),
+                            ("lamb", run("lamb", True, False))):
+        for a, b in zip(run(kind, True, True), reference, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_fused_step_falls_back_when_its_probe_disagrees(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fused kernel that rounds differently from torch's eager ops (here: a skewed step
+    size) is caught by the first-use probe: the step runs unfused, with identical results."""
+    reference, _, _ = _half_run(AdamW, torch.bfloat16, False, monkeypatch)
+    kernel = functional._adamw_kernel
+
+    def skewed(p, m, root, hp, args, out):  # noqa: ANN001, ANN202
+        kernel(p, m, root, hp * 1.001, args, out)
+
+    monkeypatch.setattr(functional, "_KERNEL_FNS", {**functional._KERNEL_FNS, "adamw": skewed})
+    monkeypatch.setattr(functional, "_fused_kernels", {})
+    monkeypatch.setattr(functional, "_fused_checked", {})
+    with caplog.at_level("WARNING", logger="popbert.optimizers.functional"):
+        weights, _, calls = _half_run(AdamW, torch.bfloat16, True, monkeypatch)
+    assert "does not reproduce the unfused one" in caplog.text
+    checked = functional._fused_checked  # one probe per kind (decay and no-decay group)
+    assert checked and not any(checked.values())
+    assert calls.count("adamw") == len(checked)  # each probe's fused run, then never again
+    for a, b in zip(weights, reference, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_fused_step_honours_popbert_sr_compile_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``POPBERT_SR_COMPILE=0`` (no torch.compile for rounding) also keeps the step unfused."""
+    from popbert.optimizers import stochastic_rounding
+
+    monkeypatch.setattr(stochastic_rounding, "_compile_disabled", True)
+    _, _, calls = _half_run(Lamb, torch.bfloat16, True, monkeypatch)
+    assert calls == []

@@ -41,6 +41,7 @@ from popbert.optimizers.stochastic_rounding import (
     COMPILE_MIN_NUMEL,
     HashedRounding,
     compilation_enabled,
+    element_counter,
     hashed_round_bf16_bits,
     stochastic_round_hashed,
 )
@@ -417,22 +418,21 @@ def _moments_kernel(g: Tensor, m: Tensor, v: Tensor, hp: Tensor, lerp_end: bool)
     v.copy_(v_new)
 
 
-def _round_into(w: Tensor, args: Tensor, out: Tensor) -> None:
+def _round_into(w: Tensor, counter: Tensor, args: Tensor, out: Tensor) -> None:
     """New FP32 weights into ``out``: an int32 ``out`` receives the patterns of their BF16
-    stochastic rounding (``args`` = [index of the first element, key0, key1]), an FP32 one
-    the weights themselves (FP16 is rounded by the rounding kernel)."""
+    stochastic rounding (element indices ``counter + args[0]``, keys ``args[1:]``), an FP32
+    one the weights themselves (FP16 is rounded by the rounding kernel)."""
     if out.dtype == torch.int32:
-        index = torch.arange(w.shape[0], dtype=torch.int32, device=w.device) + args[0]
-        out.copy_(hashed_round_bf16_bits(w, index, args[1], args[2]))
+        out.copy_(hashed_round_bf16_bits(w, counter + args[0], args[1], args[2]))
     else:
         out.copy_(w)
 
 
-def _adamw_kernel(p: Tensor, m: Tensor, root: Tensor, hp: Tensor, args: Tensor,
-                  out: Tensor) -> None:
+def _adamw_kernel(p: Tensor, m: Tensor, root: Tensor, hp: Tensor, counter: Tensor,
+                  args: Tensor, out: Tensor) -> None:
     """``w * (1 - lr wd) + (-lr c) m / (sqrt(v) + eps')`` (mul, then addcdiv)."""
     w = p.float() * hp[_DECAY] + hp[_STEP] * m / (root + hp[_EPS])
-    _round_into(w, args, out)
+    _round_into(w, counter, args, out)
 
 
 def _lamb_update_kernel(p: Tensor, m: Tensor, root: Tensor, hp: Tensor, out: Tensor,
@@ -447,9 +447,10 @@ def _lamb_update_kernel(p: Tensor, m: Tensor, root: Tensor, hp: Tensor, out: Ten
     widened.copy_(w)
 
 
-def _apply_kernel(p: Tensor, u: Tensor, hp: Tensor, args: Tensor, out: Tensor) -> None:
+def _apply_kernel(p: Tensor, u: Tensor, hp: Tensor, counter: Tensor, args: Tensor,
+                  out: Tensor) -> None:
     """``w + alpha u`` as ``Tensor.add_(u, alpha=...)`` computes it (an FMA)."""
-    _round_into(_fma(hp[0], u, p.float()), args, out)
+    _round_into(_fma(hp[0], u, p.float()), counter, args, out)
 
 
 _KERNEL_FNS: dict[str, Callable[..., None]] = {
@@ -523,11 +524,12 @@ class _FusedPiece:
         values (converted exactly by the copy), FP16 the FP32 weights, rounded by the
         rounding kernel."""
         if self.p.dtype == torch.bfloat16:
-            _run_fused(name, *operands, self.args, self.scratch.get(self.n, torch.int32))
+            _run_fused(name, *operands, element_counter(self.n), self.args,
+                       self.scratch.get(self.n, torch.int32))
             self.p.copy_(self.scratch.get(self.n))
             return
         out = self.scratch.get(self.n)
-        _run_fused(name, *operands, self.args, out)
+        _run_fused(name, *operands, element_counter(self.n), self.args, out)
         stochastic_round_hashed(out, self.p.dtype, self.key, self.base, out=self.p)
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "HashedRounding",
     "RoundFn",
     "compilation_enabled",
+    "element_counter",
     "hash_bits",
     "hashed_round_bf16_bits",
     "hashed_round_fn",
@@ -244,8 +245,27 @@ def hash_bits(index: Tensor, key: tuple[int | Tensor, int | Tensor]) -> Tensor:
     return _mix32(_mix32(index ^ key[0]) ^ key[1])
 
 
-def _index(bits: Tensor, args: Tensor) -> Tensor:
-    return torch.arange(bits.shape[0], dtype=torch.int32, device=bits.device) + args[0]
+_counters: dict[torch.device, Tensor] = {}
+
+
+def element_counter(n: int, device: torch.device | str = "cpu") -> Tensor:
+    """``arange(n)`` as int32, a read-only alias of one cached buffer per device.
+
+    Compiled rounding loops add the first element's index to it instead of generating the
+    indices: on CPU, Inductor's vector ``arange`` costs more than the whole hash; loading them
+    costs less. Never write to the result.
+    """
+    device = torch.device(device)
+    buf = _counters.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.arange(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _counters[device] = buf
+    return torch.empty(0, dtype=torch.int32, device=device).set_(
+        buf.untyped_storage(), 0, (n,), (1,))
+
+
+def _index(counter: Tensor, args: Tensor) -> Tensor:
+    return counter + args[0]
 
 
 def _bf16_round_bits(bits: Tensor, index: Tensor, key0: Tensor | int,
@@ -310,15 +330,15 @@ def _fp16_tiny(bits: Tensor) -> Tensor:
     return (magnitude < (_FP16_EXACT_EXPONENT << 23)) & (magnitude != 0)
 
 
-def _bf16_kernel(bits: Tensor, args: Tensor, out: Tensor) -> None:
+def _bf16_kernel(bits: Tensor, counter: Tensor, args: Tensor, out: Tensor) -> None:
     """One tensor's slice: ``args`` = [offset of its first element, key0, key1]. ``out``
     (int32) receives FP32 patterns of the rounded values: the narrowing conversion is left to
     an eager copy, which costs less than Inductor's bit cast feeding its conversion."""
-    out.copy_(_bf16_round_bits(bits, _index(bits, args), args[1], args[2]))
+    out.copy_(_bf16_round_bits(bits, _index(counter, args), args[1], args[2]))
 
 
-def _fp16_kernel(bits: Tensor, args: Tensor, out: Tensor) -> Tensor:
-    rounded, tiny = _fp16_round_bits(bits, _index(bits, args), args[1], args[2])
+def _fp16_kernel(bits: Tensor, counter: Tensor, args: Tensor, out: Tensor) -> Tensor:
+    rounded, tiny = _fp16_round_bits(bits, _index(counter, args), args[1], args[2])
     out.copy_(rounded)
     return tiny.any()
 
@@ -342,6 +362,7 @@ def _run_kernel(
     if compiled is None:
         compiled = not _compile_disabled and bits.numel() >= COMPILE_MIN_NUMEL
     patterns = torch.empty(bits.shape[0], dtype=torch.int32, device=bits.device)
+    counter = element_counter(bits.shape[0], bits.device)
     fn = kernel
     if compiled:
         fn = _compiled_kernels.get(dtype)
@@ -349,14 +370,14 @@ def _run_kernel(
             fn = torch.compile(kernel, dynamic=True)
             _compiled_kernels[dtype] = fn
     try:
-        any_tiny = fn(bits, args, patterns)
+        any_tiny = fn(bits, counter, args, patterns)
     except Exception:  # no C++ compiler, unsupported platform...: the eager path is exact too
         if forced or fn is kernel:
             raise
         logger.warning("compiling the stochastic-rounding kernel failed; using eager torch "
                        "(same bits, slower)", exc_info=True)
         _compile_disabled = True
-        any_tiny = kernel(bits, args, patterns)
+        any_tiny = kernel(bits, counter, args, patterns)
     out.copy_(patterns.view(torch.float32))
     return any_tiny
 

@@ -665,8 +665,8 @@ def test_fused_step_falls_back_when_its_probe_disagrees(
     reference, _, _ = _half_run(AdamW, torch.bfloat16, False, monkeypatch)
     kernel = functional._adamw_kernel
 
-    def skewed(p, m, root, hp, args, out):  # noqa: ANN001, ANN202
-        kernel(p, m, root, hp * 1.001, args, out)
+    def skewed(p, m, root, hp, *rest):  # noqa: ANN001, ANN002, ANN202
+        kernel(p, m, root, hp * 1.001, *rest)
 
     monkeypatch.setattr(functional, "_KERNEL_FNS", {**functional._KERNEL_FNS, "adamw": skewed})
     monkeypatch.setattr(functional, "_fused_kernels", {})

@@ -42,8 +42,9 @@ from popbert.optimizers.stochastic_rounding import (
     HashedRounding,
     compilation_enabled,
     element_counter,
+    finish_hashed_fp16,
     hashed_round_bf16_bits,
-    stochastic_round_hashed,
+    hashed_round_fp16_bits,
 )
 
 __all__ = [
@@ -384,16 +385,17 @@ def _tiles(
 # Half weights with counter-based stochastic rounding skip the FP32 copies of weights and grads
 # and most passes over the state: per large piece, one compiled loop updates the FP32 moments in
 # place from the half (or FP32) gradient, torch's own ``sqrt`` takes the second moment (its CPU
-# kernel is not correctly rounded, and a compiled one would be: it stays eager so the result is
-# the unfused path's), and a second compiled loop computes the update from the half weight and
-# writes the stochastically rounded half weight (BF16; FP16 goes through FP32 and the rounding
-# kernel, which owns FP16's exact path for values below 2**-33). The arithmetic is the eager
-# path's, operation for operation, in FP32 with the same FP32 scalars; where torch's CPU kernels
-# fuse a multiply-add (lerp, addcmul's last step, add with alpha) the loops use an FMA too. So
-# weights and moments are bit-identical to the unfused path: checked on first use against it
-# on a probe (a torch build whose kernels round differently keeps the unfused path) and tested.
-# LAMB's per-tensor norms stay on torch's reductions (of the FP32 update and of the half weight,
-# equal to those of its exact FP32 widening), between a first and a second compiled pass.
+# kernel, MKL's, is not correctly rounded and a compiled one would be: it stays eager so the
+# result is the unfused path's), and a second compiled loop computes the update from the half
+# weight and its stochastic rounding (the hash of key and element index, as the rounding kernel
+# draws it), writing FP32 patterns of the rounded values that one copy converts into the half
+# parameter exactly (FP16's rare values below 2**-33 then take the exact path). The arithmetic is
+# the eager path's, operation for operation, in FP32 with the same FP32 scalars; where torch's
+# CPU kernels fuse a multiply-add (lerp, addcmul's last step, add with alpha) the loops use an
+# FMA too. So weights and moments are bit-identical to the unfused path: checked on first use
+# against it on a probe (a torch build whose kernels round differently keeps the unfused path)
+# and tested. LAMB's per-tensor norms stay on torch's reductions (of the FP32 update and of the
+# FP32 weights the first pass writes), between a first and a second compiled pass.
 
 # FP32 scalars of one piece, in this order (as the eager ops cast their Python scalars).
 _LERP, _B2, _C2, _GSCALE, _EPS, _DIV, _DECAY, _STEP, _WD = range(9)
@@ -418,21 +420,25 @@ def _moments_kernel(g: Tensor, m: Tensor, v: Tensor, hp: Tensor, lerp_end: bool)
     v.copy_(v_new)
 
 
-def _round_into(w: Tensor, counter: Tensor, args: Tensor, out: Tensor) -> None:
-    """New FP32 weights into ``out``: an int32 ``out`` receives the patterns of their BF16
-    stochastic rounding (element indices ``counter + args[0]``, keys ``args[1:]``), an FP32
-    one the weights themselves (FP16 is rounded by the rounding kernel)."""
-    if out.dtype == torch.int32:
-        out.copy_(hashed_round_bf16_bits(w, counter + args[0], args[1], args[2]))
-    else:
-        out.copy_(w)
+def _round_into(w: Tensor, counter: Tensor, args: Tensor, out: Tensor, fp16: bool
+                ) -> Tensor | None:
+    """Stochastic rounding of new FP32 weights ``w`` (element indices ``counter + args[0]``,
+    keys ``args[1:]``) into int32 ``out``: FP32 patterns that convert to the half values
+    exactly. FP16 returns whether some lanes are left to the exact path."""
+    index = counter + args[0]
+    if fp16:
+        patterns, any_tiny = hashed_round_fp16_bits(w, index, args[1], args[2])
+        out.copy_(patterns)
+        return any_tiny
+    out.copy_(hashed_round_bf16_bits(w, index, args[1], args[2]))
+    return None
 
 
 def _adamw_kernel(p: Tensor, m: Tensor, root: Tensor, hp: Tensor, counter: Tensor,
-                  args: Tensor, out: Tensor) -> None:
-    """``w * (1 - lr wd) + (-lr c) m / (sqrt(v) + eps')`` (mul, then addcdiv)."""
+                  args: Tensor, out: Tensor, fp16: bool) -> Tensor | None:
+    """``w * (1 - lr wd) + (-lr c) m / (sqrt(v) + eps')`` (mul, then addcdiv), rounded."""
     w = p.float() * hp[_DECAY] + hp[_STEP] * m / (root + hp[_EPS])
-    _round_into(w, counter, args, out)
+    return _round_into(w, counter, args, out, fp16)
 
 
 def _lamb_update_kernel(p: Tensor, m: Tensor, root: Tensor, hp: Tensor, out: Tensor,
@@ -448,9 +454,9 @@ def _lamb_update_kernel(p: Tensor, m: Tensor, root: Tensor, hp: Tensor, out: Ten
 
 
 def _apply_kernel(p: Tensor, u: Tensor, hp: Tensor, counter: Tensor, args: Tensor,
-                  out: Tensor) -> None:
-    """``w + alpha u`` as ``Tensor.add_(u, alpha=...)`` computes it (an FMA)."""
-    _round_into(_fma(hp[0], u, p.float()), counter, args, out)
+                  out: Tensor, fp16: bool) -> Tensor | None:
+    """``w + alpha u`` as ``Tensor.add_(u, alpha=...)`` computes it (an FMA), rounded."""
+    return _round_into(_fma(hp[0], u, p.float()), counter, args, out, fp16)
 
 
 _KERNEL_FNS: dict[str, Callable[..., None]] = {
@@ -461,14 +467,14 @@ _KERNEL_FNS: dict[str, Callable[..., None]] = {
 }
 
 
-def _run_fused(name: str, *operands: object) -> None:
+def _run_fused(name: str, *operands: object) -> object:
     fn = _fused_kernels.get(name)
     if fn is None:
         import torch._inductor.inductor_prims  # noqa: F401 - registers torch.ops.prims.fma
 
         fn = torch.compile(_KERNEL_FNS[name], dynamic=True)
         _fused_kernels[name] = fn
-    fn(*operands)
+    return fn(*operands)
 
 
 def _flat_piece(t: Tensor, start: int, stop: int) -> Tensor:
@@ -520,17 +526,16 @@ class _FusedPiece:
         return torch.sqrt(self.v)
 
     def write(self, name: str, operands: tuple[object, ...]) -> None:
-        """Run kernel ``name`` into the scratch buffer: BF16 gets the patterns of its rounded
-        values (converted exactly by the copy), FP16 the FP32 weights, rounded by the
-        rounding kernel."""
-        if self.p.dtype == torch.bfloat16:
-            _run_fused(name, *operands, element_counter(self.n), self.args,
-                       self.scratch.get(self.n, torch.int32))
-            self.p.copy_(self.scratch.get(self.n))
-            return
-        out = self.scratch.get(self.n)
-        _run_fused(name, *operands, element_counter(self.n), self.args, out)
-        stochastic_round_hashed(out, self.p.dtype, self.key, self.base, out=self.p)
+        """Run kernel ``name``: it writes FP32 patterns of the rounded weights into the
+        scratch buffer, and one copy converts them into the half parameter (exactly); FP16's
+        rare tiny lanes are then rounded by the exact path."""
+        fp16 = self.p.dtype == torch.float16
+        any_tiny = _run_fused(name, *operands, element_counter(self.n), self.args,
+                              self.scratch.get(self.n, torch.int32), fp16)
+        values = self.scratch.get(self.n)
+        self.p.copy_(values)
+        if fp16 and bool(any_tiny):
+            finish_hashed_fp16(values, self.p, self.key, self.base)
 
 
 def _moment_scalars(beta1: float, beta2: float, step: int, eps: float, bias_correction: bool,

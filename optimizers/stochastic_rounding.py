@@ -52,8 +52,10 @@ __all__ = [
     "RoundFn",
     "compilation_enabled",
     "element_counter",
+    "finish_hashed_fp16",
     "hash_bits",
     "hashed_round_bf16_bits",
+    "hashed_round_fp16_bits",
     "hashed_round_fn",
     "round_to_dtype",
     "rounding_key",
@@ -569,6 +571,35 @@ def hashed_round_bf16_bits(values: Tensor, index: Tensor, key0: Tensor | int,
     extra pass. Keys are scalars (int or int32 tensors) or per element.
     """
     return _bf16_round_bits(values.view(torch.int32), index, key0, key1)
+
+
+def hashed_round_fp16_bits(values: Tensor, index: Tensor, key0: Tensor | int,
+                           key1: Tensor | int) -> tuple[Tensor, Tensor]:
+    """FP16 counterpart of :func:`hashed_round_bf16_bits`: int32 patterns of FP32 numbers
+    that convert to the FP16 stochastic rounding exactly, and whether any lane is tiny.
+
+    Tiny lanes (nonzero, below ``2**-33``) keep their input pattern: pass the result, viewed
+    as float, to :func:`finish_hashed_fp16` after converting it, which rounds them exactly.
+    Every other lane holds 0, a value of at least ``2**-24``, an infinity or NaN, so the tiny
+    lanes can be told apart afterwards.
+    """
+    bits = values.view(torch.int32)
+    rounded, tiny = _fp16_round_bits(bits, index, key0, key1)
+    return torch.where(tiny, bits, rounded), tiny.any()
+
+
+def finish_hashed_fp16(values: Tensor, out: Tensor, key: Key, offset: int = 0) -> None:
+    """Round the tiny lanes of :func:`hashed_round_fp16_bits`' output exactly into ``out``.
+
+    ``values``: that output viewed as FP32 (flat), element ``i`` being element ``offset + i``
+    of its tensor under ``key``; ``out``: FP16, flat, holding its conversion. Only needed
+    when the kernel reported tiny lanes (rare); same bits as :func:`stochastic_round_hashed`.
+    """
+    bits = values.view(torch.int32)
+    lanes = _tiny_lanes(bits)
+    if lanes.numel():
+        index = lanes.to(torch.int32) + offset
+        _round_fp16_tiny_lanes(values, out, lanes, index, key[0], key[1])
 
 
 def compilation_enabled() -> bool:

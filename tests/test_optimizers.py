@@ -557,9 +557,9 @@ def _count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
     run = functional._run_fused
 
-    def counting(name: str, *operands: object) -> None:
+    def counting(name: str, *operands: object) -> object:
         calls.append(name)
-        run(name, *operands)
+        return run(name, *operands)
 
     monkeypatch.setattr(functional, "COMPILE_MIN_NUMEL", _FUSE_MIN)
     monkeypatch.setattr(functional, "_run_fused", counting)
@@ -655,6 +655,38 @@ def test_fused_steps_on_fragments_round_with_element_offsets(
                             ("lamb", run("lamb", True, False))):
         for a, b in zip(run(kind, True, True), reference, strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "lamb"])
+def test_fused_fp16_step_rounds_tiny_results_exactly(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Zero FP16 weights under gradients of 1e-20 move by ~1e-17, far below FP16's smallest
+    subnormal: those lanes leave the fused loop for the exact path, with the unfused bits
+    (here all round to zero: probability ~1e-10 each of becoming 2**-24)."""
+    from popbert.optimizers.stochastic_rounding import HashedRounding
+
+    gen = torch.Generator().manual_seed(4)
+    n = 3 * _FUSE_MIN + 5
+    grads = [torch.randn(n, generator=gen) * 1e-20]
+    grads[0][::7] *= 1e15  # some lanes move by ordinary amounts
+    hyper = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-6, "weight_decay": 0.0}
+    results, finished = [], []
+    finish = functional.finish_hashed_fp16
+    for fused in (True, False):
+        with monkeypatch.context() as patch:
+            calls = _count_fused_calls(patch)
+            patch.setattr(functional, "_fused_failed", not fused)
+            patch.setattr(functional, "finish_hashed_fp16",
+                          lambda *a: (finished.append(a[0].numel()), finish(*a)))
+            w, m, v = [torch.zeros(n, dtype=torch.float16)], [torch.zeros(n)], [torch.zeros(n)]
+            for step in (1, 2):
+                step_fn = functional.adamw_step_ if kind == "adamw" else functional.lamb_step_
+                step_fn(w, grads, m, v, [step], **hyper, round_fn=HashedRounding(2, [step], [0]))
+            assert bool(calls) == fused
+            results.append(w[0].view(torch.int16))
+    assert torch.equal(results[0], results[1])
+    assert finished == [n, n]  # the fused run took the exact path at both steps
 
 
 def test_fused_step_falls_back_when_its_probe_disagrees(

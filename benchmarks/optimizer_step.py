@@ -13,6 +13,12 @@ as actually allocated: 4 + 8 for FP32 weights, 2 + 8 for half weights (no master
 weights with stochastic rounding) and reports each half-weight step against the FP32 step of
 the same class: medians of wall and process CPU time, and the median of the per-round ratios
 (robust to load that drifts during the run on a shared machine).
+
+``--train-step`` puts the optimizer step in context: whole BERT-Base training steps (forward,
+backward, LAMB step; batch 4, sequence 128, FP32 compute) of a popbert ``TrainingSession``
+with FP32 weights and with BF16 weights + stochastic rounding, interleaved, same ratios.
+
+    python benchmarks/optimizer_step.py --train-step --threads 1 --steps 3 --warmup 1
 """
 
 from __future__ import annotations
@@ -203,6 +209,59 @@ def sr_ratio(shapes: Shapes, device: torch.device, steps: int, warmup: int) -> N
           "weights; 'round': median of the per-round ratios")
 
 
+def train_ratio(steps: int, warmup: int, batch_size: int = 4) -> None:
+    """Whole training steps, FP32 weights vs BF16 weights + stochastic rounding (LAMB)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from bert_helpers import padded_batch
+
+    from popbert.builders.bert import build_bert
+    from popbert.builders.bert_config import BertConfig
+    from popbert.runtime.options import SessionOptions
+    from popbert.runtime.session import TrainingSession
+
+    config = BertConfig()
+    model = build_bert(config, seed=3).model()
+    batch = padded_batch(config, batch_size, seed=5)
+
+    def lamb(named: list[tuple[str, torch.nn.Parameter]]) -> Lamb:
+        return Lamb(param_groups_by_name(named, 0.01), lr=1e-4, seed=0)
+
+    runs = {}
+    for weights in ("float32", "bfloat16"):
+        torch.manual_seed(0)
+        session = TrainingSession(model, "loss", lamb, SessionOptions(weight_dtype=weights))
+        runs[weights] = session
+
+    def timed(session: TrainingSession) -> tuple[float, float]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        session.run(batch)
+        return (time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3
+
+    for _ in range(warmup):
+        for session in runs.values():
+            timed(session)
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in runs}
+    load_before = os.getloadavg()[0]
+    for _ in range(steps):
+        for key, session in runs.items():
+            times[key].append(timed(session))
+    load_after = os.getloadavg()[0]
+    print(f"BERT-Base training step (forward + backward + LAMB), batch {batch_size}, sequence "
+          f"{config.sequence_length}; load average (1 min) {load_before:.1f} before, "
+          f"{load_after:.1f} after")
+    base = times["float32"]
+    for key, rows in times.items():
+        wall = statistics.median(t[0] for t in rows)
+        cpu = statistics.median(t[1] for t in rows)
+        per_round = statistics.median(a[0] / b[0] for a, b in zip(rows, base, strict=True))
+        print(f"weights {key:<9} wall {wall:8.1f} ms  cpu {cpu:8.1f} ms  "
+              f"wall x FP32 {wall / statistics.median(t[0] for t in base):.3f}  "
+              f"(per round {per_round:.3f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="a 2-layer, 256-wide model")
@@ -215,10 +274,15 @@ def main() -> None:
     )
     parser.add_argument("--sr-ratio", action="store_true",
                         help="only half weights + stochastic rounding vs FP32, same optimizer")
+    parser.add_argument("--train-step", action="store_true",
+                        help="whole BERT-Base training steps, BF16 + SR weights vs FP32 (CPU)")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
+    if args.train_step:
+        train_ratio(args.steps, args.warmup)
+        return
     device = torch.device(args.device)
     if args.small:
         shapes = bert_shapes(vocab=8000, hidden=256, layers=2, intermediate=1024)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import struct
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -39,6 +40,7 @@ from torch import Tensor
 
 from popbert.optimizers.stochastic_rounding import (
     COMPILE_MIN_NUMEL,
+    COMPILE_OPTIONS,
     HashedRounding,
     compilation_enabled,
     element_counter,
@@ -472,7 +474,7 @@ def _run_fused(name: str, *operands: object) -> object:
     if fn is None:
         import torch._inductor.inductor_prims  # noqa: F401 - registers torch.ops.prims.fma
 
-        fn = torch.compile(_KERNEL_FNS[name], dynamic=True)
+        fn = torch.compile(_KERNEL_FNS[name], dynamic=True, options=COMPILE_OPTIONS)
         _fused_kernels[name] = fn
     return fn(*operands)
 
@@ -586,26 +588,31 @@ def _fused_apply(piece: _FusedPiece, update: Tensor, alpha: float) -> None:
     piece.write("apply", (piece.p, update, torch.tensor([alpha], dtype=torch.float32)))
 
 
-_probe_mode: str | None = None  # "fused" / "unfused" while a probe runs (see _fusable)
+_probe = threading.local()  # .mode: "fused" / "unfused" while a probe runs (see _fusable)
 
 
-def _fusable(round_fn: RoundFn | None, params: list[Tensor], grads: list[Tensor],
+def _fusable(round_fn: RoundFn | None, lists: Sequence[list[Tensor]], plan: TilePlan,
              probe: Callable[[], tuple[list[Tensor], list[Tensor]]], key: tuple[object, ...]
              ) -> HashedRounding | None:
     """The hashed rounding to fuse into the step, or None for the unfused path.
 
-    The first call of each kind (kernel, dtypes, flags) runs ``probe`` (the same step on
-    small random tensors) fused and unfused and fuses only if they agree bit for bit: a
-    torch build whose CPU kernels round differently (no FMA, say) keeps the unfused path.
+    The first call of each kind (kernel, dtypes, flags) with pieces to fuse runs ``probe``
+    (the same step on small random tensors) fused and unfused and fuses only if they agree
+    bit for bit: a torch build whose CPU kernels round differently (no FMA, say) keeps the
+    unfused path. Steps without large pieces compile nothing.
     """
     global _fused_failed
-    if _probe_mode is not None:
-        return round_fn if _probe_mode == "fused" else None  # type: ignore[return-value]
+    mode = getattr(_probe, "mode", None)
+    if mode is not None:
+        return round_fn if mode == "fused" else None  # type: ignore[return-value]
+    params, grads = lists[0], lists[1]
     if _fused_failed or not isinstance(round_fn, HashedRounding) or not compilation_enabled():
         return None
     if not params or params[0].device.type != "cpu":
         return None  # Inductor's CPU loops are what was measured and checked
     if params[0].dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if not any(_split_tile(tile, lists, round_fn)[0] for tile in plan):
         return None
     key = (*key, params[0].dtype, tuple(sorted({str(g.dtype) for g in grads})))
     ok = _fused_checked.get(key)
@@ -626,14 +633,13 @@ def _fusable(round_fn: RoundFn | None, params: list[Tensor], grads: list[Tensor]
 
 
 def _probe_agrees(probe: Callable[[], tuple[list[Tensor], list[Tensor]]]) -> bool:
-    global _probe_mode
     results = []
     for mode in ("fused", "unfused"):
-        _probe_mode = mode
+        _probe.mode = mode
         try:
             results.append(probe())
         finally:
-            _probe_mode = None
+            _probe.mode = None
     (w1, s1), (w2, s2) = results
     same = [torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(w1, w2)]
     return all(same) and all(torch.equal(a, b) for a, b in zip(s1, s2, strict=True))
@@ -697,14 +703,14 @@ def adamw_step_(
 
     def probe() -> tuple[list[Tensor], list[Tensor]]:
         w, g, m, v = _probe_inputs(params, grads)
-        adamw_step_(w, g, m, v, [3, 3], **hyper, tile_numel=tile_numel,
-                    round_fn=HashedRounding(0, [3, 3], [0, 1]))
+        adamw_step_(w, g, m, v, [3, 3], **hyper, round_fn=HashedRounding(0, [3, 3], [0, 1]))
         return w, m + v
 
-    fused = _fusable(round_fn, params, grads, probe,
+    plan = _tiles(params, grads, exp_avgs, exp_avg_sqs, tile_numel)
+    fused = _fusable(round_fn, lists, plan, probe,
                      ("adamw", abs(_f32(1.0 - beta1)) >= 0.5, weight_decay != 0.0))
     scratch = _Scratch()
-    for tile in _tiles(params, grads, exp_avgs, exp_avg_sqs, tile_numel):
+    for tile in plan:
         big, tile = _split_tile(tile, lists, fused)
         for piece in big:
             assert fused is not None
@@ -778,11 +784,11 @@ def lamb_step_(
         w, g, m, v = _probe_inputs(params, grads)
         lamb_step_(w, g, m, v, [3, 3], lr=lr, eps=eps, trust_ratio=trust_ratio,
                    max_trust_ratio=max_trust_ratio, max_weight_norm=max_weight_norm,
-                   grad_factor=grad_factor, tile_numel=tile_numel,
-                   round_fn=HashedRounding(0, [3, 3], [0, 1]), **hyper)
+                   grad_factor=grad_factor, round_fn=HashedRounding(0, [3, 3], [0, 1]),
+                   **hyper)
         return w, m + v
 
-    fused = _fusable(round_fn, params, grads, probe,
+    fused = _fusable(round_fn, lists, plan, probe,
                      ("lamb", trust_ratio, abs(_f32(1.0 - beta1)) >= 0.5,
                       weight_decay != 0.0))
 

@@ -47,6 +47,7 @@ from torch import Tensor
 
 __all__ = [
     "COMPILE_MIN_NUMEL",
+    "COMPILE_OPTIONS",
     "ROUNDING_SCHEME",
     "HashedRounding",
     "RoundFn",
@@ -350,6 +351,10 @@ _KERNELS: dict[torch.dtype, Callable[..., object]] = {
     torch.float16: _fp16_kernel,
 }
 _compiled_kernels: dict[torch.dtype, Callable[..., object]] = {}
+#: Inductor options of every compiled rounding loop (and the optimizers' fused step): loops
+#: read the thread count at run time. Compiled for a fixed count, a loop cached (in process or
+#: on disk) under one ``torch.set_num_threads`` was seen running serially under another.
+COMPILE_OPTIONS: dict[str, object] = {"cpp.dynamic_threads": True}
 _compile_disabled = os.environ.get("POPBERT_SR_COMPILE", "1") == "0"
 
 
@@ -369,7 +374,7 @@ def _run_kernel(
     if compiled:
         fn = _compiled_kernels.get(dtype)
         if fn is None:
-            fn = torch.compile(kernel, dynamic=True)
+            fn = torch.compile(kernel, dynamic=True, options=COMPILE_OPTIONS)
             _compiled_kernels[dtype] = fn
     try:
         any_tiny = fn(bits, counter, args, patterns)

@@ -720,3 +720,14 @@ def test_fused_step_honours_popbert_sr_compile_off(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(stochastic_rounding, "_compile_disabled", True)
     _, _, calls = _half_run(Lamb, torch.bfloat16, True, monkeypatch)
     assert calls == []
+
+
+def test_steps_without_large_pieces_compile_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small models keep the eager step: no probe, no compile (tens of seconds on CPU)."""
+    launched: list[str] = []
+    monkeypatch.setattr(functional, "_run_fused", lambda name, *a: launched.append(name))
+    monkeypatch.setattr(functional, "_fused_checked", {})
+    model = _mlp(dtype=torch.bfloat16)
+    opt = Lamb(model.parameters(), lr=1e-3, seed=0)
+    _run(opt, list(model.parameters()), range(2))
+    assert launched == [] and functional._fused_checked == {}

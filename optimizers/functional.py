@@ -12,7 +12,11 @@ over the grads, reduce, :func:`clip_coefficient`, then pass the factor as ``grad
 The whole steps :func:`adamw_step_` and :func:`lamb_step_` (used by the optimizer classes)
 add FP16/BF16 weights (FP32 working copies, written back through a rounding function), grads
 of any float dtype scaled by ``grad_factor``, tiling for cache-friendly CPU execution, and,
-for LAMB, a hook that all-reduces the squared norms so shards can call it directly.
+for LAMB, a hook that all-reduces the squared norms so shards can call it directly. On CPU,
+half weights with the optimizers' hashed stochastic rounding
+(:class:`~popbert.optimizers.stochastic_rounding.HashedRounding`) skip the working copies for
+large pieces: compiled loops read the half weights and grads and write the rounded weights,
+bit-identical to the copying path (see "fused half steps" below).
 
 Conventions: ``steps`` holds, per tensor, the step number *after* incrementing (1 on the first
 update), so tensors that skipped steps keep their own bias correction. Updates follow

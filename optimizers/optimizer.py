@@ -5,9 +5,10 @@ clipping, rounding back to half weights, checkpointing) and delegate the arithme
 :mod:`popbert.optimizers.functional`, so the unsharded and sharded paths share one definition.
 
 Weights stored in float16 / bfloat16 keep FP32 moments, their update is computed in FP32 from
-FP32 copies of weight and gradient, and the result is written back with stochastic rounding
-(default for half weights) or round-to-nearest. There is no FP32 master copy: state is 8 bytes
-per parameter on top of the weight itself.
+the half weight and gradient (widened exactly), and the result is written back with stochastic
+rounding (default for half weights; on CPU fused with the update into compiled loops) or
+round-to-nearest. There is no FP32 master copy: state is 8 bytes per parameter on top of the
+weight itself.
 """
 
 from __future__ import annotations

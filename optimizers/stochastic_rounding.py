@@ -33,7 +33,10 @@ Two sources of random bits:
   vectorised loop for large tensors (torch's CPU generator is single-threaded and was 2-3x the
   cost of an FP32 optimizer step); the eager fallback evaluates the same expression and gives
   bit-identical results. FP16 inputs below ``2**-24`` (rare) take the exact Bernoulli path,
-  with its digits hashed from the same key.
+  with its digits hashed from the same key. The optimizers' fused half-weight step traces the
+  same expression into its own loops (:func:`hashed_round_bf16_bits`,
+  :func:`hashed_round_fp16_bits`, :func:`finish_hashed_fp16`), keyed through
+  :class:`HashedRounding`.
 """
 
 from __future__ import annotations

@@ -314,6 +314,36 @@ def test_compiled_kernel_matches_eager_bit_for_bit(dtype: torch.dtype) -> None:
     assert torch.equal(other.view(torch.int16), eager[:777].view(torch.int16))
 
 
+@pytest.mark.parametrize("dtype", HALF)
+def test_traceable_round_expressions_match_stochastic_round_hashed(dtype: torch.dtype) -> None:
+    """The expressions the fused optimizer step traces into its own loops (FP32 patterns that
+    convert exactly, FP16's tiny lanes finished by the exact path) give the same bits as
+    stochastic_round_hashed at the same key and element offset (evaluated eagerly here)."""
+    from popbert.optimizers.stochastic_rounding import (
+        element_counter,
+        finish_hashed_fp16,
+        hashed_round_bf16_bits,
+        hashed_round_fp16_bits,
+    )
+
+    x = _special_mix(5_003)  # NaN, inf, zeros, FP32 subnormals (tiny for FP16), overflow
+    key, offset = rounding_key(3, 9, 5), 1_000
+    expected = stochastic_round_hashed(x, dtype, key, offset, compiled=False)
+    counter = element_counter(x.numel())
+    assert torch.equal(counter, torch.arange(x.numel(), dtype=torch.int32))
+    index = counter + offset
+    if dtype == torch.bfloat16:
+        values = hashed_round_bf16_bits(x, index, *key).view(torch.float32)
+        got = values.to(dtype)
+    else:
+        patterns, any_tiny = hashed_round_fp16_bits(x, index, *key)
+        values = patterns.view(torch.float32)
+        got = values.to(dtype)
+        assert bool(any_tiny)
+        finish_hashed_fp16(values, got, key, offset)
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
 def _half_params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(31)
     shapes = [(37, 11), (29,), (5, 3, 7), (1,)]

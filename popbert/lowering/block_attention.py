@@ -129,11 +129,6 @@ class _Graph:
         return self.use_count.get(tensor, 0) == 1
 
 
-def _without_cast(graph: _Graph, tensor: str) -> str:
-    node = graph.node(tensor, "Cast")
-    return node.input[0] if node is not None else tensor
-
-
 def _segments_of_allowed(graph: _Graph, allowed: str) -> str | None:
     """``And(Equal(idx[:, :, None], idx[:, None, :]), Greater(idx[:, None, :], 0))`` → idx."""
     node = graph.node(allowed, "And")
@@ -182,7 +177,7 @@ def find_block_diagonal_masks(nodes: Sequence[onnx.NodeProto],
                 continue
             segments = _segments_of_allowed(graph, cast.input[0])
             if segments is not None:
-                masks[mask] = _without_cast(graph, segments)
+                masks[mask] = segments  # int32/int64 (the popart dialect casts its UINT32)
                 break
     return masks
 

@@ -180,15 +180,15 @@ def _batches(arrays: Mapping[str, np.ndarray], batch_size: int, epochs: int, see
 
 def train(cfg: RunConfig, task: str, weights: Mapping[str, torch.Tensor],
           arrays: Mapping[str, np.ndarray], output_dir: Path, epochs: int,
-          on_record: RecordHook | None = None,
-          save: Callable[[dict[str, torch.Tensor]], Path] | None = None,
+          vocab: Path, on_record: RecordHook | None = None,
           evaluate: Callable[[dict[str, torch.Tensor]], Mapping[str, float]] | None = None
-          ) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Train the `task` graph from `weights` through the training loop; returns (trained
-    weights, fresh weight names). `on_record`: see `train_loop` (a sweep's pruner). `save`
-    writes the trained weights' checkpoint and `evaluate` scores them, both before the metrics
-    logger closes, so the checkpoint can be uploaded (`tracking.log_checkpoint`) and the scores
-    reach the tracked run's summary (as `eval_<name>`)."""
+          ) -> tuple[dict[str, torch.Tensor], list[str], Path]:
+    """Train the `task` graph from `weights` through the training loop and save the checkpoint
+    (with `vocab`) in `output_dir`; returns (trained weights, fresh weight names, checkpoint).
+    `on_record`: see `train_loop` (a sweep's pruner). The checkpoint is written and `evaluate`
+    scores the weights before the metrics logger closes, so the checkpoint can be uploaded
+    (`tracking.log_checkpoint`) and the scores reach the tracked run's summary (as
+    `eval_<name>`)."""
     e = cfg.execution
     if e.replicas != 1 or e.pipeline or e.replicated_tensor_sharding:
         raise ConfigError("fine-tuning runs in one process: set execution.replicas=1, "
@@ -219,13 +219,12 @@ def train(cfg: RunConfig, task: str, weights: Mapping[str, torch.Tensor],
                    samples_per_step=e.micro_batch_size, desc=f"finetune {task}",
                    divergence_factor=t.divergence_factor, on_record=on_record)
         trained = session.weights()
-        if save is not None:
-            saved = save(trained)
+        saved = _save(output_dir, cfg, trained, vocab)
         if evaluate is not None:
             tracker.summarize(evaluate(trained))
     finally:
         tracker.close(checkpoint=saved)
-    return trained, fresh
+    return trained, fresh, saved
 
 
 def infer(model: BertConfig, task: str, weights: Mapping[str, torch.Tensor],
@@ -318,12 +317,6 @@ def finetune_squad(checkpoint: Path, train_file: Path, output_dir: Path,
              len(features), max_seq_length, steps)
 
     def body() -> FinetuneResult:
-        saved_at: list[Path] = []  # saved inside train(), before its logger closes
-
-        def save(trained: dict[str, torch.Tensor]) -> Path:
-            saved_at.append(_save(output_dir, cfg, trained, pretrained.vocab))
-            return saved_at[-1]
-
         metrics: dict[str, float] = {}
 
         def score(weights: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -343,10 +336,10 @@ def finetune_squad(checkpoint: Path, train_file: Path, output_dir: Path,
                          metrics["exact_match"], metrics["f1"])
             return metrics
 
-        _, fresh = train(cfg, "squad", pretrained.weights, features.arrays, output_dir,
-                         options.epochs, on_record, save,
-                         score if to_predict is not None else None)
-        return FinetuneResult(output_dir, saved_at[-1], steps, metrics, fresh)
+        _, fresh, saved = train(cfg, "squad", pretrained.weights, features.arrays, output_dir,
+                                options.epochs, pretrained.vocab, on_record,
+                                score if to_predict is not None else None)
+        return FinetuneResult(output_dir, saved, steps, metrics, fresh)
 
     return _run_in(output_dir, body)
 
@@ -399,12 +392,6 @@ def finetune_classify(checkpoint: Path, train_file: Path, output_dir: Path,
     log.info("classification: %d examples, labels %s; %d steps", len(train_data), names, steps)
 
     def body() -> FinetuneResult:
-        saved_at: list[Path] = []  # saved inside train(), before its logger closes
-
-        def save(trained: dict[str, torch.Tensor]) -> Path:
-            saved_at.append(_save(output_dir, cfg, trained, pretrained.vocab))
-            return saved_at[-1]
-
         metrics: dict[str, float] = {}
 
         def score(weights: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -422,9 +409,9 @@ def finetune_classify(checkpoint: Path, train_file: Path, output_dir: Path,
                      metrics["accuracy"], metrics["f1"])
             return metrics
 
-        _, fresh = train(cfg, "classification", pretrained.weights, arrays, output_dir,
-                         options.epochs, on_record, save, score)
-        return FinetuneResult(output_dir, saved_at[-1], steps, metrics, fresh)
+        _, fresh, saved = train(cfg, "classification", pretrained.weights, arrays, output_dir,
+                                options.epochs, pretrained.vocab, on_record, score)
+        return FinetuneResult(output_dir, saved, steps, metrics, fresh)
 
     return _run_in(output_dir, body)
 

@@ -59,8 +59,8 @@ def test_per_sequence_equals_dense_masked_attention():
     dense, dense_grads = run(module, segments, tensors, varlen=False)
     per_seq, per_seq_grads = run(module, segments, tensors, varlen=True)
     plan = bucket_plan(segments)
-    assert [b.index.shape[1] for b in plan] == [32, 64, 96, 128]  # really per sequence
-    assert sum(int(b.valid.sum()) for b in plan) == int((segments > 0).sum())
+    assert [b.index.shape[1] for b in plan.buckets] == [32, 64, 96, 128]  # really per sequence
+    assert sum(int(b.valid.sum()) for b in plan.buckets) == int((segments > 0).sum())
     assert torch.allclose(per_seq, dense, atol=TOL, rtol=0)
     for a, b in zip(per_seq_grads, dense_grads, strict=True):
         assert torch.allclose(a, b, atol=TOL, rtol=0)

@@ -53,6 +53,7 @@ __all__ = [
     "BlockDiagonalAttention",
     "emit_block_attention",
     "Bucket",
+    "BucketPlan",
     "MaskedAttentionChain",
     "bucket_plan",
     "find_block_diagonal_masks",
@@ -301,7 +302,13 @@ class Bucket:
     valid: Tensor  # [n, L] the slot holds a real token of its sequence
 
 
-def bucket_plan(segments: Tensor) -> list[Bucket] | None:
+@dataclass(frozen=True)
+class BucketPlan:
+    buckets: list[Bucket]
+    positions: Tensor  # the real slots' tokens, bucket after bucket (where outputs go back)
+
+
+def bucket_plan(segments: Tensor) -> BucketPlan | None:
     """The sequences grouped by length rounded up to BUCKET; None when the dense attention is
     the better (or the only exact) choice."""
     runs = _packed_runs(segments)
@@ -315,15 +322,16 @@ def bucket_plan(segments: Tensor) -> list[Bucket] | None:
     work = sum(len(members) * size * size for size, members in groups.items())
     if work > MAX_WORK_FRACTION * segments.shape[0] * width * width:
         return None  # too little to save: the dense masked attention is as fast
-    plan = []
+    buckets = []
     for size, members in sorted(groups.items()):
         start = torch.tensor([starts[i] for i in members])
         length = torch.tensor([lengths[i] for i in members])
         offset = torch.arange(size)
         valid = offset[None, :] < length[:, None]
         index = torch.where(valid, start[:, None] + offset[None, :], 0)
-        plan.append(Bucket(index.to(segments.device), valid.to(segments.device)))
-    return plan
+        buckets.append(Bucket(index.to(segments.device), valid.to(segments.device)))
+    positions = torch.cat([b.index[b.valid] for b in buckets])
+    return BucketPlan(buckets, positions)
 
 
 class _PlanCache(threading.local):
@@ -333,9 +341,9 @@ class _PlanCache(threading.local):
 
     segments: Tensor | None = None
     version: int = -1
-    plan: list[Bucket] | None = None
+    plan: BucketPlan | None = None
 
-    def get(self, segments: Tensor) -> list[Bucket] | None:
+    def get(self, segments: Tensor) -> BucketPlan | None:
         if self.segments is not segments or self.version != segments._version:
             self.segments, self.version = segments, segments._version
             self.plan = bucket_plan(segments)
@@ -382,21 +390,20 @@ class BlockDiagonalAttention(nn.Module):
         return torch.matmul(probs, v)
 
     @staticmethod
-    def _per_sequence(q: Tensor, k: Tensor, v: Tensor, plan: list[Bucket], scale: float,
+    def _per_sequence(q: Tensor, k: Tensor, v: Tensor, plan: BucketPlan, scale: float,
                       p: float) -> Tensor:
         rows, heads, width, _ = q.shape
         # [B, h, S, d] → one row per token [B·S, h, d] (a view when q is a head-split of
         # [B, S, h·d], as the graph makes it).
         tokens = [t.transpose(1, 2).reshape(rows * width, heads, t.shape[-1]) for t in (q, k, v)]
-        outputs, positions = [], []
-        for bucket in plan:
+        outputs = []
+        for bucket in plan.buckets:
             qb, kb, vb = (t[bucket.index].transpose(1, 2) for t in tokens)  # [n, h, L, d]
             out = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=p, scale=scale,
                                                  attn_mask=bucket.valid[:, None, None, :])
             outputs.append(out.transpose(1, 2)[bucket.valid])  # [real tokens, h, d]
-            positions.append(bucket.index[bucket.valid])
         flat = q.new_zeros(rows * width, heads, v.shape[-1])
-        flat = flat.index_copy(0, torch.cat(positions), torch.cat(outputs))
+        flat = flat.index_copy(0, plan.positions, torch.cat(outputs))
         return flat.view(rows, width, heads, -1).transpose(1, 2)
 
 

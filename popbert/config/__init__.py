@@ -21,6 +21,7 @@ from popbert.config.sections import (
     SECTIONS,
     DataConfig,
     ExecutionConfig,
+    FinetuneConfig,
     OptimizerConfig,
     RunConfig,
     TrackingConfig,
@@ -31,7 +32,7 @@ from popbert.errors import ConfigError
 
 __all__ = [
     "DEFAULT_PRESET", "PRESETS_DIR", "SECTIONS", "BertConfig", "ConfigError", "DataConfig",
-    "ExecutionConfig", "OptimizerConfig", "RunConfig", "TaskConfig", "TrackingConfig",
+    "ExecutionConfig", "FinetuneConfig", "OptimizerConfig", "RunConfig", "TaskConfig", "TrackingConfig",
     "TrainingConfig", "apply_overrides", "config_from_dict", "dump_config", "list_presets",
     "load_config", "parse_lr_schedule", "parse_override", "preset_path",
 ]

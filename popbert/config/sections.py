@@ -138,6 +138,37 @@ class TrackingConfig:
     log_checkpoint: bool = False
 
 
+@dataclass
+class FinetuneConfig:
+    """A fine-tuning run: the checkpoint it starts from, its task data and the task's own knobs.
+
+    `task: null` is a pre-training run (the other keys are then unused). The task head's
+    settings that export needs (window sizes, labels, lowercasing) live in `model.task`; these
+    keys are the run's inputs. `training.steps` of a fine-tuning run is derived from `epochs`
+    and the number of training examples, `optimizer.warmup_steps` from `warmup_proportion`.
+    """
+
+    task: str | None = None  # squad | classification
+    checkpoint: str | None = None  # a popbert checkpoint or run directory (pre-trained, imported)
+    train_file: str | None = None
+    # SQuAD: the file to predict (and score when it has answers); classification: the file
+    # scored after training (the training file when null).
+    eval_file: str | None = None
+    epochs: int = 2
+    warmup_proportion: float = 0.1
+    max_seq_length: int | None = None  # null: 384 for SQuAD, 128 for classification
+    doc_stride: int = 128
+    max_query_length: int = 64
+    n_best_size: int = 20
+    max_answer_length: int = 30
+    text_column: str | None = None
+    pair_column: str | None = None
+    label_column: str = "label"
+    labels: list[str] | None = None  # null: the training file's labels, sorted
+    eval_batch_size: int = 64
+    dropout: float | None = None  # hidden and attention dropout; null: the checkpoint's
+
+
 SECTIONS: dict[str, type] = {
     "model": BertConfig,
     "data": DataConfig,
@@ -145,6 +176,7 @@ SECTIONS: dict[str, type] = {
     "execution": ExecutionConfig,
     "training": TrainingConfig,
     "tracking": TrackingConfig,
+    "finetune": FinetuneConfig,
 }
 
 # The top-level keys of a config file: the preset it is laid over, then the sections.
@@ -167,6 +199,7 @@ class RunConfig:
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
     @property
     def global_batch_size(self) -> int:
@@ -176,9 +209,11 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (YAML/JSON-ready) that `config_from_dict` turns back into an equal
-        config: `preset`, then one mapping per section."""
+        config: `preset`, then one mapping per section (`finetune` only for a fine-tuning
+        run: a pre-training config reads as it always did)."""
         return {"preset": self.preset,
-                **{name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}}
+                **{name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS
+                   if name != "finetune" or self.finetune.task is not None}}
 
     def validate(self, source: str = "<config>") -> None:
         """Check values and cross-section consistency; raise ConfigError naming the key."""
@@ -392,7 +427,7 @@ def validate_run_config(cfg: RunConfig, source: str = "<config>",
 
 __all__ = [
     "BACKENDS", "DECAYS", "DEVICES", "LOSS_SCALINGS", "OPTIMIZERS", "PIPELINE_SCHEDULES",
-    "SECTIONS", "TOP_LEVEL_KEYS", "TRACKERS", "BertConfig", "DataConfig", "ExecutionConfig",
+    "SECTIONS", "TOP_LEVEL_KEYS", "TRACKERS", "BertConfig", "DataConfig", "ExecutionConfig", "FinetuneConfig",
     "OptimizerConfig", "RunConfig", "TrackingConfig", "TrainingConfig", "non_finite",
     "parse_lr_schedule", "validate_run_config",
 ]

@@ -38,7 +38,7 @@ from popbert.data.tokenization import (
     parse_vocab,
 )
 
-FIXTURE = Path(__file__).parent / "fixtures" / "squad" / "squad-v1.1-sample.json"
+FIXTURE = Path(__file__).parent.parent / "fixtures" / "squad" / "squad-v1.1-sample.json"
 
 
 @pytest.fixture(scope="module")

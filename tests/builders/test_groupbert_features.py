@@ -28,7 +28,7 @@ import pytest
 import safetensors.numpy
 import torch
 from bert_helpers import one_thread, padded_batch, small_config  # noqa: F401 (autouse)
-from test_distributed import assert_same, free_port
+from replica_helpers import assert_same, free_port
 from test_packed_model import K, match_rows, only_sequence, sequences
 from test_popart_dialect import assert_gradients_close
 
@@ -40,7 +40,7 @@ from popbert.data.packing import pack_instance_arrays
 from popbert.optimizers import AdamW, Lamb, param_groups_by_name
 from popbert.runtime.session import SessionOptions, TrainingSession
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parent.parent / "fixtures"
 SQUAD = FIXTURES / "squad" / "squad-v1.1-sample.json"
 SENTIMENT = FIXTURES / "classification" / "sentiment.tsv"
 

@@ -18,7 +18,8 @@ from popbert.data import WordPieceTokenizer, read_shard, read_shard_info
 from popbert.data.prepare import shard_statistics
 from popbert.data.wikipedia import iter_pages, read_articles
 
-FIXTURE = Path(__file__).parent / "fixtures" / "wiki" / "enwiki-fixture-pages-articles.xml.bz2"
+FIXTURE = (Path(__file__).parent.parent / "fixtures" / "wiki"
+           / "enwiki-fixture-pages-articles.xml.bz2")
 VOCAB_SIZE = 2000
 SEQ, PRED = 128, 20
 PIPELINE = ["--vocab-size", str(VOCAB_SIZE), "--sequence-length", str(SEQ),

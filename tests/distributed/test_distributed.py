@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import safetensors.numpy
+from replica_helpers import assert_same, free_port, relative
 
 STEPS = 10
 SMALL = {
@@ -51,12 +51,6 @@ def config(replicas: int, accumulation: int, **values: object):
     return load_config("tiny", overrides(**{"execution__replicas": replicas,
                                             "execution__gradient_accumulation": accumulation,
                                             **values}))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
@@ -202,23 +196,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def weights(run: Path, step: int = STEPS) -> dict[str, np.ndarray]:
     return safetensors.numpy.load_file(str(run / "checkpoints" / f"step-{step:06d}" /
                                            "weights.safetensors"))
-
-
-def relative(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[float, float]:
-    """(||a - b|| / ||b|| over all weights, worst per-tensor max|a - b| / max|b|)."""
-    assert a.keys() == b.keys()
-    diff = np.sqrt(sum(float(((a[k] - b[k]).astype(np.float64) ** 2).sum()) for k in a))
-    norm = np.sqrt(sum(float((b[k].astype(np.float64) ** 2).sum()) for k in b))
-    worst = max(float(np.abs(a[k] - b[k]).max() / max(np.abs(b[k]).max(), 1e-30)) for k in a)
-    return diff / norm, worst
-
-
-def assert_same(a: dict, b: dict, tolerance: float, what: str) -> None:
-    model, worst = relative(a, b)
-    print(f"{what}: relative {model:.2e}, worst tensor {worst:.2e}")
-    assert model <= tolerance, (what, model)
-    assert worst <= 100 * tolerance, (what, worst)
-    assert model > 0 or worst == 0  # the comparison sees real numbers
 
 
 def test_replica_layouts_train_the_same_weights(runs: Path) -> None:

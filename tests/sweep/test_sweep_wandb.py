@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import yaml
-from test_tracking_wandb import offline_records
+from wandb_offline import offline_records
 
 from popbert.cli import main as cli
 from popbert.errors import ConfigError
@@ -43,7 +43,7 @@ SMALL = {"model.num_layers": 1, "model.hidden_size": 32, "model.num_heads": 2,
          "model.max_position_embeddings": 64, "model.max_predictions_per_seq": 5,
          "execution.micro_batch_size": 8, "execution.threads": 1, "execution.device": "cpu",
          "training.steps": 8, "training.log_every": 4, "optimizer.warmup_steps": 0}
-SENTIMENT = Path(__file__).parent / "fixtures" / "classification" / "sentiment.tsv"
+SENTIMENT = Path(__file__).parent.parent / "fixtures" / "classification" / "sentiment.tsv"
 
 
 @pytest.fixture(autouse=True)

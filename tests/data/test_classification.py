@@ -24,7 +24,7 @@ from popbert.data.classification import (
 from popbert.data.errors import DataError
 from popbert.data.tokenization import WordPieceTokenizer
 
-FIXTURE = Path(__file__).parent / "fixtures" / "classification" / "sentiment.tsv"
+FIXTURE = Path(__file__).parent.parent / "fixtures" / "classification" / "sentiment.tsv"
 
 
 def test_tsv_fixture_reads_with_default_columns() -> None:

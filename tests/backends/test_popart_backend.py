@@ -72,8 +72,8 @@ from popbert.train.factories import graph_batch_size, loss_scaler, lr_schedule, 
 from popbert.train.loop import train_loop
 from popbert.train.pretrain import check_supported, run_pretraining
 
-STANDIN = Path(__file__).resolve().parent / "popart_standin"
-ROOT = Path(__file__).resolve().parent.parent
+STANDIN = Path(__file__).resolve().parent.parent / "popart_standin"
+ROOT = Path(__file__).resolve().parents[2]
 POPART = ["execution.backend=popart", "model.dialect=popart"]
 # The base/large presets at a few units of width: the translation reads the execution and
 # optimizer sections and the graph's names and placement (24 layers on 4 IPUs stay 24 on 4),

@@ -38,7 +38,7 @@ from popbert.io.checkpoint import Checkpoint, save_checkpoint
 from popbert.runtime.session import InferenceSession
 from popbert.serve.predict import ClassifyPredictor, SquadPredictor, read_texts
 
-FIXTURE = Path(__file__).parent / "fixtures" / "squad" / "squad-v1.1-sample.json"
+FIXTURE = Path(__file__).parent.parent / "fixtures" / "squad" / "squad-v1.1-sample.json"
 SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",
          "model.intermediate_size=64", "model.sequence_length=40",
          "model.max_position_embeddings=64", "model.max_predictions_per_seq=5"]

@@ -4,20 +4,20 @@ the final checkpoint as a model artifact.
 
 wandb 0.31 writes no `files/config.yaml` or `wandb-summary.json` for an offline run (those come
 from `wandb sync`); everything is in the run's `.wandb` file, a LevelDB-style log of protobuf
-`Record`s, which `offline_records` below reads with wandb's own protobuf classes.
+`Record`s, which `offline_records` (tests/wandb_offline.py) reads with wandb's own protobuf classes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from wandb_offline import offline_records
 
 from popbert.cli.main import main
 from popbert.observe.tracking import read_metrics
@@ -35,38 +35,6 @@ TINY = ["model.num_layers=1", "model.hidden_size=64", "model.intermediate_size=1
         "training.eval_every=2"]
 TRACKING = ["tracking.backend=wandb", f"tracking.group={GROUP}",
             f"tracking.run_name={RUN_NAME}", "tracking.log_checkpoint=true"]
-
-# The log format of wandb's .wandb files (32 KiB blocks, 7-byte record headers).
-_FILE_HEADER = struct.Struct("<4sHB")  # b":W&B", magic 0xBEE1, version 0
-_RECORD_HEADER = struct.Struct("<IHB")  # checksum, length, type (full / first / middle / last)
-_BLOCK = 32768
-
-
-def offline_records(path: Path) -> Iterator[Any]:
-    """The protobuf Records of an offline run's .wandb file, in order."""
-    raw = path.read_bytes()
-    ident, magic, version = _FILE_HEADER.unpack_from(raw)
-    assert (ident, magic, version) == (b":W&B", 0xBEE1, 0), (ident, magic, version)
-    pos, pending = _FILE_HEADER.size, b""
-    while pos + _RECORD_HEADER.size <= len(raw):
-        left = _BLOCK - pos % _BLOCK
-        if left < _RECORD_HEADER.size:  # block trailer padding
-            pos += left
-            continue
-        _, length, kind = _RECORD_HEADER.unpack_from(raw, pos)
-        if length == 0 and kind == 0:  # zero padding up to the next block
-            pos += left
-            continue
-        data = raw[pos + _RECORD_HEADER.size:pos + _RECORD_HEADER.size + length]
-        pos += _RECORD_HEADER.size + length
-        if kind in (1, 4):  # a whole record, or the last piece of one
-            record = wandb_pb.Record()
-            record.ParseFromString(pending + data)
-            pending = b""
-            yield record
-        else:  # first or middle piece
-            pending += data
-
 
 def _key(item: Any) -> str:
     return item.key or "/".join(item.nested_key)
@@ -170,7 +138,7 @@ def test_finetuning_checkpoint_and_scores_reach_the_run(tracked: dict[str, Any],
     and the scores are in the run's summary."""
     from popbert.train.finetune import TrainOptions, finetune_classify
 
-    sentiment = Path(__file__).parent / "fixtures" / "classification" / "sentiment.tsv"
+    sentiment = Path(__file__).parent.parent / "fixtures" / "classification" / "sentiment.tsv"
     out = tmp_path / "classify"
     with offline_wandb(tmp_path / "wandb-dir"):
         result = finetune_classify(tracked["run_dir"], sentiment, out, max_seq_length=32,

@@ -33,7 +33,7 @@ SMALL = {"model.num_layers": 1, "model.hidden_size": 32, "model.num_heads": 2,
          "model.max_position_embeddings": 64, "model.max_predictions_per_seq": 5,
          "execution.micro_batch_size": 8, "execution.threads": 1, "execution.device": "cpu",
          "training.steps": 12, "training.log_every": 4, "optimizer.warmup_steps": 0}
-SENTIMENT = Path(__file__).parent / "fixtures" / "classification" / "sentiment.tsv"
+SENTIMENT = Path(__file__).parent.parent / "fixtures" / "classification" / "sentiment.tsv"
 VALIDATION = {"data.validation_fraction": 0.1, "training.eval_every": 4,
               "training.eval_batches": 2}
 

@@ -164,7 +164,7 @@ def test_the_example_is_the_main_job(tmp_path: Path) -> None:
     args = [*SMALL, "--set", "training.steps=6", "--set", "training.checkpoint_every=3"]
     assert pretrain("--output-dir", str(tmp_path / "cli"), "--set", "training.steps=6",
                     "--set", "training.checkpoint_every=3") == 0
-    example = Path(__file__).resolve().parent.parent / "examples" / "pretrain.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "pretrain.py"
     subprocess.run([sys.executable, str(example), *args, "--output-dir", str(tmp_path / "ex")],
                    check=True, capture_output=True, timeout=300)
     for name in ("config.yaml", "model.onnx", "model.inference.onnx", "metrics.jsonl",

@@ -195,7 +195,7 @@ def test_popart_backend_accepts_eval_every(monkeypatch: pytest.MonkeyPatch) -> N
 
     from popbert.train.pretrain import check_supported
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent / "popart_standin"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "popart_standin"))
     monkeypatch.delitem(sys.modules, "popart", raising=False)
     assert importlib.import_module("popart").__standin__
     try:

@@ -74,7 +74,7 @@ def test_bad_enum_and_batch_mismatch_via_example(tmp_path: Path) -> None:
         run_cli("config", "--set", "execution.device=tpu"),
         "execution.device: expected one of cpu, cuda, auto, got 'tpu'",
     )
-    example = Path(__file__).resolve().parents[1] / "examples" / "pretrain.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "pretrain.py"
     proc = subprocess.run(
         [
             sys.executable,

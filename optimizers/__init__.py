@@ -1,8 +1,9 @@
 """popbert.optimizers: LAMB and AdamW in FP32, half weights with stochastic rounding, loss
 scaling and learning-rate schedules.
 
-The arithmetic lives in :mod:`popbert.optimizers.functional` (lists of FP32 tensors, usable on
-shards); :class:`Lamb` and :class:`AdamW` are ``torch.optim.Optimizer`` subclasses built on it.
+The FP32 math lives in :mod:`popbert.optimizers.functional` and the whole steps (half weights,
+tiling, compiled kernels; usable on shards) in :mod:`popbert.optimizers.steps`; :class:`Lamb`
+and :class:`AdamW` are ``torch.optim.Optimizer`` subclasses built on them.
 """
 
 from popbert.optimizers import functional

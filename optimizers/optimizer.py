@@ -2,7 +2,7 @@
 
 The classes own the bookkeeping (state, grouping by device and dtype, gradient unscaling and
 clipping, rounding back to half weights, checkpointing) and delegate the arithmetic to
-:mod:`popbert.optimizers.functional`, so the unsharded and sharded paths share one definition.
+:mod:`popbert.optimizers.steps`, so the unsharded and sharded paths share one definition.
 
 Weights stored in float16 / bfloat16 keep FP32 moments, their update is computed in FP32 from
 the half weight and gradient (widened exactly), and the result is written back with stochastic
@@ -22,8 +22,10 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from popbert.optimizers import functional as F
+from popbert.optimizers.functional import clip_coefficient, per_tensor_sq_norms
+from popbert.optimizers.steps import adamw_step_, lamb_step_
 from popbert.optimizers.stochastic_rounding import ROUNDING_SCHEME, hashed_round_fn
+from popbert.optimizers.tiling import default_tile_numel
 
 __all__ = ["AdamFamilyOptimizer", "Lamb", "AdamW", "note_old_rounding_state"]
 
@@ -50,7 +52,7 @@ class AdamFamilyOptimizer(Optimizer):
     """
 
     _allow_trust_ratio = True
-    #: Elements per tile of the step (see ``functional.default_tile_numel``); ``"auto"`` picks
+    #: Elements per tile of the step (see ``tiling.default_tile_numel``); ``"auto"`` picks
     #: by device, ``None`` processes whole tensors.
     tile_numel: int | None | str = "auto"
 
@@ -109,7 +111,7 @@ class AdamFamilyOptimizer(Optimizer):
     def tile_numel_for(self, device: torch.device) -> int | None:
         """Elements per tile of the step on ``device`` (resolves ``tile_numel="auto"``)."""
         if self.tile_numel == "auto":
-            return F.default_tile_numel(device)
+            return default_tile_numel(device)
         return self.tile_numel
 
     # ------------------------------------------------------------------ groups and state
@@ -220,7 +222,7 @@ class AdamFamilyOptimizer(Optimizer):
         if self.max_grad_norm is not None:
             grads = [p.grad for _, params in active for p in params]
             sq_norm = _total_sq_norm(grads) * grad_factor**2
-            grad_factor *= F.clip_coefficient(sq_norm, self.max_grad_norm)
+            grad_factor *= clip_coefficient(sq_norm, self.max_grad_norm)
 
         ids = self.tensor_ids()
         for group, params in active:
@@ -262,7 +264,7 @@ class AdamFamilyOptimizer(Optimizer):
         }
         grads = [p.grad for p in params]
         if group["trust_ratio"]:
-            F.lamb_step_(
+            lamb_step_(
                 params,
                 grads,
                 exp_avgs,
@@ -273,7 +275,7 @@ class AdamFamilyOptimizer(Optimizer):
                 **common,
             )
         else:
-            F.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, steps, **common)
+            adamw_step_(params, grads, exp_avgs, exp_avg_sqs, steps, **common)
 
 
 class Lamb(AdamFamilyOptimizer):
@@ -395,4 +397,4 @@ def _total_sq_norm(grads: list[Tensor]) -> float:
     by_device: dict[torch.device, list[Tensor]] = {}
     for g in grads:
         by_device.setdefault(g.device, []).append(g)
-    return sum(float(F.per_tensor_sq_norms(gs).sum()) for gs in by_device.values())
+    return sum(float(per_tensor_sq_norms(gs).sum()) for gs in by_device.values())

@@ -473,6 +473,10 @@ def _round_fp16_tiny_lanes(
     result.index_copy_(0, lanes, values.to(torch.float16))
 
 
+#: ``round_fn(values, outs, pieces)`` writes flat FP32 ``values`` into the half tensors ``outs``
+#: (their concatenation); ``pieces[k] = (i, start)``: ``outs[k]`` holds elements ``start...`` of
+#: fragment ``i`` of the step's lists, so counter-based stochastic rounding knows each element's
+#: index (see :func:`hashed_round_fn`).
 RoundFn = Callable[[Tensor, list[Tensor], list[tuple[int, int]]], None]
 
 
@@ -508,7 +512,7 @@ def _round_small(values: list[Tensor], outs: list[Tensor], bases: list[int],
 
 
 class HashedRounding:
-    """A ``round_fn`` for :mod:`popbert.optimizers.functional` steps, rounding stochastically.
+    """A ``round_fn`` for :mod:`popbert.optimizers.steps`, rounding stochastically.
 
     Fragment ``i`` of the step's lists is part of tensor ``tensor_ids[i]`` starting at element
     ``offsets[i]`` (0 by default) and is at optimizer step ``steps[i]``: its bits depend on

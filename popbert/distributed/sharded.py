@@ -4,7 +4,7 @@ The trainable weights live in one flat buffer per (device, dtype), padded to a m
 (:mod:`popbert.distributed.buffers`). Replica r owns the r-th 1/N slice. After every micro-batch
 its flat gradient is reduce-scattered and added to an FP32 shard accumulator, so each replica holds
 1/N of the accumulated gradient and 1/N of the FP32 Adam moments. The update runs on the shard with
-:mod:`popbert.optimizers.functional`; LAMB's per-tensor norms are partial sums over the pieces of
+:mod:`popbert.optimizers.steps`; LAMB's per-tensor norms are partial sums over the pieces of
 each tensor that the shard holds, completed by one small all-reduce. The updated shard is rounded
 to the weight dtype (stochastically for half weights) and all-gathered into the flat weight
 buffer, in the weight dtype. Stochastic rounding hashes (seed, step, tensor, element index within
@@ -30,8 +30,9 @@ from popbert.distributed.buffers import (
     flatten_parameters,
 )
 from popbert.distributed.replicas import Replicas
-from popbert.optimizers import functional as F
+from popbert.optimizers.functional import clip_coefficient, per_tensor_sq_norms
 from popbert.optimizers.optimizer import AdamFamilyOptimizer
+from popbert.optimizers.steps import adamw_step_, lamb_step_
 from popbert.optimizers.stochastic_rounding import hashed_round_fn
 
 log = logging.getLogger(__name__)
@@ -180,7 +181,7 @@ class ShardedOptimizer:
     def step(self, closure: Any = None, *, grad_scale: float | None = None) -> None:
         """One optimizer step on this replica's shard, then all-gather the weights.
 
-        The arithmetic is the optimizer package's own (``functional.lamb_step_`` /
+        The arithmetic is the optimizer package's own (``steps.lamb_step_`` /
         ``adamw_step_``) on this replica's pieces of each tensor; LAMB's squared norms are
         completed by an all-reduce of one small ``[2, tensors]`` vector per parameter group.
         """
@@ -195,12 +196,12 @@ class ShardedOptimizer:
         if self.max_grad_norm is not None:
             # Summed as the unsharded optimizer sums them (per device in FP32), then over
             # the replicas.
-            partial = sum(float(F.per_tensor_sq_norms(
+            partial = sum(float(per_tensor_sq_norms(
                 [shard.view(shard.grad_acc, p) for p in shard.pieces]).sum())
                 for shard in self.shards)
             sq = torch.tensor([partial], dtype=torch.float64, device=self._norm_device())
             total = float(self.replicas.all_reduce_(sq).item()) * factor**2
-            factor *= F.clip_coefficient(total, self.max_grad_norm)
+            factor *= clip_coefficient(total, self.max_grad_norm)
         for i in range(len(self.params)):
             self.steps[i] += 1
 
@@ -230,12 +231,12 @@ class ShardedOptimizer:
                          [shard.view(shard.exp_avg_sq, p) for p in pieces],
                          [self.steps[p.index] for p in pieces])
                 if group["trust_ratio"]:
-                    F.lamb_step_(*lists, max_trust_ratio=group["max_trust_ratio"],
-                                 max_weight_norm=group["max_weight_norm"],
-                                 tensor_index=[p.index for p in pieces],
-                                 num_tensors=len(self.params), reduce_sq_norms=reduce, **common)
+                    lamb_step_(*lists, max_trust_ratio=group["max_trust_ratio"],
+                               max_weight_norm=group["max_weight_norm"],
+                               tensor_index=[p.index for p in pieces],
+                               num_tensors=len(self.params), reduce_sq_norms=reduce, **common)
                 else:
-                    F.adamw_step_(*lists, **common)
+                    adamw_step_(*lists, **common)
             self.replicas.all_gather(shard.weights, mine.clone())
         self._accumulated = 0
 

@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 __all__ = ["CPU_TILE_NUMEL", "DevicePlan", "Plan", "StagePlan", "WORKSPACE_BYTES_PER_PARAM",
            "build_training_graph", "plan_run", "state_bytes_per_param"]
 
-# popbert.optimizers.functional.CPU_TILE_NUMEL (kept in step by tests/test_plan.py; importing it
+# popbert.optimizers.tiling.CPU_TILE_NUMEL (kept in step by tests/plan/test_plan.py; importing it
 # here would make `popbert plan` pay for importing torch).
 CPU_TILE_NUMEL = 1 << 21
 # Optimizer-step workspace per parameter stepped at once, by weight width (measured with

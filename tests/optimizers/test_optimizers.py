@@ -17,6 +17,9 @@ from popbert.optimizers import (
     functional,
     param_groups_by_name,
 )
+from popbert.optimizers import fused as fused_kernels
+from popbert.optimizers.steps import adamw_step_, lamb_step_
+from popbert.optimizers.tiling import tile_plan
 
 REL_TOL = 1e-6
 
@@ -243,7 +246,7 @@ def test_sharded_composition_equals_whole_tensor_step() -> None:
     whole = [w.clone() for w in weights]
     m = [torch.zeros_like(w) for w in weights]
     v = [torch.zeros_like(w) for w in weights]
-    functional.lamb_step_(whole, grads, m, v, [1, 1, 1], lr=0.1, **hyper)
+    lamb_step_(whole, grads, m, v, [1, 1, 1], lr=0.1, **hyper)
 
     flat_w = torch.cat([w.flatten() for w in weights])
     flat_g = torch.cat([g.flatten() for g in grads])
@@ -301,7 +304,7 @@ def test_lamb_step_on_shards_with_reduced_norms_equals_unsharded(tile_numel: int
     whole = [w.clone() for w in weights]
     m, v = [torch.zeros_like(w) for w in weights], [torch.zeros_like(w) for w in weights]
     for step in (1, 2):
-        functional.lamb_step_(whole, grads, m, v, [step] * len(shapes), **hyper)
+        lamb_step_(whole, grads, m, v, [step] * len(shapes), **hyper)
 
     sizes = [w.numel() for w in weights]
     flat = {
@@ -335,7 +338,7 @@ def test_lamb_step_on_shards_with_reduced_norms_equals_unsharded(tile_numel: int
                 for k in flat:
                     frags[k].append(flat[k][a:b])
         for step in (1, 2):
-            functional.lamb_step_(
+            lamb_step_(
                 frags["w"],
                 frags["g"],
                 frags["m"],
@@ -361,7 +364,7 @@ def test_lamb_step_on_shards_with_reduced_norms_equals_unsharded(tile_numel: int
 def test_tile_plan_covers_every_element_once() -> None:
     sizes = [5, 0, 100, 3, 64, 7, 16]
     splittable = [True, True, True, True, False, True, True]
-    plan = functional.tile_plan(sizes, 16, splittable)
+    plan = tile_plan(sizes, 16, splittable)
     pieces: dict[int, list[tuple[int, int]]] = {i: [] for i in range(len(sizes))}
     order = []
     for tile in plan:
@@ -377,7 +380,7 @@ def test_tile_plan_covers_every_element_once() -> None:
         edges = [0] + [b for _, b in pieces[i]]
         assert [a for a, _ in pieces[i]] == edges[:-1] and edges[-1] == n
     assert pieces[4] == [(0, 64)]  # not splittable: one piece
-    assert functional.tile_plan(sizes, None) == [[(i, 0, n) for i, n in enumerate(sizes)]]
+    assert tile_plan(sizes, None) == [[(i, 0, n) for i, n in enumerate(sizes)]]
 
 
 def test_tiled_half_precision_step_matches_untiled_round_to_nearest() -> None:
@@ -555,14 +558,14 @@ _FUSE_MIN = 256  # pieces of at least this many elements take the fused kernels 
 def _count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Fuse pieces from ``_FUSE_MIN`` elements on and record every fused kernel launch."""
     calls: list[str] = []
-    run = functional._run_fused
+    run = fused_kernels._run_fused
 
     def counting(name: str, *operands: object) -> object:
         calls.append(name)
         return run(name, *operands)
 
-    monkeypatch.setattr(functional, "COMPILE_MIN_NUMEL", _FUSE_MIN)
-    monkeypatch.setattr(functional, "_run_fused", counting)
+    monkeypatch.setattr(fused_kernels, "COMPILE_MIN_NUMEL", _FUSE_MIN)
+    monkeypatch.setattr(fused_kernels, "_run_fused", counting)
     return calls
 
 
@@ -572,7 +575,7 @@ def _half_run(cls: type, dtype: torch.dtype, fused: bool, monkeypatch: pytest.Mo
     no-decay (LAMB: trust and plain) groups, a loss scale and clipping."""
     with monkeypatch.context() as patch:
         calls = _count_fused_calls(patch)
-        patch.setattr(functional, "_fused_failed", not fused)
+        patch.setattr(fused_kernels, "_fused_failed", not fused)
         gen = torch.Generator().manual_seed(5)
         shapes = {"dense.weight": (23, 41), "dense.bias": (300,), "ln.weight": (29,),
                   "proj.weight": (640,), "proj.bias": (7,)}
@@ -631,7 +634,7 @@ def test_fused_steps_on_fragments_round_with_element_offsets(
     def run(kind: str, split: bool, fused: bool) -> list[torch.Tensor]:
         with monkeypatch.context() as patch:
             calls = _count_fused_calls(patch)
-            patch.setattr(functional, "_fused_failed", not fused)
+            patch.setattr(fused_kernels, "_fused_failed", not fused)
             w = [t.clone() for t in init]
             m, v = [torch.zeros(s) for s in shapes], [torch.zeros(s) for s in shapes]
             lists = [w, grads, m, v]
@@ -643,11 +646,11 @@ def test_fused_steps_on_fragments_round_with_element_offsets(
                 steps = [step] * len(ids)
                 rounding = HashedRounding(3, steps, ids, offsets)
                 if kind == "adamw":
-                    functional.adamw_step_(*lists, steps, **hyper, round_fn=rounding)
+                    adamw_step_(*lists, steps, **hyper, round_fn=rounding)
                 else:
-                    functional.lamb_step_(*lists, steps, **hyper, round_fn=rounding,
-                                          tensor_index=ids, num_tensors=2,
-                                          reduce_sq_norms=lambda sq: sq.clone())
+                    lamb_step_(*lists, steps, **hyper, round_fn=rounding,
+                               tensor_index=ids, num_tensors=2,
+                               reduce_sq_norms=lambda sq: sq.clone())
             assert bool(calls) == fused
             return [t.view(torch.int16) for t in w + m + v]
 
@@ -672,16 +675,16 @@ def test_fused_fp16_step_rounds_tiny_results_exactly(
     grads[0][::7] *= 1e15  # some lanes move by ordinary amounts
     hyper = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-6, "weight_decay": 0.0}
     results, finished = [], []
-    finish = functional.finish_hashed_fp16
+    finish = fused_kernels.finish_hashed_fp16
     for fused in (True, False):
         with monkeypatch.context() as patch:
             calls = _count_fused_calls(patch)
-            patch.setattr(functional, "_fused_failed", not fused)
-            patch.setattr(functional, "finish_hashed_fp16",
+            patch.setattr(fused_kernels, "_fused_failed", not fused)
+            patch.setattr(fused_kernels, "finish_hashed_fp16",
                           lambda *a: (finished.append(a[0].numel()), finish(*a)))
             w, m, v = [torch.zeros(n, dtype=torch.float16)], [torch.zeros(n)], [torch.zeros(n)]
             for step in (1, 2):
-                step_fn = functional.adamw_step_ if kind == "adamw" else functional.lamb_step_
+                step_fn = adamw_step_ if kind == "adamw" else lamb_step_
                 step_fn(w, grads, m, v, [step], **hyper, round_fn=HashedRounding(2, [step], [0]))
             assert bool(calls) == fused
             results.append(w[0].view(torch.int16))
@@ -695,18 +698,19 @@ def test_fused_step_falls_back_when_its_probe_disagrees(
     """A fused kernel that rounds differently from torch's eager ops (here: a skewed step
     size) is caught by the first-use probe: the step runs unfused, with identical results."""
     reference, _, _ = _half_run(AdamW, torch.bfloat16, False, monkeypatch)
-    kernel = functional._adamw_kernel
+    kernel = fused_kernels._adamw_kernel
 
     def skewed(p, m, root, hp, *rest):  # noqa: ANN001, ANN002, ANN202
         kernel(p, m, root, hp * 1.001, *rest)
 
-    monkeypatch.setattr(functional, "_KERNEL_FNS", {**functional._KERNEL_FNS, "adamw": skewed})
-    monkeypatch.setattr(functional, "_fused_kernels", {})
-    monkeypatch.setattr(functional, "_fused_checked", {})
-    with caplog.at_level("WARNING", logger="popbert.optimizers.functional"):
+    monkeypatch.setattr(fused_kernels, "_KERNEL_FNS",
+                        {**fused_kernels._KERNEL_FNS, "adamw": skewed})
+    monkeypatch.setattr(fused_kernels, "_fused_kernels", {})
+    monkeypatch.setattr(fused_kernels, "_fused_checked", {})
+    with caplog.at_level("WARNING", logger="popbert.optimizers.fused"):
         weights, _, calls = _half_run(AdamW, torch.bfloat16, True, monkeypatch)
     assert "does not reproduce the unfused one" in caplog.text
-    checked = functional._fused_checked  # one probe per kind (decay and no-decay group)
+    checked = fused_kernels._fused_checked  # one probe per kind (decay and no-decay group)
     assert checked and not any(checked.values())
     assert calls.count("adamw") == len(checked)  # each probe's fused run, then never again
     for a, b in zip(weights, reference, strict=True):
@@ -725,9 +729,9 @@ def test_fused_step_honours_popbert_sr_compile_off(monkeypatch: pytest.MonkeyPat
 def test_steps_without_large_pieces_compile_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """Small models keep the eager step: no probe, no compile (tens of seconds on CPU)."""
     launched: list[str] = []
-    monkeypatch.setattr(functional, "_run_fused", lambda name, *a: launched.append(name))
-    monkeypatch.setattr(functional, "_fused_checked", {})
+    monkeypatch.setattr(fused_kernels, "_run_fused", lambda name, *a: launched.append(name))
+    monkeypatch.setattr(fused_kernels, "_fused_checked", {})
     model = _mlp(dtype=torch.bfloat16)
     opt = Lamb(model.parameters(), lr=1e-3, seed=0)
     _run(opt, list(model.parameters()), range(2))
-    assert launched == [] and functional._fused_checked == {}
+    assert launched == [] and fused_kernels._fused_checked == {}

@@ -198,7 +198,7 @@ def test_the_state_bytes_are_what_a_session_allocates() -> None:
 
 
 def test_the_cpu_tile_is_the_optimizers() -> None:
-    from popbert.optimizers.functional import CPU_TILE_NUMEL
+    from popbert.optimizers.tiling import CPU_TILE_NUMEL
 
     assert estimate.CPU_TILE_NUMEL == CPU_TILE_NUMEL
 

@@ -1,7 +1,8 @@
 """popbert: pre-train and fine-tune BERT-family models from an annotated ONNX graph.
 
-The public face, in the order one batch travels: `load_config` → `build_bert` (or your own
-graph with `Builder` / `TensorInfo`) → `TrainingSession` with `SessionOptions` → checkpoints →
+The public face: `load_config` → `Trainer.from_config(cfg)` → `train()` is a whole run. Underneath,
+in the order one batch travels: `build_bert` (or your own graph with `Builder` / `TensorInfo`)
+→ a `Session` (`make_session`, or `TrainingSession` with `SessionOptions`) → checkpoints →
 `InferenceSession` or the ONNX export.
 
 Names are imported on first use (PEP 562), so `import popbert` and the CLI's error paths stay
@@ -25,18 +26,26 @@ _PUBLIC = {
     "TrainingSession": "popbert.runtime.session",
     "InferenceSession": "popbert.runtime.session",
     "SessionOptions": "popbert.runtime.options",
+    "Session": "popbert.runtime.protocol",
+    "make_session": "popbert.backends.sessions",
+    "Trainer": "popbert.train.trainer",
+    "RunResult": "popbert.train.trainer",
 }
 
-__all__ = ["BertConfig", "Builder", "InferenceSession", "RunConfig", "SessionOptions", "TensorInfo",
-           "TrainingSession", "__version__", "build_bert", "load_config"]
+__all__ = ["BertConfig", "Builder", "InferenceSession", "RunConfig", "RunResult", "Session",
+           "SessionOptions", "TensorInfo", "Trainer", "TrainingSession", "__version__",
+           "build_bert", "load_config", "make_session"]
 
 if TYPE_CHECKING:
+    from popbert.backends.sessions import make_session
     from popbert.builders.bert import build_bert
     from popbert.builders.bert_config import BertConfig
     from popbert.config import RunConfig, load_config
     from popbert.graph.builder import Builder, TensorInfo
     from popbert.runtime.options import SessionOptions
+    from popbert.runtime.protocol import Session
     from popbert.runtime.session import InferenceSession, TrainingSession
+    from popbert.train.trainer import RunResult, Trainer
 
 
 def __getattr__(name: str) -> Any:

@@ -1,10 +1,10 @@
 """The PopART backend: a popbert graph trained by Graphcore's PopART on IPUs.
 
-``TrainingSession(model, loss, optimizer, options, backend="popart")`` (or
-``SessionOptions(backend="popart")``, ``execution.backend: popart``) returns a
-:class:`PopartTrainingSession`: the same graph, optimizer factory, options and loss scaler as the
-torch backend, translated into PopART's objects (why a separate class rather than a backend
-object inside the torch session: :mod:`popbert.backends`). What is translated, and how:
+``make_session(model, loss, optimizer, SessionOptions(backend="popart"))`` (or
+``execution.backend: popart``) returns a :class:`PopartTrainingSession`: the same graph,
+optimizer factory, options and loss scaler as the torch backend, translated into PopART's
+objects; it implements the same ``popbert.runtime.protocol.Session``. What is translated, and
+how:
 
 * **Options** → ``popart.SessionOptions``, ``popart.DataFlow`` and the device:
   :mod:`popbert.backends.popart_options` (its docstring has the table).
@@ -88,6 +88,7 @@ from popbert.backends.popart_options import (
     session_options,
 )
 from popbert.distributed import Replicas
+from popbert.dtypes import rounds_stochastically
 from popbert.errors import CheckpointError, ConfigError, InputError, UsageError
 from popbert.graph.annotations import (
     IPU_NUMBER,
@@ -365,11 +366,11 @@ def adam_plan(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
     return AdamPlan(mode, values, specific, float(clip) if clip is not None else None)
 
 
-def _stochastic_rounding(optimizer: torch.optim.Optimizer, half: bool) -> bool:
-    """Whether the optimizer asks for stochastically rounded updates (its groups'
-    ``stochastic_rounding``; None: on for half weights, as in ``popbert.optimizers``)."""
+def _stochastic_rounding(optimizer: torch.optim.Optimizer, weights: str) -> bool:
+    """Whether the optimizer asks for stochastically rounded updates of ``weights``-format
+    weights (its groups' ``stochastic_rounding``, by `popbert.dtypes.rounds_stochastically`)."""
     flags = {g.get("stochastic_rounding") for g in optimizer.param_groups}
-    return any(half if flag is None else bool(flag) for flag in flags)
+    return any(rounds_stochastically(flag, weights) for flag in flags)
 
 
 # -- the session ----------------------------------------------------------------------------------
@@ -377,7 +378,7 @@ def _stochastic_rounding(optimizer: torch.optim.Optimizer, half: bool) -> bool:
 class PopartTrainingSession:
     """Train a graph with PopART: the PopART face of :class:`popbert.TrainingSession`.
 
-    Made by ``TrainingSession(..., backend="popart")`` with the torch session's arguments, plus
+    Made by :func:`popbert.backends.make_session` with the torch session's arguments, plus
     ``popart_options`` (:class:`~popbert.backends.popart_options.PopartOptions`). ``replicas``:
     None or a single process — PopART runs ``options.replication_factor`` replicas itself.
     ``input_checker`` builds the batch checker from ``(proto, input names)``
@@ -447,8 +448,7 @@ class PopartTrainingSession:
         popart_ = self._popart
         user_options = session_options(
             popart_, options, self.popart_options, manual_placement=self.layout.placed,
-            stochastic_rounding=_stochastic_rounding(self.optimizer,
-                                                     options.weight_dtype != "float32"))
+            stochastic_rounding=_stochastic_rounding(self.optimizer, options.weight_dtype))
         self.device_info = acquire_device(popart_, self.popart_options,
                                           device_ipus(options.replication_factor,
                                                       self.layout.ipus))

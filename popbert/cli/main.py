@@ -10,6 +10,7 @@ are reported in a fraction of a second.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from popbert import __version__
-from popbert.errors import CheckpointError, PopbertError
+from popbert.errors import CheckpointError, PopbertError, one_line
 
 if TYPE_CHECKING:
     from popbert.config import RunConfig
@@ -59,11 +60,6 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     return tuple(types_)
 
 
-def _one_line(exc: BaseException) -> str:
-    message = " ".join(str(exc).split()) or type(exc).__name__
-    return message
-
-
 def _existing_dir(path: Path | None, what: str) -> Path | None:
     if path is not None and not path.is_dir():
         raise CheckpointError(f"{what}: not a directory: {path}")
@@ -98,10 +94,11 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
     resume = _existing_dir(args.resume, "--resume")
     init_from = _existing_dir(args.init_from, "--init-from")
     cfg = config_from_args(args)
-    from popbert.train.pretrain import run_pretraining
+    from popbert.train.trainer import Trainer
 
-    run_pretraining(cfg, output_dir=pretrain_output_dir(args), resume=resume,
-                    init_from=init_from)
+    with Trainer.from_config(cfg, pretrain_output_dir(args), resume=resume,
+                             init_from=init_from) as trainer:
+        trainer.train()
     return 0
 
 
@@ -142,50 +139,35 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
 
 def _print_json(result: dict) -> None:
     """Results go to stdout as one JSON line (the last), logs to stderr."""
-    import json
-
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()
 
 
-def _train_options(args: argparse.Namespace):
-    from popbert.train.finetune import TrainOptions
+def finetune_config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The fine-tuning run's config: --config (default: the task's preset) with the flags the
+    user gave (each one config key, `popbert.train.finetune.FLAG_KEYS`), then --set."""
+    from popbert.train.finetune import FLAG_KEYS, finetune_config
 
-    return TrainOptions(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
-                        warmup_proportion=args.warmup_proportion,
-                        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-                        seed=args.seed, device=args.device, threads=args.threads,
-                        log_every=args.log_every, eval_batch_size=args.eval_batch_size,
-                        dropout=args.dropout)
+    given = {dest: getattr(args, dest) for dest in FLAG_KEYS
+             if getattr(args, dest, None) is not None}
+    if isinstance(given.get("labels"), str):
+        given["labels"] = [x.strip() for x in given["labels"].split(",")]
+    flags = [f"{FLAG_KEYS[dest]}={json.dumps(str(v) if isinstance(v, Path) else v)}"
+             for dest, v in given.items() if dest not in ("checkpoint", "train")]
+    return finetune_config(args.finetune_task, args.checkpoint, args.train,
+                           overrides=[*flags, *args.overrides], config=args.config)
 
 
-def _cmd_finetune_squad(args: argparse.Namespace) -> int:
-    checkpoint = _existing_dir(args.checkpoint, "--checkpoint")
-    from popbert.train.finetune import finetune_squad
+def _cmd_finetune(args: argparse.Namespace) -> int:
+    _existing_dir(args.checkpoint, "--checkpoint")
+    cfg = finetune_config_from_args(args)
+    from popbert.train.trainer import Trainer
 
-    result = finetune_squad(checkpoint, args.train, args.output_dir, predict_file=args.predict,
-                            options=_train_options(args), max_seq_length=args.max_seq_length,
-                            doc_stride=args.doc_stride, max_query_length=args.max_query_length,
-                            n_best_size=args.n_best_size,
-                            max_answer_length=args.max_answer_length)
+    with Trainer.from_config(cfg, args.output_dir) as trainer:
+        result = trainer.train()
     logger.info("wrote %s (checkpoint %s)", result.output_dir, result.checkpoint.name)
-    if result.metrics:
+    if result.metrics or args.finetune_task == "classification":
         _print_json(result.metrics)
-    return 0
-
-
-def _cmd_finetune_classify(args: argparse.Namespace) -> int:
-    checkpoint = _existing_dir(args.checkpoint, "--checkpoint")
-    from popbert.train.finetune import finetune_classify
-
-    labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
-    result = finetune_classify(checkpoint, args.train, args.output_dir, eval_file=args.eval,
-                               options=_train_options(args),
-                               max_seq_length=args.max_seq_length, text_column=args.text_column,
-                               pair_column=args.text_pair_column,
-                               label_column=args.label_column, labels=labels)
-    logger.info("wrote %s (checkpoint %s)", result.output_dir, result.checkpoint.name)
-    _print_json(result.metrics)
     return 0
 
 
@@ -293,52 +275,58 @@ def add_pretrain_arguments(p: argparse.ArgumentParser) -> None:
                        help="start a new run from a checkpoint's weights only (e.g. phase 2)")
 
 
-def _add_training_args(p: argparse.ArgumentParser, max_seq_length: int, epochs: int,
-                       lr: float, batch_size: int) -> None:
+def _add_training_args(p: argparse.ArgumentParser, preset: str) -> None:
+    """The flags of `popbert finetune TASK`: each sets one config key over the task's preset
+    (`popbert config --config PRESET` shows its values); --set reaches every other key."""
     p.add_argument("--checkpoint", type=Path, required=True, metavar="DIR",
                    help="checkpoint or run directory (popbert pretrain, import-hf)")
     p.add_argument("--output-dir", "-o", type=Path, required=True, metavar="DIR")
-    p.add_argument("--max-seq-length", type=int, default=max_seq_length, metavar="N")
-    p.add_argument("--epochs", type=int, default=epochs)
-    p.add_argument("--lr", type=float, default=lr, help="peak learning rate (AdamW)")
-    p.add_argument("--batch-size", type=int, default=batch_size)
-    p.add_argument("--warmup-proportion", type=float, default=0.1,
-                   help="fraction of the steps with linear warmup (then linear decay to 0)")
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--log-every", type=int, default=10, metavar="STEPS")
-    p.add_argument("--eval-batch-size", type=int, default=64)
-    p.add_argument("--dropout", type=float, default=None, metavar="P",
+    p.add_argument("--config", "-c", metavar="FILE_OR_PRESET", default=None,
+                   help=f"YAML config or preset to start from (default: {preset})")
+    p.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append",
+                   default=[], help="override one config value, e.g. --set optimizer.lr=3e-5")
+    p.add_argument("--max-seq-length", type=int, metavar="N", help="finetune.max_seq_length")
+    p.add_argument("--epochs", type=int, help="finetune.epochs")
+    p.add_argument("--lr", type=float, help="peak learning rate (AdamW): optimizer.lr")
+    p.add_argument("--batch-size", type=int, help="execution.micro_batch_size")
+    p.add_argument("--warmup-proportion", type=float,
+                   help="fraction of the steps with linear warmup (then linear decay to 0): "
+                        "finetune.warmup_proportion")
+    p.add_argument("--weight-decay", type=float, help="optimizer.weight_decay")
+    p.add_argument("--max-grad-norm", type=float, help="optimizer.max_grad_norm")
+    p.add_argument("--seed", type=int, help="training.seed")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="execution.device")
+    p.add_argument("--threads", type=int, help="torch intra-op threads: execution.threads")
+    p.add_argument("--log-every", type=int, metavar="STEPS", help="training.log_every")
+    p.add_argument("--eval-batch-size", type=int, help="finetune.eval_batch_size")
+    p.add_argument("--dropout", type=float, metavar="P",
                    help="hidden and attention dropout (default: the checkpoint's; 0.1 for "
-                        "GroupBERT, which pre-trains without)")
+                        "GroupBERT, which pre-trains without): finetune.dropout")
 
 
 def _add_finetune_commands(sub, common: argparse.ArgumentParser) -> None:
     group = sub.add_parser("finetune", parents=[common], help="fine-tune on SQuAD or a "
                            "classification file")
-    tasks = group.add_subparsers(dest="finetune_task", metavar="TASK", required=True)
+    tasks = group.add_subparsers(dest="finetune_command", metavar="TASK", required=True)
 
     p = tasks.add_parser("squad", parents=[common], help="SQuAD v1.1 question answering",
                          description="Fine-tune the span head on a SQuAD v1.1 training file; "
                                      "write predictions.json for --predict and, if it has "
                                      "answers, the official EM/F1 (printed as JSON).")
-    _add_training_args(p, max_seq_length=384, epochs=2, lr=5e-5, batch_size=32)
+    _add_training_args(p, "finetune-squad")
     p.add_argument("--train", type=Path, required=True, metavar="FILE.json")
     p.add_argument("--predict", type=Path, default=None, metavar="FILE.json")
-    p.add_argument("--doc-stride", type=int, default=128)
-    p.add_argument("--max-query-length", type=int, default=64)
-    p.add_argument("--n-best-size", type=int, default=20)
-    p.add_argument("--max-answer-length", type=int, default=30)
-    p.set_defaults(handler=_cmd_finetune_squad)
+    p.add_argument("--doc-stride", type=int)
+    p.add_argument("--max-query-length", type=int)
+    p.add_argument("--n-best-size", type=int)
+    p.add_argument("--max-answer-length", type=int)
+    p.set_defaults(handler=_cmd_finetune, finetune_task="squad")
 
     p = tasks.add_parser("classify", parents=[common],
                          help="sentence or sentence-pair classification (TSV/CSV/JSONL)",
                          description="Fine-tune a pooled-output classifier; report accuracy and "
                                      "F1 on --eval (default: the training file) as JSON.")
-    _add_training_args(p, max_seq_length=128, epochs=3, lr=2e-5, batch_size=32)
+    _add_training_args(p, "finetune-classification")
     p.add_argument("--train", type=Path, required=True, metavar="FILE")
     p.add_argument("--eval", type=Path, default=None, metavar="FILE")
     p.add_argument("--text-column", default=None,
@@ -346,10 +334,10 @@ def _add_finetune_commands(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--text-pair-column", default=None,
                    help="second text (default with no --text-column: sentence2, question2 or "
                         "hypothesis, if present)")
-    p.add_argument("--label-column", default="label")
+    p.add_argument("--label-column", default=None, help="default: label")
     p.add_argument("--labels", default=None, metavar="A,B,...",
                    help="class names in id order (default: the training file's, sorted)")
-    p.set_defaults(handler=_cmd_finetune_classify)
+    p.set_defaults(handler=_cmd_finetune, finetune_task="classification")
 
 
 def _add_evaluate_commands(sub, common: argparse.ArgumentParser) -> None:
@@ -530,7 +518,7 @@ def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Nam
         return 130
     except Exception as exc:
         if isinstance(exc, _user_error_types()):
-            sys.stderr.write(f"popbert: error: {_one_line(exc)}\n")
+            sys.stderr.write(f"popbert: error: {one_line(exc)}\n")
             return 2
         raise
 
@@ -545,5 +533,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command(args.handler, args)
 
 
-__all__ = ["add_pretrain_arguments", "build_parser", "config_from_args", "main",
-           "pretrain_output_dir", "run_command"]
+__all__ = ["add_pretrain_arguments", "build_parser", "config_from_args",
+           "finetune_config_from_args", "main", "pretrain_output_dir", "run_command"]

@@ -22,15 +22,14 @@ update → optimizer step. Two things are chosen once, when the session is made:
 single-process loop. `TrainingSession.state_dict()` is everything a resumed run needs from the
 session (see docs/scaling.md for the layouts).
 
-`TrainingSession(..., backend="popart")` (or `SessionOptions.backend`) makes a PopART session
-instead, from the same arguments: the choice is made once, in `TrainingSession.__new__`, so this
-module's training step has no backend branches (the reasons: `popbert.backends`).
+This is the torch backend of the `Session` protocol (`popbert.runtime.protocol`); the PopART
+session implements the same protocol in `popbert.backends.popart`, and
+`popbert.backends.make_session` chooses between them, so this module has no backend branches.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -40,24 +39,21 @@ import numpy as np
 import onnx
 import torch
 
-from popbert.backends.popart import PopartTrainingSession
 from popbert.distributed import Replicas, broadcast_parameters, gradient_sync
 from popbert.dtypes import torch_dtype
-from popbert.errors import CheckpointError, InputError
+from popbert.errors import CheckpointError, InputError, one_line
 from popbert.graph.annotations import constant_initializers
 from popbert.optimizers import LossScaler
 from popbert.runtime.devices import resolve_device
 from popbert.runtime.inputs import InputChecker
 from popbert.runtime.options import SessionOptions
 from popbert.runtime.partition import Program
+from popbert.runtime.protocol import Batch, NamedParameters, OptimizerFactory
 from popbert.runtime.rng import capture_rng, replica_rng, restore_rng
 from popbert.runtime.schedules import PipelineEngine
 
 log = logging.getLogger(__name__)
 
-NamedParameters = list[tuple[str, torch.nn.Parameter]]
-OptimizerFactory = Callable[[NamedParameters], torch.optim.Optimizer]
-Batch = Mapping[str, torch.Tensor | np.ndarray]
 STATE_KEYS = ("step", "weights", "optimizer", "loss_scaler", "rng")
 
 __all__ = ["InferenceSession", "NamedParameters", "OptimizerFactory", "SessionOptions",
@@ -200,35 +196,19 @@ class TrainingSession(_Session):
     `optimizer` is a factory taking the named trainable parameters (ONNX names), so optimizers
     can apply per-tensor options by name (no weight decay on biases and norms, ...).
 
-    `backend` ("torch" or "popart"; None: `options.backend`) picks who trains the graph. For
-    "popart" the result is a `popbert.backends.popart.PopartTrainingSession` made from these
-    arguments (plus `popart_options`), with the same `run` / `weights` / `state_dict` face; where
-    Graphcore's SDK is not importable that is a one-line `popbert.backends.BackendUnavailable`.
+    This is the torch backend's `popbert.runtime.protocol.Session`;
+    `popbert.backends.make_session` makes whichever session `SessionOptions.backend` names.
     """
-
-    def __new__(cls, model: onnx.ModelProto | bytes | str | Path | None = None,
-                loss: str | None = None, optimizer: OptimizerFactory | None = None,
-                options: SessionOptions | None = None,
-                step_hook: Callable[[int], None] | None = None,
-                loss_scaler: LossScaler | None = None, replicas: Replicas | None = None, *,
-                backend: str | None = None, **backend_options: Any) -> Any:
-        # Defaults only so that copy/pickle (which call cls.__new__(cls)) get a torch session.
-        chosen = backend or (options.backend if options is not None else "torch")
-        if chosen == "torch":
-            return super().__new__(cls)
-        if chosen != "popart":
-            raise ValueError(f"unknown backend {chosen!r}; expected 'torch' or 'popart'")
-        if options is None or options.backend != chosen:
-            options = dataclasses.replace(options or SessionOptions(), backend=chosen)
-        return PopartTrainingSession(load_model(model), loss, optimizer, options, step_hook,
-                                     loss_scaler, replicas, input_checker=InputChecker,
-                                     **backend_options)
 
     def __init__(self, model: onnx.ModelProto | bytes | str | Path, loss: str,
                  optimizer: OptimizerFactory, options: SessionOptions | None = None,
                  step_hook: Callable[[int], None] | None = None,
                  loss_scaler: LossScaler | None = None,
-                 replicas: Replicas | None = None, *, backend: str | None = None):
+                 replicas: Replicas | None = None):
+        if options is not None and options.backend != "torch":
+            raise ValueError(f"TrainingSession is the torch backend but SessionOptions.backend "
+                             f"is {options.backend!r}: make the session with "
+                             "popbert.backends.make_session")
         super().__init__(model, options, training=True)
         if loss not in self.output_names:
             raise ValueError(f"loss {loss!r} is not a graph output; outputs are "
@@ -398,7 +378,7 @@ class TrainingSession(_Session):
             self.optimizer.load_state_dict(_cpu_copy(state["optimizer"]))
         except (KeyError, ValueError, TypeError, RuntimeError) as error:
             raise CheckpointError(f"the optimizer state does not fit this optimizer: "
-                                  f"{_one_line(error)}") from None
+                                  f"{one_line(error, 300)}") from None
         self.load_weights(weights)
         scaler = state.get("loss_scaler") or {}
         if self.loss_scaler is not None and scaler:
@@ -406,11 +386,11 @@ class TrainingSession(_Session):
                 self.loss_scaler.load_state_dict(scaler)
             except (KeyError, ValueError, TypeError) as error:
                 raise CheckpointError(f"the loss-scaler state is unreadable: "
-                                      f"{_one_line(error)}") from None
+                                      f"{one_line(error, 300)}") from None
         try:
             restore_rng(state.get("rng") or {}, self.replicas.rank)
         except (KeyError, ValueError, TypeError, RuntimeError) as error:
-            raise CheckpointError(f"the RNG state is unreadable: {_one_line(error)}") from None
+            raise CheckpointError(f"the RNG state is unreadable: {one_line(error, 300)}") from None
         self.step = int(state["step"])
 
     def _check_weights(self, weights: Mapping[str, Any]) -> None:
@@ -454,7 +434,3 @@ def _cpu_copy(value: Any) -> Any:
 
 def _few(names: list[str], count: int = 3) -> str:
     return ", ".join(names[:count]) + (", ..." if len(names) > count else "")
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())[:300] or type(error).__name__

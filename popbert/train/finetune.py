@@ -1,28 +1,28 @@
-"""Fine-tuning from a checkpoint: SQuAD v1.1 span prediction and sequence classification.
+"""Fine-tuning jobs: SQuAD v1.1 span prediction and sequence classification.
 
-`finetune_squad` / `finetune_classify` take any popbert checkpoint (a pre-training run, or a
-Hugging Face model brought in with `popbert import-hf`), build the task graph (encoder + head +
-loss, `popbert.builders.tasks`), load every matching weight (the head starts fresh and is
-reported), train with AdamW (bias-corrected, no decay on biases and norms) under linear warmup
-and decay, save a checkpoint, and evaluate: SQuAD writes `predictions.json` in the official
-format and the official EM/F1; classification reports accuracy and F1.
+A fine-tuning run is a `RunConfig` whose `finetune.task` is `squad` or `classification`
+(`finetune_config` makes one from the task's preset, `finetune-squad` or
+`finetune-classification`). The `Trainer` starts it from `finetune.checkpoint` (a pre-training
+run, or a Hugging Face model brought in with `popbert import-hf`): the job reads the data, takes
+the checkpoint's model with the task head (the head starts fresh and is reported), derives
+`training.steps` from `finetune.epochs` and `optimizer.warmup_steps` from
+`finetune.warmup_proportion`, and at the end scores the trained weights: SQuAD writes
+`predictions.json` in the official format and the official EM/F1, classification accuracy and F1.
 
 Everything a later `popbert export --task squad|classification` or `popbert export-hf` needs
 (task, window sizes, labels, lowercasing) is recorded in the checkpoint's `model.task`.
-
-Output directory: `config.yaml`, `vocab.txt`, `metrics.jsonl` (training loss), the checkpoint
-under `checkpoints/step-NNNNNN/`, and `eval_results.json` (+ `predictions.json`,
-`nbest_predictions.json` for SQuAD).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,18 +32,35 @@ import popbert.builders.tasks  # noqa: F401  (registers the squad and classifica
 from popbert.atomic import atomic_write_bytes, atomic_write_text
 from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import BertConfig, TaskConfig
-from popbert.config import RunConfig, config_from_dict, dump_config
+from popbert.config import RunConfig, config_from_dict, load_config
+from popbert.data.classification import (
+    classification_metrics,
+    encode_classification,
+    label_ids,
+    label_list,
+    read_classification_file,
+)
+from popbert.data.squad import (
+    WindowOptions,
+    decode_answers,
+    read_squad,
+    squad_features,
+    write_predictions,
+)
+from popbert.data.squad_metric import evaluate as squad_evaluate
+from popbert.data.tokenization import (
+    WordPieceTokenizer,
+    bundled_vocab_path,
+    make_tokenizer,
+    parse_vocab,
+)
 from popbert.errors import CheckpointError, ConfigError, UsageError
 from popbert.io import checkpoint as ckpt
-from popbert.io import run_dir
 from popbert.io.hf_checkpoint import VOCAB, checkpoint_vocab
-from popbert.io.run_dir import step_dir
-from popbert.observe.tracking import MetricsLogger
-from popbert.optimizers import set_lr
 from popbert.runtime.options import SessionOptions
-from popbert.runtime.session import InferenceSession, TrainingSession
-from popbert.train.factories import lr_schedule, optimizer_factory
-from popbert.train.loop import RecordHook, RunStopped, train_loop
+from popbert.runtime.protocol import Session
+from popbert.runtime.session import InferenceSession
+from popbert.train.jobs import Job
 
 log = logging.getLogger(__name__)
 
@@ -53,37 +70,40 @@ SQUAD_ARCHITECTURE = "BertForQuestionAnswering"
 CLASSIFICATION_ARCHITECTURE = "BertForSequenceClassification"
 
 
-@dataclass
-class TrainOptions:
-    """Fine-tuning hyperparameters (defaults: Devlin et al.'s SQuAD/GLUE recipe)."""
+# The flags of `popbert finetune TASK` (argparse names) and the `args` of a fine-tuning sweep:
+# the config key each one sets (the checkpoint and data files, then the run's knobs).
+FLAG_KEYS = {
+    "checkpoint": "finetune.checkpoint", "train": "finetune.train_file",
+    "predict": "finetune.eval_file", "eval": "finetune.eval_file",
+    "epochs": "finetune.epochs", "warmup_proportion": "finetune.warmup_proportion",
+    "max_seq_length": "finetune.max_seq_length", "doc_stride": "finetune.doc_stride",
+    "max_query_length": "finetune.max_query_length", "n_best_size": "finetune.n_best_size",
+    "max_answer_length": "finetune.max_answer_length", "text_column": "finetune.text_column",
+    "text_pair_column": "finetune.pair_column", "label_column": "finetune.label_column",
+    "labels": "finetune.labels", "eval_batch_size": "finetune.eval_batch_size",
+    "dropout": "finetune.dropout", "lr": "optimizer.lr", "weight_decay": "optimizer.weight_decay",
+    "max_grad_norm": "optimizer.max_grad_norm", "batch_size": "execution.micro_batch_size",
+    "device": "execution.device", "threads": "execution.threads", "seed": "training.seed",
+    "log_every": "training.log_every",
+}
 
-    epochs: int = 2
-    lr: float = 5e-5
-    batch_size: int = 32
-    warmup_proportion: float = 0.1
-    weight_decay: float = 0.01
-    max_grad_norm: float | None = 1.0
-    seed: int = 42
-    device: str = "auto"
-    threads: int | None = None
-    log_every: int = 10
-    eval_batch_size: int = 64
-    dropout: float | None = None  # hidden and attention dropout; None = the checkpoint's
 
-    def validate(self) -> None:
-        """One-line UsageError naming the command-line flag of a bad value."""
-        checks = [("epochs", self.epochs >= 1), ("lr", self.lr > 0),
-                  ("batch-size", self.batch_size >= 1),
-                  ("warmup-proportion", 0.0 <= self.warmup_proportion <= 1.0),
-                  ("weight-decay", self.weight_decay >= 0),
-                  ("log-every", self.log_every >= 1),
-                  ("eval-batch-size", self.eval_batch_size >= 1),
-                  ("threads", self.threads is None or self.threads >= 1),
-                  ("dropout", self.dropout is None or 0.0 <= self.dropout < 1.0)]
-        for flag, ok in checks:
-            if not ok:
-                value = getattr(self, flag.replace("-", "_"))
-                raise UsageError(f"--{flag}: invalid value {value!r}")
+def finetune_config(task: str, checkpoint: str | Path, train_file: str | Path,
+                    eval_file: str | Path | None = None, overrides: Sequence[str] = (),
+                    config: str | Path | None = None) -> RunConfig:
+    """The config of a fine-tuning run: `config` (default: the task's preset,
+    `finetune-squad` or `finetune-classification`) with the run's inputs, under `overrides`
+    (`section.key=value`, as `--set`; `finetune.epochs=3`, `optimizer.lr=3e-5`, ...)."""
+    if task not in TASKS:
+        raise UsageError(f"unknown fine-tuning task {task!r}; expected one of "
+                         f"{', '.join(TASKS)}")
+    inputs = {"finetune.task": task, "finetune.checkpoint": str(checkpoint),
+              "finetune.train_file": str(train_file)}
+    if eval_file is not None:
+        inputs["finetune.eval_file"] = str(eval_file)
+    given = [f"{k}={json.dumps(v)}" for k, v in inputs.items()]
+    return load_config(config if config is not None else f"finetune-{task}",
+                       [*given, *overrides])
 
 
 @dataclass
@@ -97,15 +117,6 @@ class Pretrained:
     step_dir: Path
 
 
-@dataclass
-class FinetuneResult:
-    output_dir: Path
-    checkpoint: Path
-    steps: int
-    metrics: dict[str, float] = field(default_factory=dict)
-    fresh: list[str] = field(default_factory=list)
-
-
 def load_pretrained(checkpoint: Path) -> Pretrained:
     """A checkpoint's weights, config and vocabulary (one-line errors for what is missing)."""
     restored = ckpt.load_checkpoint(checkpoint, weights_only=True)
@@ -116,8 +127,6 @@ def load_pretrained(checkpoint: Path) -> Pretrained:
         if cfg.data.vocab_file is not None:
             raise CheckpointError(f"{checkpoint}: its vocabulary {cfg.data.vocab_file} is gone "
                                   f"and there is no {VOCAB} in the run directory")
-        from popbert.data.tokenization import bundled_vocab_path
-
         vocab = bundled_vocab_path()
     entries = sum(1 for line in vocab.read_text(encoding="utf-8").splitlines() if line)
     if entries > cfg.model.vocab_size:
@@ -133,7 +142,7 @@ def task_model_config(model: BertConfig, sequence_length: int, task: TaskConfig,
     dropouts if given — else the checkpoint's, except GroupBERT, which pre-trains without dropout
     and fine-tunes with it (`GROUPBERT_FINETUNE_DROPOUT`)."""
     if sequence_length > model.max_position_embeddings:
-        raise UsageError(f"--max-seq-length ({sequence_length}) exceeds the checkpoint's "
+        raise UsageError(f"finetune.max_seq_length ({sequence_length}) exceeds the checkpoint's "
                          f"model.max_position_embeddings ({model.max_position_embeddings})")
     values = {**model.__dict__, "sequence_length": sequence_length, "layers_per_ipu": None,
               "recompute": False, "dialect": "onnx",
@@ -148,83 +157,260 @@ def task_model_config(model: BertConfig, sequence_length: int, task: TaskConfig,
     return BertConfig(**values)
 
 
-def run_config(pretrained: Pretrained, model: BertConfig, options: TrainOptions, steps: int,
-               output_dir: Path) -> RunConfig:
-    """The fine-tuning run as a popbert config (saved with the checkpoint; drives the
-    optimizer and schedule through `popbert.train.pretrain`'s factories)."""
-    base = pretrained.config.to_dict()
-    base["model"] = {**model.__dict__}
-    base["data"] = {**base["data"], "vocab_file": str(Path(output_dir).resolve() / VOCAB)}
-    base["optimizer"] = {
-        "name": "adamw", "lr": options.lr, "weight_decay": options.weight_decay,
-        "bias_correction": True, "max_grad_norm": options.max_grad_norm,
-        "warmup_steps": int(options.warmup_proportion * steps), "warmup_start_lr": 0.0,
-        "decay": "linear", "end_lr": 0.0, "eps": 1e-6, "betas": [0.9, 0.999],
-        "loss_scaling": "none", "loss_scale": 1.0}
-    base["execution"] = {"device": options.device, "micro_batch_size": options.batch_size,
-                         "threads": options.threads}
-    base["training"] = {"steps": steps, "log_every": options.log_every, "seed": options.seed}
-    return config_from_dict(base, source="fine-tuning options")
+class EpochBatches:
+    """Shuffled mini-batches of in-memory features, a new order each epoch (the last batch of
+    an epoch may be short); resumable by its position."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], batch_size: int, epochs: int,
+                 seed: int):
+        self.arrays = arrays
+        self.batch_size = batch_size
+        self.epochs = epochs
+        self.seed = seed
+        self.num_samples = len(next(iter(arrays.values())))
+        self.per_epoch = math.ceil(self.num_samples / batch_size)
+        self.position = 0  # batches served so far
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def __iter__(self) -> EpochBatches:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        epoch, index = divmod(self.position, self.per_epoch)
+        if epoch >= self.epochs:
+            raise StopIteration
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng(self.seed + epoch).permutation(
+                self.num_samples))
+        rows = self._order[1][index * self.batch_size:(index + 1) * self.batch_size]
+        self.position += 1
+        return {k: torch.from_numpy(v[rows]) for k, v in self.arrays.items()}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position, "num_samples": self.num_samples}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        if int(state["num_samples"]) != self.num_samples:
+            raise ValueError(f"the checkpoint's data has {state['num_samples']} examples, this "
+                             f"run's {self.num_samples}")
+        self.position = int(state["position"])
 
 
-def _batches(arrays: Mapping[str, np.ndarray], batch_size: int, epochs: int, seed: int
-             ) -> Iterator[dict[str, torch.Tensor]]:
-    """Shuffled mini-batches, a new order each epoch; the last one of an epoch may be short."""
-    n = len(next(iter(arrays.values())))
-    for epoch in range(epochs):
-        order = np.random.default_rng(seed + epoch).permutation(n)
-        for first in range(0, n, batch_size):
-            rows = order[first:first + batch_size]
-            yield {k: torch.from_numpy(v[rows]) for k, v in arrays.items()}
+class FinetuneJob(Job):
+    """What the fine-tuning tasks share: the checkpoint they start from, the config they derive
+    from it, the stateless loader over in-memory features and the weights-only checkpoint."""
+
+    task = "finetune"
+    hf_architecture = ""
+    default_max_seq_length = 128
+    final_metrics: tuple[str, ...] = ()  # what `score` returns (and eval_results.json holds)
+
+    def __init__(self, cfg: RunConfig, output_dir: Path):
+        f = cfg.finetune
+        self.output_dir = Path(output_dir)
+        self.pretrained = load_pretrained(Path(f.checkpoint))
+        self.max_seq_length = f.max_seq_length or self.default_max_seq_length
+        self.arrays = self.read(cfg)
+        examples = len(next(iter(self.arrays.values())))
+        steps = f.epochs * math.ceil(examples / cfg.execution.micro_batch_size)
+        model = task_model_config(self.pretrained.config.model, self.max_seq_length,
+                                  self.task_config(cfg), f.dropout)
+        super().__init__(self.resolve(cfg, model, steps))
+        self.name = f"finetune {self.task}"
+        log.info("%s: %d training examples of %d tokens; %d steps", self.task, examples,
+                 self.max_seq_length, steps)
+
+    def resolve(self, cfg: RunConfig, model: BertConfig, steps: int) -> RunConfig:
+        """The run's config: the checkpoint's model (with the task head) and data (with the
+        run's own vocabulary), its tracking unless this config names one, and the step count and
+        warmup derived from the epochs."""
+        base = self.pretrained.config
+        values = cfg.to_dict()
+        values["model"] = dataclasses.asdict(model)
+        values["data"] = {**dataclasses.asdict(base.data),
+                          "vocab_file": str(self.output_dir.resolve() / VOCAB)}
+        if cfg.tracking.backend == "none":
+            values["tracking"] = dataclasses.asdict(base.tracking)
+        values["training"] = {**values["training"], "steps": steps}
+        values["optimizer"] = {**values["optimizer"],
+                               "warmup_steps": int(cfg.finetune.warmup_proportion * steps)}
+        return config_from_dict(values, source=f"fine-tuning {self.task} from "
+                                               f"{self.pretrained.step_dir}")
+
+    def check(self, cfg: RunConfig) -> None:
+        e = cfg.execution
+        if e.replicas != 1 or e.pipeline or e.replicated_tensor_sharding or e.backend != "torch":
+            raise ConfigError("fine-tuning runs in one process on the torch backend: set "
+                              "execution.replicas=1, execution.pipeline=false, "
+                              "execution.replicated_tensor_sharding=false, "
+                              "execution.backend=torch")
+
+    def check_resume(self, restored: ckpt.Checkpoint) -> None:
+        raise ConfigError("fine-tuning checkpoints hold weights only and do not resume: start "
+                          "the fine-tuning run again")
+
+    def read(self, cfg: RunConfig) -> dict[str, np.ndarray]:
+        """The training features (arrays the task graph's inputs are named after)."""
+        raise NotImplementedError
+
+    def task_config(self, cfg: RunConfig) -> TaskConfig:
+        """The task head's settings recorded in `model.task` (what export needs)."""
+        raise NotImplementedError
+
+    def loader(self, rank: int, size: int) -> EpochBatches:
+        c = self.config
+        return EpochBatches(self.arrays, c.execution.micro_batch_size, c.finetune.epochs,
+                            c.training.seed)
+
+    def load_initial_weights(self, session: Session,
+                             weights: dict[str, torch.Tensor] | None) -> list[str]:
+        """The checkpoint's weights (a shape that differs is an error); the head starts fresh."""
+        weights = weights if weights is not None else self.pretrained.weights
+        params = dict(session.named_parameters)
+        for name, value in weights.items():
+            if name in params and tuple(value.shape) != tuple(params[name].shape):
+                raise CheckpointError(f"checkpoint weight {name} has shape "
+                                      f"{tuple(value.shape)}, the {self.task} graph needs "
+                                      f"{tuple(params[name].shape)}")
+        session.load_weights({k: v for k, v in weights.items() if k in params}, strict=False)
+        fresh = [name for name in params if name not in weights]
+        if fresh:
+            log.info("initialised fresh (not in the checkpoint): %s", ", ".join(fresh))
+        return fresh
+
+    def write_inputs(self, output_dir: Path) -> None:
+        vocab = self.pretrained.vocab
+        if vocab.resolve() != (output_dir / VOCAB).resolve():
+            atomic_write_bytes(output_dir / VOCAB, vocab.read_bytes())
+
+    def graph_to_save(self) -> None:
+        return None  # rebuilt from config.yaml (export, export-hf): a copy would double the size
+
+    def checkpoint_state(self, trainer: Any) -> dict[str, Any]:
+        session = trainer.session
+        return {"session": {"step": session.step, "weights": session.weights()}}
+
+    def infer(self, trainer: Any, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        c = self.config
+        return infer(c.model, self.task, trainer.session.weights(), arrays,
+                     c.finetune.eval_batch_size, c.execution.device)
 
 
-def train(cfg: RunConfig, task: str, weights: Mapping[str, torch.Tensor],
-          arrays: Mapping[str, np.ndarray], output_dir: Path, epochs: int,
-          vocab: Path, on_record: RecordHook | None = None,
-          evaluate: Callable[[dict[str, torch.Tensor]], Mapping[str, float]] | None = None
-          ) -> tuple[dict[str, torch.Tensor], list[str], Path]:
-    """Train the `task` graph from `weights` through the training loop and save the checkpoint
-    (with `vocab`) in `output_dir`; returns (trained weights, fresh weight names, checkpoint).
-    `on_record`: see `train_loop` (a sweep's pruner). The checkpoint is written and `evaluate`
-    scores the weights before the metrics logger closes, so the checkpoint can be uploaded
-    (`tracking.log_checkpoint`) and the scores reach the tracked run's summary (as
-    `eval_<name>`)."""
-    e = cfg.execution
-    if e.replicas != 1 or e.pipeline or e.replicated_tensor_sharding:
-        raise ConfigError("fine-tuning runs in one process: set execution.replicas=1, "
-                          "execution.pipeline=false, execution.replicated_tensor_sharding=false")
-    if cfg.execution.threads:
-        torch.set_num_threads(cfg.execution.threads)
-    torch.manual_seed(cfg.training.seed)
-    graph = build_bert(cfg.model, task=task, seed=cfg.training.seed)
-    session = TrainingSession(graph.model(), graph.loss, optimizer_factory(cfg),
-                              SessionOptions.from_config(cfg))
-    params = dict(session.named_parameters)
-    for name, value in weights.items():
-        if name in params and tuple(value.shape) != tuple(params[name].shape):
-            raise CheckpointError(f"checkpoint weight {name} has shape {tuple(value.shape)}, "
-                                  f"the {task} graph needs {tuple(params[name].shape)}")
-    session.load_weights({k: v for k, v in weights.items() if k in params}, strict=False)
-    fresh = [name for name in params if name not in weights]
-    if fresh:
-        log.info("initialised fresh (not in the checkpoint): %s", ", ".join(fresh))
-    schedule = lr_schedule(cfg)
-    session.step_hook = lambda step: set_lr(session.optimizer, schedule, step)
-    t = cfg.training
-    tracker = MetricsLogger(output_dir, cfg.to_dict())
-    saved: Path | None = None
-    try:
-        train_loop(session, _batches(arrays, e.micro_batch_size, epochs, t.seed),
-                   steps=t.steps, log_every=t.log_every, schedule=schedule, tracker=tracker,
-                   samples_per_step=e.micro_batch_size, desc=f"finetune {task}",
-                   divergence_factor=t.divergence_factor, on_record=on_record)
-        trained = session.weights()
-        saved = _save(output_dir, cfg, trained, vocab)
-        if evaluate is not None:
-            tracker.summarize(evaluate(trained))
-    finally:
-        tracker.close(checkpoint=saved)
-    return trained, fresh, saved
+class SquadJob(FinetuneJob):
+    """SQuAD v1.1: the span head on question/context windows; EM and F1 on the eval file."""
+
+    task = "squad"
+    hf_architecture = SQUAD_ARCHITECTURE
+    default_max_seq_length = 384
+    metric_keys = ("loss", "start_accuracy", "end_accuracy")
+    final_metrics = ("exact_match", "f1")
+
+    def read(self, cfg: RunConfig) -> dict[str, np.ndarray]:
+        f = cfg.finetune
+        self.windows = WindowOptions(self.max_seq_length, f.doc_stride, f.max_query_length)
+        self.windows.validate()
+        self.vocab = parse_vocab(self.pretrained.vocab.read_text(encoding="utf-8"))
+        self.tokenizer = make_tokenizer(self.vocab, self.pretrained.lowercase)
+        questions, _ = read_squad(Path(f.train_file))
+        self.to_predict = read_squad(Path(f.eval_file)) if f.eval_file else None
+        features = squad_features(questions, self.tokenizer, self.vocab, self.windows,
+                                  training=True, source=str(f.train_file))
+        log.info("SQuAD: %d questions → %d training windows", len(questions),
+                 len(features.arrays["input_ids"]))
+        return features.arrays
+
+    def task_config(self, cfg: RunConfig) -> TaskConfig:
+        f = cfg.finetune
+        return TaskConfig(name="squad", hf_architecture=SQUAD_ARCHITECTURE,
+                          lowercase=self.pretrained.lowercase, doc_stride=f.doc_stride,
+                          max_query_length=f.max_query_length)
+
+    def score(self, trainer: Any) -> dict[str, float]:
+        """Predict `finetune.eval_file` (predictions.json) and score it if it has answers."""
+        if self.to_predict is None:
+            return {}
+        f, out = self.config.finetune, trainer.output_dir
+        questions, dataset = self.to_predict
+        features = squad_features(questions, self.tokenizer, self.vocab, self.windows)
+        logits = self.infer(trainer, features.arrays)
+        predictions, nbest = decode_answers(questions, features.windows,
+                                            logits["start_logits"], logits["end_logits"],
+                                            f.n_best_size, f.max_answer_length)
+        write_predictions(out / "predictions.json", predictions, nbest)
+        if not any(q.answers for q in questions):
+            return {}
+        metrics = squad_evaluate(dataset["data"], predictions)
+        atomic_write_text(out / "eval_results.json", json.dumps(metrics, indent=2))
+        log.info("SQuAD %s: exact match %.2f, F1 %.2f", f.eval_file, metrics["exact_match"],
+                 metrics["f1"])
+        return metrics
+
+
+class ClassificationJob(FinetuneJob):
+    """A pooled-output classifier on a TSV/CSV/JSONL file; accuracy and F1 on the eval file
+    (the training file when none is given)."""
+
+    task = "classification"
+    hf_architecture = CLASSIFICATION_ARCHITECTURE
+    default_max_seq_length = 128
+    metric_keys = ("loss", "accuracy")
+    final_metrics = ("accuracy", "f1")
+
+    def read(self, cfg: RunConfig) -> dict[str, np.ndarray]:
+        f = cfg.finetune
+        tokenizer = WordPieceTokenizer(self.pretrained.vocab, lowercase=self.pretrained.lowercase)
+        columns = (f.text_column, f.pair_column, f.label_column)
+        train = read_classification_file(Path(f.train_file), *columns)
+        self.labels = list(f.labels) if f.labels else label_list(train)
+        if len(self.labels) < 2 or len(set(self.labels)) != len(self.labels):
+            raise UsageError(f"finetune.labels: need at least two distinct labels, got "
+                             f"{self.labels}")
+        self.eval_data = (read_classification_file(Path(f.eval_file), *columns)
+                          if f.eval_file else train)
+        if (self.eval_data.pairs is None) != (train.pairs is None):
+            raise UsageError(f"{self.eval_data.path}: its text columns differ from "
+                             f"{train.path}'s (one or two texts)")
+        arrays = encode_classification(train, tokenizer, self.max_seq_length)
+        arrays["labels"] = label_ids(train, self.labels)
+        self.eval_arrays = encode_classification(self.eval_data, tokenizer, self.max_seq_length)
+        self.eval_labels = label_ids(self.eval_data, self.labels)
+        log.info("classification: %d examples, labels %s", len(train), self.labels)
+        return arrays
+
+    def task_config(self, cfg: RunConfig) -> TaskConfig:
+        return TaskConfig(name="classification", hf_architecture=CLASSIFICATION_ARCHITECTURE,
+                          lowercase=self.pretrained.lowercase, num_labels=len(self.labels),
+                          labels=self.labels)
+
+    def score(self, trainer: Any) -> dict[str, float]:
+        """Classify the evaluation file: accuracy and F1 (eval_results.json), and each line's
+        prediction (eval_predictions.jsonl)."""
+        out, names = trainer.output_dir, self.labels
+        predicted = self.infer(trainer, self.eval_arrays)["logits"].argmax(axis=-1)
+        metrics = classification_metrics(predicted, self.eval_labels, len(names))
+        metrics["examples"] = len(self.eval_labels)
+        atomic_write_text(out / "eval_results.json", json.dumps(metrics, indent=2))
+        atomic_write_text(out / "eval_predictions.jsonl", "".join(
+            json.dumps({"line": line, "label": names[int(p)], "gold": names[int(g)]}) + "\n"
+            for line, p, g in zip(self.eval_data.lines, predicted, self.eval_labels)))
+        log.info("classification %s: accuracy %.4f, F1 %.4f", self.eval_data.path,
+                 metrics["accuracy"], metrics["f1"])
+        return metrics
+
+
+TASKS: dict[str, type[FinetuneJob]] = {"squad": SquadJob, "classification": ClassificationJob}
+
+
+def finetune_job(cfg: RunConfig, output_dir: Path) -> FinetuneJob:
+    """The fine-tuning job `cfg.finetune` describes, its data read and its config resolved."""
+    f = cfg.finetune
+    for key in ("checkpoint", "train_file"):
+        if getattr(f, key) is None:
+            raise ConfigError(f"finetune.{key} is required for a fine-tuning run")
+    checkpoint = Path(f.checkpoint)
+    if not checkpoint.is_dir():
+        raise CheckpointError(f"finetune.checkpoint: not a directory: {checkpoint}")
+    return TASKS[f.task](cfg, output_dir)
 
 
 def infer(model: BertConfig, task: str, weights: Mapping[str, torch.Tensor],
@@ -246,175 +432,7 @@ def infer(model: BertConfig, task: str, weights: Mapping[str, torch.Tensor],
     return {k: np.concatenate(v) for k, v in outputs.items()}
 
 
-def _save(output_dir: Path, cfg: RunConfig, weights: Mapping[str, torch.Tensor],
-          vocab: Path) -> Path:
-    config_yaml = dump_config(cfg)
-    atomic_write_text(output_dir / "config.yaml", config_yaml)
-    if vocab.resolve() != (output_dir / VOCAB).resolve():
-        atomic_write_bytes(output_dir / VOCAB, vocab.read_bytes())
-    # No model.onnx: the task graph is rebuilt from config.yaml (export, export-hf), and a copy
-    # would double the checkpoint's size.
-    return ckpt.save_checkpoint(step_dir(output_dir, cfg.training.steps),
-                                ckpt.Checkpoint(step=cfg.training.steps, weights=dict(weights)),
-                                config_yaml)
-
-
-def _run_in(output_dir: Path, body: Callable[[], FinetuneResult]) -> FinetuneResult:
-    """Run `body()` writing into `output_dir`; a failure before any checkpoint leaves no
-    half-written directory behind (like `popbert pretrain`)."""
-    created = run_dir.create_output_dir(output_dir)
-    try:
-        return body()
-    except RunStopped:
-        raise  # a stopped (pruned) run keeps the metrics it logged
-    except BaseException:
-        run_dir.remove_if_empty_run(output_dir, created)
-        raise
-
-
-# ----------------------------------------------------------------------------------------------
-# SQuAD
-
-
-def finetune_squad(checkpoint: Path, train_file: Path, output_dir: Path,
-                   predict_file: Path | None = None, options: TrainOptions | None = None,
-                   max_seq_length: int = 384, doc_stride: int = 128, max_query_length: int = 64,
-                   n_best_size: int = 20, max_answer_length: int = 30,
-                   on_record: RecordHook | None = None) -> FinetuneResult:
-    """Fine-tune on a SQuAD v1.1 training file; predict (and score, if it has answers)
-    `predict_file`. `on_record`: see `train_loop`."""
-    from popbert.data.squad import (
-        WindowOptions,
-        decode_answers,
-        read_squad,
-        squad_features,
-        write_predictions,
-    )
-    from popbert.data.squad_metric import evaluate
-    from popbert.data.tokenization import make_tokenizer, parse_vocab
-
-    options = options or TrainOptions()
-    options.validate()
-    windows = WindowOptions(max_seq_length, doc_stride, max_query_length)
-    windows.validate()
-    if n_best_size < 1 or max_answer_length < 1:
-        raise UsageError("--n-best-size and --max-answer-length must be >= 1")
-    pretrained = load_pretrained(checkpoint)
-    vocab = parse_vocab(pretrained.vocab.read_text(encoding="utf-8"))
-    tokenizer = make_tokenizer(vocab, pretrained.lowercase)
-    questions, _ = read_squad(train_file)
-    to_predict = read_squad(predict_file) if predict_file is not None else None
-    features = squad_features(questions, tokenizer, vocab, windows, training=True,
-                              source=str(train_file))
-    model = task_model_config(pretrained.config.model, max_seq_length, TaskConfig(
-        name="squad", hf_architecture=SQUAD_ARCHITECTURE, lowercase=pretrained.lowercase,
-        doc_stride=doc_stride, max_query_length=max_query_length), options.dropout)
-    steps = options.epochs * math.ceil(len(features) / options.batch_size)
-    output_dir = Path(output_dir)
-    run_dir.check_output_dir(output_dir)
-    cfg = run_config(pretrained, model, options, steps, output_dir)
-    log.info("SQuAD: %d questions → %d training windows of %d tokens; %d steps", len(questions),
-             len(features), max_seq_length, steps)
-
-    def body() -> FinetuneResult:
-        metrics: dict[str, float] = {}
-
-        def score(weights: dict[str, torch.Tensor]) -> dict[str, float]:
-            """Predict `predict_file` with the trained weights (and score it if it has answers)."""
-            predict_questions, dataset = to_predict
-            feats = squad_features(predict_questions, tokenizer, vocab, windows)
-            logits = infer(model, "squad", weights, feats.arrays, options.eval_batch_size,
-                           options.device)
-            predictions, nbest = decode_answers(predict_questions, feats.windows,
-                                                logits["start_logits"], logits["end_logits"],
-                                                n_best_size, max_answer_length)
-            write_predictions(output_dir / "predictions.json", predictions, nbest)
-            if any(q.answers for q in predict_questions):
-                metrics.update(evaluate(dataset["data"], predictions))
-                atomic_write_text(output_dir / "eval_results.json", json.dumps(metrics, indent=2))
-                log.info("SQuAD %s: exact match %.2f, F1 %.2f", predict_file,
-                         metrics["exact_match"], metrics["f1"])
-            return metrics
-
-        _, fresh, saved = train(cfg, "squad", pretrained.weights, features.arrays, output_dir,
-                                options.epochs, pretrained.vocab, on_record,
-                                score if to_predict is not None else None)
-        return FinetuneResult(output_dir, saved, steps, metrics, fresh)
-
-    return _run_in(output_dir, body)
-
-
-# ----------------------------------------------------------------------------------------------
-# Classification
-
-
-def finetune_classify(checkpoint: Path, train_file: Path, output_dir: Path,
-                      eval_file: Path | None = None, options: TrainOptions | None = None,
-                      max_seq_length: int = 128, text_column: str | None = None,
-                      pair_column: str | None = None, label_column: str = "label",
-                      labels: list[str] | None = None,
-                      on_record: RecordHook | None = None) -> FinetuneResult:
-    """Fine-tune a pooled-output classifier on a TSV/CSV/JSONL file; report accuracy and F1 on
-    `eval_file` (or on the training file when none is given). `on_record`: see `train_loop`."""
-    from popbert.data.classification import (
-        classification_metrics,
-        encode_classification,
-        label_ids,
-        label_list,
-        read_classification_file,
-    )
-    from popbert.data.tokenization import WordPieceTokenizer
-
-    options = options or TrainOptions()
-    options.validate()
-    pretrained = load_pretrained(checkpoint)
-    tokenizer = WordPieceTokenizer(pretrained.vocab, lowercase=pretrained.lowercase)
-    train_data = read_classification_file(train_file, text_column, pair_column, label_column)
-    names = list(labels) if labels else label_list(train_data)
-    if len(names) < 2 or len(set(names)) != len(names):
-        raise UsageError(f"--labels: need at least two distinct labels, got {names}")
-    eval_data = (read_classification_file(eval_file, text_column, pair_column, label_column)
-                 if eval_file is not None else train_data)
-    if (eval_data.pairs is None) != (train_data.pairs is None):
-        raise UsageError(f"{eval_data.path}: its text columns differ from {train_data.path}'s "
-                         "(one or two texts)")
-    arrays = encode_classification(train_data, tokenizer, max_seq_length)
-    arrays["labels"] = label_ids(train_data, names)
-    eval_arrays = encode_classification(eval_data, tokenizer, max_seq_length)
-    eval_labels = label_ids(eval_data, names)
-    model = task_model_config(pretrained.config.model, max_seq_length, TaskConfig(
-        name="classification", hf_architecture=CLASSIFICATION_ARCHITECTURE,
-        lowercase=pretrained.lowercase, num_labels=len(names), labels=names), options.dropout)
-    steps = options.epochs * math.ceil(len(train_data) / options.batch_size)
-    output_dir = Path(output_dir)
-    run_dir.check_output_dir(output_dir)
-    cfg = run_config(pretrained, model, options, steps, output_dir)
-    log.info("classification: %d examples, labels %s; %d steps", len(train_data), names, steps)
-
-    def body() -> FinetuneResult:
-        metrics: dict[str, float] = {}
-
-        def score(weights: dict[str, torch.Tensor]) -> dict[str, float]:
-            """Classify the evaluation file with the trained weights; accuracy and F1."""
-            logits = infer(model, "classification", weights, eval_arrays,
-                           options.eval_batch_size, options.device)["logits"]
-            predicted = logits.argmax(axis=-1)
-            metrics.update(classification_metrics(predicted, eval_labels, len(names)))
-            metrics["examples"] = len(eval_labels)
-            atomic_write_text(output_dir / "eval_results.json", json.dumps(metrics, indent=2))
-            atomic_write_text(output_dir / "eval_predictions.jsonl", "".join(
-                json.dumps({"line": line, "label": names[int(p)], "gold": names[int(g)]}) + "\n"
-                for line, p, g in zip(eval_data.lines, predicted, eval_labels)))
-            log.info("classification %s: accuracy %.4f, F1 %.4f", eval_data.path,
-                     metrics["accuracy"], metrics["f1"])
-            return metrics
-
-        _, fresh, saved = train(cfg, "classification", pretrained.weights, arrays, output_dir,
-                                options.epochs, pretrained.vocab, on_record, score)
-        return FinetuneResult(output_dir, saved, steps, metrics, fresh)
-
-    return _run_in(output_dir, body)
-
-
-__all__ = ["FinetuneResult", "Pretrained", "TrainOptions", "finetune_classify",
-           "finetune_squad", "infer", "load_pretrained", "task_model_config", "train"]
+__all__ = ["CLASSIFICATION_ARCHITECTURE", "FLAG_KEYS", "GROUPBERT_FINETUNE_DROPOUT",
+           "SQUAD_ARCHITECTURE", "TASKS", "ClassificationJob", "EpochBatches", "FinetuneJob",
+           "Pretrained", "SquadJob", "finetune_config", "finetune_job", "infer", "load_pretrained",
+           "task_model_config"]

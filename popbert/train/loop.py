@@ -1,19 +1,11 @@
-"""The one training loop: pre-training, fine-tuning and sweeps all step a session through it.
+"""The one training loop: every run (`popbert.train.trainer.Trainer`) steps its session here.
 
-Each turn feeds one batch to `TrainingSession.run` (which may perform several optimizer steps:
+Each turn feeds one batch to `session.run` (which may perform several optimizer steps:
 `device_iterations`), logs the window's mean metrics every `log_every` steps (to the progress bar
-and `metrics.jsonl`), and asks for a checkpoint every `checkpoint_every` steps. A run ends early
-when the batches run out, or when it diverged: a loss that is not finite (or weights that are not
-finite when a checkpoint is due), or a loss more than `divergence_factor` times the first step's.
-A diverged run stops at once with one line naming the last good checkpoint.
-
-A caller may watch every logged record (`on_record`, e.g. a sweep feeding its pruner the
-validation metric) and ask the run to stop at once: the loop then raises `RunStopped` on every
-replica, and the run keeps what it logged so far.
-
-A checkpoint holds the weights the *next* step's loss is computed from, so it counts as good only
-once that loss passed: until then it is pending, pruning never removes the last good one for it,
-and if that loss shows the run diverged, the pending checkpoint is discarded.
+and `metrics.jsonl`), evaluates every `eval_every` steps, and checkpoints when one is due. A run
+ends early when the batches run out, or when it diverged (a loss that is not finite, or more
+than `divergence_factor` times the first step's): one line naming the last good checkpoint.
+A caller watching the records (`on_record`, a sweep's pruner) may stop the run: `RunStopped`.
 """
 
 from __future__ import annotations
@@ -24,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -32,7 +24,11 @@ from tqdm import tqdm
 
 from popbert.errors import PopbertError
 from popbert.observe.tracking import MetricsLogger
-from popbert.runtime.session import TrainingSession
+from popbert.runtime.protocol import Session
+
+if TYPE_CHECKING:
+    from popbert.config import RunConfig
+    from popbert.train.trainer import CheckpointManager
 
 log = logging.getLogger(__name__)
 
@@ -77,63 +73,53 @@ class LoopResult:
     checkpoint: Path | None = None  # the last good checkpoint
 
 
-def _nothing(*_: Any) -> None:
-    return None
+@dataclass(frozen=True)
+class LoopSettings:
+    """How long the loop runs and how often it logs and evaluates (`training.*`)."""
+
+    steps: int
+    log_every: int = 10
+    eval_every: int = 0
+    divergence_factor: float = 0.0  # 0: only a non-finite loss counts as diverged
+    samples_per_step: int = 0  # sequences per optimizer step, for seq_per_s (0: not logged)
+    desc: str = "train"  # the progress bar's label
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, desc: str = "train") -> LoopSettings:
+        t = cfg.training
+        return cls(steps=t.steps, log_every=t.log_every, eval_every=t.eval_every,
+                   divergence_factor=t.divergence_factor,
+                   samples_per_step=cfg.global_batch_size, desc=desc)
 
 
-@dataclass
-class Checkpointing:
-    """When and how the loop saves, and which checkpoint is known to be good.
+def train_loop(session: Session, batches: Iterator[Batch], settings: LoopSettings, *,
+               schedule: Callable[[int], float] | None = None,
+               tracker: MetricsLogger | None = None,
+               checkpoints: CheckpointManager | None = None,
+               save: Callable[[], Path] | None = None,
+               validation: Sequence[Batch] | None = None,
+               on_record: RecordHook | None = None) -> LoopResult:
+    """Train until the session reaches `settings.steps` optimizer steps (or `batches` runs out).
 
-    ``save()`` writes the run's state at the session's step; ``prune(newest_good, final)`` may
-    delete old checkpoints; ``discard(path)`` removes a checkpoint the run diverged from.
-    """
-
-    every: int
-    save: Callable[[], Path]
-    prune: Callable[[Path, bool], None] = _nothing
-    discard: Callable[[Path], None] = _nothing
-    last_good: Path | None = None
-    pending: Path | None = None
-
-    def confirm(self) -> None:
-        """The step after the pending checkpoint trained to a good loss: it is good."""
-        if self.pending is not None:
-            self.last_good, self.pending = self.pending, None
-            self.prune(self.last_good, False)
-
-    def diverged(self) -> Path | None:
-        """Drop the pending checkpoint (its weights made the bad loss); the last good one."""
-        if self.pending is not None:
-            self.discard(self.pending)
-            self.pending = None
-        return self.last_good
-
-
-def train_loop(session: TrainingSession, batches: Iterator[Batch], *, steps: int,
-               log_every: int, schedule: Callable[[int], float] | None = None,
-               tracker: MetricsLogger | None = None, samples_per_step: int = 0,
-               checkpointing: Checkpointing | None = None, desc: str = "train",
-               divergence_factor: float = 0.0, validation: Sequence[Batch] | None = None,
-               eval_every: int = 0, on_record: RecordHook | None = None) -> LoopResult:
-    """Train until the session reaches `steps` optimizer steps (or `batches` runs out).
-
-    The final checkpoint is the caller's: it knows what else the run writes. Under replicas
-    every replica runs this loop; only replica 0 logs and shows the bar. `divergence_factor`:
-    see `training.divergence_factor` (0: only a non-finite loss counts as diverged).
-    `validation`: micro-batches evaluated (`evaluate`) after every step that is a multiple of
-    `eval_every` (so a resumed run evaluates at the same steps); their `val_*` means go into
-    that step's metrics record, which is logged even when it is not a `log_every` step.
+    `schedule` is only read to log the learning rate (the session's step hook sets it).
+    `checkpoints` says when a checkpoint is due and which one is good; `save()` writes one (the
+    final checkpoint is the caller's). Under replicas every replica runs this loop; only replica
+    0 logs and shows the bar. `validation`: micro-batches evaluated after every step that is a
+    multiple of `eval_every` (so a resumed run evaluates at the same steps); their `val_*` means
+    go into that step's record, logged even when it is not a `log_every` step.
     `on_record(step, record)` sees every logged record on every replica; a reason (str) returned
     on any replica stops all of them at once with `RunStopped` (after the record is logged).
     """
+    steps, log_every, eval_every = settings.steps, settings.log_every, settings.eval_every
+    divergence_factor, samples_per_step = settings.divergence_factor, settings.samples_per_step
     if eval_every and not validation:
         raise ValueError("eval_every needs validation batches")
     replicas = session.replicas
     first_step = session.step
     window: dict[str, list[float]] = {}
     record: dict[str, float] = {}
-    bar = tqdm(total=steps, initial=session.step, desc=desc, unit="step", dynamic_ncols=True,
+    bar = tqdm(total=steps, initial=session.step, desc=settings.desc, unit="step",
+               dynamic_ncols=True,
                disable=not replicas.is_main)
     started = window_start = time.perf_counter()
     limit: float | None = None  # the loss above which the run has blown up
@@ -160,9 +146,9 @@ def train_loop(session: TrainingSession, batches: Iterator[Batch], *, steps: int
                         f"the loss {loss:.4g} exceeds {divergence_factor:g}× the first step's "
                         f"(training.divergence_factor)")
                 raise TrainingDiverged(step, what,
-                                       checkpointing.diverged() if checkpointing else None)
-            if checkpointing is not None:
-                checkpointing.confirm()
+                                       checkpoints.diverged() if checkpoints else None)
+            if checkpoints is not None:
+                checkpoints.confirm()
             bar.update(steps_done)
             evaluated = None
             if eval_every and session.step % eval_every < steps_done:
@@ -179,21 +165,21 @@ def train_loop(session: TrainingSession, batches: Iterator[Batch], *, steps: int
                 window, window_start = {}, time.perf_counter()
                 if on_record is not None:
                     reason = on_record(session.step, dict(record))
-                    if not _all_replicas(session, not reason):
+                    if not all_replicas(session, not reason):
                         raise RunStopped(session.step, reason or "another replica stopped")
-            if checkpointing is not None and checkpointing.every \
-                    and session.step % checkpointing.every < steps_done and session.step < steps:
-                save_checked(session, checkpointing)
+            if save is not None and checkpoints is not None \
+                    and checkpoints.due(session.step, steps_done, steps):
+                save()
     finally:
         bar.close()
     seconds = time.perf_counter() - started
     trained = session.step - first_step
     log.info("trained %d steps (%d → %d) in %.1f s", trained, first_step, session.step, seconds)
     return LoopResult(trained, seconds, record,
-                      checkpointing.last_good if checkpointing else None)
+                      checkpoints.last_good if checkpoints else None)
 
 
-def evaluate(session: TrainingSession, validation: Sequence[Batch]) -> dict[str, float]:
+def evaluate(session: Session, validation: Sequence[Batch]) -> dict[str, float]:
     """`val_<output>` for every scalar output: its mean over this replica's validation
     micro-batches, then over the replicas (as training metrics are)."""
     values: dict[str, list[float]] = {}
@@ -204,38 +190,21 @@ def evaluate(session: TrainingSession, validation: Sequence[Batch]) -> dict[str,
     return _window_means(values, session)
 
 
-def save_checked(session: TrainingSession, checkpointing: Checkpointing) -> Path:
-    """Save a (pending) checkpoint unless a weight stopped being finite (gradients that
-    overflowed without loss scaling show up in the weights first)."""
-    finite = all(bool(torch.isfinite(w).all()) for w in session.weights().values())
-    if not _all_replicas(session, finite):
-        raise TrainingDiverged(session.step, "a weight is not finite", checkpointing.diverged())
-    checkpointing.pending = checkpointing.save()
-    return checkpointing.pending
-
-
-def save_final(session: TrainingSession, checkpointing: Checkpointing) -> Path:
-    """The run's last checkpoint: saved like any other, then kept by pruning as the final one."""
-    final = save_checked(session, checkpointing)
-    checkpointing.last_good, checkpointing.pending = final, None
-    checkpointing.prune(final, True)
-    return final
-
-
-def _first_bad(losses: torch.Tensor, limit: float | None, session: TrainingSession
+def _first_bad(losses: torch.Tensor, limit: float | None, session: Session
                ) -> int | None:
     """Index of the first loss of a run() that is not finite or above `limit` (agreed over the
     replicas: they all stop, or none), or None."""
     good = torch.isfinite(losses)
     if limit is not None:
         good &= losses <= limit
-    if _all_replicas(session, bool(good.all())):
+    if all_replicas(session, bool(good.all())):
         return None
     bad = (~good).nonzero()
     return int(bad[0]) if len(bad) else 0
 
 
-def _all_replicas(session: TrainingSession, flag: bool) -> bool:
+def all_replicas(session: Session, flag: bool) -> bool:
+    """Whether `flag` holds on every replica (one small all-reduce under replicas)."""
     replicas = session.replicas
     if not replicas.distributed:
         return flag
@@ -244,11 +213,11 @@ def _all_replicas(session: TrainingSession, flag: bool) -> bool:
     return float(value) == 0.0
 
 
-def _collective_device(session: TrainingSession) -> torch.device:
+def _collective_device(session: Session) -> torch.device:
     return session.device if session.device.type == "cuda" else torch.device("cpu")
 
 
-def _log(session: TrainingSession, window: dict[str, list[float]], step: int,
+def _log(session: Session, window: dict[str, list[float]], step: int,
          schedule: Callable[[int], float] | None, tracker: MetricsLogger | None,
          samples_per_step: int, elapsed: float,
          evaluated: dict[str, float] | None = None) -> dict[str, Any]:
@@ -269,7 +238,7 @@ def _log(session: TrainingSession, window: dict[str, list[float]], step: int,
     return record
 
 
-def _window_means(window: dict[str, list[float]], session: TrainingSession) -> dict[str, float]:
+def _window_means(window: dict[str, list[float]], session: Session) -> dict[str, float]:
     """Each metric's mean over the log window, and over the replicas (one small all-reduce)."""
     means = {k: float(np.mean(v)) if v else math.nan for k, v in window.items()}
     replicas = session.replicas
@@ -281,5 +250,5 @@ def _window_means(window: dict[str, list[float]], session: TrainingSession) -> d
     return dict(zip(means, (values / replicas.size).tolist()))
 
 
-__all__ = ["Checkpointing", "LoopResult", "RecordHook", "RunStopped", "TrainingDiverged",
-           "evaluate", "save_checked", "save_final", "train_loop"]
+__all__ = ["LoopResult", "LoopSettings", "RecordHook", "RunStopped", "TrainingDiverged",
+           "all_replicas", "evaluate", "train_loop"]

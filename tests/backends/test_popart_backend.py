@@ -46,6 +46,7 @@ import torch
 from onnx import numpy_helper
 
 from popbert.backends import BackendUnavailable, import_popart, popart_available
+from popbert.backends.sessions import make_session
 from popbert.backends.popart import (
     CAST_SUFFIX,
     NO_WEIGHT_NORM_CLAMP,
@@ -67,6 +68,7 @@ from popbert.graph.annotations import (
 from popbert.io import checkpoint as ckpt
 from popbert.optimizers import LossScaler, classify_parameter, set_lr
 from popbert.runtime.options import SessionOptions
+from popbert.runtime.protocol import Session
 from popbert.runtime.session import InferenceSession, TrainingSession
 from popbert.train.factories import graph_batch_size, loss_scaler, lr_schedule, optimizer_factory
 from popbert.train.loop import train_loop
@@ -110,9 +112,9 @@ def onnx_graph(cfg: RunConfig, zeros: bool = False):
 def session_of(cfg: RunConfig, graph=None, **popart_options: Any) -> PopartTrainingSession:
     """The session ``popbert pretrain`` makes for ``cfg`` (its arguments, its factories)."""
     graph = graph if graph is not None else onnx_graph(cfg, zeros=cfg.preset != "tiny")
-    session = TrainingSession(graph.model(), graph.loss, optimizer_factory(cfg),
-                              SessionOptions.from_config(cfg), loss_scaler=loss_scaler(cfg),
-                              popart_options=PopartOptions(**popart_options))
+    session = make_session(graph.model(), graph.loss, optimizer_factory(cfg),
+                           SessionOptions.from_config(cfg), loss_scaler=loss_scaler(cfg),
+                           popart_options=PopartOptions(**popart_options))
     assert isinstance(session, PopartTrainingSession)
     return session
 
@@ -646,12 +648,12 @@ def test_what_popart_cannot_do(popart: types.ModuleType) -> None:
     assert "\n" not in str(error.value)
     graph = onnx_graph(config("tiny"))
     with pytest.raises(ConfigError, match="scales the loss statically"):
-        TrainingSession(graph.model(), graph.loss, optimizer_factory(config("tiny")),
-                        SessionOptions(backend="popart"), loss_scaler=LossScaler(8.0))
+        make_session(graph.model(), graph.loss, optimizer_factory(config("tiny")),
+                     SessionOptions(backend="popart"), loss_scaler=LossScaler(8.0))
     with pytest.raises(UsageError, match="translates popbert.optimizers.Lamb and AdamW"):
-        TrainingSession(graph.model(), graph.loss,
-                        lambda named: torch.optim.SGD([p for _, p in named], lr=0.1),
-                        SessionOptions(backend="popart"))
+        make_session(graph.model(), graph.loss,
+                     lambda named: torch.optim.SGD([p for _, p in named], lr=0.1),
+                     SessionOptions(backend="popart"))
 
 
 def test_a_graph_beyond_opset_11_is_warned_about(popart: types.ModuleType,
@@ -681,8 +683,8 @@ def test_without_the_sdk_the_session_says_so_in_one_line(no_popart: None) -> Non
     cfg = config("tiny")
     graph = onnx_graph(cfg)
     with pytest.raises(BackendUnavailable) as error:
-        TrainingSession(graph.model(), graph.loss, optimizer_factory(cfg),
-                        SessionOptions(), backend="popart")
+        make_session(graph.model(), graph.loss, optimizer_factory(cfg),
+                     SessionOptions(), backend="popart")
     message = str(error.value)
     assert "Poplar SDK" in message and "\n" not in message
     assert isinstance(error.value, ImportError)
@@ -713,17 +715,23 @@ def test_the_cli_says_so_in_one_line_with_exit_status_2(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
-def test_the_torch_path_is_the_torch_session() -> None:
+def test_the_torch_path_is_the_torch_session(popart: types.ModuleType) -> None:
     """No backend, or backend="torch", is the torch session as before; an unknown one is a
-    ValueError, in the session and in its options."""
+    ValueError, in make_session and in the options; both sessions implement the protocol, and
+    the torch session refuses options naming another backend."""
     cfg = load_config("tiny")
     graph = onnx_graph(cfg)
     for kwargs in ({}, {"backend": "torch"}):
-        session = TrainingSession(graph.model(), graph.loss, optimizer_factory(cfg),
-                                  SessionOptions(), **kwargs)
+        session = make_session(graph.model(), graph.loss, optimizer_factory(cfg),
+                               SessionOptions(), **kwargs)
         assert type(session) is TrainingSession and hasattr(session, "module")
+        assert isinstance(session, Session)
+    assert isinstance(session_of(config("tiny")), Session)
     with pytest.raises(ValueError, match="unknown backend 'tpu'"):
-        TrainingSession(graph.model(), graph.loss, optimizer_factory(cfg), backend="tpu")
+        make_session(graph.model(), graph.loss, optimizer_factory(cfg), backend="tpu")
+    with pytest.raises(ValueError, match="make_session"):
+        TrainingSession(graph.model(), graph.loss, optimizer_factory(cfg),
+                        SessionOptions(backend="popart"))
     with pytest.raises(ValueError, match="SessionOptions.backend must be one of"):
         SessionOptions(backend="tpu")
     assert SessionOptions.from_config(config("tiny")).backend == "popart"

@@ -26,7 +26,8 @@ from popbert.config.yaml_io import DuplicateKeyError, load_yaml
 from popbert.errors import ConfigError, PopbertError
 
 PRESETS = ["tiny", "base-128", "base-384", "large-128", "large-384", "groupbert-mini",
-           "groupbert-medium", "groupbert-base-128", "groupbert-base-384"]
+           "groupbert-medium", "groupbert-base-128", "groupbert-base-384", "finetune-squad",
+           "finetune-classification"]
 
 
 def write(tmp_path: Path, text: str, name: str = "config.yaml") -> Path:

@@ -1,0 +1,427 @@
+"""The one door for a run: `Trainer.from_config(cfg)` assembles it, `train()` runs it.
+
+Pre-training, SQuAD and classification fine-tuning, sweep trials, the example and the benchmarks
+all make their runs here, so the wiring (config → graph → session → data → schedule → steps →
+checkpoints → metrics → export) exists once. What differs between them is the job's
+(`popbert.train.jobs.Job`): the task graph, the data, the starting weights, and what is written
+when training ends. The shape follows torchtitan's `Trainer`: built from the config, stateful
+parts (`state_dict` / `load_state_dict`), `train()`, `close()`.
+
+Under `torchrun` every process is one replica (`execution.replicas`): each reads its share of
+every global batch, only replica 0 writes outputs, and all replicas take the same steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from popbert.atomic import atomic_write_bytes, atomic_write_text
+from popbert.backends.sessions import make_session
+from popbert.builders.bert import build_bert
+from popbert.config import RunConfig, dump_config
+from popbert.distributed import (
+    Replicas,
+    agree,
+    check_world_size,
+    init_replicas,
+    replica_seed,
+    world_size_from_env,
+)
+from popbert.errors import CheckpointError, ConfigError
+from popbert.io import checkpoint as ckpt
+from popbert.io import run_dir
+from popbert.observe.plots import plot_metrics
+from popbert.observe.tracking import MetricsLogger, read_metrics
+from popbert.optimizers import set_lr
+from popbert.runtime.devices import resolve_device
+from popbert.runtime.options import SessionOptions
+from popbert.runtime.protocol import Session
+from popbert.train.factories import graph_batch_size, loss_scaler, lr_schedule, optimizer_factory
+from popbert.train.finetune import finetune_job
+from popbert.train.jobs import Job
+from popbert.train.loop import (
+    LoopSettings,
+    RecordHook,
+    RunStopped,
+    TrainingDiverged,
+    all_replicas,
+    train_loop,
+)
+from popbert.train.pretrain import PretrainingJob
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    """What a finished run leaves: where, its final checkpoint and export, its last logged
+    metrics and (fine-tuning) the evaluation's scores."""
+
+    output_dir: Path
+    checkpoint: Path
+    steps: int  # the step the run ended at
+    steps_trained: int = 0  # by this call (a resumed run trains fewer)
+    final_metrics: dict[str, float] = field(default_factory=dict)  # the last logged record's
+    metrics: dict[str, float] = field(default_factory=dict)  # the end-of-run evaluation's
+    inference_model: Path | None = None
+    plot: Path | None = None
+    fresh: list[str] = field(default_factory=list)  # weights the starting checkpoint lacked
+
+
+class CheckpointManager:
+    """The run's checkpoints: saved every `every` steps into `output_dir/checkpoints/`, pruned to
+    the newest `keep` (and the final one), and trusted only once the next step's loss passed.
+
+    A checkpoint holds the weights the *next* step's loss is computed from, so it is pending until
+    that loss is known: `confirm()` makes it the last good one; `diverged()` deletes it (its
+    weights made the bad loss) and names the last good one. Only replica 0 touches the files.
+    """
+
+    def __init__(self, output_dir: Path, *, every: int, keep: int, is_main: bool,
+                 config_yaml: str, graph: Any = None, resumed: bool = False):
+        self.output_dir = output_dir
+        self.every = every
+        self.keep = keep
+        self.is_main = is_main
+        self.config_yaml = config_yaml
+        self.graph = graph  # the training graph saved with each checkpoint (None: rebuilt)
+        existing = run_dir.checkpoint_dirs(output_dir) if is_main and resumed else []
+        self.last_good: Path | None = existing[-1] if existing else None
+        self.pending: Path | None = None
+
+    def due(self, step: int, steps_done: int, last_step: int) -> bool:
+        """Whether the run `steps_done` steps ago crossed a multiple of `every` (the last step
+        is the final checkpoint's, written by `save_final`)."""
+        return bool(self.every) and step % self.every < steps_done and step < last_step
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        """Write `state` (a pending checkpoint) as `checkpoints/step-<step>`."""
+        directory = run_dir.step_dir(self.output_dir, step)
+        if self.is_main:
+            ckpt.save_checkpoint(directory, ckpt.Checkpoint.from_state(state), self.config_yaml,
+                                 self.graph)
+        self.pending = directory
+        return directory
+
+    def confirm(self) -> None:
+        """The step after the pending checkpoint trained to a good loss: it is good."""
+        if self.pending is not None:
+            self.last_good, self.pending = self.pending, None
+            self._prune(final=None)
+
+    def diverged(self) -> Path | None:
+        """Drop the pending checkpoint; the last good one (None: nothing was saved before)."""
+        if self.pending is not None:
+            if self.is_main:
+                log.warning("removing %s: the run diverged right after it", self.pending)
+                shutil.rmtree(self.pending, ignore_errors=True)
+            self.pending = None
+        return self.last_good
+
+    def finalize(self) -> Path:
+        """The pending checkpoint is the run's final one: kept by every later pruning."""
+        final = self.pending
+        if final is None:
+            raise RuntimeError("finalize() needs a checkpoint just saved")
+        self.last_good, self.pending = final, None
+        self._prune(final=final)
+        return final
+
+    def _prune(self, final: Path | None) -> None:
+        if self.is_main:
+            run_dir.prune_checkpoints(self.output_dir, self.keep, final=final)
+
+
+def micro_batches(loader: Iterator[dict[str, torch.Tensor]], per_run: int
+                  ) -> Iterator[dict[str, torch.Tensor]]:
+    """What one `session.run` takes: `per_run` micro-batches stacked on the batch axis
+    (`device_iterations × gradient_accumulation`); ends when the loader does."""
+    while True:
+        parts = []
+        for _ in range(per_run):
+            part = next(loader, None)
+            if part is None:
+                return
+            parts.append(part)
+        yield {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+class Trainer:
+    """One run, assembled from its config. Use `Trainer.from_config`; then `train()`.
+
+    The stateful parts are `session` and `loader` (`state_dict()` holds both); `checkpoints` saves
+    them, `metrics` logs every record to `metrics.jsonl` (and W&B). As a context manager the run
+    is closed on exit: replicas shut down, and a run that failed before writing anything of
+    value leaves no output directory behind.
+    """
+
+    def __init__(self, cfg: RunConfig, job: Job, output_dir: Path, session: Session,
+                 loader: Any, validation: list[dict[str, torch.Tensor]] | None,
+                 replicas: Replicas, *, owns_replicas: bool, resumed: bool,
+                 fresh: list[str], on_record: RecordHook | None = None):
+        self.cfg = cfg
+        self.job = job
+        self.output_dir = output_dir
+        self.session = session
+        self.loader = loader
+        self.validation = validation
+        self.replicas = replicas
+        self.schedule = lr_schedule(cfg)
+        session.step_hook = self._set_lr
+        self.fresh = fresh
+        self.on_record = on_record
+        self._owns_replicas = owns_replicas
+        self._created = False
+        self._closed = False
+        self.config_yaml = dump_config(cfg)
+        self.metrics: MetricsLogger | None = None
+        main = replicas.is_main
+        if main:
+            self._created = run_dir.create_output_dir(output_dir)
+            run_dir.clean_interrupted(output_dir)
+            atomic_write_text(output_dir / "config.yaml", self.config_yaml)
+            job.write_inputs(output_dir)
+            self.metrics = MetricsLogger(output_dir, cfg.to_dict(),
+                                         resume_step=session.step if resumed else None)
+        graph = job.graph_to_save()
+        if main and graph is not None:
+            atomic_write_bytes(output_dir / "model.onnx", graph.SerializeToString())
+        t = cfg.training
+        self.checkpoints = CheckpointManager(output_dir, every=t.checkpoint_every,
+                                             keep=t.keep_checkpoints, is_main=main,
+                                             config_yaml=self.config_yaml, graph=graph,
+                                             resumed=resumed)
+
+    # -- assembly -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, output_dir: str | Path | None = None, *,
+                    resume: str | Path | None = None, init_from: str | Path | None = None,
+                    replicas: Replicas | None = None,
+                    on_record: RecordHook | None = None) -> Trainer:
+        """Assemble the run `cfg` describes, writing into `output_dir` (default:
+        `runs/<job>-<timestamp>`; a resumed run continues in its own directory).
+
+        Everything that can be checked (config, device, data, the checkpoints named) is checked
+        before anything is written. `resume`: a run directory or checkpoint to continue from
+        (weights, optimizer, data position, RNG); `init_from`: a checkpoint whose weights start a
+        new run (phase 1 → 2). Under torchrun this process becomes one of `execution.replicas`
+        replicas; `replicas` may instead name a process group set up by the caller.
+        `on_record(step, record)` sees every logged record and may stop the run (a sweep's
+        pruner): see `popbert.train.loop.train_loop`.
+        """
+        if output_dir is None:
+            slug = "pretrain" if cfg.finetune.task is None else f"finetune-{cfg.finetune.task}"
+            output_dir = (run_dir.run_dir_of(Path(resume)) if resume is not None
+                          else Path("runs") / time.strftime(f"{slug}-%Y%m%d-%H%M%S"))
+        output_dir = Path(output_dir)
+        run_dir.check_output_dir(output_dir)
+        job = make_job(cfg, output_dir)
+        cfg = job.config
+        job.check(cfg)
+        replicas, owns = _replicas_for(cfg, replicas)
+        restored = ckpt.load_checkpoint(Path(resume)) if resume is not None else None
+        if restored is not None:
+            job.check_resume(restored)
+            if restored.step >= cfg.training.steps:
+                raise ConfigError(f"training.steps is {cfg.training.steps} but the checkpoint "
+                                  f"{resume} is already at step {restored.step}; raise "
+                                  "training.steps")
+        initial = (ckpt.load_checkpoint(Path(init_from), weights_only=True)
+                   if init_from is not None else None)
+        if cfg.execution.threads:
+            torch.set_num_threads(cfg.execution.threads)
+        job.load_data()
+        if owns:
+            replicas = init_replicas(cfg, resolve_device(cfg.execution.device))
+        try:
+            torch.manual_seed(cfg.training.seed)
+            graph = build_bert(cfg.model, task=job.task, seed=cfg.training.seed,
+                               batch_size=graph_batch_size(cfg))
+            job.graph = graph.model()
+            session = make_session(job.graph, graph.loss, optimizer_factory(cfg),
+                                   SessionOptions.from_config(cfg, replicas),
+                                   loss_scaler=loss_scaler(cfg), replicas=replicas)
+            if replicas.rank:  # every replica its own dropout masks (replica 0 as 1 process)
+                torch.manual_seed(replica_seed(cfg.training.seed, replicas.rank))
+            loader = job.loader(replicas.rank, replicas.size)
+            validation = job.validation(replicas.rank, replicas.size)
+            fresh = job.load_initial_weights(session,
+                                             initial.weights if initial is not None else None)
+            if restored is not None:
+                _restore(session, loader, restored)
+            agree(replicas, "(start step, training.steps, global batch, samples)",
+                  (session.step, cfg.training.steps, cfg.global_batch_size,
+                   loader.num_samples))
+            return cls(cfg, job, output_dir, session, loader, validation, replicas,
+                       owns_replicas=owns, resumed=restored is not None, fresh=fresh,
+                       on_record=on_record)
+        except BaseException:
+            if owns:
+                replicas.shutdown(clean=False)
+            raise
+
+    # -- running --------------------------------------------------------------------------------
+
+    def train(self) -> RunResult:
+        """Train to `training.steps`, save the final checkpoint, evaluate (fine-tuning) and
+        export (pre-training). A diverged or stopped run raises `TrainingDiverged` /
+        `RunStopped` and keeps its metrics and plot."""
+        session, main = self.session, self.replicas.is_main
+        started = session.step
+        final: Path | None = None
+        scores: dict[str, float] = {}
+        try:
+            batches = micro_batches(self.loader, session.micro_batches_per_run())
+            result = train_loop(session, batches, self.loop_settings(), schedule=self.schedule,
+                                tracker=self.metrics, checkpoints=self.checkpoints,
+                                save=self.save_checkpoint, validation=self.validation,
+                                on_record=self.on_record)
+            self.save_checkpoint()
+            final = self.checkpoints.finalize()
+            if main:
+                scores = self.job.score(self)
+                if scores and self.metrics is not None:
+                    self.metrics.summarize(scores)
+        finally:
+            plot = self._close_metrics(final)
+        inference = self.job.export(self) if main else None
+        if main:
+            log.info("output: %s (checkpoint %s%s)", self.output_dir, final.name,
+                     f", {inference.name}" if inference is not None else "")
+        return RunResult(self.output_dir, final, session.step, session.step - started,
+                         {k: v for k, v in result.record.items() if k in self.job.metric_keys},
+                         scores, inference, plot, list(self.fresh))
+
+    def loop_settings(self) -> LoopSettings:
+        """The loop's length and cadences, from `training.*` (no evaluation without held-out
+        data)."""
+        settings = LoopSettings.from_config(self.cfg, desc=self.job.name)
+        return settings if self.validation else dataclasses.replace(settings, eval_every=0)
+
+    def evaluate(self) -> dict[str, float]:
+        """The job's evaluation of the current weights: pre-training, the `val_*` means over
+        the held-out batches ({} without validation data); fine-tuning, the task metric on
+        `finetune.eval_file` (also written to `eval_results.json`)."""
+        return self.job.evaluate(self)
+
+    def save_checkpoint(self) -> Path:
+        """Checkpoint the run at the session's step (every replica takes part: sharded state and
+        RNG states are gathered), unless a weight stopped being finite."""
+        session = self.session
+        finite = all(bool(torch.isfinite(w).all()) for w in session.weights().values())
+        if not all_replicas(session, finite):
+            raise TrainingDiverged(session.step, "a weight is not finite",
+                                   self.checkpoints.diverged())
+        return self.checkpoints.save(session.step, self.job.checkpoint_state(self))
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run's stateful parts: the session's and the data position."""
+        return {"session": self.session.state_dict(), "loader": self.loader.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put the run back where `state` (from `state_dict`, or a checkpoint's) left it."""
+        self.session.load_state_dict(state["session"])
+        _load_loader(self.loader, state["loader"])
+
+    def _set_lr(self, step: int) -> None:
+        set_lr(self.session.optimizer, self.schedule, step)
+
+    # -- closing --------------------------------------------------------------------------------
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Finish the run's side effects: the metrics file, the replicas (when this trainer
+        joined them), and — after a failure before anything worth keeping was written — the
+        output directory it created. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._close_metrics(None)
+        if error is not None and not isinstance(error, TrainingDiverged | RunStopped) \
+                and self.replicas.is_main:
+            run_dir.remove_if_empty_run(self.output_dir, self._created)
+        if self._owns_replicas:
+            self.replicas.shutdown(clean=error is None)
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close(error)
+
+    def _close_metrics(self, checkpoint: Path | None) -> Path | None:
+        """Close the metrics (W&B uploads `checkpoint` if asked) and plot them; a run that
+        failed or diverged still gets its plot, and a plotting problem never hides the run's
+        own error."""
+        if self.metrics is None:
+            return None
+        self.metrics.close(checkpoint=checkpoint)
+        self.metrics = None
+        return plot_if_logged(self.output_dir / "metrics.jsonl",
+                              self.output_dir / "metrics.png")
+
+
+def plot_if_logged(metrics: Path, plot: Path) -> Path:
+    """Plot the metrics when any step was logged (a plotting problem is only a warning)."""
+    if not metrics.is_file() or not read_metrics(metrics):
+        return plot
+    try:
+        return plot_metrics(metrics, plot)
+    except Exception as error:  # the run's result matters more than its picture
+        log.warning("could not plot %s: %s", metrics, error)
+        return plot
+
+
+def _replicas_for(cfg: RunConfig, replicas: Replicas | None) -> tuple[Replicas, bool]:
+    """The replicas this run uses, and whether the trainer joins (and later leaves) them."""
+    if cfg.execution.backend == "popart":  # PopART runs every replica from this one process
+        if (replicas.size if replicas is not None else world_size_from_env()) != 1:
+            raise ConfigError("execution.backend 'popart' runs its execution.replicas inside "
+                              "one process: start it once, not under torchrun")
+        return replicas or Replicas.single(), False
+    if replicas is None:
+        check_world_size(cfg, world_size_from_env())
+        return Replicas.single(), True
+    if replicas.size != cfg.execution.replicas:
+        raise ConfigError(f"execution.replicas is {cfg.execution.replicas} but the given "
+                          f"process group has {replicas.size} replicas")
+    return replicas, False
+
+
+def _restore(session: Session, loader: Any, restored: ckpt.Checkpoint) -> None:
+    state = restored.state()
+    session.load_state_dict(state["session"])
+    _load_loader(loader, state["loader"])
+    log.info("resumed from step %d", restored.step)
+
+
+def _load_loader(loader: Any, state: dict[str, Any]) -> None:
+    try:
+        loader.load_state_dict(state)
+    except (KeyError, ValueError) as error:
+        raise CheckpointError(f"checkpoint's data position does not fit this run's data: "
+                              f"{' '.join(str(error).split())[:300]}") from None
+
+
+def make_job(cfg: RunConfig, output_dir: Path) -> Job:
+    """The job `cfg` describes: pre-training, or the fine-tuning task `finetune.task` names."""
+    if cfg.finetune.task is None:
+        return PretrainingJob(cfg)
+    return finetune_job(cfg, output_dir)
+
+
+__all__ = ["CheckpointManager", "RunResult", "Trainer", "make_job", "micro_batches",
+           "plot_if_logged"]

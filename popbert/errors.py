@@ -29,4 +29,12 @@ class UsageError(PopbertError):
     """A command-line or API call that cannot be honoured as given (e.g. nothing to plot)."""
 
 
-__all__ = ["CheckpointError", "ConfigError", "InputError", "PopbertError", "UsageError"]
+def one_line(error: BaseException, limit: int | None = None) -> str:
+    """``error``'s message on one line (whitespace runs collapsed), cut to ``limit`` characters;
+    its type's name when the message is empty. For quoting a library's error in ours."""
+    text = " ".join(str(error).split())[:limit]
+    return text or type(error).__name__
+
+
+__all__ = ["CheckpointError", "ConfigError", "InputError", "PopbertError", "UsageError",
+           "one_line"]

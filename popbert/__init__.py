@@ -30,10 +30,11 @@ _PUBLIC = {
     "make_session": "popbert.backends.sessions",
     "Trainer": "popbert.train.trainer",
     "RunResult": "popbert.train.trainer",
+    "PopbertError": "popbert.errors",
 }
 
-__all__ = ["BertConfig", "Builder", "InferenceSession", "RunConfig", "RunResult", "Session",
-           "SessionOptions", "TensorInfo", "Trainer", "TrainingSession", "__version__",
+__all__ = ["BertConfig", "Builder", "InferenceSession", "PopbertError", "RunConfig", "RunResult",
+           "Session", "SessionOptions", "TensorInfo", "Trainer", "TrainingSession", "__version__",
            "build_bert", "load_config", "make_session"]
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from popbert.builders.bert import build_bert
     from popbert.builders.bert_config import BertConfig
     from popbert.config import RunConfig, load_config
+    from popbert.errors import PopbertError
     from popbert.graph.builder import Builder, TensorInfo
     from popbert.runtime.options import SessionOptions
     from popbert.runtime.protocol import Session

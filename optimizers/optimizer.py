@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from popbert.dtypes import rounds_stochastically
 from popbert.optimizers.functional import clip_coefficient, per_tensor_sq_norms
 from popbert.optimizers.steps import adamw_step_, lamb_step_
 from popbert.optimizers.stochastic_rounding import ROUNDING_SCHEME, hashed_round_fn
@@ -247,8 +248,7 @@ class AdamFamilyOptimizer(Optimizer):
         exp_avg_sqs = [state["exp_avg_sq"] for state in states]
 
         round_fn = None
-        stochastic = group["stochastic_rounding"]
-        if dtype != torch.float32 and (stochastic is None or bool(stochastic)):
+        if dtype != torch.float32 and rounds_stochastically(group["stochastic_rounding"], dtype):
             round_fn = hashed_round_fn(self._seed, steps, [ids[id(p)] for p in params])
 
         common = {

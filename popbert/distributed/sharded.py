@@ -30,6 +30,7 @@ from popbert.distributed.buffers import (
     flatten_parameters,
 )
 from popbert.distributed.replicas import Replicas
+from popbert.dtypes import rounds_stochastically
 from popbert.optimizers.functional import clip_coefficient, per_tensor_sq_norms
 from popbert.optimizers.optimizer import AdamFamilyOptimizer
 from popbert.optimizers.steps import adamw_step_, lamb_step_
@@ -243,8 +244,8 @@ class ShardedOptimizer:
     def _round_fn(self, group: dict[str, Any], space: FlatSpace, pieces: list[_Piece]) -> Any:
         """Rounding of updated half weights: stochastic with the unsharded optimizer's bits
         (same seed, step and tensor ids; element indices offset to where each piece starts)."""
-        stochastic = group["stochastic_rounding"]
-        if space.dtype == torch.float32 or not (stochastic is None or bool(stochastic)):
+        if (space.dtype == torch.float32
+                or not rounds_stochastically(group["stochastic_rounding"], space.dtype)):
             return None
         return hashed_round_fn(self.base.seed, [self.steps[p.index] for p in pieces],
                                [p.index for p in pieces], [p.param_offset for p in pieces])

@@ -1,28 +1,10 @@
 """BERT (post-norm, Google's shapes and names) emitted op by op through the Builder.
 
-`config.architecture: groupbert` swaps the encoder layers for GroupBERT's
-(`popbert.builders.groupbert`); everything else here is shared by both.
-
 One function per block; the data path reads top to bottom: embeddings → encoder layers →
 MLM head on the masked positions only + NSP head → losses and accuracies. Weights are created
 under name scopes that map one-to-one to Hugging Face names (see `popbert.io.hf_mapping`).
-
-Packed pre-training (`config.packed`, Krell et al. 2021; rows made by `popbert.data.packing`)
-takes, instead of `input_mask`: `position_ids` [B, S] (0..len-1 per sequence),
-`sequence_index` [B, S] (k for the k-th sequence of the row, 0 on padding: the attention mask is
-block-diagonal in it) and `cls_positions` [B, K] (each sequence's [CLS], where its NSP prediction
-is made); `next_sentence_labels` is [B, K] with `NSP_IGNORE` in unused slots and
-`max_predictions_per_seq` counts MLM slots per row. Weights and their names are the same as
-unpacked, so checkpoints move between the two.
-
-`config.dialect` picks the ops (`layers` decides; nothing here branches on it): "onnx" is the
-standard opset 23, "popart" ai.onnx opset 11 + ai.graphcore for PopART, with static shapes, so
-it needs `batch_size` = the micro batch. Both dialects take the same inputs in the same layout
-and create the same weights under the same names: the masked-LM head gathers
-`masked_lm_positions` in both (an opset-11 Gather in the popart dialect rather than Graphcore's
-masked-tokens-first layout with a static slice; see `popbert.builders.layers`), so data,
-loaders and checkpoints are shared, and the placement, stage and recompute annotations are the
-same node for node.
+GroupBERT's encoder, packed rows and the two dialects: docs/design.md, section
+"popbert.builders.bert".
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
 """GroupBERT's encoder (Chelombiev et al. 2021, arXiv 2106.05822) emitted through the Builder.
 
-Only the encoder differs from BERT: embeddings, pooler, MLM/NSP and task heads are
-`builders/bert.py`'s, and `build_bert` picks this encoder when `config.architecture` is
-"groupbert". Each layer is four PreNorm residual modules, in this order:
-
-    convolution → FFN → attention → FFN,   each  x + dropout(module(LayerNorm(x)))
-
-and one LayerNorm (`FinalNorm`) follows the last layer. PreNorm keeps the residual stream
-un-normalised, which is why the final LayerNorm is needed before the heads and why GroupBERT
-trains at about 4x BERT's learning rate.
-
-* Convolution (`Layer<i>/Conv`): GLU (dense H→2H, values · sigmoid(gates)), padded tokens
-  zeroed (so a padding value can never reach a real token through the kernel), grouped 1-D
-  convolution over the sequence (`conv_kernel_size`, `conv_group_size` channels per group,
-  "same" padding), LayerNorm, SiLU, dense H→H. In a packed row a token's window reads only
-  tokens of its own sequence (`layers.grouped_conv1d` with `offsets_keep`).
-* Grouped FFN (`Layer<i>/FFN1`, `FFN2`): dense H→I, GELU, block-diagonal I→H in `ffn_groups`
-  groups (a batched MatMul on a [G, I/G, H/G] weight), then a dense H→H that mixes the groups.
-* Attention (`Layer<i>/Attention`): fused QKV, multi-head attention with the padding mask,
-  output projection; no post-LayerNorm.
-
-The ops come from `builders/layers.py`, so both dialects (`onnx`, `popart`) are emitted by the
-same code, and placement/stage/recompute annotations come from the caller's scopes.
+Only the encoder differs from BERT (`build_bert` picks it when `config.architecture` is
+"groupbert"): each layer is four PreNorm residual modules, convolution → FFN → attention → FFN.
+The modules, and why a final LayerNorm: docs/design.md, section "popbert.builders.groupbert".
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Layer helpers written once against the Builder API, choosing ops per dialect.
 
-`onnx` dialect: standard opset 23 ops (LayerNormalization, Gelu, Attention,
-SoftmaxCrossEntropyLoss) that ONNX Runtime and the torch lowering run fused. `popart` dialect:
-ai.onnx opset 11 plus ai.graphcore ops, which is what PopART accepts: GroupNormalization with one
-group as LayerNorm, GeluErf, Softmax + Nll (`reduction`, `ignoreIndex`), Detach; axes and split
-sizes as attributes (inputs only from opset 13), and static shapes, the micro batch included.
-Model code calls these helpers and never branches on the dialect itself.
-
-Two choices in the popart dialect, made so that both dialects compute the same function with the
-same weights (checked to 1e-5 in `tests/test_popart_dialect.py`):
-
-* GELU is `ai.graphcore::GeluErf` (poplibs' exact erf GELU, as BERT and Hugging Face define it),
-  not `ai.graphcore::Gelu`, which is poplibs' tanh approximation that Graphcore's BERT used and
-  which differs from the erf form by up to ~1e-3.
-* The masked-LM head reads the masked positions with an opset-11 `Gather` on the flattened
-  [B·S, H] activations at `positions + row · S` (`gather_positions`), not Graphcore's layout
-  (the data moves masked tokens to the first slots and the head takes a static slice): the
-  Gather keeps the data layout, the loader and checkpoints identical to the onnx dialect's
-  (NVIDIA's `masked_lm_positions`), while opset 11 has no `GatherND` with `batch_dims`.
+Model code calls these helpers and never branches on the dialect itself: `onnx` is standard
+opset 23, `popart` ai.onnx opset 11 plus ai.graphcore ops with static shapes. The ops of each
+dialect, and the two choices that make both compute the same function: docs/design.md, section
+"popbert.builders.layers".
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """Pre-training instances (MLM + NSP) by Google BERT's `create_pretraining_data.py` algorithm.
 
 Documents of tokenized sentences become `[CLS] A [SEP] B [SEP]` pairs with masked-LM targets and
-next-sentence labels, then fixed-shape arrays in NVIDIA's BERT HDF5 layout. The steps follow
-Google's script call for call on a `random.Random(seed)`, so the semantics (and the statistics)
-are theirs:
-
-- documents are shuffled once; the corpus is passed `dupe_factor` times, each pass masking anew;
-- per document a target length: `sequence_length - 3`, or with `short_seq_prob` a random length
-  in [2, sequence_length - 3], to reduce the pre-train/fine-tune length mismatch;
-- sentences are accumulated until the target is reached; A = a random prefix of the chunk;
-  B = the rest (real next), or with probability 1/2 (always, for a one-sentence chunk) a run of
-  sentences from another random document (random next), in which case the unused sentences of
-  the chunk are put back to be used by the next pair;
-- `truncate_seq_pair` trims the longer segment, from the front or back at random;
-- MLM: `min(max_predictions_per_seq, max(1, round(len(tokens) * masked_lm_prob)))` positions
-  (len counts [CLS]/[SEP], as Google's does), candidates shuffled, never [CLS]/[SEP]/[PAD]/[MASK];
-  each chosen token is [MASK] 80%, kept 10%, a random token 10%. With `whole_word_mask` a word's
-  "##" pieces are masked together.
-
-Departures from Google, on purpose: the random replacement token is drawn from the non-special
-vocabulary (Google may insert [PAD], [CLS] or [unused] entries); tokens are ids, not strings.
+next-sentence labels, then fixed-shape arrays in NVIDIA's BERT HDF5 layout, following Google's
+script call for call so that the statistics are theirs. The steps, and the departures from
+Google: docs/design.md, section "popbert.data.instances".
 """
 
 from __future__ import annotations

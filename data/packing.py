@@ -1,27 +1,8 @@
 """Sequence packing (Krell et al. 2021, "Efficient sequence packing without cross-contamination").
 
-Pre-training rows are mostly padding when documents are short (Wikipedia at seq 512: ~50%).
-Packing puts several sequences into one row so a step carries more real tokens; the packed
-model keeps them apart with a block-diagonal attention mask, per-sequence position ids and one
-NSP prediction per sequence (see `popbert.builders.bert`, `model.packed`).
-
-Strategies work on the histogram of sequence lengths only (so they cost O(S²) whatever the
-number of sequences), then real sequences are dealt into the chosen pack shapes:
-
-- `spfhp` — shortest-pack-first histogram packing (the paper's SPFHP): lengths from longest to
-  shortest; each goes into the open pack with the *most* space left that fits it.
-- `lpfhp` — longest-pack-first (best fit): each goes into the open pack with the *least* space
-  left that fits it; fills packs tightly first.
-
-Packed row layout (NVIDIA's six datasets, plus three):
-
-- `input_ids`, `segment_ids` [N, S]: the sequences back to back; `input_mask` [N, S] 1 on real
-  tokens; `position_ids` [N, S]: 0..len-1 per sequence; `sequence_index` [N, S]: 1..k for the
-  k-th sequence of the row, 0 on padding;
-- `masked_lm_positions`, `masked_lm_ids` [N, P]: the MLM targets of all sequences of the row,
-  positions within the row (P = `max_predictions_per_pack`, 0-padded as usual);
-- `next_sentence_labels`, `cls_positions` [N, K]: per sequence its NSP label and the row
-  position of its [CLS]; unused slots have label `NSP_IGNORE` (-100) and position 0.
+Packing puts several sequences into one row so a step carries more real tokens; the packed model
+keeps them apart (`popbert.builders.bert`, `model.packed`). The strategies (`spfhp`, `lpfhp`)
+and the packed row layout: docs/design.md, section "popbert.data.packing".
 """
 
 from __future__ import annotations

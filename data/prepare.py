@@ -1,18 +1,8 @@
 """`popbert prepare-data`: Wikipedia dump → extracted text → sentences → vocab → HDF5 shards →
 packed shards, each stage usable alone or all in one call (`prepare_wikipedia`).
 
-Layout of an output directory (each stage a subdirectory with `_stage.json`, and
-`_SUCCESS.json` once complete):
-
-    DIR/extracted/part-*.jsonl        articles (id, title, text)
-    DIR/sentences/part-*.txt          Google format: a sentence per line, blank line between docs
-    DIR/vocab.txt                     when trained here (else the given vocabulary is used)
-    DIR/instances-s128-p20/part-*.h5  NVIDIA-layout shards, one per sentence part
-    DIR/packed-s128-p20/part-*.h5     packed shards, one per instance shard
-
-Instances are created per sentence part (random "next" segments come from the same part, as in
-NVIDIA's sharded preprocessing) with a seed derived from the run's seed and the part's index, so
-the output is the same for any number of workers.
+The output directory's layout, and why the output is the same for any number of workers:
+docs/design.md, section "popbert.data.prepare".
 """
 
 from __future__ import annotations

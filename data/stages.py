@@ -1,20 +1,8 @@
 """Machinery shared by the `prepare-data` stages: stage directories, parts, a bounded worker pool.
 
-Every stage turns numbered input parts into numbered output parts (`part-00000.jsonl`, ...), one
-work unit per part, so that
-
-- work runs in parallel over processes, with at most `2 x workers` units in flight (memory is
-  bounded by the part size, never by the corpus size);
-- results do not depend on the number of workers (each part's seed derives from the run's seed
-  and the part's index, not from which process ran it);
-- a part exists under its final name only when complete (written to a temporary name, fsynced,
-  renamed), so a re-run skips finished parts and an interrupted run resumes;
-- a stage directory records the parameters it was made with (`_stage.json`); re-running with
-  different parameters is a one-line error instead of a directory of mixed shards; `_SUCCESS.json`
-  marks a finished stage and lists its parts;
-- a stage that produced nothing (an empty dump, every document filtered out) is an error, never a
-  finished stage: `StageDir.abandon` removes what the run created, so neither a `_SUCCESS.json`
-  over no data nor a half-written directory is left to confuse the next stage or a re-run.
+Every stage turns numbered input parts into numbered output parts, one work unit per part, so
+that memory is bounded by the part size, results do not depend on the number of workers and an
+interrupted run resumes. The guarantees in full: docs/design.md, section "popbert.data.stages".
 """
 
 from __future__ import annotations

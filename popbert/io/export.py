@@ -2,20 +2,8 @@
 
 The exported model is verified at export time: ONNX Runtime runs the written file and the torch
 backend runs the FP32 graph on a sample batch, and they must agree, so a file that leaves here
-is known to compute what training computed.
-
-Tasks: `pretraining` (MLM logits at given positions + NSP logits), `encoder` (last hidden state
-and pooled output, like `transformers.BertModel`), `squad` (start/end logits) and
-`classification` (logits). Options: `dtype="float16"` stores weights and computes in half
-precision (about half the file; meant for GPU execution providers, and checked against the FP32
-torch graph with a half-precision tolerance); `batch_size=None` keeps the batch dimension
-symbolic, an integer fixes it. Models over the 2 GB protobuf limit are written with their
-weights in one external data file next to the `.onnx` (`<name>.onnx.data`).
-
-Fine-tuned models carry what `popbert.serve.predict` needs to serve them without torch or the
-checkpoint in the ONNX metadata (`popbert.*` keys: task, vocabulary, lowercasing, window sizes,
-label names); every export records `popbert.sequence_length`, the length it was trained at (the
-SQuAD window and the classification truncation length when the axis is symbolic).
+is known to compute what training computed. Tasks, options and the metadata an export carries:
+docs/design.md, section "popbert.io.export".
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
 """Attention within each packed sequence, without the dense ``[B, 1, S, S]`` mask.
 
-A packed row holds several sequences; the graph (``popbert.builders.layers.
-packed_attention_mask``) builds an additive block-diagonal mask from ``sequence_index``
-(``[B, S]``: k on the k-th sequence's tokens, 0 on padding) and every layer's attention adds it
-to ``[B, heads, S, S]`` scores. That is exact but spends the whole ``S × S`` on every row: a row
-of three sequences of 170 tokens at S = 512 computes 9× the attention it needs, and the mask
-itself is a ``B × S × S`` tensor.
-
-The lowering recognises that mask by its construction (:func:`find_block_diagonal_masks`) and
-the attention that reads it, either the fused opset-23 ``Attention`` op or the explicit
-``MatMul → Mul(scale) → Add(mask) → Softmax → [Dropout] → MatMul`` chain
-(:func:`find_masked_attention_chains`), and runs them as :class:`BlockDiagonalAttention`: the
-sequences of the batch are gathered into buckets of similar length, each bucket attends within
-itself (a ``[n, 1, 1, L]`` key mask for its own padding), and the outputs are scattered back.
-The attention work drops from ``B · S²`` to about ``Σ len²``.
-
-The result equals the masked dense attention for every real token (a masked score of -10000 is
-an exact zero after the softmax in FP32); padding tokens get zeros instead of the dense path's
-meaningless average, which nothing downstream reads. Under ``torch.compile`` (data-dependent
-bucket shapes would recompile every step) and whenever ``sequence_index`` is not the packer's
-layout (each sequence one contiguous run, numbered upwards along the row), the module computes
-the dense masked attention from ``sequence_index`` instead, which is exactly the graph's
-computation; so it does when the buckets would save less than a tenth of the dense attention
-(:data:`MAX_WORK_FRACTION`: nearly full rows, where moving the tokens costs more).
+The lowering finds the block-diagonal mask of packed rows and the attention that reads it, and
+runs each sequence's attention on its own (about Σ len² work instead of B · S²), with the same
+result for every real token. How, and when it falls back to the dense mask: docs/design.md,
+section "popbert.lowering.block_attention".
 """
 
 from __future__ import annotations

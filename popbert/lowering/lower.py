@@ -2,41 +2,9 @@
 
 The annotated ONNX graph is popbert's program; the torch backend runs it by translating every
 ONNX node into plain torch calls ahead of time (no interpretation of the proto per step), so the
-result trains with autograd and is ``torch.compile``-friendly. This module drives that
-translation: :func:`lower_to_fx` binds initializers and inputs, infers static shapes, runs the
-fusion pass (:mod:`popbert.lowering.fusion`), finds attention over packed rows' block-diagonal
-mask (:mod:`popbert.lowering.block_attention`), hands each node to its converter
-(:mod:`popbert.lowering.converters`) and wraps the result in :class:`OnnxGraphModule`.
-
-Conventions of the lowered :class:`OnnxGraphModule`:
-
-* ``forward(*inputs)`` takes one positional tensor per graph input (graph order; initializers
-  listed as inputs are treated as initializers) and returns a tuple of the graph outputs.
-  ``input_names`` / ``output_names`` hold the ONNX names, ``run(feeds)`` maps names to tensors.
-* Float initializers are ``nn.Parameter`` s registered on the module under their ONNX names
-  (``Layer0/Attention/QKV/W``): ``dict(module.named_parameters())`` has exactly the initializer
-  names as keys. Module attribute names cannot contain ``.``, so a name is escaped by
-  :func:`escape_param_name` (``%`` -> ``%25``, ``.`` -> ``%2E``; a name that clashes with a
-  module attribute such as ``training`` gets a ``%%`` prefix) and :func:`unescape_param_name`
-  inverts it. Names without ``.``/``%`` that do not clash are unchanged.
-* Non-float initializers, ``Constant`` outputs and everything folded at lowering time are
-  buffers (int initializers persistent under their escaped ONNX name, the rest non-persistent)
-  or python scalars. Shape-like inputs (Reshape shape, Split sizes, axes, Slice bounds, Expand
-  shape, Dropout ratio) are folded into python constants. A float initializer read only in such
-  a position keeps its parameter but with ``requires_grad=False`` (listed in
-  ``folded_initializers``): its value is baked in at lowering time. (Not to be confused with the
-  graph's *constant* initializers, :func:`popbert.graph.annotations.constant_initializers`,
-  which the model's metadata declares and sessions never train.)
-* Every fx node emitted for an ONNX node carries ``node.meta["onnx"] = {"op_type", "name",
-  "domain", "attributes", "inputs", "outputs"}`` where ``attributes`` holds the ``__``
-  annotations (:mod:`popbert.graph.annotations`: ``IPU_NUMBER``, ``PIPELINE_STAGE``, ...) as
-  python values; the node bound to an ONNX tensor also has ``node.meta["onnx_value"]`` = that
-  tensor's name. Nodes fused from several ONNX nodes (MatMul + Add -> ``F.linear``) list the
-  others in ``meta["onnx"]["fused"]`` (so does the attention chain lowered as one
-  :class:`~popbert.lowering.block_attention.BlockDiagonalAttention`).
-* Dropout is an :class:`~popbert.lowering.functional.OnnxDropout` submodule: it follows
-  ``module.train()`` / ``module.eval()`` (identity in eval, or when ``training_mode`` is a
-  constant False).
+result trains with autograd and is ``torch.compile``-friendly. The steps of :func:`lower_to_fx`
+and the conventions of the lowered :class:`OnnxGraphModule` (parameter names, buffers, node
+metadata, dropout): docs/design.md, section "popbert.lowering.lower".
 """
 
 from __future__ import annotations

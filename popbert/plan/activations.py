@@ -1,24 +1,9 @@
 """Activation memory of one micro-batch, read off the graph: what autograd keeps, region by region.
 
-Training memory beyond the weights is what the forward pass leaves behind for the backward pass.
-That is not every tensor the forward produces: an Add keeps nothing, a MatMul keeps its
-activation input (the weight is already counted), LayerNorm and GELU keep their input, Softmax
-and Tanh their output, Dropout its mask (see :class:`Precision`). :data:`SAVES` writes those
-rules down for the ops BERT graphs use (torch's autograd formulas, which the lowering maps every
-op onto); an op it does not know is assumed to keep all its activation inputs and its output
-(an over-estimate, never an under-estimate). Views (Reshape, Transpose, Split, Identity, ...)
-share their input's storage, so a kept view is charged to the tensor it views, once.
-
-The tensors alive at the end of the forward pass are then: the kept tensors, the graph inputs and
-the graph outputs. The backward pass adds gradients of activations; its peak is modelled as two
-tensors the size of the largest activation (an op's output gradient and its input gradient exist
-together; measured: the MLM loss's backward is the step's peak).
-
-Recomputation (``popbert.runtime.partition``): within a pipeline stage, every checkpoint
-(``__recompute_output_in_backward_pass`` = 1) closes a region; every region except the last one of
-the graph runs under ``torch.utils.checkpoint``, which keeps only the region's inputs. So with
-recomputation, what stays alive through the forward pass is the regions' inputs plus the last
-region's kept tensors, and the backward pass materialises one region's kept tensors at a time.
+Per op, a rule of what torch's autograd keeps for the backward pass (:data:`SAVES`; an op without
+a rule is over-estimated, never under-estimated), summed per recompute region as the runtime
+forms them. The model, the backward pass's peak and recomputation: docs/design.md, section
+"popbert.plan.activations".
 """
 
 from __future__ import annotations

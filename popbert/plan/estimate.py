@@ -1,38 +1,9 @@
 """The numbers of a plan: what a run holds per device and pipeline stage, before it runs.
 
-Everything is read from the annotated graph and the config: the graph's initializers give the
-parameters of each ``(__ipu_number, __pipeline_stage)``, onnx shape inference at the config's
-micro batch gives the activations (:mod:`popbert.plan.activations`) and the matmul FLOPs
-(:mod:`popbert.plan.flops`). Bytes per parameter follow what popbert's torch backend really
-allocates (``popbert.optimizers``, ``popbert.distributed``), ``w`` being the weight dtype's
-width (4 for FP32, 2 for FP16/BF16):
-
-=========================  ========================  ===========================================
-                           without RTS               with RTS over N replicas
-=========================  ========================  ===========================================
-weights                    w                         w (every replica holds all weights)
-gradients                  w (``.grad`` / the flat   w (flat buffer) + 4/N (FP32 accumulated
-                           buffer, weight dtype)     shard) + w/N (reduce-scatter output, N > 1)
-optimizer state            8 (FP32 m and v)          8/N
-=========================  ========================  ===========================================
-
-There is no FP32 master copy of half weights; but the torch backend computes from FP32 views of
-them: 4 bytes per parameter on top of the activations, through the backward pass (FP32 matmuls
-keep them) or, under autocast, through the forward pass only (the matmuls keep half copies, 2
-bytes per matmul weight, which autocast also keeps of FP32 weights). Not on the IPU, which
-computes in the weights' own dtype. Activations are counted at the compute dtype's width; under
-the torch backend's autocast, per op as torch's CPU or CUDA autocast lists place it. The optimizer
-step needs a workspace while no activations are alive: FP32 copies, denominators and updates,
-measured at 4 bytes per parameter for FP32 weights and 15 for half weights with whole-tensor
-steps (GPUs), bounded by 2M-element tiles on the CPU, and one tensor at a time on the IPU
-(PopART updates each weight with its own op).
-
-A device's peak is weights + gradients + optimizer state + the larger of (activations of the
-micro-batches in flight, weight copies) and (the optimizer step's workspace). Pipelined with
-1F1B, the stage at position p of S holds ``min(S - p, gradient_accumulation)`` micro-batches in
-flight; with GPipe all of them. A micro-batch's graph outputs (``mlm_logits`` is [batch,
-positions, vocab]) die with it: the session keeps only the scalar outputs across micro-batches.
-Measured against a real CPU step by ``benchmarks/plan_accuracy.py`` (within 2% unpipelined).
+Everything is read from the annotated graph and the config, and bytes per parameter follow what
+popbert's torch backend really allocates, so a plan can be checked against a measured step
+(``benchmarks/plan_accuracy.py``). What is counted per parameter and per device, and the peak:
+docs/design.md, section "popbert.plan.estimate".
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """Training FLOPs of a graph, counted from its matmuls and convolutions: what MFU divides.
 
-Convention (the one of Kaplan et al. 2020 and of MLPerf/Megatron MFU figures):
-
-* a matmul of [M, K] by [K, N] is 2·M·N·K FLOPs (one multiply and one add per term), batched
-  matmuls times their batch; ``MatMul``, ``Gemm`` and the opset-23 ``Attention`` op (its score
-  and context matmuls: 2·S·S'·d each per head) are counted, so the attention matmuls are in
-  whether the graph spells them out or fuses them; a ``Conv`` (GroupBERT's grouped convolution
-  over the sequence) is 2·(output elements)·(input channels per group)·(kernel size);
-* a training step is 3× the forward pass (the backward pass computes two matmuls per forward
-  matmul: the input gradient and the weight gradient);
-* everything else (softmax, LayerNorm, GELU, dropout, the embedding gathers, the loss) is not
-  counted: under 1% of BERT's FLOPs, and not what matmul peak throughput is quoted for.
-
-With this convention BERT-Base pre-training at sequence length 128 with the MLM head on 20
-positions is 69.9 GFLOP per sequence and BERT-Large 240.6 GFLOP, i.e. 6·N·tokens for the
-encoder weights N plus the attention matmuls (12·L·S²·H) plus the head on the masked positions.
-Recomputation runs part of the forward pass again; that is not counted (MFU counts useful work).
+The convention of Kaplan et al. 2020 and of MLPerf/Megatron MFU figures: 2·M·N·K per matmul, a
+training step 3× the forward pass, other ops not counted. The convention in full, and what it
+gives for BERT: docs/design.md, section "popbert.plan.flops".
 """
 
 from __future__ import annotations

@@ -2,22 +2,8 @@
 
 Training (`popbert finetune squad`) and serving (`popbert predict squad`, ONNX Runtime alone)
 both cut contexts into windows and decode spans with this module, so a served model sees exactly
-the inputs it was trained on. It therefore imports numpy and tokenizers only, never torch (a
-test runs `popbert predict` and asserts torch stays unloaded).
-
-Windows follow Google's run_squad.py: the question (at most `max_query_length` tokens), then
-context tokens in windows of at most `max_seq_length - len(question) - 3` tokens starting every
-`doc_stride` tokens; a token is scored only in the window where it has the most context on both
-sides. Answers are substrings of the original context, cut at the WordPiece offsets.
-
-- `read_squad`: the questions of a v1.1 JSON file, with one-line errors naming where it is bad;
-- `build_windows` / `window_arrays`: model inputs of every question;
-- `squad_features`: those inputs plus `start_positions`/`end_positions` (token indices of the
-  answer in a window, or 0 = [CLS] when the window does not contain the whole answer, as
-  run_squad.py labels them);
-- `decode_answers` / `write_predictions`: the n-best spans over all windows of a question, and
-  `predictions.json` in the official format;
-- `evaluate_files`: `popbert evaluate squad` (the metric itself is `popbert.data.squad_metric`).
+the inputs it was trained on; it therefore imports numpy and tokenizers only, never torch. The
+windows and the functions: docs/design.md, section "popbert.data.squad".
 """
 
 from __future__ import annotations

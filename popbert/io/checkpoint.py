@@ -1,18 +1,8 @@
 """Checkpoints: one directory per save, written atomically, enough to resume bit-exactly.
 
-Layout of ``<output>/checkpoints/step-000010/``:
-
-- ``weights.safetensors``  trainable weights under their ONNX names (`popbert.io.hf_mapping` maps
-                           them to Hugging Face `BertForPreTraining` names)
-- ``optimizer.pt``         optimizer state (FP32 moments, step counts, rounding seed), always
-                           in the unsharded optimizer's format: a run with replicated tensor
-                           sharding gathers it, so it loads with or without RTS, on any replica
-                           count
-- ``state.json``           step, data-loader position, loss-scale state
-- ``rng.pt``               torch (and CUDA) RNG states, so dropout masks continue identically
-                           (with replicas: every replica's, under ``replicas``)
-- ``config.yaml``          the resolved run config
-- ``model.onnx``           the annotated training graph
+A checkpoint holds the weights, the optimizer state (unsharded, so it loads on any replica
+count), step, data position and loss scale, the RNG states, the config and the graph. The files
+of ``step-NNNNNN/``: docs/design.md, section "popbert.io.checkpoint".
 """
 
 from __future__ import annotations

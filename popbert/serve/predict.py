@@ -1,20 +1,9 @@
 """Serve exported squad and classification models in ONNX Runtime alone (no torch).
 
-`popbert predict squad --model squad.onnx --data questions.json --output predictions.json`
-reads the model's `popbert.*` metadata (vocabulary, lowercasing, window sizes; written by
-`popbert.io.export.task_metadata`), cuts each context into overlapping windows, runs ONNX Runtime
-and picks the best span over all windows. `popbert predict classify --model cls.onnx --data
-texts.tsv --output predictions.jsonl` encodes each row (or line of a .txt file) and writes its
-label and the probability of every label.
-
-Reading SQuAD files, windows and span decoding are `popbert.data.squad`, reading and encoding
-classification rows `popbert.data.classification`: the same code that fine-tuning builds its
-features and predictions with, so serving cannot drift from training. This module adds only
-what serving needs: loading the ONNX model, reading its metadata and running it in batches
-(`ExportedModel.run`). On an export with a symbolic sequence axis (the default) rows are run in
-order of length and each batch is cut to its longest row, so short inputs cost what their length
-does. Its imports (numpy, tokenizers, onnxruntime and the torch-free `popbert.data` modules) must
-never pull in torch.
+`popbert predict squad|classify` reads the model's `popbert.*` metadata, encodes the inputs with
+the same `popbert.data` code fine-tuning uses (so serving cannot drift from training) and runs
+ONNX Runtime in batches. Its imports must never pull in torch. How: docs/design.md, section
+"popbert.serve.predict".
 """
 
 from __future__ import annotations

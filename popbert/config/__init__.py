@@ -32,7 +32,7 @@ from popbert.errors import ConfigError
 
 __all__ = [
     "DEFAULT_PRESET", "PRESETS_DIR", "SECTIONS", "BertConfig", "ConfigError", "DataConfig",
-    "ExecutionConfig", "FinetuneConfig", "OptimizerConfig", "RunConfig", "TaskConfig", "TrackingConfig",
-    "TrainingConfig", "apply_overrides", "config_from_dict", "dump_config", "list_presets",
-    "load_config", "parse_lr_schedule", "parse_override", "preset_path",
+    "ExecutionConfig", "FinetuneConfig", "OptimizerConfig", "RunConfig", "TaskConfig",
+    "TrackingConfig", "TrainingConfig", "apply_overrides", "config_from_dict", "dump_config",
+    "list_presets", "load_config", "parse_lr_schedule", "parse_override", "preset_path",
 ]

@@ -1,9 +1,10 @@
-"""The sections of a run config as dataclasses, and the checks a whole config must pass.
+"""The sections of a run config as dataclasses, each with the rules of its own keys.
 
-A run is described by the sections `model`, `data`, `optimizer`, `execution`, `training` and
-`tracking`, plus the name of the `preset` it was laid over. Every value is checked here, before
-any model is built, so an impossible setting fails in a second with a one-line `ConfigError`
-naming the key and where its value came from, instead of an obscure error hours into a run.
+A run is described by the sections `model`, `data`, `optimizer`, `execution`, `training`,
+`tracking` and `finetune`, plus the name of the `preset` it was laid over. Each key's rule sits
+on its field (`popbert.rules.setting`); each section's `validate` checks them and its own
+cross-key rules, and `validate_run_config` adds the few that span sections. A broken rule is a
+one-line `ConfigError` naming the key and where its value came from, before any model is built.
 Reading YAML, presets and `--set` overrides live in `popbert.config.loading`.
 """
 
@@ -17,12 +18,24 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from popbert.builders.bert_config import BertConfig
-from popbert.dtypes import FLOAT_FORMATS
+from popbert.builders.bert_config import TASK_NAMES, BertConfig
+from popbert.dtypes import FLOAT_FORMATS, rounds_stochastically
 from popbert.errors import ConfigError
+from popbert.rules import (
+    EXPECTED,
+    Invalid,
+    Rule,
+    above,
+    at_least,
+    check_fields,
+    one_of,
+    setting,
+    within,
+)
 
 logger = logging.getLogger(__name__)
 
+# The names each choice may take; the modules that act on them import them from here.
 OPTIMIZERS = ("lamb", "adamw")
 DECAYS = ("linear", "polynomial", "none")
 LOSS_SCALINGS = ("none", "static", "dynamic")
@@ -30,6 +43,13 @@ BACKENDS = ("torch", "popart")
 DEVICES = ("cpu", "cuda", "auto")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 TRACKERS = ("none", "wandb")
+# The tasks fine-tuning trains are the tasks a checkpoint can be for (`model.task.name`).
+FINETUNE_TASKS = TASK_NAMES
+
+
+def choice(names: tuple[str, ...]) -> Rule:
+    """One of `names`, worded as the loader words a wrong type ("key: expected one of ...")."""
+    return one_of(names, EXPECTED)
 
 
 @dataclass
@@ -40,102 +60,136 @@ class DataConfig:
     input_files: list[str] = field(default_factory=list)
     vocab_file: str | None = None  # None = the bundled WordPiece vocabulary
     seed: int = 12345
-    masked_lm_prob: float = 0.15
-    short_seq_prob: float = 0.1
-    duplication_factor: int = 1
+    masked_lm_prob: float = setting(0.15, within("(0, 1]"))
+    short_seq_prob: float = setting(0.1, within("[0, 1]"))
+    duplication_factor: int = setting(1, at_least(1))
     whole_word_masking: bool = False
     shuffle: bool = True
     # Held-out data for `training.eval_every`: files in input_files' formats, or (text corpora
     # only) a fraction of the corpus's documents, held out by document so that no sentence of a
     # held-out article is trained on. Empty and 0: no validation data.
     validation_files: list[str] = field(default_factory=list)
-    validation_fraction: float = 0.0
+    validation_fraction: float = setting(0.0, within("[0, 1)", " (0 = none held out)"))
+
+    @property
+    def has_validation(self) -> bool:
+        return bool(self.validation_files) or self.validation_fraction > 0
+
+    def validate(self) -> None:
+        check_fields(self, "data")
+        if self.validation_fraction and self.validation_files:
+            raise Invalid("data.validation_fraction and data.validation_files both given; "
+                          "choose one", "data.validation_fraction", "data.validation_files")
+        if self.validation_fraction and any(f.lower().endswith((".h5", ".hdf5"))
+                                            for f in self.input_files):
+            raise Invalid("data.validation_fraction holds out documents of a text corpus, but "
+                          "data.input_files are HDF5 shards (instances, not documents); give "
+                          "held-out shards in data.validation_files",
+                          "data.validation_fraction", "data.input_files")
 
 
 @dataclass
 class OptimizerConfig:
     """Optimizer, learning-rate schedule and loss scaling (Graphcore's LAMB settings by default)."""
 
-    name: str = "lamb"
-    lr: float = 0.001
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-6
-    weight_decay: float = 0.01
+    name: str = setting("lamb", choice(OPTIMIZERS))
+    lr: float = setting(0.001, above(0))
+    betas: list[float] = setting(
+        factory=lambda: [0.9, 0.999],
+        rule=Rule(lambda b: len(b) == 2 and all(0.0 <= x < 1.0 for x in b), "two values in [0, 1)"))
+    eps: float = setting(1e-6, above(0))
+    weight_decay: float = setting(0.01, at_least(0))
     # Graphcore ships LAMB without bias correction (popart.AdamMode.LambNoBias).
     bias_correction: bool = False
-    max_grad_norm: float | None = None
-    warmup_steps: int = 0
-    warmup_start_lr: float = 1e-7
-    decay: str = "linear"
-    end_lr: float = 1e-7
-    power: float = 1.0
+    max_grad_norm: float | None = setting(None, above(0).or_null())
+    warmup_steps: int = setting(0, at_least(0))
+    warmup_start_lr: float = setting(1e-7, at_least(0))
+    decay: str = setting("linear", choice(DECAYS))
+    end_lr: float = setting(1e-7, at_least(0))
+    power: float = setting(1.0, above(0))
     # Graphcore's piecewise-constant schedule "step:lr,step:lr,..."; replaces warmup/decay.
     lr_schedule: str | None = None
-    loss_scaling: str = "none"
-    loss_scale: float = 1.0  # the static scale, or the initial scale when dynamic
-    max_trust_ratio: float | None = None
+    loss_scaling: str = setting("none", choice(LOSS_SCALINGS))
+    loss_scale: float = setting(1.0, above(0))  # the static scale, or the initial one if dynamic
+    max_trust_ratio: float | None = setting(None, above(0).or_null())
+
+    def validate(self) -> None:
+        check_fields(self, "optimizer")
+        if self.lr_schedule is not None:
+            try:
+                parse_lr_schedule(self.lr_schedule)
+            except ValueError as exc:
+                raise Invalid(f"optimizer.lr_schedule {self.lr_schedule!r}: {exc}",
+                              "optimizer.lr_schedule") from None
 
 
 @dataclass
 class ExecutionConfig:
     """How and where the graph runs: backend, device, batch layout, precision."""
 
-    backend: str = "torch"
-    device: str = "auto"
-    micro_batch_size: int = 32
-    gradient_accumulation: int = 1
-    replicas: int = 1
-    device_iterations: int = 1
-    weight_dtype: str = "float32"
-    compute_dtype: str = "float32"
+    backend: str = setting("torch", choice(BACKENDS))
+    device: str = setting("auto", choice(DEVICES))
+    micro_batch_size: int = setting(32, at_least(1))
+    gradient_accumulation: int = setting(1, at_least(1))
+    replicas: int = setting(1, at_least(1))
+    device_iterations: int = setting(1, at_least(1))
+    weight_dtype: str = setting("float32", choice(FLOAT_FORMATS))
+    compute_dtype: str = setting("float32", choice(FLOAT_FORMATS))
     stochastic_rounding: bool | None = None  # None = on exactly when weights are half precision
     compile: bool = False
     pipeline: bool = False
     replicated_tensor_sharding: bool = False
-    pipeline_schedule: str = "1f1b"  # or "gpipe" (execution.pipeline)
+    pipeline_schedule: str = setting("1f1b", choice(PIPELINE_SCHEDULES))  # (execution.pipeline)
     recompute: bool = False
-    threads: int | None = None  # torch intra-op threads; None = torch's default
+    threads: int | None = setting(None, at_least(1).or_null())  # torch intra-op; None: default
 
     @property
     def use_stochastic_rounding(self) -> bool:
         """Whether weight updates are stochastically rounded (resolves the None default)."""
-        if self.stochastic_rounding is None:
-            return self.weight_dtype != "float32"
-        return self.stochastic_rounding
+        return rounds_stochastically(self.stochastic_rounding, self.weight_dtype)
+
+    def validate(self) -> None:
+        check_fields(self, "execution")
 
 
 @dataclass
 class TrainingConfig:
     """Length of the run, batch size check, checkpoint and log cadence."""
 
-    steps: int = 1000
+    steps: int = setting(1000, at_least(1))
     # None = derived: micro_batch_size x replicas x gradient_accumulation.
-    global_batch_size: int | None = None
-    checkpoint_every: int = 0  # 0 = only at the end
+    global_batch_size: int | None = setting(None, at_least(1).or_null())
+    checkpoint_every: int = setting(0, at_least(0, " (0 = only at the end)"))
     # Checkpoints kept besides the final one (the newest); 0 keeps every checkpoint.
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = setting(3, at_least(0, " (0 keeps all)"))
     # Stop when the loss exceeds this multiple of the first step's (at least 1.0): a run that
     # blew up, even if its numbers stay finite. 0 = only a non-finite loss stops the run.
-    divergence_factor: float = 100.0
-    log_every: int = 10
+    divergence_factor: float = setting(100.0, Rule(lambda v: v == 0 or v > 1, "0 (off) or > 1"))
+    log_every: int = setting(10, at_least(1))
     seed: int = 42
     # Evaluate on the validation data every this many steps (0 = never), over the same
     # `eval_batches` micro-batches (per replica) each time.
-    eval_every: int = 0
-    eval_batches: int = 8
+    eval_every: int = setting(0, at_least(0, " (0 = no evaluation)"))
+    eval_batches: int = setting(8, at_least(1))
+
+    def validate(self) -> None:
+        check_fields(self, "training")
 
 
 @dataclass
 class TrackingConfig:
     """Where metrics go besides `metrics.jsonl`."""
 
-    backend: str = "none"
-    project: str = "popbert"
+    backend: str = setting("none", choice(TRACKERS))
+    project: str = setting("popbert", Rule(bool, "a non-empty name"))
     run_name: str | None = None
     # W&B run group: the runs of one sweep share it (the sweep's id), so they are compared together.
     group: str | None = None
     # Upload the run's final checkpoint to W&B as a "model" artifact.
     log_checkpoint: bool = False
+
+    def validate(self) -> None:
+        check_fields(self, "tracking")
 
 
 @dataclass
@@ -148,25 +202,38 @@ class FinetuneConfig:
     and the number of training examples, `optimizer.warmup_steps` from `warmup_proportion`.
     """
 
-    task: str | None = None  # squad | classification
+    task: str | None = setting(None, one_of(FINETUNE_TASKS).or_null())
     checkpoint: str | None = None  # a popbert checkpoint or run directory (pre-trained, imported)
     train_file: str | None = None
     # SQuAD: the file to predict (and score when it has answers); classification: the file
     # scored after training (the training file when null).
     eval_file: str | None = None
-    epochs: int = 2
-    warmup_proportion: float = 0.1
-    max_seq_length: int | None = None  # null: 384 for SQuAD, 128 for classification
-    doc_stride: int = 128
-    max_query_length: int = 64
-    n_best_size: int = 20
-    max_answer_length: int = 30
+    epochs: int = setting(2, at_least(1))
+    warmup_proportion: float = setting(0.1, within("[0, 1]"))
+    # null: 384 for SQuAD, 128 for classification
+    max_seq_length: int | None = setting(None, at_least(8).or_null())
+    doc_stride: int = setting(128, at_least(1))
+    max_query_length: int = setting(64, at_least(1))
+    n_best_size: int = setting(20, at_least(1))
+    max_answer_length: int = setting(30, at_least(1))
     text_column: str | None = None
     pair_column: str | None = None
     label_column: str = "label"
     labels: list[str] | None = None  # null: the training file's labels, sorted
-    eval_batch_size: int = 64
-    dropout: float | None = None  # hidden and attention dropout; null: the checkpoint's
+    eval_batch_size: int = setting(64, at_least(1))
+    # hidden and attention dropout; null: the checkpoint's
+    dropout: float | None = setting(None, within("[0, 1)").or_null())
+
+    def validate(self) -> None:
+        check_fields(self, "finetune")
+
+    def check_inputs(self) -> None:
+        """A fine-tuning run names its checkpoint and training file. Checked when the run
+        starts, not on load: the finetune-* presets name a task but no inputs."""
+        for key in ("checkpoint", "train_file"):
+            if self.task is not None and not getattr(self, key):
+                raise Invalid(f"finetune.{key} must be set for finetune.task {self.task!r}",
+                              f"finetune.{key}", "finetune.task")
 
 
 SECTIONS: dict[str, type] = {
@@ -271,153 +338,78 @@ def _leaves(value: Any, key: str) -> Iterator[tuple[str, Any]]:
         yield key, value
 
 
-class _Checker:
-    """Raises ConfigError naming the key and where its value came from (file or --set)."""
+class _Origins:
+    """Where each key's value came from: its --set override, or the file."""
 
     def __init__(self, source: str, key_sources: dict[str, str]) -> None:
         self.source = source
         self.key_sources = key_sources
 
-    def where(self, key: str | None) -> str:
-        """The origin of `key` (its --set override, or the file), or of the whole config."""
-        key = re.sub(r"\[\d+\]", "", key or "")  # optimizer.betas[1] came with optimizer.betas
+    def __call__(self, key: str) -> str:
+        key = re.sub(r"\[\d+\]", "", key)  # optimizer.betas[1] came with optimizer.betas
         while key:
             if key in self.key_sources:
                 return self.key_sources[key]
             key = key.rpartition(".")[0]
         return self.source
 
-    def __call__(self, ok: bool, key: str | None, message: str) -> None:
-        if not ok:
-            raise ConfigError(f"{self.where(key)}: {message}")
+    def blame(self, keys: tuple[str, ...]) -> str:
+        """The origin of the first of `keys` that an override gave, else the file."""
+        return next((self(k) for k in keys if self(k) != self.source), self.source)
 
-    def enum(self, key: str, value: str, allowed: tuple[str, ...]) -> None:
-        self(value in allowed, key, f"{key}: expected one of {', '.join(allowed)}, got {value!r}")
+
+def _check_across(cfg: RunConfig) -> None:
+    """The rules that span sections (each section checks its own keys)."""
+    m, d, e, t = cfg.model, cfg.data, cfg.execution, cfg.training
+    if e.pipeline and m.layers_per_ipu is None:
+        raise Invalid("execution.pipeline needs model.layers_per_ipu (the layers of each "
+                      "pipeline stage)", "execution.pipeline", "model.layers_per_ipu")
+    if e.backend == "popart" and m.dialect != "popart":
+        raise Invalid(f"execution.backend 'popart' needs model.dialect 'popart' (PopART reads "
+                      f"ai.onnx opset 11), got {m.dialect!r}", "execution.backend",
+                      "model.dialect")
+    if t.eval_every and not d.has_validation:
+        raise Invalid(f"training.eval_every is {t.eval_every} but there is no validation data: "
+                      "set data.validation_files or data.validation_fraction (e.g. 0.02)",
+                      "training.eval_every", "data.validation_files", "data.validation_fraction")
+    if t.global_batch_size is not None:
+        per_pass = e.micro_batch_size * e.replicas
+        layout = (f"execution.micro_batch_size ({e.micro_batch_size}) x execution.replicas "
+                  f"({e.replicas})")
+        keys = ("training.global_batch_size", "execution.micro_batch_size", "execution.replicas",
+                "execution.gradient_accumulation")
+        if t.global_batch_size % per_pass:
+            raise Invalid(f"training.global_batch_size ({t.global_batch_size}) is not divisible "
+                          f"by {layout} = {per_pass}", *keys[:3])
+        if t.global_batch_size != cfg.global_batch_size:
+            raise Invalid(f"training.global_batch_size ({t.global_batch_size}) != {layout} x "
+                          f"execution.gradient_accumulation ({e.gradient_accumulation}) = "
+                          f"{cfg.global_batch_size}; set execution.gradient_accumulation="
+                          f"{t.global_batch_size // per_pass} or training.global_batch_size=null",
+                          *keys)
 
 
 def validate_run_config(cfg: RunConfig, source: str = "<config>",
                         key_sources: dict[str, str] | None = None) -> None:
-    """Check every value and the consistency between sections.
+    """Check every section and the rules between them.
 
     Raises a one-line ConfigError that starts with where the offending value came from:
     `key_sources` maps a dotted key to its origin (e.g. "--set optimizer.lr=0"), anything else
     is blamed on `source`.
     """
-    check = _Checker(source, key_sources or {})
+    origin = _Origins(source, key_sources or {})
     for name in SECTIONS:
         bad = non_finite(getattr(cfg, name), name)
         if bad is not None:
-            check(False, bad[0], f"{bad[0]} must be a finite number, got {bad[1]}")
+            raise ConfigError(f"{origin(bad[0])}: {bad[0]} must be a finite number, got {bad[1]}")
     try:
-        cfg.model.validate()
-    except ValueError as exc:
-        # Blame the first key the message names that came from an override, if any.
-        named = [k for k in re.findall(r"model(?:\.\w+)+", str(exc))
-                 if check.where(k) != check.source]
-        raise ConfigError(f"{check.where(named[0] if named else None)}: {exc}") from None
+        for name in SECTIONS:
+            getattr(cfg, name).validate()
+        _check_across(cfg)
+    except Invalid as error:
+        raise ConfigError(f"{origin.blame(error.keys)}: {error}") from None
 
-    d = cfg.data
-    check(0.0 < d.masked_lm_prob <= 1.0, "data.masked_lm_prob",
-          f"data.masked_lm_prob must be in (0, 1], got {d.masked_lm_prob}")
-    check(0.0 <= d.short_seq_prob <= 1.0, "data.short_seq_prob",
-          f"data.short_seq_prob must be in [0, 1], got {d.short_seq_prob}")
-    check(d.duplication_factor >= 1, "data.duplication_factor",
-          f"data.duplication_factor must be >= 1, got {d.duplication_factor}")
-    check(0.0 <= d.validation_fraction < 1.0, "data.validation_fraction",
-          f"data.validation_fraction must be in [0, 1) (0 = none held out), "
-          f"got {d.validation_fraction}")
-    check(not (d.validation_fraction and d.validation_files), "data.validation_fraction",
-          "data.validation_fraction and data.validation_files both given; choose one")
-    check(not d.validation_fraction
-          or not any(f.lower().endswith((".h5", ".hdf5")) for f in d.input_files),
-          "data.validation_fraction",
-          "data.validation_fraction holds out documents of a text corpus, but "
-          "data.input_files are HDF5 shards (instances, not documents); give held-out shards "
-          "in data.validation_files")
-
-    o = cfg.optimizer
-    check.enum("optimizer.name", o.name, OPTIMIZERS)
-    check.enum("optimizer.decay", o.decay, DECAYS)
-    check.enum("optimizer.loss_scaling", o.loss_scaling, LOSS_SCALINGS)
-    check(o.lr > 0, "optimizer.lr", f"optimizer.lr must be > 0, got {o.lr}")
-    check(len(o.betas) == 2 and all(0.0 <= b < 1.0 for b in o.betas), "optimizer.betas",
-          f"optimizer.betas must be two values in [0, 1), got {o.betas}")
-    check(o.eps > 0, "optimizer.eps", f"optimizer.eps must be > 0, got {o.eps}")
-    check(o.weight_decay >= 0, "optimizer.weight_decay",
-          f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
-    check(o.max_grad_norm is None or o.max_grad_norm > 0, "optimizer.max_grad_norm",
-          f"optimizer.max_grad_norm must be > 0 or null, got {o.max_grad_norm}")
-    check(o.warmup_steps >= 0, "optimizer.warmup_steps",
-          f"optimizer.warmup_steps must be >= 0, got {o.warmup_steps}")
-    check(o.warmup_start_lr >= 0, "optimizer.warmup_start_lr",
-          f"optimizer.warmup_start_lr must be >= 0, got {o.warmup_start_lr}")
-    check(o.end_lr >= 0, "optimizer.end_lr", f"optimizer.end_lr must be >= 0, got {o.end_lr}")
-    check(o.power > 0, "optimizer.power", f"optimizer.power must be > 0, got {o.power}")
-    check(o.loss_scale > 0, "optimizer.loss_scale",
-          f"optimizer.loss_scale must be > 0, got {o.loss_scale}")
-    check(o.max_trust_ratio is None or o.max_trust_ratio > 0, "optimizer.max_trust_ratio",
-          f"optimizer.max_trust_ratio must be > 0 or null, got {o.max_trust_ratio}")
-    if o.lr_schedule is not None:
-        try:
-            parse_lr_schedule(o.lr_schedule)
-        except ValueError as exc:
-            check(False, "optimizer.lr_schedule", f"optimizer.lr_schedule {o.lr_schedule!r}: {exc}")
-
-    e = cfg.execution
-    check.enum("execution.backend", e.backend, BACKENDS)
-    check.enum("execution.device", e.device, DEVICES)
-    check.enum("execution.weight_dtype", e.weight_dtype, FLOAT_FORMATS)
-    check.enum("execution.compute_dtype", e.compute_dtype, FLOAT_FORMATS)
-    check.enum("execution.pipeline_schedule", e.pipeline_schedule, PIPELINE_SCHEDULES)
-    for key in ("micro_batch_size", "gradient_accumulation", "replicas", "device_iterations"):
-        value = getattr(e, key)
-        check(value >= 1, f"execution.{key}", f"execution.{key} must be >= 1, got {value}")
-    check(e.threads is None or e.threads >= 1, "execution.threads",
-          f"execution.threads must be >= 1 or null, got {e.threads}")
-    check(not e.pipeline or cfg.model.layers_per_ipu is not None, "execution.pipeline",
-          "execution.pipeline needs model.layers_per_ipu (the layers of each pipeline stage)")
-    check(e.backend != "popart" or cfg.model.dialect == "popart", "execution.backend",
-          f"execution.backend 'popart' needs model.dialect 'popart' "
-          f"(PopART reads ai.onnx opset 11), got {cfg.model.dialect!r}")
-
-    t = cfg.training
-    check(t.steps >= 1, "training.steps", f"training.steps must be >= 1, got {t.steps}")
-    check(t.checkpoint_every >= 0, "training.checkpoint_every",
-          f"training.checkpoint_every must be >= 0 (0 = only at the end), "
-          f"got {t.checkpoint_every}")
-    check(t.keep_checkpoints >= 0, "training.keep_checkpoints",
-          f"training.keep_checkpoints must be >= 0 (0 keeps all), got {t.keep_checkpoints}")
-    check(t.divergence_factor == 0 or t.divergence_factor > 1, "training.divergence_factor",
-          f"training.divergence_factor must be 0 (off) or > 1, got {t.divergence_factor}")
-    check(t.log_every >= 1, "training.log_every",
-          f"training.log_every must be >= 1, got {t.log_every}")
-    check(t.eval_every >= 0, "training.eval_every",
-          f"training.eval_every must be >= 0 (0 = no evaluation), got {t.eval_every}")
-    check(t.eval_batches >= 1, "training.eval_batches",
-          f"training.eval_batches must be >= 1, got {t.eval_batches}")
-    check(not t.eval_every or bool(d.validation_files) or d.validation_fraction > 0,
-          "training.eval_every",
-          f"training.eval_every is {t.eval_every} but there is no validation data: set "
-          f"data.validation_files or data.validation_fraction (e.g. 0.02)")
-    if t.global_batch_size is not None:
-        per_pass = e.micro_batch_size * e.replicas
-        layout = (f"execution.micro_batch_size ({e.micro_batch_size}) x execution.replicas "
-                  f"({e.replicas})")
-        check(t.global_batch_size >= 1, "training.global_batch_size",
-              f"training.global_batch_size must be >= 1 or null, got {t.global_batch_size}")
-        check(t.global_batch_size % per_pass == 0, "training.global_batch_size",
-              f"training.global_batch_size ({t.global_batch_size}) is not divisible by "
-              f"{layout} = {per_pass}")
-        check(t.global_batch_size == cfg.global_batch_size, "training.global_batch_size",
-              f"training.global_batch_size ({t.global_batch_size}) != {layout} x "
-              f"execution.gradient_accumulation ({e.gradient_accumulation}) = "
-              f"{cfg.global_batch_size}; set execution.gradient_accumulation="
-              f"{t.global_batch_size // per_pass} or training.global_batch_size=null")
-
-    k = cfg.tracking
-    check.enum("tracking.backend", k.backend, TRACKERS)
-    check(bool(k.project), "tracking.project", "tracking.project must not be empty")
-
+    o, e, t = cfg.optimizer, cfg.execution, cfg.training
     if o.lr_schedule is None and o.warmup_steps > t.steps:
         logger.warning("optimizer.warmup_steps (%d) exceeds training.steps (%d): the run ends "
                        "before reaching the peak learning rate", o.warmup_steps, t.steps)
@@ -426,8 +418,8 @@ def validate_run_config(cfg: RunConfig, source: str = "<config>",
 
 
 __all__ = [
-    "BACKENDS", "DECAYS", "DEVICES", "LOSS_SCALINGS", "OPTIMIZERS", "PIPELINE_SCHEDULES",
-    "SECTIONS", "TOP_LEVEL_KEYS", "TRACKERS", "BertConfig", "DataConfig", "ExecutionConfig", "FinetuneConfig",
-    "OptimizerConfig", "RunConfig", "TrackingConfig", "TrainingConfig", "non_finite",
-    "parse_lr_schedule", "validate_run_config",
+    "BACKENDS", "DECAYS", "DEVICES", "FINETUNE_TASKS", "LOSS_SCALINGS", "OPTIMIZERS",
+    "PIPELINE_SCHEDULES", "SECTIONS", "TOP_LEVEL_KEYS", "TRACKERS", "BertConfig", "DataConfig",
+    "ExecutionConfig", "FinetuneConfig", "OptimizerConfig", "RunConfig", "TrackingConfig",
+    "TrainingConfig", "choice", "non_finite", "parse_lr_schedule", "validate_run_config",
 ]

@@ -404,9 +404,7 @@ TASKS: dict[str, type[FinetuneJob]] = {"squad": SquadJob, "classification": Clas
 def finetune_job(cfg: RunConfig, output_dir: Path) -> FinetuneJob:
     """The fine-tuning job `cfg.finetune` describes, its data read and its config resolved."""
     f = cfg.finetune
-    for key in ("checkpoint", "train_file"):
-        if getattr(f, key) is None:
-            raise ConfigError(f"finetune.{key} is required for a fine-tuning run")
+    f.check_inputs()
     checkpoint = Path(f.checkpoint)
     if not checkpoint.is_dir():
         raise CheckpointError(f"finetune.checkpoint: not a directory: {checkpoint}")

@@ -18,7 +18,9 @@ from types import TracebackType
 from typing import IO, Any
 
 from popbert.atomic import atomic_write_text
-from popbert.errors import ConfigError
+from popbert.config.sections import TrackingConfig
+from popbert.errors import ConfigError, one_line
+from popbert.rules import rule_of
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +66,9 @@ class MetricsLogger:
         section = config_dict.get("tracking")
         tracking: Mapping[str, Any] = section if isinstance(section, Mapping) else {}
         backend = backend if backend is not None else tracking.get("backend") or "none"
-        if backend not in ("none", "wandb"):
-            raise ConfigError(f"tracking.backend: expected one of none, wandb, got {backend!r}")
+        rule = rule_of(TrackingConfig, "backend")
+        if rule is not None and not rule.allows(backend):
+            raise ConfigError(rule.message("tracking.backend", backend))
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.output_dir / METRICS_FILE
@@ -109,7 +112,7 @@ class MetricsLogger:
         except Exception as error:
             if isinstance(errors, type) and isinstance(error, errors):
                 # Typically no account in online mode: one line that says how to go on.
-                raise ConfigError(f"tracking.backend wandb: {' '.join(str(error).split())} "
+                raise ConfigError(f"tracking.backend wandb: {one_line(error)} "
                                   f"(WANDB_MODE=offline logs without an account)") from None
             raise
         new_id = getattr(run, "id", None)

@@ -1,24 +1,24 @@
 """Session options: what the torch backend honours of PopART's ``SessionOptions``.
 
-:class:`SessionOptions` is checked once, when it is made, so a bad value fails where it was
-written rather than in the middle of a session's set-up. :meth:`SessionOptions.from_config` is the
-one function that turns a run config into options, including which devices this replica uses.
+Most options are keys of the config's ``execution`` section under the same name (see
+``_FROM_EXECUTION``): :meth:`SessionOptions.from_config` copies them, and :meth:`validate` checks
+them by those keys' own rules, so a range or a choice is written once, on ``ExecutionConfig``.
+Options are checked when made, so a bad value fails where it was written.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from popbert.backends import BACKENDS
+from popbert.config.sections import ExecutionConfig
 from popbert.distributed.replicas import devices_per_replica
-from popbert.dtypes import FLOAT_FORMATS
 from popbert.errors import ConfigError
+from popbert.rules import MUST_BE, rule_of
 from popbert.runtime.devices import available_devices, resolve_device
-from popbert.runtime.schedules import SCHEDULES
 
 if TYPE_CHECKING:
     from popbert.config import RunConfig
@@ -27,6 +27,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["SessionOptions"]
+
+# Option -> the `execution` key it is (the same name but for replicas). `device` is not here:
+# the options hold the resolved device of this replica ("cuda:1"), not the config's choice.
+_FROM_EXECUTION = {"replication_factor": "replicas", **{name: name for name in (
+    "backend", "gradient_accumulation", "device_iterations", "weight_dtype", "compute_dtype",
+    "compile", "replicated_tensor_sharding", "pipeline", "pipeline_schedule", "recompute")}}
 
 
 @dataclass
@@ -62,21 +68,12 @@ class SessionOptions:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first option out of range (called on construction;
-        call it again after changing fields by hand)."""
-        for key in ("gradient_accumulation", "device_iterations", "replication_factor"):
-            if int(getattr(self, key)) < 1:
-                raise ValueError(f"SessionOptions.{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("weight_dtype", "compute_dtype"):
-            if getattr(self, key) not in FLOAT_FORMATS:
-                raise ValueError(f"SessionOptions.{key} must be one of {list(FLOAT_FORMATS)}, "
-                                 f"got {getattr(self, key)!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"SessionOptions.backend must be one of {list(BACKENDS)}, "
-                             f"got {self.backend!r}")
-        if self.pipeline_schedule not in SCHEDULES:
-            raise ValueError(f"SessionOptions.pipeline_schedule must be one of {SCHEDULES}, "
-                             f"got {self.pipeline_schedule!r}")
+        """Raise ValueError naming the first option that breaks its ``execution`` key's rule
+        (called on construction; call it again after changing fields by hand)."""
+        for option, key in _FROM_EXECUTION.items():
+            rule, value = rule_of(ExecutionConfig, key), getattr(self, option)
+            if rule is not None and not rule.allows(value):
+                raise ValueError(rule.message(f"SessionOptions.{option}", value, form=MUST_BE))
 
     @classmethod
     def from_config(cls, cfg: RunConfig, replicas: Replicas | None = None) -> SessionOptions:
@@ -114,12 +111,6 @@ class SessionOptions:
                    **cls._execution_fields(cfg))
 
     @staticmethod
-    def _execution_fields(cfg: RunConfig) -> dict:
+    def _execution_fields(cfg: RunConfig) -> dict[str, Any]:
         """The options read straight from ``cfg.execution`` (every backend's)."""
-        e = cfg.execution
-        return dict(backend=e.backend, gradient_accumulation=e.gradient_accumulation,
-                    device_iterations=e.device_iterations, replication_factor=e.replicas,
-                    weight_dtype=e.weight_dtype, compute_dtype=e.compute_dtype,
-                    compile=e.compile, replicated_tensor_sharding=e.replicated_tensor_sharding,
-                    pipeline=e.pipeline, pipeline_schedule=e.pipeline_schedule,
-                    recompute=e.recompute)
+        return {option: getattr(cfg.execution, key) for option, key in _FROM_EXECUTION.items()}

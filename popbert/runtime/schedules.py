@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from popbert.config.sections import PIPELINE_SCHEDULES
+
 if TYPE_CHECKING:
     from popbert.runtime.partition import Program
 
-SCHEDULES = ("gpipe", "1f1b")
-
-__all__ = ["SCHEDULES", "Action", "PipelineEngine", "schedule_order", "stage_actions"]
+__all__ = ["Action", "PipelineEngine", "schedule_order", "stage_actions"]
 
 Action = tuple[str, int, int]  # ("F" | "B", stage, micro-batch)
 
@@ -49,7 +49,8 @@ def stage_actions(kind: str, position: int, num_stages: int, micro: int) -> list
             actions += [("F", position, warmup + i), ("B", position, i)]
         actions += [("B", position, m) for m in range(micro - warmup, micro)]
         return actions
-    raise ValueError(f"unknown pipeline schedule {kind!r}; expected one of {SCHEDULES}")
+    raise ValueError(f"unknown pipeline schedule {kind!r}; expected one of "
+                     f"{', '.join(PIPELINE_SCHEDULES)}")
 
 
 def _dependencies(action: Action, producers: dict[int, set[int]],
@@ -96,9 +97,9 @@ class PipelineEngine:
     def __init__(self, program: Program, schedule: str = "1f1b",
                  autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
                  threads: bool | None = None, poll_s: float = 0.05):
-        if schedule not in SCHEDULES:
+        if schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of "
-                             f"{SCHEDULES}")
+                             f"{', '.join(PIPELINE_SCHEDULES)}")
         self.program = program
         self.schedule = schedule
         self.autocast = autocast or contextlib.nullcontext

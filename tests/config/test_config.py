@@ -636,6 +636,125 @@ def test_legacy_extra_errors_name_model_task(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# The finetune section
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("finetune.task=ner", "finetune.task must be one of squad, classification or null, "
+                              "got 'ner'"),
+        ("finetune.epochs=0", "finetune.epochs must be >= 1, got 0"),
+        ("finetune.warmup_proportion=1.5", "finetune.warmup_proportion must be in [0, 1], got 1.5"),
+        ("finetune.warmup_proportion=-0.1",
+         "finetune.warmup_proportion must be in [0, 1], got -0.1"),
+        ("finetune.max_seq_length=7", "finetune.max_seq_length must be >= 8 or null, got 7"),
+        ("finetune.doc_stride=0", "finetune.doc_stride must be >= 1, got 0"),
+        ("finetune.max_query_length=0", "finetune.max_query_length must be >= 1, got 0"),
+        ("finetune.n_best_size=0", "finetune.n_best_size must be >= 1, got 0"),
+        ("finetune.max_answer_length=0", "finetune.max_answer_length must be >= 1, got 0"),
+        ("finetune.eval_batch_size=0", "finetune.eval_batch_size must be >= 1, got 0"),
+        ("finetune.dropout=1.0", "finetune.dropout must be in [0, 1) or null, got 1.0"),
+        ("finetune.dropout=-0.1", "finetune.dropout must be in [0, 1) or null, got -0.1"),
+    ],
+)
+def test_finetune_keys_are_checked(override: str, expected: str) -> None:
+    assert error_of("tiny", [override]) == f"--set {override}: {expected}"
+
+
+def test_finetune_edges_are_allowed() -> None:
+    cfg = load_config("tiny", ["finetune.max_seq_length=8", "finetune.warmup_proportion=0",
+                               "finetune.dropout=0", "finetune.max_seq_length=null",
+                               "finetune.warmup_proportion=1"])
+    assert cfg.finetune.max_seq_length is None and cfg.finetune.warmup_proportion == 1.0
+    assert cfg.finetune.dropout == 0.0 and cfg.finetune.task is None
+
+
+def test_a_finetune_task_needs_its_inputs_when_the_run_starts(tmp_path: Path) -> None:
+    """The finetune-* presets name a task but no inputs, so they load; the run asks for them."""
+    cfg = load_config("finetune-squad")
+    with pytest.raises(ConfigError) as info:
+        cfg.finetune.check_inputs()
+    assert str(info.value) == "finetune.checkpoint must be set for finetune.task 'squad'"
+    cfg = load_config("finetune-classification", ["finetune.checkpoint=run"])
+    with pytest.raises(ConfigError, match=r"^finetune.train_file must be set for "
+                                          r"finetune.task 'classification'$"):
+        cfg.finetune.check_inputs()
+    cfg = load_config("finetune-squad", ["finetune.checkpoint=run", "finetune.train_file=t.json"])
+    cfg.finetune.check_inputs()
+    load_config("tiny").finetune.check_inputs()  # pre-training: no inputs needed
+    assert config_from_dict(cfg.to_dict()) == cfg
+
+
+def test_finetune_tasks_are_the_model_task_names() -> None:
+    from popbert.builders.bert_config import TASK_NAMES
+    from popbert.config.sections import FINETUNE_TASKS
+
+    assert FINETUNE_TASKS is TASK_NAMES and FINETUNE_TASKS == ("squad", "classification")
+
+
+# ---------------------------------------------------------------------------------------------
+# One source per setting
+
+
+def test_an_error_across_keys_blames_the_override_that_gave_one(tmp_path: Path) -> None:
+    """A rule spanning keys names its keys; the error starts with the --set that gave one."""
+    message = error_of("base-128", ["execution.micro_batch_size=48"])
+    assert message.startswith("--set execution.micro_batch_size=48: training.global_batch_size "
+                              "(65536) is not divisible")
+    assert error_of("tiny", ["execution.pipeline=true"]).startswith(
+        "--set execution.pipeline=true: execution.pipeline needs model.layers_per_ipu")
+    path = write(tmp_path, "execution:\n  backend: popart\nmodel:\n  dialect: popart\n")
+    assert error_of(path, ["model.dialect=onnx"]).startswith(
+        "--set model.dialect=onnx: execution.backend 'popart' needs model.dialect 'popart'")
+    assert error_of(write(tmp_path, "execution:\n  pipeline: true\n", "p.yaml")).startswith(
+        f"{tmp_path / 'p.yaml'}: execution.pipeline needs")
+
+
+def test_model_errors_carry_their_keys() -> None:
+    from popbert.builders.bert_config import BertConfig
+    from popbert.rules import Invalid
+
+    with pytest.raises(Invalid) as info:
+        BertConfig(hidden_size=100, num_heads=3).validate()
+    assert info.value.keys == ("model.hidden_size", "model.num_heads")
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(Invalid) as info:
+        BertConfig(attention_dropout=1.0).validate()
+    assert str(info.value) == "model.attention_dropout must be in [0, 1), got 1.0"
+    assert info.value.keys == ("model.attention_dropout",)
+
+
+def test_session_options_check_by_the_execution_rules() -> None:
+    """SessionOptions has no ranges of its own: replication_factor is execution.replicas."""
+    from popbert.config import ExecutionConfig
+    from popbert.rules import rule_of
+    from popbert.runtime.options import SessionOptions
+
+    with pytest.raises(ValueError, match=r"^SessionOptions.replication_factor must be >= 1, "
+                                         r"got 0$"):
+        SessionOptions(replication_factor=0)
+    with pytest.raises(ValueError, match=r"^SessionOptions.pipeline_schedule must be one of "
+                                         r"1f1b, gpipe, got 'zigzag'$"):
+        SessionOptions(pipeline_schedule="zigzag")
+    assert rule_of(ExecutionConfig, "replicas") is not None
+    options = SessionOptions.from_config(load_config("tiny", ["execution.replicas=2",
+                                                              "execution.weight_dtype=float16"]))
+    assert options.replication_factor == 2 and options.weight_dtype == "float16"
+
+
+def test_each_choice_is_defined_once(tmp_path: Path) -> None:
+    from popbert.backends import BACKENDS
+    from popbert.config import sections
+    from popbert.observe.tracking import MetricsLogger
+
+    assert BACKENDS is sections.BACKENDS
+    with pytest.raises(ConfigError, match=r"^tracking.backend: expected one of none, wandb, "
+                                          r"got 'mlflow'$"):
+        MetricsLogger(tmp_path, {}, backend="mlflow")
+
+
+# ---------------------------------------------------------------------------------------------
 # Through the CLI: exit status 2 and one line
 
 

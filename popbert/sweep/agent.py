@@ -24,13 +24,14 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.trial import TrialState
 
-from popbert.errors import ConfigError, PopbertError, UsageError
+from popbert.errors import ConfigError, PopbertError, UsageError, one_line
 from popbert.sweep.spec import (
+    FINETUNE_TASKS,
     SweepSpec,
     base_config,
     job_metrics,
@@ -52,6 +53,9 @@ from popbert.sweep.study import (
     slots_left,
     why_skip,
 )
+
+if TYPE_CHECKING:
+    from popbert.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +97,10 @@ def run_job(sweep: Sweep, params: Mapping[str, Any], run_dir: Path, *,
     spec = sweep.spec
     logged, final = job_metrics(spec)
     init = init_checkpoint(sweep)
+    from popbert.train.trainer import Trainer
+
     if spec.job == "pretrain":
         from popbert.config import DEFAULT_PRESET, load_config
-        from popbert.train.pretrain import run_pretraining
 
         overrides = spec.overrides(params)
         if device is not None:
@@ -107,10 +112,12 @@ def run_job(sweep: Sweep, params: Mapping[str, Any], run_dir: Path, *,
             overrides += [override_text(k, v) for k, v in named.items()
                           if getattr(cfg.tracking, k.split(".")[1]) is None]
             cfg = load_config(spec.config or DEFAULT_PRESET, overrides)
-        run_pretraining(cfg, run_dir, init_from=init, replicas=replicas, on_record=on_record)
-        results: dict[str, float] = {}
     else:
-        results = _run_finetune(spec, params, run_dir, init, device, on_record)
+        cfg = finetune_trial_config(spec, params, init, device)
+        init = None  # a fine-tuning trial starts from finetune.checkpoint
+    with Trainer.from_config(cfg, run_dir, init_from=init, replicas=replicas,
+                             on_record=on_record) as trainer:
+        results = trainer.train().metrics
     if spec.metric in final:
         value = results.get(spec.metric)
     else:
@@ -130,33 +137,24 @@ def last_value(metrics: Path, key: str) -> float | None:
     return float(values[-1]) if values else None
 
 
-def _run_finetune(spec: SweepSpec, params: Mapping[str, Any], run_dir: Path,
-                  init: Path | None, device: str | None, on_record) -> dict[str, float]:
-    from popbert.train.finetune import TrainOptions, finetune_classify, finetune_squad
+def finetune_trial_config(spec: SweepSpec, params: Mapping[str, Any], init: Path | None,
+                          device: str | None) -> RunConfig:
+    """A fine-tuning trial's config: the job's `args` (each one `finetune.*` key, as the
+    command's flags), `set` and the trial's parameters, from the `init_from` trial's checkpoint
+    when `args` names none."""
+    from popbert.train.finetune import FLAG_KEYS, finetune_config
 
     args = spec.job_args(params)
-    options = spec.finetune_options(params)
-    for key in ("epochs", "warmup_proportion", "eval_batch_size"):
-        if key in args:
-            options[key] = args.pop(key)
+    checkpoint = args.pop("checkpoint", None) or init
+    train = args.pop("train")
+    if isinstance(args.get("labels"), str):
+        args["labels"] = [x.strip() for x in args["labels"].split(",")]
+    overrides = [override_text(FLAG_KEYS[k], v) for k, v in args.items()]
+    overrides += spec.overrides(params)
     if device is not None:
-        options["device"] = device
-    checkpoint = Path(args.pop("checkpoint")) if "checkpoint" in args else init
-    train_file = Path(args.pop("train"))
-    if spec.job == "finetune squad":
-        predict = args.pop("predict", None)
-        result = finetune_squad(checkpoint, train_file, run_dir,
-                                predict_file=Path(predict) if predict else None,
-                                options=TrainOptions(**options), on_record=on_record, **args)
-    else:
-        evaluation = args.pop("eval", None)
-        labels = args.pop("labels", None)
-        pair = args.pop("text_pair_column", None)
-        result = finetune_classify(
-            checkpoint, train_file, run_dir, eval_file=Path(evaluation) if evaluation else None,
-            options=TrainOptions(**options), on_record=on_record, pair_column=pair,
-            labels=[x.strip() for x in labels.split(",")] if labels else None, **args)
-    return dict(result.metrics)
+        overrides.append(override_text("execution.device", device))
+    return finetune_config(FINETUNE_TASKS[spec.job], checkpoint, train, overrides=overrides,
+                           config=spec.config)
 
 
 class Agent:
@@ -206,7 +204,7 @@ class Agent:
                 trial.set_user_attr("stopped_step", error.step)
                 log.info("trial %d pruned at step %d", trial.number, error.step)
                 raise optuna.TrialPruned(str(error)) from None
-            message = " ".join(str(error).split()) or type(error).__name__
+            message = one_line(error)
             trial.set_user_attr(OUTCOME, "error")
             trial.set_user_attr("error", message[:1000])
             if not isinstance(error, PopbertError | TrialError):

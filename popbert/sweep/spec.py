@@ -19,10 +19,12 @@ backend: optuna               # optuna (default) | wandb: the same sweep on a W&
 
 Parameters and `set` keys are config keys (checked by loading the config with them, through
 `popbert.config`'s override machinery, so a typo or a wrong type is the same one line as on the
-command line). Fine-tuning jobs take their inputs under `args` (`checkpoint`, `train`,
-`predict`/`eval`, ...) and sweep the config keys fine-tuning honours (`FINETUNE_KEYS`) plus
-`args.<name>` for the job's own options (`args.epochs`). The metric must be one the job writes.
-Every mistake is a `ConfigError` naming the file and key and what was expected.
+command line). Fine-tuning jobs take their inputs under `args` with the names of their command's
+flags (`checkpoint`, `train`, `predict`/`eval`, `epochs`, ...: each one a `finetune.*` key,
+`popbert.train.finetune.FLAG_KEYS`) and sweep any config key but the ones the checkpoint
+decides (`model.*`, `data.*`) or the data does (`training.steps`, `optimizer.warmup_steps`),
+plus `args.<name>`. The metric must be one the job writes. Every mistake is a `ConfigError`
+naming the file and key and what was expected.
 """
 
 from __future__ import annotations
@@ -51,30 +53,29 @@ DISTRIBUTIONS = ("constant", "categorical", "int_uniform", "uniform", "q_uniform
                  "log_uniform", "log_uniform_values", "q_log_uniform_values")
 DISCRETE = ("constant", "categorical", "int_uniform", "q_uniform")
 
-# Fine-tuning builds its config from the checkpoint and these options (popbert.train.finetune's
-# TrainOptions): the config keys a fine-tuning sweep may set, and the option each one sets.
-FINETUNE_KEYS = {"optimizer.lr": "lr", "optimizer.weight_decay": "weight_decay",
-                 "optimizer.max_grad_norm": "max_grad_norm",
-                 "execution.micro_batch_size": "batch_size", "execution.device": "device",
-                 "execution.threads": "threads", "training.seed": "seed",
-                 "training.log_every": "log_every", "model.hidden_dropout": "dropout"}
-# The options of each fine-tuning job under `args` (the command's flags, with underscores).
-FINETUNE_ARGS = {
-    "finetune squad": {"checkpoint": "path", "train": "path", "predict": "path",
-                       "epochs": int, "warmup_proportion": float, "max_seq_length": int,
-                       "doc_stride": int, "max_query_length": int, "n_best_size": int,
-                       "max_answer_length": int, "eval_batch_size": int},
-    "finetune classify": {"checkpoint": "path", "train": "path", "eval": "path",
-                          "epochs": int, "warmup_proportion": float, "max_seq_length": int,
-                          "text_column": str, "text_pair_column": str, "label_column": str,
-                          "labels": str, "eval_batch_size": int},
-}
-# What each fine-tuning job writes: per logged step into metrics.jsonl (the task graph's
-# scalar outputs, popbert.builders.tasks) and once at the end into eval_results.json.
-FINETUNE_LOGGED = {"finetune squad": ("loss", "start_accuracy", "end_accuracy"),
-                   "finetune classify": ("loss", "accuracy")}
-FINETUNE_FINAL = {"finetune squad": ("exact_match", "f1"),
-                  "finetune classify": ("accuracy", "f1")}
+# The sweep's names of the fine-tuning jobs, and the task each runs (popbert.train.finetune).
+FINETUNE_TASKS = {"finetune squad": "squad", "finetune classify": "classification"}
+# The `args` that are files; the others set the task's knobs.
+PATH_ARGS = ("checkpoint", "train", "predict", "eval")
+# Config keys a fine-tuning run takes from its checkpoint or derives from its data.
+NOT_SWEPT = ("model.", "data.", "training.steps", "optimizer.warmup_steps")
+
+
+def finetune_args(job: str) -> dict[str, Any]:
+    """The `args` a fine-tuning job takes (its command's flags that set `finetune.*` keys), each
+    with its kind: "path", int, float or str (labels: comma-separated, as on the command line)."""
+    import typing
+
+    from popbert.config import FinetuneConfig
+    from popbert.train.finetune import COMMON_FLAGS, FLAG_KEYS, TASKS
+
+    hints = typing.get_type_hints(FinetuneConfig)
+    kinds: dict[str, Any] = {}
+    for flag in (*COMMON_FLAGS, *TASKS[FINETUNE_TASKS[job]].flags):
+        field_type = hints[FLAG_KEYS[flag].split(".", 1)[1]]
+        kinds[flag] = "path" if flag in PATH_ARGS else next(
+            (t for t in (int, float) if t in typing.get_args(field_type) or t is field_type), str)
+    return kinds
 
 
 @dataclass
@@ -151,8 +152,7 @@ class SweepSpec:
         """`--set` overrides of a trial: the fixed `set`, then the trial's config parameters."""
         values = {**self.set, **{k: v for k, v in (params or {}).items()
                                  if not k.startswith("args.")}}
-        return [override_text(k, v) for k, v in values.items()
-                if not self.job.startswith("finetune")]
+        return [override_text(k, v) for k, v in values.items()]
 
     def job_args(self, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The job's own options: `args`, then the trial's `args.*` parameters."""
@@ -160,12 +160,6 @@ class SweepSpec:
         out.update({k[len("args."):]: v for k, v in (params or {}).items()
                     if k.startswith("args.")})
         return out
-
-    def finetune_options(self, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Fine-tuning options set through config keys (`FINETUNE_KEYS`): fixed, then swept."""
-        values = {**self.set, **{k: v for k, v in (params or {}).items()
-                                 if not k.startswith("args.")}}
-        return {FINETUNE_KEYS[k]: v for k, v in values.items()}
 
     def max_evaluations(self) -> int | None:
         """How many values of the metric a full pre-training trial reports (Hyperband's
@@ -247,7 +241,7 @@ def absolutize(spec: SweepSpec) -> None:
     """Make the config file and the job's input paths absolute (a preset name stays a name)."""
     if spec.config is not None and Path(spec.config).is_file():
         spec.config = str(Path(spec.config).resolve())
-    kinds = FINETUNE_ARGS.get(spec.job, {})
+    kinds = finetune_args(spec.job) if spec.job in FINETUNE_TASKS else {}
     for key, value in list(spec.args.items()):
         if kinds.get(key) == "path" and isinstance(value, str):
             spec.args[key] = str(Path(value).resolve())
@@ -468,7 +462,10 @@ def job_metrics(spec: SweepSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
         from popbert.train.pretrain import METRIC_KEYS
 
         return tuple(METRIC_KEYS), ()
-    return FINETUNE_LOGGED[spec.job], FINETUNE_FINAL[spec.job]
+    from popbert.train.finetune import TASKS
+
+    job = TASKS[FINETUNE_TASKS[spec.job]]
+    return job.metric_keys, job.final_metrics
 
 
 def check_spec(spec: SweepSpec) -> None:
@@ -528,7 +525,7 @@ def _check_config_keys(spec: SweepSpec) -> None:
 
 def _check_finetune(spec: SweepSpec) -> None:
     src = spec.source
-    kinds = FINETUNE_ARGS[spec.job]
+    kinds = finetune_args(spec.job)
     for key, value in spec.args.items():
         if key not in kinds:
             raise ConfigError(f"{src}: args.{key}: {spec.job} has no such option; expected one "
@@ -553,9 +550,11 @@ def _check_finetune(spec: SweepSpec) -> None:
                 _check_arg(src, where, kinds[name], value)
             continue
         _check_config_key(src, where, key)
-        if key not in FINETUNE_KEYS:
+        if key.startswith(NOT_SWEPT) or key.startswith("finetune."):
             raise ConfigError(f"{src}: {where}: {key} is a config key fine-tuning does not "
-                              f"take; expected one of {', '.join(FINETUNE_KEYS)} or args.<option>")
+                              "take (model.* and data.* come from the checkpoint, "
+                              "training.steps and optimizer.warmup_steps from the data; "
+                              "finetune.* keys are args.<option>)")
         values = spec.parameters[key].edge_values() if key in spec.parameters \
             else [spec.set[key]]
         for value in values:  # the field's type, checked as --set checks it
@@ -590,7 +589,7 @@ def _check_arg(src: str, key: str, kind: Any, value: Any) -> None:
         _need(isinstance(value, str), src, key, "a string", value)
 
 
-__all__ = ["BACKENDS", "BAYES_SAMPLERS", "DISTRIBUTIONS", "FINETUNE_ARGS", "FINETUNE_KEYS",
-           "GOALS", "JOBS", "METHODS", "InitFrom", "Parameter", "SweepSpec", "base_config",
-           "check_spec", "job_metrics", "load_spec", "override_text", "parse_parameter",
+__all__ = ["BACKENDS", "BAYES_SAMPLERS", "DISTRIBUTIONS", "FINETUNE_TASKS", "GOALS", "JOBS",
+           "METHODS", "InitFrom", "Parameter", "SweepSpec", "base_config", "check_spec",
+           "finetune_args", "job_metrics", "load_spec", "override_text", "parse_parameter",
            "parse_spec"]

@@ -86,6 +86,10 @@ FLAG_KEYS = {
     "device": "execution.device", "threads": "execution.threads", "seed": "training.seed",
     "log_every": "training.log_every",
 }
+# The flags every fine-tuning task takes that set its `finetune` section (each task adds its own:
+# `FinetuneJob.flags`).
+COMMON_FLAGS = ("checkpoint", "train", "epochs", "warmup_proportion", "max_seq_length",
+                "eval_batch_size", "dropout")
 
 
 def finetune_config(task: str, checkpoint: str | Path, train_file: str | Path,
@@ -204,6 +208,7 @@ class FinetuneJob(Job):
     hf_architecture = ""
     default_max_seq_length = 128
     final_metrics: tuple[str, ...] = ()  # what `score` returns (and eval_results.json holds)
+    flags: tuple[str, ...] = ()  # the task's own flags (`FLAG_KEYS`), besides COMMON_FLAGS
 
     def __init__(self, cfg: RunConfig, output_dir: Path):
         f = cfg.finetune
@@ -304,6 +309,7 @@ class SquadJob(FinetuneJob):
     default_max_seq_length = 384
     metric_keys = ("loss", "start_accuracy", "end_accuracy")
     final_metrics = ("exact_match", "f1")
+    flags = ("predict", "doc_stride", "max_query_length", "n_best_size", "max_answer_length")
 
     def read(self, cfg: RunConfig) -> dict[str, np.ndarray]:
         f = cfg.finetune
@@ -355,6 +361,7 @@ class ClassificationJob(FinetuneJob):
     default_max_seq_length = 128
     metric_keys = ("loss", "accuracy")
     final_metrics = ("accuracy", "f1")
+    flags = ("eval", "text_column", "text_pair_column", "label_column", "labels")
 
     def read(self, cfg: RunConfig) -> dict[str, np.ndarray]:
         f = cfg.finetune
@@ -430,7 +437,7 @@ def infer(model: BertConfig, task: str, weights: Mapping[str, torch.Tensor],
     return {k: np.concatenate(v) for k, v in outputs.items()}
 
 
-__all__ = ["CLASSIFICATION_ARCHITECTURE", "FLAG_KEYS", "GROUPBERT_FINETUNE_DROPOUT",
+__all__ = ["CLASSIFICATION_ARCHITECTURE", "COMMON_FLAGS", "FLAG_KEYS", "GROUPBERT_FINETUNE_DROPOUT",
            "SQUAD_ARCHITECTURE", "TASKS", "ClassificationJob", "EpochBatches", "FinetuneJob",
            "Pretrained", "SquadJob", "finetune_config", "finetune_job", "infer", "load_pretrained",
            "task_model_config"]

@@ -255,8 +255,9 @@ BAD = [
      "parameters.optimizer.lr: --set optimizer.lr=\"fast\": optimizer.lr: expected float"),
     ({"early_terminate": {"type": "median"}}, "early_terminate.type: expected hyperband"),
     ({"run_cap": 0}, "run_cap: expected a positive integer, got 0"),
-    ({**FINETUNE, "parameters": {"optimizer.eps": {"values": [1e-8]}}},
-     "parameters.optimizer.eps: optimizer.eps is a config key fine-tuning does not take"),
+    ({**FINETUNE, "parameters": {"model.hidden_size": {"values": [64]}}},
+     "parameters.model.hidden_size: model.hidden_size is a config key fine-tuning does not "
+     "take"),
     ({**FINETUNE, "parameters": {"optimizer.lr": {"values": ["fast"]}}},
      "parameters.optimizer.lr: --set optimizer.lr=\"fast\": optimizer.lr: expected float"),
     ({**FINETUNE, "parameters": {"args.train": {"values": ["a.tsv"]}}},

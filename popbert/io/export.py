@@ -184,12 +184,6 @@ def optimize_for_ort(model: onnx.ModelProto, config: BertConfig) -> onnx.ModelPr
     return out
 
 
-def verify(model: onnx.ModelProto, config: BertConfig, task: str) -> float:
-    """Run an FP32 model in ONNX Runtime and in the torch backend; return the max difference."""
-    batch = sample_batch(config, task)
-    return compare(torch_outputs(model, batch), ort_outputs(model.SerializeToString(), batch))
-
-
 def inference_config(config: BertConfig, sequence_length: int | None = None) -> BertConfig:
     """The training config as an inference graph: no placement, no recompute, no dropout
     (dropout is the identity at inference, and without it the fused Attention op is used), no

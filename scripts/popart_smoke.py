@@ -19,20 +19,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 
 import numpy as np
 import torch
 
 from popbert.backends import BackendUnavailable, import_popart
 from popbert.backends.popart_options import IPU_MODEL_TILES, PopartOptions
-from popbert.builders.bert import build_bert
 from popbert.config import load_config
-from popbert.data.loader import PretrainingLoader, load_or_create_instances
-from popbert.optimizers import set_lr
-from popbert.runtime.options import SessionOptions
-from popbert.runtime.session import TrainingSession
-from popbert.train.factories import graph_batch_size, loss_scaler, lr_schedule, optimizer_factory
-from popbert.train.pretrain import batches
+from popbert.train.trainer import Trainer, micro_batches
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,43 +55,31 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # The popart dialect (ai.onnx opset 11 + ai.graphcore, static micro batch) on both backends:
     # the torch lowering runs the ai.graphcore ops too, so both train the very same graph.
-    cfg = load_config("tiny", ["execution.backend=popart", "model.dialect=popart",
-                               f"execution.micro_batch_size={args.micro_batch_size}",
-                               "model.hidden_dropout=0.0", "model.attention_dropout=0.0",
-                               f"training.steps={args.steps}", *args.set])
-    torch.manual_seed(cfg.training.seed)
-    graph = build_bert(cfg.model, seed=cfg.training.seed, batch_size=graph_batch_size(cfg))
-    model = graph.model()
-    data = load_or_create_instances(None, None, sequence_length=cfg.model.sequence_length,
-                                    max_predictions_per_seq=cfg.model.max_predictions_per_seq,
-                                    seed=cfg.data.seed)
-    schedule = lr_schedule(cfg)
-
-    def make(backend: str) -> object:
-        options = SessionOptions.from_config(cfg)
-        extra = ({"popart_options": PopartOptions(device=args.device,
-                                                  tiles_per_ipu=args.tiles_per_ipu)}
-                 if backend == "popart" else {})
-        session = TrainingSession(model, graph.loss, optimizer_factory(cfg), options,
-                                  loss_scaler=loss_scaler(cfg), backend=backend, **extra)
-        session.step_hook = lambda step: set_lr(session.optimizer, schedule, step)
-        return session
-
-    sessions = {"torch": make("torch"), "popart": make("popart")}
-    start = {name: s.weights() for name, s in sessions.items()}
-    for name in start["torch"]:  # same initial weights (the graph's), read back from PopART
-        if not torch.equal(start["torch"][name].float(), start["popart"][name].float()):
-            print(f"popart_smoke: initial weight {name} differs between the backends",
-                  file=sys.stderr)
-            return 1
-    loader = PretrainingLoader(data, micro_batch_size=cfg.execution.micro_batch_size,
-                               seed=cfg.data.seed)
-    feed = batches(loader, sessions["popart"].micro_batches_per_run())
-    losses: dict[str, list[float]] = {"torch": [], "popart": []}
-    while sessions["popart"].step < args.steps:
-        batch = next(feed)
-        for name, session in sessions.items():
-            losses[name].extend(session.run(batch)[session.loss_name].tolist())
+    overrides = ["model.dialect=popart", f"execution.micro_batch_size={args.micro_batch_size}",
+                 "model.hidden_dropout=0.0", "model.attention_dropout=0.0",
+                 f"training.steps={args.steps}", *args.set]
+    popart = PopartOptions(device=args.device, tiles_per_ipu=args.tiles_per_ipu)
+    with tempfile.TemporaryDirectory() as out:
+        runs = {backend: Trainer.from_config(
+                    load_config("tiny", [f"execution.backend={backend}", *overrides]),
+                    f"{out}/{backend}",
+                    backend_options={"popart_options": popart} if backend == "popart" else None)
+                for backend in ("torch", "popart")}
+        sessions = {name: run.session for name, run in runs.items()}
+        start = {name: s.weights() for name, s in sessions.items()}
+        for name in start["torch"]:  # same initial weights (the graph's), read back from PopART
+            if not torch.equal(start["torch"][name].float(), start["popart"][name].float()):
+                print(f"popart_smoke: initial weight {name} differs between the backends",
+                      file=sys.stderr)
+                return 1
+        feed = micro_batches(runs["popart"].loader, sessions["popart"].micro_batches_per_run())
+        losses: dict[str, list[float]] = {"torch": [], "popart": []}
+        while sessions["popart"].step < args.steps:
+            batch = next(feed)
+            for name, session in sessions.items():
+                losses[name].extend(session.run(batch)[session.loss_name].tolist())
+        for run in runs.values():
+            run.close()
     ok = True
     print(f"{'step':>4} {'torch':>10} {'popart':>10} {'rel diff':>9}")
     for step, (ours, theirs) in enumerate(zip(losses["torch"], losses["popart"]), start=1):

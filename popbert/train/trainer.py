@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -208,7 +208,8 @@ class Trainer:
     def from_config(cls, cfg: RunConfig, output_dir: str | Path | None = None, *,
                     resume: str | Path | None = None, init_from: str | Path | None = None,
                     replicas: Replicas | None = None,
-                    on_record: RecordHook | None = None) -> Trainer:
+                    on_record: RecordHook | None = None,
+                    backend_options: Mapping[str, Any] | None = None) -> Trainer:
         """Assemble the run `cfg` describes, writing into `output_dir` (default:
         `runs/<job>-<timestamp>`; a resumed run continues in its own directory).
 
@@ -218,7 +219,8 @@ class Trainer:
         new run (phase 1 → 2). Under torchrun this process becomes one of `execution.replicas`
         replicas; `replicas` may instead name a process group set up by the caller.
         `on_record(step, record)` sees every logged record and may stop the run (a sweep's
-        pruner): see `popbert.train.loop.train_loop`.
+        pruner): see `popbert.train.loop.train_loop`. `backend_options` go to the backend's
+        session (`popbert.backends.make_session`: `popart_options=` for PopART).
         """
         if output_dir is None:
             slug = "pretrain" if cfg.finetune.task is None else f"finetune-{cfg.finetune.task}"
@@ -251,7 +253,8 @@ class Trainer:
             job.graph = graph.model()
             session = make_session(job.graph, graph.loss, optimizer_factory(cfg),
                                    SessionOptions.from_config(cfg, replicas),
-                                   loss_scaler=loss_scaler(cfg), replicas=replicas)
+                                   loss_scaler=loss_scaler(cfg), replicas=replicas,
+                                   **(backend_options or {}))
             if replicas.rank:  # every replica its own dropout masks (replica 0 as 1 process)
                 torch.manual_seed(replica_seed(cfg.training.seed, replicas.rank))
             loader = job.loader(replicas.rank, replicas.size)

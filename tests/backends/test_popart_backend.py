@@ -44,9 +44,9 @@ import onnx
 import pytest
 import torch
 from onnx import numpy_helper
+from trainer_helpers import run_pretraining
 
 from popbert.backends import BackendUnavailable, import_popart, popart_available
-from popbert.backends.sessions import make_session
 from popbert.backends.popart import (
     CAST_SUFFIX,
     NO_WEIGHT_NORM_CLAMP,
@@ -55,6 +55,7 @@ from popbert.backends.popart import (
     store_weights_as,
 )
 from popbert.backends.popart_options import PopartOptions, acquire_device, device_ipus
+from popbert.backends.sessions import make_session
 from popbert.builders.bert import build_bert
 from popbert.config import RunConfig, dump_config, load_config
 from popbert.errors import CheckpointError, ConfigError, InputError, UsageError
@@ -71,8 +72,8 @@ from popbert.runtime.options import SessionOptions
 from popbert.runtime.protocol import Session
 from popbert.runtime.session import InferenceSession, TrainingSession
 from popbert.train.factories import graph_batch_size, loss_scaler, lr_schedule, optimizer_factory
-from popbert.train.loop import train_loop
-from popbert.train.pretrain import check_supported, run_pretraining
+from popbert.train.loop import LoopSettings, train_loop
+from popbert.train.pretrain import check_supported
 
 STANDIN = Path(__file__).resolve().parent.parent / "popart_standin"
 ROOT = Path(__file__).resolve().parents[2]
@@ -484,7 +485,7 @@ def test_train_loop_drives_it(popart: types.ModuleType) -> None:
             seed += 1
             yield batch_for(cfg, session.micro_batches_per_run(), seed)
 
-    result = train_loop(session, batches(), steps=6, log_every=2)
+    result = train_loop(session, batches(), LoopSettings(steps=6, log_every=2))
     assert result.steps_trained == 6 and session.step == 6
     assert result.record["step"] == 6 and "loss" in result.record
     assert len(logged(popart, "TrainingSession.run")) == 3
@@ -570,8 +571,8 @@ def test_train_loop_validates_through_it(popart: types.ModuleType) -> None:
 
     validation = [batch_for(cfg, 2, seed=100), batch_for(cfg, 2, seed=101)]
     records: list[dict] = []
-    train_loop(session, batches(), steps=4, log_every=1, validation=validation, eval_every=2,
-               on_record=lambda step, record: records.append(record))
+    train_loop(session, batches(), LoopSettings(steps=4, log_every=1, eval_every=2),
+               validation=validation, on_record=lambda step, record: records.append(record))
     evaluated = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in evaluated] == [2, 4]
     expected = weight_checksum(session, session.weights())

@@ -154,14 +154,33 @@ def fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **attrs: object) -> 
     monkeypatch.setitem(sys.modules, name, module)
 
 
-def test_pretrain_calls_run_pretraining(
+def fake_trainer(monkeypatch: pytest.MonkeyPatch, run) -> None:
+    """Stand in for `popbert.train.trainer`: `Trainer.from_config(cfg, output_dir, **kw)` calls
+    `run(cfg, output_dir=..., **kw)` (which may raise) and hands back a run that trains nothing."""
+
+    class Trainer:
+        @classmethod
+        def from_config(cls, cfg: object, output_dir: object = None, **kw: object) -> Trainer:
+            run(cfg, output_dir=output_dir, **kw)
+            return cls()
+
+        def __enter__(self) -> Trainer:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def train(self) -> None:
+            return None
+
+    fake_module(monkeypatch, "popbert.train.trainer", Trainer=Trainer)
+
+
+def test_pretrain_calls_the_trainer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli_logging: None
 ) -> None:
     calls = []
-    fake_module(
-        monkeypatch, "popbert.train.pretrain",
-        run_pretraining=lambda cfg, **kw: calls.append((cfg, kw))
-    )
+    fake_trainer(monkeypatch, lambda cfg, **kw: calls.append((cfg, kw)))
     init = tmp_path / "phase1"
     init.mkdir()
     rc = cli.main(
@@ -185,10 +204,7 @@ def test_pretrain_calls_run_pretraining(
 
 def test_pretrain_defaults(monkeypatch: pytest.MonkeyPatch, cli_logging: None) -> None:
     calls = []
-    fake_module(
-        monkeypatch, "popbert.train.pretrain",
-        run_pretraining=lambda cfg, **kw: calls.append((cfg, kw))
-    )
+    fake_trainer(monkeypatch, lambda cfg, **kw: calls.append((cfg, kw)))
     assert cli.main(["pretrain"]) == 0
     ((cfg, kw),) = calls
     assert cfg == load_config("tiny")
@@ -204,10 +220,7 @@ def test_resume_without_config_uses_the_runs_config(
     from popbert.config import dump_config
 
     calls = []
-    fake_module(
-        monkeypatch, "popbert.train.pretrain",
-        run_pretraining=lambda cfg, **kw: calls.append((cfg, kw))
-    )
+    fake_trainer(monkeypatch, lambda cfg, **kw: calls.append((cfg, kw)))
     ckpt = tmp_path / "ckpt"
     saved = load_config("tiny", ["training.steps=11"])
     atomic_write_text(ckpt / "config.yaml", dump_config(saved))
@@ -251,7 +264,7 @@ def test_library_errors_become_exit_2(
     def failing(cfg: object, **kw: object) -> None:
         raise DataError("shard a.hdf5: sequence length 512\ndoes not match model (128)")
 
-    fake_module(monkeypatch, "popbert.train.pretrain", run_pretraining=failing)
+    fake_trainer(monkeypatch, failing)
     assert cli.main(["pretrain"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err == ["popbert: error: shard a.hdf5: sequence length 512 does not match model (128)"]
@@ -259,7 +272,7 @@ def test_library_errors_become_exit_2(
     def bad_checkpoint(cfg: object, **kw: object) -> None:
         raise CheckpointError("checkpoint x: missing weights.safetensors")
 
-    fake_module(monkeypatch, "popbert.train.pretrain", run_pretraining=bad_checkpoint)
+    fake_trainer(monkeypatch, bad_checkpoint)
     assert cli.main(["pretrain"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "popbert: error: checkpoint x: missing weights.safetensors"
@@ -270,7 +283,7 @@ def test_bugs_keep_their_traceback(monkeypatch: pytest.MonkeyPatch, cli_logging:
     def broken(cfg: object, **kw: object) -> None:
         raise RuntimeError("a bug")
 
-    fake_module(monkeypatch, "popbert.train.pretrain", run_pretraining=broken)
+    fake_trainer(monkeypatch, broken)
     with pytest.raises(RuntimeError, match="a bug"):
         cli.main(["pretrain"])
 

@@ -64,8 +64,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
+    from trainer_helpers import run_pretraining
+
     from popbert.distributed import Replicas, optimizer_state_bytes
-    from popbert.train.pretrain import run_pretraining
 
     every = Replicas.from_group(None, owns_process_group=True)
     pair = dist.new_group([0, 1])

@@ -221,9 +221,9 @@ def replicated_config(replicas: int, eval_batches: int):
 def _replica(rank: int, port: int, out: str) -> None:
     """One of two replicas (spawned: importable, no pytest state)."""
     import torch.distributed as dist
+    from trainer_helpers import run_pretraining
 
     from popbert.distributed import Replicas
-    from popbert.train.pretrain import run_pretraining
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -237,8 +237,7 @@ def test_replicas_evaluate_their_shares_and_average(tmp_path: Path) -> None:
     import socket
 
     import torch.multiprocessing as mp
-
-    from popbert.train.pretrain import run_pretraining
+    from trainer_helpers import run_pretraining
 
     run_pretraining(replicated_config(1, 4), tmp_path / "one")
     with socket.socket() as s:

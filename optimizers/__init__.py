@@ -27,7 +27,6 @@ from popbert.optimizers.schedules import (
 from popbert.optimizers.stochastic_rounding import (
     ROUNDING_SCHEME,
     hashed_round_fn,
-    round_to_dtype,
     rounding_key,
     stochastic_round,
     stochastic_round_hashed,
@@ -51,7 +50,6 @@ __all__ = [
     "param_groups_by_name",
     "parse_piecewise",
     "piecewise_constant",
-    "round_to_dtype",
     "rounding_key",
     "set_lr",
     "stochastic_round",

@@ -61,7 +61,6 @@ __all__ = [
     "hashed_round_bf16_bits",
     "hashed_round_fp16_bits",
     "hashed_round_fn",
-    "round_to_dtype",
     "rounding_key",
     "stochastic_round",
     "stochastic_round_hashed",
@@ -618,15 +617,3 @@ def compilation_enabled() -> bool:
     """Whether stochastic rounding (and the fused half-weight steps) may use ``torch.compile``:
     false under ``POPBERT_SR_COMPILE=0`` or after a compile failed on this platform."""
     return not _compile_disabled
-
-
-def round_to_dtype(
-    x: Tensor,
-    dtype: torch.dtype,
-    stochastic: bool,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """Convert FP32 ``x`` to ``dtype`` with stochastic rounding or round-to-nearest-even."""
-    if stochastic:
-        return stochastic_round(x, dtype, generator)
-    return x.to(dtype)

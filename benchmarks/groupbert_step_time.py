@@ -21,9 +21,11 @@ dense matmul's: what low arithmetic intensity costs on this machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,9 +40,8 @@ from step_time import timed  # noqa: E402  (the one timing routine of the benchm
 import popbert  # noqa: E402
 from popbert.atomic import atomic_write_text  # noqa: E402
 from popbert.config import RunConfig, load_config  # noqa: E402
-from popbert.data.pretraining import load_training_data, make_loader  # noqa: E402
 from popbert.plan import build_training_graph, training_flops_per_sequence  # noqa: E402
-from popbert.train import factories, pretrain  # noqa: E402
+from popbert.train.trainer import micro_batches  # noqa: E402
 
 
 def make_config(family: str, size: Size, args: argparse.Namespace) -> RunConfig:
@@ -66,18 +67,17 @@ def sync(device: str) -> None:
 class Model:
     """One family's session and its batches: `step()` is one training step."""
 
-    def __init__(self, family: str, size: Size, args: argparse.Namespace, data: Any) -> None:
+    def __init__(self, family: str, size: Size, args: argparse.Namespace) -> None:
         cfg = make_config(family, size, args)
         self.family = family
         self.layers = cfg.model.num_layers
         self.flops_per_seq = training_flops_per_sequence(build_training_graph(cfg))
-        torch.manual_seed(0)
-        graph = popbert.build_bert(cfg.model, seed=0, batch_size=factories.graph_batch_size(cfg))
-        self.session = popbert.TrainingSession(graph.model(), graph.loss,
-                                               factories.optimizer_factory(cfg),
-                                               popbert.SessionOptions.from_config(cfg))
-        self.batches = pretrain.batches(make_loader(cfg, data),
-                                        self.session.micro_batches_per_run())
+        # The run as the Trainer assembles it (in a scratch directory); only its steps are timed.
+        self.scratch = tempfile.TemporaryDirectory()
+        cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, seed=0))
+        self.trainer = popbert.Trainer.from_config(cfg, Path(self.scratch.name) / "run")
+        self.session = self.trainer.session
+        self.batches = micro_batches(self.trainer.loader, self.session.micro_batches_per_run())
         self.times: list[float] = []
 
     def step(self) -> None:
@@ -200,7 +200,6 @@ def main() -> int:
           f"x seq {args.seq_len}, AdamW, FP32, dropout 0; median of {args.steps} interleaved "
           f"steps after {args.warmup}")
 
-    data = load_training_data(make_config("bert", table[sizes[0]], args))
     results: dict[str, Any] = {"device": args.device, "threads": args.threads,
                                "batch": args.batch, "seq_len": args.seq_len, "pairs": []}
     rows = ["| size | BERT L | GroupBERT L | GFLOP/seq BERT / GroupBERT | BERT ms | "
@@ -208,7 +207,7 @@ def main() -> int:
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for size_name in sizes:
         size = table[size_name]
-        models = [Model(f, size, args, data) for f in FAMILIES]
+        models = [Model(f, size, args) for f in FAMILIES]
         for _ in range(args.warmup):
             for m in models:
                 timed(m.step, args.device)

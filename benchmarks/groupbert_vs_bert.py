@@ -30,7 +30,7 @@ import json
 import math
 import platform
 import sys
-import time
+import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -42,16 +42,10 @@ from tqdm import tqdm
 import popbert
 from popbert.atomic import atomic_write_text
 from popbert.config import RunConfig, load_config
-from popbert.data.pretraining import (
-    load_training_data,
-    load_validation_data,
-    make_loader,
-    validation_batches,
-)
-from popbert.optimizers import set_lr
+from popbert.data.pretraining import load_training_data, load_validation_data
+from popbert.observe.tracking import read_metrics
 from popbert.plan import build_training_graph, training_flops_per_sequence
-from popbert.train import factories, pretrain
-from popbert.train.loop import TrainingDiverged, evaluate, train_loop
+from popbert.train.loop import TrainingDiverged
 
 HERE = Path(__file__).resolve().parent
 
@@ -85,16 +79,6 @@ MARKERS = ["o", "s", "^", "D"]
 LINESTYLES = ["-", "--", ":", "-."]
 
 
-class Records:
-    """What `train_loop` logs (its tracker), kept in memory: a run's metrics records."""
-
-    def __init__(self) -> None:
-        self.records: list[dict[str, Any]] = []
-
-    def log(self, record: dict[str, Any]) -> None:
-        self.records.append(dict(record))
-
-
 def make_config(args: argparse.Namespace, family: str, size: Size, steps: int, lr: float,
                 eval_every: int) -> RunConfig:
     layers = size.bert_layers if family == "bert" else size.groupbert_layers
@@ -124,37 +108,24 @@ def flops_per_step(cfg: RunConfig) -> int:
     return training_flops_per_sequence(build_training_graph(cfg)) * cfg.global_batch_size
 
 
-def train_once(cfg: RunConfig, data: Any, validation: list[dict], desc: str) -> dict[str, Any]:
-    """One real training run; validation MLM loss/accuracy at step 0 and every eval_every."""
-    torch.manual_seed(cfg.training.seed)
-    loader = make_loader(cfg, data)
-    graph = popbert.build_bert(cfg.model, seed=cfg.training.seed,
-                               batch_size=factories.graph_batch_size(cfg))
-    session = popbert.TrainingSession(graph.model(), graph.loss,
-                                      factories.optimizer_factory(cfg),
-                                      popbert.SessionOptions.from_config(cfg),
-                                      loss_scaler=factories.loss_scaler(cfg))
-    schedule = factories.lr_schedule(cfg)
-    session.step_hook = lambda step: set_lr(session.optimizer, schedule, step)
-    params = sum(w.numel() for w in session.weights().values())
+def train_once(cfg: RunConfig, desc: str) -> dict[str, Any]:
+    """One real training run through the Trainer (in a scratch directory); validation MLM
+    loss/accuracy at step 0 and every eval_every."""
+    tqdm.write(desc)
+    with tempfile.TemporaryDirectory() as scratch, \
+            popbert.Trainer.from_config(cfg, Path(scratch) / "run") as trainer:
+        params = sum(w.numel() for w in trainer.session.weights().values())
+        evals = [{"step": 0, **trainer.evaluate()}]
+        result = trainer.train()
+        records = read_metrics(result.output_dir / "metrics.jsonl")
     per_step = flops_per_step(cfg)
-    evals = [{"step": 0, **evaluate(session, validation)}]
-    records = Records()
-    started = time.perf_counter()
-    train_loop(session, pretrain.batches(loader, session.micro_batches_per_run()),
-               steps=cfg.training.steps, log_every=cfg.training.log_every, schedule=schedule,
-               tracker=records, samples_per_step=cfg.global_batch_size, desc=desc,
-               divergence_factor=cfg.training.divergence_factor, validation=validation,
-               eval_every=cfg.training.eval_every)
-    seconds = time.perf_counter() - started
-    loader.close()
     evals += [{k: r[k] for k in ("step", "val_mlm_loss", "val_mlm_accuracy") if k in r}
-              for r in records.records if "val_mlm_loss" in r]
+              for r in records if "val_mlm_loss" in r]
     for e in evals:
         e["train_flops"] = e["step"] * per_step
-    train_losses = [r["mlm_loss"] for r in records.records if "mlm_loss" in r]
-    return {"steps": session.step, "params": params, "flops_per_step": per_step,
-            "seconds": seconds, "evals": evals,
+    train_losses = [r["mlm_loss"] for r in records if "mlm_loss" in r]
+    return {"steps": result.steps, "params": params, "flops_per_step": per_step,
+            "seconds": result.seconds, "evals": evals,
             "final_val_mlm_loss": evals[-1]["val_mlm_loss"],
             "final_val_mlm_accuracy": evals[-1].get("val_mlm_accuracy"),
             "last_train_mlm_loss": train_losses[-1] if train_losses else None}
@@ -298,12 +269,10 @@ def main() -> int:
                      "warmup 10% linear, linear decay", "dropout": 0.0,
         "size_table": {s: vars(table_sizes[s]) for s in sizes}, "runs": {}}
 
-    # The data once (same instances and held-out documents for every run): built from the first
-    # config; only the model's shapes differ between runs, and the data depends on none of them.
+    # Every run reads the same instances and held-out documents: only the model's shapes differ
+    # between runs, and the data depends on none of them.
     first = make_config(args, "bert", table_sizes[sizes[0]], args.steps, args.lrs[0], eval_every)
-    data = load_training_data(first)
-    validation = validation_batches(first, load_validation_data(first))
-    print(f"data: {len(data['input_ids'])} training / "
+    print(f"data: {len(load_training_data(first)['input_ids'])} training / "
           f"{len(load_validation_data(first)['input_ids'])} held-out sequences of "
           f"{args.seq_len}; {args.eval_batches} x {args.batch} evaluated")
 
@@ -329,7 +298,7 @@ def main() -> int:
             for lr in args.lrs:
                 cfg = make_config(args, family, size, sweep_steps, lr, sweep_steps)
                 try:
-                    out = train_once(cfg, data, validation, f"{key} lr {lr:g} sweep")
+                    out = train_once(cfg, f"{key} lr {lr:g} sweep")
                 except TrainingDiverged as e:  # too high an lr: out of the running
                     tqdm.write(f"{key} lr {lr:g}: diverged ({e})")
                     out = {"final_val_mlm_loss": math.inf, "seconds": math.nan}
@@ -342,7 +311,7 @@ def main() -> int:
             run["lr"] = best["lr"]
             run["lr_at_edge"] = best["lr"] in (min(args.lrs), max(args.lrs))
             cfg = make_config(args, family, size, args.steps, run["lr"], eval_every)
-            run["full"] = train_once(cfg, data, validation, f"{key} lr {run['lr']:g}")
+            run["full"] = train_once(cfg, f"{key} lr {run['lr']:g}")
             overall.update(args.steps)
             tqdm.write(f"{key}: lr {run['lr']:g}, final val MLM loss "
                        f"{run['full']['final_val_mlm_loss']:.4f} in "

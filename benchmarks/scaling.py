@@ -27,6 +27,7 @@ import json
 import os
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -74,13 +75,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, variant: 
            out: str) -> None:
     import torch.distributed as dist
 
-    from popbert.builders.bert import build_bert
-    from popbert.data.pretraining import load_training_data, make_loader
     from popbert.distributed import Replicas, optimizer_state_bytes
     from popbert.runtime.memory import PeakMemory
-    from popbert.runtime.options import SessionOptions
-    from popbert.runtime.session import TrainingSession
-    from popbert.train.factories import loss_scaler, optimizer_factory
+    from popbert.train.trainer import Trainer, micro_batches
 
     cfg = make_config(args, variant, world)
     cuda = args.device == "cuda"
@@ -94,17 +91,15 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, variant: 
                                 init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
         replicas = Replicas.from_group(None, local_rank=rank, owns_process_group=True)
-    torch.manual_seed(cfg.training.seed)
-    graph = build_bert(cfg.model, seed=cfg.training.seed)
-    session = TrainingSession(graph.model(), graph.loss, optimizer_factory(cfg),
-                              SessionOptions.from_config(cfg, replicas),
-                              loss_scaler=loss_scaler(cfg),
-                              replicas=replicas)
-    loader = make_loader(cfg, load_training_data(cfg), replicas.rank, replicas.size)
+    # The run as the Trainer assembles it (each replica its own scratch directory; replica 0
+    # writes there); only the training steps are timed.
+    scratch = tempfile.TemporaryDirectory()
+    trainer = Trainer.from_config(cfg, Path(scratch.name) / "run", replicas=replicas)
+    session = trainer.session
+    batches = micro_batches(trainer.loader, session.micro_batches_per_run())
 
     def batch() -> dict:
-        parts = [next(loader) for _ in range(session.micro_batches_per_run())]
-        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        return next(batches)
 
     def sync() -> None:
         if cuda:

@@ -76,6 +76,7 @@ class RunResult:
     inference_model: Path | None = None
     plot: Path | None = None
     fresh: list[str] = field(default_factory=list)  # weights the starting checkpoint lacked
+    seconds: float = 0.0  # spent in the training loop (evaluation included)
 
 
 class CheckpointManager:
@@ -304,7 +305,7 @@ class Trainer:
                      f", {inference.name}" if inference is not None else "")
         return RunResult(self.output_dir, final, session.step, session.step - started,
                          {k: v for k, v in result.record.items() if k in self.job.metric_keys},
-                         scores, inference, plot, list(self.fresh))
+                         scores, inference, plot, list(self.fresh), result.seconds)
 
     def loop_settings(self) -> LoopSettings:
         """The loop's length and cadences, from `training.*` (no evaluation without held-out

@@ -12,11 +12,6 @@ Typical loop::
     scaler = LossScaler(2.0**16)                # or LossScaler.static(512)
     scaler.scale(loss).backward()
     stepped = scaler.step(optimizer)            # checks, unscales in FP32, steps or skips
-    # ... or by hand:
-    found_inf = scaler.unscale_(grads)          # in place; returns True on inf/NaN
-    if not found_inf:
-        optimizer.step()
-    scaler.update(found_inf)
 """
 
 from __future__ import annotations
@@ -135,21 +130,6 @@ class LossScaler:
     def scale(self, loss: Tensor) -> Tensor:
         """Return ``loss * scale`` (call ``backward()`` on the result)."""
         return loss * self._scale
-
-    def has_overflow(self, grads: GradsT) -> bool:
-        """True if any gradient is inf or NaN."""
-        return grads_have_overflow(grads)
-
-    def unscale_(self, grads: GradsT) -> bool:
-        """Divide gradients by the scale in place; return True if any was inf or NaN.
-
-        Half-precision gradients are divided in FP32 and rounded back, which can underflow;
-        prefer :meth:`step` with popbert optimizers, which unscale inside the FP32 update.
-        """
-        tensors = _collect_grads(grads)
-        found_inf = grads_have_overflow(tensors)
-        unscale_grads_(tensors, self._scale)
-        return found_inf
 
     def step(self, optimizer: Optimizer) -> bool:
         """Step ``optimizer`` unless a gradient overflowed, then :meth:`update`.

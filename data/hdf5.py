@@ -24,6 +24,7 @@ import numpy as np
 from popbert.data.errors import DataError
 from popbert.data.instances import FEATURE_NAMES, InstanceOptions
 from popbert.data.packing import PACKED_FEATURE_NAMES
+from popbert.errors import one_line
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +52,6 @@ class ShardInfo:
     def feature_names(self) -> tuple[str, ...]:
         """The datasets a loader reads from this shard."""
         return FEATURE_NAMES + PACKED_FEATURE_NAMES if self.packed else FEATURE_NAMES
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 def _attr_value(value):
@@ -175,7 +171,7 @@ def _open(path: Path) -> h5py.File:
     try:
         return h5py.File(path, "r")
     except OSError as exc:
-        raise DataError(f"{path}: not a readable HDF5 file ({_one_line(exc)})") from None
+        raise DataError(f"{path}: not a readable HDF5 file ({one_line(exc, 300)})") from None
 
 
 def _info_from_file(f: h5py.File, path: Path) -> ShardInfo:
@@ -183,7 +179,7 @@ def _info_from_file(f: h5py.File, path: Path) -> ShardInfo:
     try:
         datasets = {k: f[k] for k in names if k in f}
     except (OSError, KeyError, ValueError) as exc:
-        raise DataError(f"{path}: cannot read datasets ({_one_line(exc)})") from None
+        raise DataError(f"{path}: cannot read datasets ({one_line(exc, 300)})") from None
     n, seq, pred, k = _validate_arrays(datasets, str(path))
     attrs = {key: _attr_value(v) for key, v in f.attrs.items()}
     info = ShardInfo(path=path, num_samples=n, sequence_length=seq, max_predictions_per_seq=pred,
@@ -262,7 +258,7 @@ def read_shard(path: str | os.PathLike, *, sequence_length: int | None = None,
         try:
             arrays = {name: np.asarray(f[name][...]) for name in info.feature_names}
         except (OSError, ValueError, KeyError) as exc:
-            raise DataError(f"{path}: cannot read data ({_one_line(exc)})") from None
+            raise DataError(f"{path}: cannot read data ({one_line(exc, 300)})") from None
     if not info.packed:
         arrays["next_sentence_labels"] = arrays["next_sentence_labels"].reshape(-1)
     for name, array in arrays.items():

@@ -22,7 +22,7 @@ from popbert.atomic import atomic_write_text
 from popbert.data.errors import DataError
 from popbert.data.squad_metric import evaluate
 from popbert.data.tokenization import Encoding, encode_texts
-from popbert.errors import UsageError
+from popbert.errors import UsageError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def read_squad(path: Path) -> tuple[list[Question], dict[str, Any]]:
     except FileNotFoundError:
         raise UsageError(f"{path}: file not found") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise UsageError(f"{path}: not a SQuAD JSON file ({' '.join(str(error).split())})"
+        raise UsageError(f"{path}: not a SQuAD JSON file ({one_line(error)})"
                          ) from None
     if not isinstance(dataset, dict) or not isinstance(dataset.get("data"), list):
         raise UsageError(f"{path}: expected a SQuAD JSON object with a 'data' list")
@@ -422,7 +422,7 @@ def evaluate_files(data: Path, predictions: Path) -> dict[str, float]:
         raise DataError(f"{path}: file not found") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise DataError(f"{path}: not a predictions JSON file "
-                        f"({' '.join(str(error).split())})") from None
+                        f"({one_line(error)})") from None
     if not isinstance(answers, dict) or not all(isinstance(v, str) for v in answers.values()):
         raise DataError(f"{path}: expected a JSON object mapping question ids to answer strings")
     return evaluate(dataset["data"], answers)

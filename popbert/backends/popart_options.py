@@ -43,6 +43,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from popbert.backends import BackendUnavailable
+from popbert.errors import one_line
 
 if TYPE_CHECKING:
     from popbert.runtime.options import SessionOptions
@@ -161,7 +162,7 @@ def acquire_device(popart: ModuleType, popart_options: PopartOptions, num_ipus: 
         device = manager.acquireAvailableDevice(num_ipus)
     except Exception as error:  # popart.popart_exception: no such partition, none free, ...
         raise BackendUnavailable(f"could not acquire {num_ipus} IPU(s): "
-                                 f"{' '.join(str(error).split())[:300]}") from None
+                                 f"{one_line(error, 300)}") from None
     if device is None:
         raise BackendUnavailable(f"could not acquire {num_ipus} IPU(s): none free (see "
                                  "gc-monitor), or fewer in this partition")

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from popbert.errors import ConfigError, PopbertError
+from popbert.errors import ConfigError, PopbertError, one_line
 
 if TYPE_CHECKING:
     from popbert.config import RunConfig
@@ -178,7 +178,7 @@ class Replicas:
 
 def _short_cause(error: BaseException) -> str:
     """The gist of a backend error: no source location, first sentence, one line."""
-    text = " ".join(str(error).split())
+    text = one_line(error)
     text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", text)
     first = text.split(". ")[0]
     return (first or type(error).__name__)[:200]
@@ -263,7 +263,7 @@ def init_replicas(cfg: RunConfig, device: torch.device) -> Replicas:
                                 timeout=datetime.timedelta(seconds=timeout), **kwargs)
     except (RuntimeError, ValueError, dist.DistError) as error:
         raise ReplicaError(f"replica {rank} of {world} could not join the job "
-                           f"({' '.join(str(error).split())[:240]})") from None
+                           f"({one_line(error, 240)})") from None
     log.info("replica %d of %d (local rank %d) joined, backend %s", rank, world, local_rank,
              backend)
     return Replicas(group=None, rank=rank, size=world, local_rank=local_rank, timeout_s=timeout,

@@ -20,7 +20,7 @@ import safetensors.torch
 import torch
 
 from popbert.atomic import atomic_directory
-from popbert.errors import CheckpointError
+from popbert.errors import CheckpointError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def load_checkpoint(path: Path, weights_only: bool = False) -> Checkpoint:
         config = yaml.safe_load((directory / "config.yaml").read_text()) or {}
     except yaml.YAMLError as error:
         raise CheckpointError(f"{directory / 'config.yaml'}: corrupt YAML "
-                              f"({str(error).splitlines()[0]})") from None
+                              f"({one_line(error, 300)})") from None
     checkpoint = Checkpoint(step=step, weights=weights, loader=state.get("loader", {}),
                             loss_scaler=state.get("loss_scaler", {}), config=config)
     if not weights_only:

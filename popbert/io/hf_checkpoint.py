@@ -26,7 +26,7 @@ import numpy as np
 
 from popbert.atomic import atomic_directory
 from popbert.builders.bert_config import BertConfig, TaskConfig
-from popbert.errors import CheckpointError, UsageError
+from popbert.errors import CheckpointError, UsageError, one_line
 from popbert.io import hf_mapping as hf
 from popbert.io.run_dir import step_dir
 
@@ -76,7 +76,7 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise UsageError(f"{path}: unreadable JSON ({' '.join(str(error).split())})") from None
+        raise UsageError(f"{path}: unreadable JSON ({one_line(error)})") from None
     if not isinstance(value, dict):
         raise UsageError(f"{path}: expected a JSON object")
     return value
@@ -165,7 +165,7 @@ def _load_file(path: Path) -> dict[str, np.ndarray]:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # a corrupt file: name it, no traceback
         raise UsageError(f"{path}: unreadable weights ({type(error).__name__}: "
-                         f"{' '.join(str(error).split())[:200]})") from None
+                         f"{one_line(error, 200)})") from None
     if not isinstance(state, dict):
         raise UsageError(f"{path}: expected a state dict, got {type(state).__name__}")
     return _to_numpy({k: v for k, v in state.items() if hasattr(v, "is_floating_point")})

@@ -37,7 +37,7 @@ from popbert.data.squad import (
     write_predictions,
 )
 from popbert.data.tokenization import WordPieceTokenizer, make_tokenizer, parse_vocab
-from popbert.errors import UsageError
+from popbert.errors import UsageError, one_line
 from popbert.graph.annotations import METADATA_PREFIX
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class ExportedModel:
                                                 providers=["CPUExecutionProvider"])
         except Exception as error:  # ORT's own exception types: report, no traceback
             raise UsageError(f"--model: {model}: ONNX Runtime cannot load it "
-                             f"({' '.join(str(error).split())[:200]})") from None
+                             f"({one_line(error, 200)})") from None
         self.path = model
         self.meta = self.session.get_modelmeta().custom_metadata_map
         if self.meta.get(f"{METADATA_PREFIX}task") != task:

@@ -33,7 +33,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from popbert.atomic import atomic_write_text
 from popbert.config.yaml_io import dump_yaml, parse_yaml
-from popbert.errors import ConfigError, UsageError
+from popbert.errors import ConfigError, UsageError, one_line
 from popbert.sweep.spec import Parameter, SweepSpec, check_spec, parse_spec
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def make_storage(url: str, heartbeat: float | None = None) -> optuna.storages.RD
                           ) from None
     except Exception as error:  # sqlalchemy's own errors: a bad URL, a server not there
         raise ConfigError(f"--storage {_safe_url(url)}: cannot open the study store: "
-                          f"{' '.join(str(error).split())[:300]}") from None
+                          f"{one_line(error, 300)}") from None
 
 
 def driver_url(url: str) -> str:

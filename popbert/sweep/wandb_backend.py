@@ -31,7 +31,7 @@ from typing import Any
 
 from popbert.atomic import atomic_write_text
 from popbert.config.yaml_io import dump_yaml, parse_yaml
-from popbert.errors import ConfigError, UsageError
+from popbert.errors import ConfigError, UsageError, one_line
 from popbert.sweep.spec import SweepSpec, job_metrics, load_spec, parse_spec
 from popbert.sweep.study import SWEEP_FILE, TRIALS, Sweep, recheck, resolve_init_from
 
@@ -92,7 +92,7 @@ def _wandb_errors(what: str) -> Iterator[None]:
     try:
         yield
     except wandb.errors.Error as error:
-        raise ConfigError(f"sweep backend wandb: {what}: {' '.join(str(error).split())} "
+        raise ConfigError(f"sweep backend wandb: {what}: {one_line(error)} "
                           f"({_NEEDS_SERVER})") from None
 
 

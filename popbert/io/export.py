@@ -23,7 +23,7 @@ from onnx import TensorProto, numpy_helper
 import popbert.builders.tasks  # noqa: F401  (registers the squad and classification heads)
 from popbert.atomic import atomic_write_bytes
 from popbert.builders.bert import BATCH, SEQUENCE, build_bert
-from popbert.builders.bert_config import BertConfig
+from popbert.builders.bert_config import TASK_NAMES, BertConfig
 from popbert.errors import CheckpointError, UsageError
 from popbert.graph.annotations import METADATA_PREFIX, strip_annotations, trainable_initializers
 
@@ -332,7 +332,7 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
     restored = load_checkpoint(checkpoint, weights_only=True)
     cfg = config_from_dict(restored.config, source=str(find_checkpoint(checkpoint)))
     metadata = None
-    if task in ("squad", "classification"):
+    if task in TASK_NAMES:
         vocab = checkpoint_vocab(checkpoint, cfg.data.vocab_file)
         if vocab is None:
             log.warning("no vocabulary found for %s: the export cannot be served by `popbert "

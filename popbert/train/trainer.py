@@ -37,7 +37,7 @@ from popbert.distributed import (
     replica_seed,
     world_size_from_env,
 )
-from popbert.errors import CheckpointError, ConfigError
+from popbert.errors import CheckpointError, ConfigError, one_line
 from popbert.io import checkpoint as ckpt
 from popbert.io import run_dir
 from popbert.observe.plots import plot_metrics
@@ -417,7 +417,7 @@ def _load_loader(loader: Any, state: dict[str, Any]) -> None:
         loader.load_state_dict(state)
     except (KeyError, ValueError) as error:
         raise CheckpointError(f"checkpoint's data position does not fit this run's data: "
-                              f"{' '.join(str(error).split())[:300]}") from None
+                              f"{one_line(error, 300)}") from None
 
 
 def make_job(cfg: RunConfig, output_dir: Path) -> Job:

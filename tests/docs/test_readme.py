@@ -3,7 +3,8 @@ directory).
 
 Every ```python block of README.md and docs/**/*.md runs, except one that an HTML comment
 `<!-- not-run -->` announces on the line before it (for code that needs what a test machine
-lacks; bash blocks are never run). A block that appears on several pages runs once.
+lacks; bash blocks are never run). A block that appears on several pages runs once; one that
+trains a whole run (`.train()`) is marked `e2e`, outside the fast subset.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ def test_few_snippets_are_skipped() -> None:
     assert len(SKIPPED) <= 2, SKIPPED
 
 
-@pytest.mark.parametrize("key", list(SNIPPETS))
+@pytest.mark.parametrize("key", [
+    pytest.param(key, marks=pytest.mark.e2e) if ".train()" in code else key
+    for key, code in SNIPPETS.items()])
 def test_snippet_runs(key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                       capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)

@@ -10,7 +10,7 @@ activations then meet a full set of gradients, which is the peak the plan predic
   its tensors; the plan must match them exactly);
 * **step**: the peak of memory allocated during the step above that: activations, gradients,
   the optimizer step's workspace. It is measured with a dispatch mode that counts every new
-  tensor storage until it is freed, like ``popbert.runtime.memory.PeakMemory``, except that a
+  tensor storage until it is freed, like ``PeakMemory`` (tests/memory_helpers.py), except that a
   view of or an in-place op on a tensor that existed before the step (a weight's transpose, the
   optimizer's in-place moment updates) is not counted as new memory. PeakMemory counts those
   too; its number is printed next to it for comparison.
@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import time
 import weakref
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -36,12 +38,13 @@ from torch.utils._pytree import tree_flatten
 from popbert.builders.bert import build_bert
 from popbert.config import load_config
 from popbert.data.loader import PretrainingLoader, load_or_create_instances
-from popbert.distributed.sharded import optimizer_state_bytes
 from popbert.optimizers import AdamW, param_groups_by_name
 from popbert.plan import format_bytes, plan_run
-from popbert.runtime.memory import PeakMemory
 from popbert.runtime.options import SessionOptions
 from popbert.runtime.session import TrainingSession
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from memory_helpers import PeakMemory, optimizer_state_bytes  # noqa: E402
 
 L4_H256 = ["model.num_layers=4", "model.hidden_size=256", "model.num_heads=4",
            "model.intermediate_size=1024", "execution.micro_batch_size=16"]

@@ -34,6 +34,9 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+# The workers measure with the tests' memory helpers (tests/memory_helpers.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
 VARIANTS = {"dp": {}, "rts": {"execution.replicated_tensor_sharding": True},
             "recompute": {"execution.recompute": True}, "pipeline": {"execution.pipeline": True}}
 
@@ -74,9 +77,9 @@ def make_config(args: argparse.Namespace, variant: str, processes: int):
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, variant: str,
            out: str) -> None:
     import torch.distributed as dist
+    from memory_helpers import PeakMemory, optimizer_state_bytes
 
-    from popbert.distributed import Replicas, optimizer_state_bytes
-    from popbert.runtime.memory import PeakMemory
+    from popbert.distributed import Replicas
     from popbert.train.trainer import Trainer, micro_batches
 
     cfg = make_config(args, variant, world)

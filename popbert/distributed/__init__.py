@@ -27,7 +27,7 @@ from popbert.distributed.replicas import (
     replica_timeout,
     world_size_from_env,
 )
-from popbert.distributed.sharded import ShardedOptimizer, optimizer_state_bytes
+from popbert.distributed.sharded import ShardedOptimizer
 
 __all__ = [
     "SEED_STRIDE",
@@ -46,7 +46,6 @@ __all__ = [
     "flatten_parameters",
     "gradient_sync",
     "init_replicas",
-    "optimizer_state_bytes",
     "replica_seed",
     "replica_timeout",
     "world_size_from_env",

@@ -38,7 +38,7 @@ from popbert.optimizers.stochastic_rounding import hashed_round_fn
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ShardedOptimizer", "optimizer_state_bytes"]
+__all__ = ["ShardedOptimizer"]
 
 
 @dataclass
@@ -72,18 +72,6 @@ class _ShardSpace:
         (so reductions over it round exactly as the unsharded optimizer's do)."""
         part = flat_shard[piece.shard_offset:piece.shard_offset + piece.length]
         return part.view(piece.shape) if piece.whole else part
-
-
-def optimizer_state_bytes(optimizer: Any) -> int:
-    """Bytes of FP32 optimizer state (Adam moments) this replica holds."""
-    if isinstance(optimizer, ShardedOptimizer):
-        return optimizer.state_bytes()
-    total = 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, Tensor):
-                total += value.numel() * value.element_size()
-    return total
 
 
 class ShardedOptimizer:
@@ -137,14 +125,6 @@ class ShardedOptimizer:
     @property
     def max_grad_norm(self) -> float | None:
         return self.base.max_grad_norm
-
-    def state_bytes(self) -> int:
-        """Bytes of this replica's FP32 Adam moments (its 1/N share)."""
-        return sum(2 * s.shard_size * 4 for s in self.shards)
-
-    def gradient_shard_bytes(self) -> int:
-        """Bytes of this replica's FP32 accumulated-gradient shard."""
-        return sum(s.shard_size * 4 for s in self.shards)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradient buffers (the views stay attached; ``set_to_none`` ignored)."""

@@ -6,8 +6,7 @@
 - :mod:`~popbert.runtime.inputs`: the checks a batch passes before it runs;
 - :mod:`~popbert.runtime.partition`: the graph split into pipeline stages and recompute regions;
 - :mod:`~popbert.runtime.schedules`: GPipe / 1F1B schedules and the ``PipelineEngine``;
-- :mod:`~popbert.runtime.rng`: RNG states for checkpoints;
-- :mod:`~popbert.runtime.memory`: peak-memory measurement.
+- :mod:`~popbert.runtime.rng`: RNG states for checkpoints.
 
 Nothing is imported here: ``import popbert.runtime.options`` does not pay for the sessions.
 """

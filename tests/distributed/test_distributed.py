@@ -64,9 +64,10 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
+    from memory_helpers import gradient_shard_bytes, optimizer_state_bytes
     from trainer_helpers import run_pretraining
 
-    from popbert.distributed import Replicas, optimizer_state_bytes
+    from popbert.distributed import Replicas
 
     every = Replicas.from_group(None, owns_process_group=True)
     pair = dist.new_group([0, 1])
@@ -119,7 +120,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         session.run(padded_batch(cfg.model, batch_size=4, seed=rank))
         sizes[str(sharded)] = optimizer_state_bytes(session.optimizer)
         if sharded:
-            sizes["gradient_shard"] = session.optimizer.gradient_shard_bytes()
+            sizes["gradient_shard"] = gradient_shard_bytes(session.optimizer)
             sizes["numel"] = sum(p.numel() for _, p in session.named_parameters)
     (Path(out) / f"state-bytes-{rank}.json").write_text(json.dumps(sizes))
     every.shutdown()  # barrier, then tear down

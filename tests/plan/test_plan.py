@@ -162,9 +162,10 @@ def test_half_weights_halve_the_weight_and_gradient_bytes() -> None:
 def test_the_state_bytes_are_what_a_session_allocates() -> None:
     """Weights and FP32 moments of a real session after a step, unsharded and sharded."""
     import torch
+    from memory_helpers import gradient_shard_bytes, optimizer_state_bytes
 
     from popbert.distributed.replicas import Replicas
-    from popbert.distributed.sharded import ShardedOptimizer, optimizer_state_bytes
+    from popbert.distributed.sharded import ShardedOptimizer
     from popbert.optimizers import AdamW, param_groups_by_name
     from popbert.runtime.options import SessionOptions
     from popbert.runtime.session import TrainingSession
@@ -191,8 +192,9 @@ def test_the_state_bytes_are_what_a_session_allocates() -> None:
             AdamW(param_groups_by_name(session.named_parameters, 0.01), lr=1e-3),
             Replicas.single())
         # Flat buffers align each tensor to 16 elements: a few hundred bytes more.
-        assert sharded.state_bytes() == pytest.approx(plan.totals.optimizer_bytes_rts, rel=0.01)
-        held = sharded.gradient_shard_bytes() + sum(
+        assert optimizer_state_bytes(sharded) == pytest.approx(plan.totals.optimizer_bytes_rts,
+                                                               rel=0.01)
+        held = gradient_shard_bytes(sharded) + sum(
             s.space.grads.numel() * s.space.grads.element_size() for s in sharded.shards)
         assert held == pytest.approx(plan.totals.gradient_bytes_rts, rel=0.01)
 

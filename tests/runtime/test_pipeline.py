@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 from bert_helpers import one_thread, padded_batch, small_config  # noqa: F401 (one_thread: autouse)
+from memory_helpers import PeakMemory
 
 from popbert.builders.bert import build_bert
 from popbert.optimizers import Lamb, param_groups_by_name
-from popbert.runtime.memory import PeakMemory
 from popbert.runtime.options import SessionOptions
 from popbert.runtime.partition import Program
 from popbert.runtime.schedules import schedule_order, stage_actions

@@ -123,9 +123,9 @@ def validation_batches(cfg: RunConfig, data: dict[str, np.ndarray] | ShardSet | 
                        replica_index: int = 0, num_replicas: int = 1) -> list[dict] | None:
     """This replica's share of the fixed validation micro-batches: the first
     `training.eval_batches` global batches of the held-out data in its stored order (wrapping
-    when it is smaller), so every evaluation sees the same samples. None without data or
-    without `training.eval_every`."""
-    if data is None or not cfg.training.eval_every:
+    when it is smaller), so every evaluation sees the same samples (during training every
+    `training.eval_every` steps, or when asked: `Trainer.evaluate`). None without data."""
+    if data is None:
         return None
     source = [str(p) for p in data.paths] if isinstance(data, ShardSet) else data
     checks = data.checks if isinstance(data, ShardSet) else {}

@@ -1,6 +1,7 @@
 """popbert: pre-train and fine-tune BERT-family models from an annotated ONNX graph.
 
-The public face: `load_config` → `Trainer.from_config(cfg)` → `train()` is a whole run. Underneath,
+The public face: `load_config` (or `finetune_config`) → `Trainer.from_config(cfg)` → `train()` is
+a whole run. Underneath,
 in the order one batch travels: `build_bert` (or your own graph with `Builder` / `TensorInfo`)
 → a `Session` (`make_session`, or `TrainingSession` with `SessionOptions`) → checkpoints →
 `InferenceSession` or the ONNX export.
@@ -31,11 +32,12 @@ _PUBLIC = {
     "Trainer": "popbert.train.trainer",
     "RunResult": "popbert.train.trainer",
     "PopbertError": "popbert.errors",
+    "finetune_config": "popbert.train.finetune",
 }
 
 __all__ = ["BertConfig", "Builder", "InferenceSession", "PopbertError", "RunConfig", "RunResult",
            "Session", "SessionOptions", "TensorInfo", "Trainer", "TrainingSession", "__version__",
-           "build_bert", "load_config", "make_session"]
+           "build_bert", "finetune_config", "load_config", "make_session"]
 
 if TYPE_CHECKING:
     from popbert.backends.sessions import make_session
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
     from popbert.runtime.options import SessionOptions
     from popbert.runtime.protocol import Session
     from popbert.runtime.session import InferenceSession, TrainingSession
+    from popbert.train.finetune import finetune_config
     from popbert.train.trainer import RunResult, Trainer
 
 

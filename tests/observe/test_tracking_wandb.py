@@ -136,14 +136,15 @@ def test_finetuning_checkpoint_and_scores_reach_the_run(tracked: dict[str, Any],
     """Fine-tuning from the tracked run inherits its tracking (W&B, log_checkpoint): the
     fine-tuned checkpoint is saved and scored before the run's logger closes, so it is uploaded
     and the scores are in the run's summary."""
-    from popbert.train.finetune import TrainOptions, finetune_classify
+    import popbert
 
     sentiment = Path(__file__).parent.parent / "fixtures" / "classification" / "sentiment.tsv"
     out = tmp_path / "classify"
-    with offline_wandb(tmp_path / "wandb-dir"):
-        result = finetune_classify(tracked["run_dir"], sentiment, out, max_seq_length=32,
-                                   options=TrainOptions(epochs=1, batch_size=8, device="cpu",
-                                                        threads=1, log_every=1))
+    cfg = popbert.finetune_config("classification", tracked["run_dir"], sentiment, overrides=[
+        "finetune.max_seq_length=32", "finetune.epochs=1", "execution.micro_batch_size=8",
+        "execution.device=cpu", "execution.threads=1", "training.log_every=1"])
+    with offline_wandb(tmp_path / "wandb-dir"), popbert.Trainer.from_config(cfg, out) as trainer:
+        result = trainer.train()
     parsed = parse_offline_run(tmp_path / "wandb-dir")
     run = parsed["run"]
     (artifact,) = parsed["artifacts"]

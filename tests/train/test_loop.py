@@ -1,0 +1,156 @@
+"""The one training loop on a scripted session: what it logs, when it evaluates and
+checkpoints, and how it stops (batches run out, divergence, a caller's request).
+
+The session here returns losses written in the test, so each rule is checked on its own,
+without a model; `tests/train/test_run_lifecycle.py` checks the same rules on whole runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from popbert.distributed import Replicas
+from popbert.train.loop import LoopSettings, RunStopped, TrainingDiverged, train_loop
+from popbert.train.trainer import CheckpointManager
+
+
+class ScriptedSession:
+    """A session whose step `i` (1-based) has the loss `losses[i - 1]`; `evaluate` returns the
+    batch's `x` as its loss. What the loop reads of `popbert.runtime.protocol.Session`."""
+
+    loss_name = "loss"
+    loss_scaler = None
+    device = torch.device("cpu")
+
+    def __init__(self, losses: list[float], steps_per_run: int = 1):
+        self.losses = losses
+        self.steps_per_run = steps_per_run
+        self.step = 0
+        self.replicas = Replicas.single()
+        self.evaluated: list[int] = []
+
+    def run(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        losses = self.losses[self.step:self.step + self.steps_per_run]
+        self.step += len(losses)
+        return {"loss": torch.tensor(losses), "accuracy": torch.full((len(losses),), 0.5)}
+
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.evaluated.append(self.step)
+        return {"loss": batch["x"].float().mean()}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {"w": torch.ones(2)}
+
+
+def batches(count: int = 1000) -> Iterator[dict[str, torch.Tensor]]:
+    for _ in range(count):
+        yield {"x": torch.zeros(1)}
+
+
+class Tracker:
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def log(self, record: dict) -> None:
+        self.records.append(dict(record))
+
+
+def test_logs_window_means_every_log_every_steps_and_the_last() -> None:
+    session = ScriptedSession([float(i) for i in range(1, 8)])
+    tracker = Tracker()
+    result = train_loop(session, batches(), LoopSettings(steps=7, log_every=3,
+                                                         samples_per_step=4),
+                        schedule=lambda step: 0.1 * step, tracker=tracker)
+    assert [r["step"] for r in tracker.records] == [3, 6, 7]
+    assert [r["loss"] for r in tracker.records] == [2.0, 5.0, 7.0]  # each window's mean
+    assert [r["lr"] for r in tracker.records] == pytest.approx([0.2, 0.5, 0.6])  # step - 1
+    assert all(r["seq_per_s"] > 0 and r["accuracy"] == 0.5 for r in tracker.records)
+    assert result.steps_trained == 7 and result.record == tracker.records[-1]
+
+
+def test_several_steps_per_run_count_as_several_steps() -> None:
+    session = ScriptedSession([1.0] * 8, steps_per_run=2)
+    tracker = Tracker()
+    result = train_loop(session, batches(), LoopSettings(steps=8, log_every=3), tracker=tracker)
+    assert session.step == 8 and result.steps_trained == 8
+    assert [r["step"] for r in tracker.records] == [4, 6, 8]  # runs that crossed 3, 6 and the end
+
+
+def test_stops_when_the_batches_run_out() -> None:
+    session = ScriptedSession([1.0] * 10)
+    result = train_loop(session, batches(4), LoopSettings(steps=10, log_every=1))
+    assert result.steps_trained == 4 and session.step == 4
+
+
+def test_evaluates_every_eval_every_steps_and_logs_those_steps() -> None:
+    session = ScriptedSession([1.0] * 6)
+    tracker = Tracker()
+    validation = [{"x": torch.tensor([2.0])}, {"x": torch.tensor([4.0])}]
+    train_loop(session, batches(), LoopSettings(steps=6, log_every=5, eval_every=2),
+               tracker=tracker, validation=validation)
+    assert session.evaluated == [2, 2, 4, 4, 6, 6]  # both batches at each evaluated step
+    assert [r["step"] for r in tracker.records] == [2, 4, 5, 6]
+    assert [r.get("val_loss") for r in tracker.records] == [3.0, 3.0, None, 3.0]
+    with pytest.raises(ValueError, match="eval_every needs validation"):
+        train_loop(ScriptedSession([1.0]), batches(), LoopSettings(steps=1, eval_every=1))
+
+
+def manager(tmp_path: Path, every: int) -> CheckpointManager:
+    return CheckpointManager(tmp_path, every=every, keep=0, is_main=True, config_yaml="{}\n")
+
+
+def saver(session: ScriptedSession, checkpoints: CheckpointManager):
+    def save() -> Path:
+        return checkpoints.save(session.step, {"session": {"step": session.step,
+                                                           "weights": session.weights()}})
+    return save
+
+
+def test_checkpoints_when_due_but_not_at_the_last_step(tmp_path: Path) -> None:
+    session = ScriptedSession([1.0] * 7)
+    checkpoints = manager(tmp_path, every=3)
+    result = train_loop(session, batches(), LoopSettings(steps=6, log_every=10),
+                        checkpoints=checkpoints, save=saver(session, checkpoints))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000003"]
+    assert result.checkpoint == tmp_path / "checkpoints" / "step-000003"  # step 4's loss passed
+
+
+@pytest.mark.parametrize(("losses", "factor", "what"), [
+    ([2.0, 2.0, 2.0, math.nan], 0.0, "the loss is not finite"),
+    ([2.0, 2.0, 2.0, 250.0], 100.0, "exceeds 100× the first step's"),
+])
+def test_divergence_stops_at_once_and_drops_the_checkpoint_it_followed(
+        tmp_path: Path, losses: list[float], factor: float, what: str) -> None:
+    session = ScriptedSession(losses)
+    checkpoints, tracker = manager(tmp_path, every=1), Tracker()
+    with pytest.raises(TrainingDiverged, match=what) as error:
+        train_loop(session, batches(), LoopSettings(steps=4, log_every=10,
+                                                    divergence_factor=factor),
+                   tracker=tracker, checkpoints=checkpoints, save=saver(session, checkpoints))
+    assert error.value.step == 4
+    assert error.value.last_good == tmp_path / "checkpoints" / "step-000002"
+    assert "step-000002" in str(error.value)
+    # step 3's checkpoint holds the weights the bad loss came from: removed.
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step-000001", "step-000002"]
+    assert tracker.records[-1]["step"] == 4  # the diverged step is on the record
+
+
+def test_a_caller_can_stop_the_run_after_a_record() -> None:
+    session = ScriptedSession([1.0] * 10)
+    tracker = Tracker()
+    seen: list[int] = []
+
+    def on_record(step: int, record: dict) -> str | None:
+        seen.append(step)
+        return "pruned" if step == 4 else None
+
+    with pytest.raises(RunStopped, match="run stopped at step 4: pruned"):
+        train_loop(session, batches(), LoopSettings(steps=10, log_every=2), tracker=tracker,
+                   on_record=on_record)
+    assert seen == [2, 4] and [r["step"] for r in tracker.records] == [2, 4]

@@ -66,11 +66,6 @@ def is_checkpoint(node: Any) -> bool:
     return value is not None and int(value) == RecomputeType.Checkpoint
 
 
-def checkpoint_count(module: Any) -> int:
-    """Number of checkpoint nodes in a lowered graph (a ``torch.fx.GraphModule``)."""
-    return sum(is_checkpoint(n) for n in module.graph.nodes)
-
-
 def constant_initializers(model: onnx.ModelProto) -> set[str]:
     """Names of the initializers a session must treat as constants, not trainable weights."""
     for prop in model.metadata_props:

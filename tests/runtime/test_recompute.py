@@ -14,13 +14,18 @@ from bert_helpers import one_thread, padded_batch, small_config  # noqa: F401 (o
 from memory_helpers import PeakMemory
 
 from popbert.builders.bert import build_bert
-from popbert.graph.annotations import checkpoint_count
+from popbert.graph.annotations import is_checkpoint
 from popbert.optimizers import AdamW, param_groups_by_name
 from popbert.runtime.options import SessionOptions
 from popbert.runtime.session import InferenceSession, TrainingSession
 
 CONFIG = small_config(num_layers=4, layers_per_ipu=[4], recompute=True, sequence_length=64,
                       max_position_embeddings=64, hidden_dropout=0.1, attention_dropout=0.1)
+
+
+def checkpoint_count(module) -> int:
+    """Number of checkpoint nodes in a lowered graph."""
+    return sum(is_checkpoint(n) for n in module.graph.nodes)
 
 
 def adamw(named):

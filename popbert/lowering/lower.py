@@ -40,7 +40,6 @@ from popbert.lowering.context import (
     escape_param_name,
     normalize_domain,
     tensor_from_numpy,
-    unescape_param_name,
 )
 from popbert.lowering.converters import CONVERTERS
 from popbert.lowering.fusion import emit_fused_linear, find_linear_fusions
@@ -308,8 +307,7 @@ class OnnxGraphModule(fx.GraphModule):
     """The lowered ONNX graph: an ``fx.GraphModule`` with ONNX names attached.
 
     ``forward(*inputs)`` returns a tuple in ``output_names`` order; :meth:`run` is the
-    name-keyed convenience. ``graph_module`` returns ``self`` so code written for a wrapper
-    works too.
+    name-keyed convenience.
     """
 
     _EXTRA_ATTRS = ("input_names", "output_names", "opset", "folded_initializers")
@@ -343,17 +341,9 @@ class OnnxGraphModule(fx.GraphModule):
         # Float initializers whose value was baked in at lowering time (requires_grad=False).
         self.folded_initializers: list[str] = list(folded_initializers)
 
-    @property
-    def graph_module(self) -> OnnxGraphModule:
-        return self
-
     def non_persistent_buffers(self) -> set[str]:
         """Names of the buffers left out of ``state_dict`` (constants made at lowering time)."""
         return set(self._non_persistent_buffers_set)
-
-    def onnx_parameters(self) -> dict[str, nn.Parameter]:
-        """Parameters keyed by their ONNX initializer names (escaping undone)."""
-        return {unescape_param_name(n): p for n, p in self.named_parameters()}
 
     def run(self, feeds: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """Run with inputs keyed by ONNX name; returns outputs keyed by ONNX name.

@@ -49,7 +49,7 @@ from popbert.graph.annotations import (
 )
 from popbert.graph.builder import GRAPHCORE_DOMAIN
 from popbert.io import hf_mapping as hf
-from popbert.lowering import lower_to_fx
+from popbert.lowering import lower_to_fx, unescape_param_name
 from popbert.runtime.options import SessionOptions
 from popbert.runtime.session import TrainingSession
 
@@ -280,7 +280,8 @@ def run_lowered(model: onnx.ModelProto, batch: dict[str, np.ndarray],
     random projection of both outputs); `weights` are copied in by name first."""
     module = lower_to_fx(model)
     trainable = set(trainable_initializers(model))  # not the constants (scales, shapes)
-    params = {n: p for n, p in module.onnx_parameters().items() if n in trainable}
+    params = {unescape_param_name(n): p for n, p in module.named_parameters()
+              if unescape_param_name(n) in trainable}
     if weights is not None:
         assert set(weights) == set(params)
         with torch.no_grad():

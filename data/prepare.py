@@ -12,10 +12,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
-
 from popbert.data.corpus import (
-    expand_input_files,
     name_files,
     read_text_documents,
     tokenize_documents,
@@ -224,33 +221,3 @@ def prepare_wikipedia(dump: str | os.PathLike, output_dir: str | os.PathLike,
                                       max_sequences_per_pack=max_sequences_per_pack,
                                       seed=options.seed, workers=workers)
     return WikipediaResult(out, vocab_path, instances_dir, packed_dir, records)
-
-
-def shard_statistics(paths: list[Path], tokenizer: WordPieceTokenizer) -> dict:
-    """Mask rate, 80/10/10 split, NSP balance and id range over unpacked shards (for reports
-    and tests)."""
-    files = expand_input_files([str(p) for p in paths])
-    totals = {"instances": 0, "tokens": 0, "predictions": 0, "masked": 0, "kept": 0,
-              "random": 0, "random_next": 0, "special_masked": 0, "max_id": 0}
-    special = np.array(sorted(tokenizer.special_ids))
-    for path in files:
-        a = read_shard(path, vocab_size=tokenizer.vocab_size, packed=False)
-        used = a["masked_lm_ids"] != 0
-        rows, slots = np.nonzero(used)
-        at = a["input_ids"][rows, a["masked_lm_positions"][rows, slots]]
-        labels = a["masked_lm_ids"][rows, slots]
-        totals["instances"] += len(a["input_ids"])
-        totals["tokens"] += int(a["input_mask"].sum())
-        totals["predictions"] += int(used.sum())
-        totals["masked"] += int((at == tokenizer.mask_id).sum())
-        totals["kept"] += int((at == labels).sum())
-        totals["random"] += int(((at != tokenizer.mask_id) & (at != labels)).sum())
-        totals["random_next"] += int(a["next_sentence_labels"].sum())
-        totals["special_masked"] += int(np.isin(labels, special).sum())
-        totals["max_id"] = max(totals["max_id"], int(a["input_ids"].max()),
-                               int(a["masked_lm_ids"].max()))
-    p = max(1, totals["predictions"])
-    return {**totals, "mask_rate": totals["predictions"] / max(1, totals["tokens"]),
-            "mask_fraction": totals["masked"] / p, "keep_fraction": totals["kept"] / p,
-            "random_fraction": totals["random"] / p,
-            "random_next_fraction": totals["random_next"] / max(1, totals["instances"])}

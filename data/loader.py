@@ -203,11 +203,6 @@ class PretrainingLoader:
             rows[sel] = self._shard_rows(epoch, int(shard))[offsets[sel]]
         return shards, rows
 
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        """Global sample ids of an epoch, in order (a pure function of seed and epoch)."""
-        shards, rows = self._locate(epoch, np.arange(self.samples_per_epoch))
-        return self.starts[shards] + rows
-
     # ---------------------------------------------------------------- shard reading
     def _read(self, shard: int) -> dict[str, np.ndarray]:
         assert self.paths is not None

@@ -7,6 +7,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from loader_helpers import epoch_order
 
 import popbert.data.loader as loader_mod
 from popbert.data import (
@@ -80,7 +81,7 @@ def test_replicas_disjoint_and_covering_with_drop_last(n, replicas, mb):
 
 def epoch_ids_at(loader: PretrainingLoader, step: int) -> list[int]:
     start = step * loader.global_batch_size + loader.replica_index * loader.micro_batch_size
-    return loader.epoch_order(0)[start : start + loader.micro_batch_size].tolist()
+    return epoch_order(loader, 0)[start : start + loader.micro_batch_size].tolist()
 
 
 def test_without_drop_last_every_sample_is_seen_and_batches_stay_full():

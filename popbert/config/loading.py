@@ -26,6 +26,7 @@ from popbert.builders.bert_config import TaskConfig
 from popbert.config.sections import (
     SECTIONS,
     TOP_LEVEL_KEYS,
+    Origins,
     RunConfig,
     non_finite,
     validate_run_config,
@@ -267,11 +268,7 @@ def _unknown_key(source: str, key: str, valid: list[str]) -> ConfigError:
 
 def _source_of(key: str, sources: dict[str, str], default: str) -> str:
     """Where `key`'s value came from: the override that set it or a mapping above it."""
-    while key:
-        if key in sources:
-            return sources[key]
-        key = key.rpartition(".")[0]
-    return default
+    return Origins(default, sources)(key)
 
 
 def _convert(key: str, value: Any, tp: Any, src: str) -> Any:

@@ -338,8 +338,9 @@ def _leaves(value: Any, key: str) -> Iterator[tuple[str, Any]]:
         yield key, value
 
 
-class _Origins:
-    """Where each key's value came from: its --set override, or the file."""
+class Origins:
+    """Where each key's value came from: the --set override that gave it (or a mapping above
+    it), else the file."""
 
     def __init__(self, source: str, key_sources: dict[str, str]) -> None:
         self.source = source
@@ -397,7 +398,7 @@ def validate_run_config(cfg: RunConfig, source: str = "<config>",
     `key_sources` maps a dotted key to its origin (e.g. "--set optimizer.lr=0"), anything else
     is blamed on `source`.
     """
-    origin = _Origins(source, key_sources or {})
+    origin = Origins(source, key_sources or {})
     for name in SECTIONS:
         bad = non_finite(getattr(cfg, name), name)
         if bad is not None:

@@ -19,8 +19,10 @@ from popbert.errors import PopbertError, one_line
 
 
 def main(args: argparse.Namespace) -> int:
-    # The config: a preset (tiny unless --config says otherwise) under --set overrides, checked.
-    config = args.config or (args.resume / "config.yaml" if args.resume else "tiny")
+    # The config: a preset (tiny unless --config says otherwise; a resumed run's own config)
+    # under --set overrides, checked.
+    resumed = args.resume / "config.yaml" if args.resume else None
+    config = args.config or (resumed if resumed and resumed.is_file() else "tiny")
     cfg = popbert.load_config(config, args.overrides)
 
     # The run: the annotated BERT graph, a session training it with our LAMB, the bundled
@@ -36,6 +38,7 @@ def main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     parser.add_argument("--config", "-c", help="YAML config or preset (default: tiny)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="SECTION.KEY=VALUE", help="override one config value")
@@ -44,10 +47,11 @@ if __name__ == "__main__":
     start.add_argument("--resume", type=Path, metavar="DIR", help="continue a stopped run")
     start.add_argument("--init-from", type=Path, metavar="DIR",
                        help="start from a checkpoint's weights (phase 2)")
+    arguments = parser.parse_args()
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("popbert").setLevel(logging.INFO)
+    logging.getLogger("popbert").setLevel(logging.DEBUG if arguments.verbose else logging.INFO)
     try:
-        sys.exit(main(parser.parse_args()))
+        sys.exit(main(arguments))
     except PopbertError as error:  # a user's mistake: one line, exit status 2
         print(f"popbert: error: {one_line(error)}", file=sys.stderr)
         sys.exit(2)

@@ -187,16 +187,20 @@ class Trainer:
         self.config_yaml = dump_config(cfg)
         self.metrics: MetricsLogger | None = None
         main = replicas.is_main
+        graph = job.graph_to_save()
         if main:
             self._created = run_dir.create_output_dir(output_dir)
-            run_dir.clean_interrupted(output_dir)
-            atomic_write_text(output_dir / "config.yaml", self.config_yaml)
-            job.write_inputs(output_dir)
-            self.metrics = MetricsLogger(output_dir, cfg.to_dict(),
-                                         resume_step=session.step if resumed else None)
-        graph = job.graph_to_save()
-        if main and graph is not None:
-            atomic_write_bytes(output_dir / "model.onnx", graph.SerializeToString())
+            try:
+                run_dir.clean_interrupted(output_dir)
+                atomic_write_text(output_dir / "config.yaml", self.config_yaml)
+                job.write_inputs(output_dir)
+                if graph is not None:
+                    atomic_write_bytes(output_dir / "model.onnx", graph.SerializeToString())
+                self.metrics = MetricsLogger(output_dir, cfg.to_dict(),
+                                             resume_step=session.step if resumed else None)
+            except BaseException:
+                run_dir.remove_if_empty_run(output_dir, self._created)
+                raise
         t = cfg.training
         self.checkpoints = CheckpointManager(output_dir, every=t.checkpoint_every,
                                              keep=t.keep_checkpoints, is_main=main,

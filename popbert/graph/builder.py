@@ -161,7 +161,8 @@ class Builder:
     def __init__(self, dialect: str = "onnx", opset: int | None = None,
                  graph_name: str = "popbert"):
         if dialect not in DIALECT_OPSETS:
-            raise BuilderError(f"Builder: unknown dialect {dialect!r}; expected 'onnx' or 'popart'")
+            raise BuilderError(f"Builder: unknown dialect {dialect!r}; expected one of "
+                               f"{', '.join(map(repr, DIALECT_OPSETS))}")
         self.dialect = dialect
         self.opset = opset or DIALECT_OPSETS[dialect]
         self.graph_name = graph_name

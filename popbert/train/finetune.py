@@ -33,6 +33,7 @@ from popbert.atomic import atomic_write_bytes, atomic_write_text
 from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import BertConfig, TaskConfig
 from popbert.config import RunConfig, config_from_dict, load_config
+from popbert.config.sections import FINETUNE_TASKS
 from popbert.data.classification import (
     classification_metrics,
     encode_classification,
@@ -98,9 +99,9 @@ def finetune_config(task: str, checkpoint: str | Path, train_file: str | Path,
     """The config of a fine-tuning run: `config` (default: the task's preset,
     `finetune-squad` or `finetune-classification`) with the run's inputs, under `overrides`
     (`section.key=value`, as `--set`; `finetune.epochs=3`, `optimizer.lr=3e-5`, ...)."""
-    if task not in TASKS:
+    if task not in FINETUNE_TASKS:
         raise UsageError(f"unknown fine-tuning task {task!r}; expected one of "
-                         f"{', '.join(TASKS)}")
+                         f"{', '.join(FINETUNE_TASKS)}")
     inputs = {"finetune.task": task, "finetune.checkpoint": str(checkpoint),
               "finetune.train_file": str(train_file)}
     if eval_file is not None:

@@ -143,6 +143,11 @@ def test_a_cli_finetuning_run_repeats_from_python(tmp_path: Path) -> None:
     with popbert.Trainer.from_config(cfg, tmp_path / "api") as trainer:
         result = trainer.train()
     assert result.fresh == FRESH_HEAD
+    # The head's starting weights are the user's to set, between assembly and training.
+    with popbert.Trainer.from_config(cfg, tmp_path / "head") as trainer:
+        assert trainer.fresh == FRESH_HEAD
+        trainer.session.load_weights({"Classifier/B": torch.tensor([0.5, -0.5])}, strict=False)
+        assert trainer.session.weights()["Classifier/B"].tolist() == [0.5, -0.5]
     cli_scores = json.loads((tmp_path / "cli" / "eval_results.json").read_text())
     assert result.metrics == cli_scores
     assert losses(tmp_path / "api") == losses(tmp_path / "cli")

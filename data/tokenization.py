@@ -184,22 +184,6 @@ class WordPieceTokenizer:
         """Readable text from ids (WordPiece pieces joined, specials dropped by default)."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def id_to_token(self, token_id: int) -> str:
-        """The vocabulary entry of an id."""
-        return self._tokens[int(token_id)]
-
-    def token_to_id(self, token: str) -> int | None:
-        """The id of a vocabulary entry, None if absent."""
-        return self._index.get(token)
-
-    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
-        """Vocabulary entries of many ids."""
-        return [self._tokens[int(i)] for i in ids]
-
-    def normalize(self, text: str) -> str:
-        """The text as the tokenizer sees it before splitting (lowercased, accents stripped)."""
-        return self.backend.normalizer.normalize_str(text)
-
     def __repr__(self) -> str:
         return (f"WordPieceTokenizer({str(self.vocab_path)!r}, vocab_size={self.vocab_size}, "
                 f"lowercase={self.lowercase})")

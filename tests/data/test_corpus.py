@@ -84,7 +84,7 @@ def test_tokenizer_ids_and_hash(tokenizer):
     assert tokenizer.vocab_sha256 == hashlib.sha256(bundled_vocab_path().read_bytes()).hexdigest()
     assert tokenizer.is_continuation.shape == (8192,)
     for i in (100, 2000, 6000):
-        assert tokenizer.is_continuation[i] == tokenizer.id_to_token(i).startswith("##")
+        assert tokenizer.is_continuation[i] == tokenizer.backend.id_to_token(i).startswith("##")
 
 
 def test_encode_batch_uncased_no_specials(tokenizer):
@@ -93,7 +93,7 @@ def test_encode_batch_uncased_no_specials(tokenizer):
     assert len(ids) == 3 and ids[2] == []
     assert all(isinstance(i, int) for i in ids[0])
     assert tokenizer.cls_id not in ids[0] and tokenizer.sep_id not in ids[0]
-    pieces = tokenizer.convert_ids_to_tokens(ids[0])
+    pieces = [tokenizer.backend.id_to_token(i) for i in ids[0]]
     assert pieces[:4] == ["the", "kel", "##vin", "is"] and pieces[-1] == "."
     # lowercase + strip accents: the three spellings are one token sequence each.
     word = tokenizer.encode("cafe")
@@ -128,7 +128,7 @@ def test_vocab_text_and_vocab_file_parse_alike(tmp_path):
                      .encode("utf-8"))
     tokenizer = WordPieceTokenizer(path)
     index = parse_vocab(path.read_text(encoding="utf-8"))
-    assert index == {t: tokenizer.token_to_id(t) for t in index}
+    assert index == {t: tokenizer.backend.token_to_id(t) for t in index}
     assert index["the"] == 5 and index["\u2028x"] == 8 and tokenizer.vocab_size == 9
     with pytest.raises(DataError, match=r"^metadata: vocabulary lacks special tokens \[MASK\]$"):
         parse_vocab("\n".join(SPECIALS[:4]), "metadata")

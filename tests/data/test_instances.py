@@ -44,7 +44,8 @@ def arrays(documents, tokenizer):
 @pytest.fixture(scope="module")
 def flat_corpus(tokenizer) -> str:
     """The corpus as the tokenizer sees it, all whitespace removed: decoded text must be in it."""
-    text = tokenizer.normalize(bundled_corpus_path().read_text(encoding="utf-8"))
+    text = tokenizer.backend.normalizer.normalize_str(
+        bundled_corpus_path().read_text(encoding="utf-8"))
     return "".join(text.split())
 
 
@@ -67,7 +68,8 @@ def original_ids(a):
 
 def squash(tokenizer, ids) -> list[str]:
     """Decode ids without whitespace ("##" joined); split at [UNK], whose text is unknown."""
-    text = "".join(t[2:] if t.startswith("##") else t for t in tokenizer.convert_ids_to_tokens(ids))
+    tokens = [tokenizer.backend.id_to_token(int(i)) for i in ids]
+    text = "".join(t[2:] if t.startswith("##") else t for t in tokens)
     return [p for p in text.split("[UNK]") if p]
 
 

@@ -177,14 +177,15 @@ def test_shard_statistics(prepared, tokenizer):
 
 
 def squash(tokenizer: WordPieceTokenizer, ids) -> list[str]:
-    text = "".join(t[2:] if t.startswith("##") else t for t in tokenizer.convert_ids_to_tokens(ids))
+    tokens = [tokenizer.backend.id_to_token(int(i)) for i in ids]
+    text = "".join(t[2:] if t.startswith("##") else t for t in tokens)
     return [p for p in text.split("[UNK]") if p]
 
 
 def test_decoded_instances_are_sentences_of_the_source(prepared, tokenizer):
     corpus = "".join(p.read_text(encoding="utf-8")
                      for p in sorted((prepared / "extracted").glob("*.jsonl")))
-    source = "".join(tokenizer.normalize(
+    source = "".join(tokenizer.backend.normalizer.normalize_str(
         " ".join(json.loads(line)["text"] for line in corpus.splitlines())).split())
     checked = 0
     for path in shards(prepared / "instances-s128-p20")[:2]:

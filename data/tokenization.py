@@ -150,7 +150,6 @@ class WordPieceTokenizer:
         self.vocab_path = path
         self.lowercase = lowercase
         self._tokens = tokens
-        self._index = index
         self.vocab_sha256 = file_sha256(path)
         self.pad_id = index[PAD_TOKEN]
         self.unk_id = index[UNK_TOKEN]

@@ -30,7 +30,6 @@ log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 _SEQ_FEATURES = ("input_ids", "input_mask", "segment_ids")
-_PRED_FEATURES = ("masked_lm_positions", "masked_lm_ids")
 
 
 @dataclass

@@ -1,68 +1,12 @@
 """The PopART backend: a popbert graph trained by Graphcore's PopART on IPUs.
 
 ``make_session(model, loss, optimizer, SessionOptions(backend="popart"))`` (or
-``execution.backend: popart``) returns a :class:`PopartTrainingSession`: the same graph,
-optimizer factory, options and loss scaler as the torch backend, translated into PopART's
-objects; it implements the same ``popbert.runtime.protocol.Session``. What is translated, and
-how:
-
-* **Options** → ``popart.SessionOptions``, ``popart.DataFlow`` and the device:
-  :mod:`popbert.backends.popart_options` (its docstring has the table).
-* **The optimizer.** The session calls the optimizer *factory* the torch backend gets (for
-  ``popbert pretrain``: ``popbert.train.factories.optimizer_factory``) on shape-only placeholders
-  named like the graph's weights, and reads the resulting ``popbert.optimizers.Lamb`` / ``AdamW``
-  as the description of what to build, so the per-tensor rule is the one in
-  ``popbert.optimizers.param_groups_by_name`` (one place) and ``set_lr(session.optimizer, ...)``
-  schedules both backends:
-
-  ===================================  =========================================================
-  popbert                              PopART
-  ===================================  =========================================================
-  ``Lamb``, ``bias_correction`` on/off ``popart.Adam(mode=AdamMode.Lamb / LambNoBias)``
-  ``AdamW``, ``bias_correction``       ``popart.Adam(mode=AdamMode.Adam / AdamNoBias)``
-  (both)                               ``weight_decay_mode=WeightDecayMode.Decay`` (decoupled),
-                                       ``accl1_type`` / ``accl2_type`` ``DataType.FLOAT``
-  ``lr``, ``weight_decay``, ``betas``,  ``defaultLearningRate`` (not const: schedules change it),
-  ``eps``                              ``defaultWeightDecay``, ``defaultBeta1/2``, ``defaultEps``
-  ``max_weight_norm`` (None)           ``defaultMaxWeightNorm`` (65504, the largest FP16 value,
-                                       as Graphcore's BERT: PopART's default 10 would clamp)
-  a group with ``weight_decay`` 0      ``insertSpecific(w, {"weightDecay": (0.0, True)})``
-  a group with ``trust_ratio`` False   ``insertSpecific(w, {"maxWeightNorm": (0.0, True)})``:
-                                       PopART's trust ratio is 1 when maxWeightNorm is 0
-  a group's own ``lr`` (``lr_scale``)  ``insertSpecific(w, {"learningRate": (lr, False)})``
-  graph constants, weights outside     ``insertSpecific(w, {"learningRate": (0.0, True),
-  the optimizer                        "weightDecay": (0.0, True)})``: PopART makes every
-                                       initializer a Variable, so they are frozen explicitly
-  ``max_grad_norm``                    ``clip_norm_settings=[ClipNormSettings.clipAllWeights(n)]``
-  static ``LossScaler``                ``"lossScaling": (scale, True)``
-  a new lr (``set_lr``)                a new ``popart.Adam`` → ``updateOptimizerFromHost``
-  ===================================  =========================================================
-
-* **Half weights** (``weight_dtype: float16``): PopART stores a weight in its initializer's dtype,
-  so the session hands PopART a copy of the graph whose trainable FP32 initializers are FLOAT16,
-  each read through a ``Cast`` to FLOAT placed with its consumer — the torch backend's "weights
-  stored in half, the graph computes from FP32 views", with stochastic rounding of the updates
-  (``enableStochasticRounding``) by default. ``compute_dtype`` other than the graph's own is not
-  translatable (PopART computes in the graph's dtype; the torch backend's autocast has no
-  counterpart), nor are ``bfloat16`` weights (IPUs have none).
-* **Weights and state**: ``weightsToHost`` + ``readWeights(PyWeightsIO)`` give ``weights()``;
-  ``load_weights`` is ``weightsToHost`` (so a partial write keeps the device's other weights) +
-  ``writeWeights`` + ``weightsFromHost``. ``state_dict()`` adds the optimizer state PopART keeps
-  as weights (the tensors named ``Accl1___<w>``, ``Accl2___<w>``, ``Step___<w>``, read the same
-  way) and the device RNG state (``getRNGState``).
-
-A ``run(batch)`` takes ``device_iterations × gradient_accumulation × replication_factor``
-micro-batches (PopART runs all replicas from this one process) and returns each scalar output's
-mean per optimizer step, as the torch backend does. ``step_hook`` is called once per run with
-the run's first step: the learning rate can only change between runs on a device.
-
-``evaluate(batch)`` (validation during pre-training) runs one micro-batch through a
-``popart.InferenceSession`` of the same graph — no dropout, no update — on IPUs of its own,
-given the training session's weights after each training run; training's state is untouched.
-
-Nothing here has run on an IPU or the IPU Model (this repository's machines have no Poplar SDK);
-``tests/test_popart_backend.py`` checks the translation against a stand-in that records calls
-(a contract test), and ``scripts/popart_smoke.py`` is the first thing to run where the SDK is.
+``execution.backend: popart``) returns a :class:`PopartTrainingSession`: the same graph, optimizer
+factory, options and loss scaler as the torch backend, translated into PopART's objects, behind
+the same ``popbert.runtime.protocol.Session``. Nothing here has run on an IPU (this repository's
+machines have no Poplar SDK); ``tests/backends/test_popart_backend.py`` checks the translation
+against a stand-in. What is translated and how (optimizer, half weights, weights and state, runs,
+validation): docs/design.md, section "popbert.backends.popart"; using it: docs/popart.md.
 """
 
 from __future__ import annotations
@@ -310,7 +254,8 @@ class AdamPlan:
 
 def adam_plan(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
               frozen: Iterable[str] = (), loss_scale: float | None = None) -> AdamPlan:
-    """The :class:`AdamPlan` of a popbert ``Lamb`` / ``AdamW`` (see the module's table).
+    """The :class:`AdamPlan` of a popbert ``Lamb`` / ``AdamW`` (the table: docs/design.md, section
+    "popbert.backends.popart").
 
     ``names``: ``id(parameter)`` → weight name for the optimizer's parameters; ``frozen``:
     weights PopART must not change (constants, weights the optimizer was not given).
@@ -382,8 +327,8 @@ class PopartTrainingSession:
     ``popart_options`` (:class:`~popbert.backends.popart_options.PopartOptions`). ``replicas``:
     None or a single process — PopART runs ``options.replication_factor`` replicas itself.
     ``input_checker`` builds the batch checker from ``(proto, input names)``
-    (``popbert.runtime.inputs.InputChecker``, handed over by the runtime). ``popart``: the module
-    to use (default: :func:`popbert.backends.import_popart`).
+    (``popbert.runtime.inputs.InputChecker``, handed over by ``make_session``). ``popart``: the
+    module to use (default: :func:`popbert.backends.import_popart`).
     """
 
     def __init__(self, model: onnx.ModelProto, loss: str, optimizer: OptimizerFactory,

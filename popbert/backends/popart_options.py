@@ -1,36 +1,10 @@
 """popbert's execution options in PopART's terms: ``popart.SessionOptions``, ``popart.DataFlow``
 and the device a session runs on.
 
-Each function takes the ``popart`` module as its first argument rather than importing it, so the
-translation is the same code whether ``popart`` is Graphcore's SDK or the contract test's
-stand-in (``tests/popart_standin/popart.py``), and importing this module never needs the SDK.
-
-Only what differs from PopART's defaults is set, so what a session sets reads as the translation
-itself (Graphcore's BERT, ``nlp/bert/popart``, set the same options):
-
-================================  ==============================================================
-popbert (``SessionOptions``)      ``popart.SessionOptions``
-================================  ==============================================================
-graph with ``__ipu_number``       ``virtualGraphMode = VirtualGraphMode.Manual``
-``pipeline``                      ``enablePipelining = True``
-``recompute`` (+ ``pipeline``)    ``autoRecomputation = RecomputationType.Pipeline``
-``recompute`` (no pipeline)       ``autoRecomputation = RecomputationType.RecomputeAll``: every op
-                                  recomputed except the graph's checkpoints (``checkpointOutput``)
-``replication_factor`` N > 1      ``enableReplicatedGraphs = True``, ``replicatedGraphCount = N``
-``gradient_accumulation`` A > 1   ``enableGradientAccumulation = True``, ``accumulationFactor = A``
-N > 1 or A > 1                    ``accumulationAndReplicationReductionType = ReductionType.Mean``
-                                  (the mean of the micro-batches' gradients, as the torch backend)
-stochastic rounding (half         ``enableStochasticRounding = True``
-weights by default)
-``replicated_tensor_sharding``    ``optimizerStateTensorLocationSettings = TensorLocationSettings(
-(N > 1)                           TensorLocation(OnChip|OffChip, ReplicatedTensorSharding.On),
-                                  minElementsForReplicatedTensorSharding=N)``
-``PopartOptions.engine_cache``    ``enableEngineCaching = True``, ``cachePath = <dir>``
-================================  ==============================================================
-
-``device_iterations`` is ``DataFlow``'s ``batchesPerStep``; the devices are replicas × the
-graph's IPUs, rounded up to a power of two (``DeviceManager().acquireAvailableDevice(n)``, or
-``createIpuModelDevice`` for the SDK's IPU Model).
+Each function takes the ``popart`` module as its first argument, so the same code serves
+Graphcore's SDK and the contract test's stand-in, and importing this module never needs the SDK.
+Only what differs from PopART's defaults is set; the translation table is in docs/design.md,
+section "popbert.backends.popart_options".
 """
 
 from __future__ import annotations
@@ -87,7 +61,8 @@ class PopartOptions:
 def session_options(popart: ModuleType, options: SessionOptions,
                     popart_options: PopartOptions, *, manual_placement: bool,
                     stochastic_rounding: bool) -> Any:
-    """``popart.SessionOptions`` for ``options`` (see the module's table).
+    """``popart.SessionOptions`` for ``options`` (the table: docs/design.md, section
+    "popbert.backends.popart_options").
 
     ``manual_placement``: the graph places its ops with ``__ipu_number``;
     ``stochastic_rounding``: the optimizer rounds weight updates stochastically.

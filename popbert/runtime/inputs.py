@@ -1,25 +1,9 @@
 """What a session checks of a batch before running it, read once from the graph's inputs.
 
-A batch that does not fit the graph fails deep inside the lowered graph otherwise: a token id
-past the vocabulary is an index error in an embedding gather (on CUDA, a device-side assert that
-poisons the process), a wrong sequence length a broadcasting error in attention. Each is one
-:class:`~popbert.errors.InputError` line here instead, naming the input:
-
-* a missing input, with the graph's inputs;
-* a wrong rank or static dimension, with the shape the graph declares; symbolic dimensions
-  (``batch_size``) take any size but the same one in every input;
-* an integer input holding a value outside the table it indexes: inputs used as ``Gather``
-  indices into an initializer (word, position and segment embeddings) must lie in
-  ``0 .. rows - 1``. One min/max per such input and batch keeps the check cheap;
-* an integer input holding a value its declared 32-bit type cannot: a negative id for a
-  ``UINT32`` input (the popart dialect declares its inputs as Graphcore fed them), or anything
-  past ``INT32``. PopART would wrap such a value silently when the host array is cast.
-
-Batches are returned in the integer dtype they came in (the loaders' int64), not cast to the
-declared type: the torch lowering runs any integer width (the graph's own Casts turn ids into
-int32/int64 where an op needs them, and torch has no uint32 arithmetic or indexing), and the
-PopART backend casts to the declared dtype itself, after this check, because its step IO
-takes nothing else.
+A batch that does not fit the graph would otherwise fail deep inside the lowered graph (on CUDA,
+a device-side assert that poisons the process); here it is one :class:`~popbert.errors.InputError`
+line naming the input. What is checked, and why batches keep their integer dtype: docs/design.md,
+section "popbert.runtime.inputs".
 """
 
 from __future__ import annotations
@@ -119,7 +103,8 @@ def _index_bounds(proto: onnx.ModelProto) -> dict[str, tuple[int, str]]:
 
 
 class InputChecker:
-    """Checks batches against a graph's inputs (see the module docstring)."""
+    """Checks batches against a graph's inputs (what is checked: docs/design.md,
+    "popbert.runtime.inputs")."""
 
     def __init__(self, proto: onnx.ModelProto, names: Sequence[str]):
         self.names = list(names)

@@ -1,24 +1,9 @@
 """Pipelining and recomputation, part one: the lowered graph split at its annotations.
 
-:class:`Program` splits the lowered ``fx`` graph (``torch.fx.passes.split_module``) into
-partitions keyed by (pipeline stage, recompute region):
-
-* the stage of a node is its ``__pipeline_stage`` annotation; each stage runs on the device of
-  its ``__ipu_number`` (a device may hold several stages: Graphcore's BERT puts the MLM/NSP heads
-  back on device 0, next to the word embedding they are tied to, which stays one tensor);
-* within a stage, ``__recompute_output_in_backward_pass`` checkpoints (Identity nodes, see
-  :mod:`popbert.graph.annotations`) close recompute regions. A recomputed region runs under
-  ``torch.utils.checkpoint``: only its inputs are kept, its activations are recomputed in the
-  backward pass.
-
-Parameters stay where the lowering registered them (the split passes them into the partitions as
-arguments), so the optimizer, checkpoints and export see the same tensors under the same names.
-
-A :class:`Program` runs a micro-batch stage by stage (:meth:`Program.forward_stage`,
-:meth:`Program.backward_stage`); with ``cut=True`` each stage of each micro-batch is an autograd
-graph of its own: values crossing a stage boundary are detached into leaves, and the backward
-pass of a stage hands the leaves' gradients back to the stages that produced them. The order in
-which stages and micro-batches run is the schedule's (:mod:`popbert.runtime.schedules`).
+:class:`Program` splits the lowered ``fx`` graph into partitions keyed by (pipeline stage,
+recompute region) and runs a micro-batch stage by stage; the schedule that orders them is
+:mod:`popbert.runtime.schedules`. How stages and regions are read from the annotations, and how
+a cut stage hands gradients back: docs/design.md, section "popbert.runtime.partition".
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """Pipelining and recomputation, part two: the schedules that run a partitioned program.
 
 :class:`PipelineEngine` trains micro-batches through a :class:`~popbert.runtime.partition.Program`'s
-stages with a real schedule. Two schedules: ``gpipe`` (all forwards, then all backwards: every
-micro-batch's activations are alive at the peak) and ``1f1b`` (PipeDream-flush: after a warm-up of
-``stages - s - 1`` forwards, stage ``s`` alternates one forward and one backward, so at most
-``stages`` micro-batches are in flight). Backward passes run in micro-batch order in both, so
-every weight accumulates its gradient in the same order as without pipelining.
-
-With stages on several devices each device gets a worker thread that runs its share of the
-schedule (kernels on different GPUs overlap; the GIL is released inside them). Otherwise the
-schedule runs in one thread, in a fixed order, so dropout draws from the RNG deterministically.
-
-Why not ``torch.distributed.pipelining``: its stages are one module per rank fed only by the
-previous stage, with the loss computed outside the model from a target. Our graph computes the
-loss inside the last stage from label inputs, reads the attention mask built in stage 0 from
-every layer, and places the first and the last stage on the same device (the tied embedding);
-the engine here schedules that DAG of stages directly.
+stages with the ``gpipe`` or ``1f1b`` schedule, one worker thread per device. The schedules, the
+threading, and why not ``torch.distributed.pipelining``: docs/design.md, section
+"popbert.runtime.schedules".
 """
 
 from __future__ import annotations

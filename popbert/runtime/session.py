@@ -1,30 +1,11 @@
 """Sessions: the one way to run a graph. `TrainingSession` trains it, `InferenceSession` runs it.
 
-The torch backend lowers the ONNX proto once into a `torch.fx.GraphModule` whose parameters are
-the graph's initializers under their ONNX names, then runs optimizer steps with autograd.
-One `run()` checks its batch against the graph's inputs (`popbert.runtime.inputs`), then performs
-`device_iterations` optimizer steps, each accumulating gradients over `gradient_accumulation`
-micro-batches (mean reduction, as PopART's accumulation does).
-
-Every training step is the same sequence, whatever the layout: step hook → zero the gradients →
-forward and backward each micro-batch → finish the gradients → overflow check and loss-scale
-update → optimizer step. Two things are chosen once, when the session is made:
-
-* who runs the forward and backward passes: a plain loop over the micro-batches, or the
-  `PipelineEngine` (`pipeline`: the graph split at its `__pipeline_stage` annotations,
-  micro-batches scheduled through the stages, `popbert.runtime.schedules`);
-* how gradients are synchronised (`popbert.distributed.gradients`): locally, mean-all-reduced over
-  `replication_factor` replicas (one process each, given as `popbert.distributed.Replicas`), or
-  sharded with the optimizer state over them (`replicated_tensor_sharding`).
-
-`recompute` adds activation checkpointing between the graph's checkpoint annotations
-(`popbert.runtime.partition`). With none of the options a session runs exactly as a plain
-single-process loop. `TrainingSession.state_dict()` is everything a resumed run needs from the
-session (see docs/scaling.md for the layouts).
-
-This is the torch backend of the `Session` protocol (`popbert.runtime.protocol`); the PopART
-session implements the same protocol in `popbert.backends.popart`, and
-`popbert.backends.make_session` chooses between them, so this module has no backend branches.
+The torch backend: the ONNX proto is lowered once to a `torch.fx.GraphModule` and trained with
+autograd; one `run()` performs `device_iterations` optimizer steps of `gradient_accumulation`
+micro-batches each, pipelined, recomputed or replicated as `SessionOptions` says. It implements
+the `Session` protocol (`popbert.runtime.protocol`); `popbert.backends.make_session` chooses
+between it and the PopART session. The step, and why: docs/design.md, section
+"popbert.runtime.session" (the choice of backend: section "Backends").
 """
 
 from __future__ import annotations

@@ -1,30 +1,9 @@
 """Sweep files: W&B's sweep format plus popbert's keys, parsed and checked before anything runs.
 
-A sweep file is the W&B format (`method`, `metric: {name, goal}`, `parameters`, `run_cap`,
-`early_terminate`) over one popbert job:
-
-```yaml
-job: pretrain                 # pretrain | finetune squad | finetune classify
-config: tiny                  # pretrain: a preset or a config file
-set: {training.steps: 200, data.validation_fraction: 0.05, training.eval_every: 20}
-method: grid                  # grid | random | bayes
-metric: {name: val_mlm_loss, goal: minimize}
-parameters:
-  optimizer.lr: {values: [1.0e-3, 3.0e-3, 1.0e-2]}
-run_cap: 10
-early_terminate: {type: hyperband, min_iter: 1, eta: 3}
-init_from: {sweep: sweeps/phase1, trial: best}   # phase 2: start from another sweep's trial
-backend: optuna               # optuna (default) | wandb: the same sweep on a W&B server
-```
-
-Parameters and `set` keys are config keys (checked by loading the config with them, through
-`popbert.config`'s override machinery, so a typo or a wrong type is the same one line as on the
-command line). Fine-tuning jobs take their inputs under `args` with the names of their command's
-flags (`checkpoint`, `train`, `predict`/`eval`, `epochs`, ...: each one a `finetune.*` key,
-`popbert.train.finetune.FLAG_KEYS`) and sweep any config key but the ones the checkpoint
-decides (`model.*`, `data.*`) or the data does (`training.steps`, `optimizer.warmup_steps`),
-plus `args.<name>`. The metric must be one the job writes. Every mistake is a `ConfigError`
-naming the file and key and what was expected.
+A sweep file is the W&B format (`method`, `metric`, `parameters`, `run_cap`, `early_terminate`)
+over one popbert job (`job`, `config`, `set`, `args`, `init_from`, `backend`, ...). Every mistake
+is a `ConfigError` naming the file and key and what was expected. The format, key by key, with
+examples: docs/sweeps.md.
 """
 
 from __future__ import annotations

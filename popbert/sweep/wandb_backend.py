@@ -1,19 +1,9 @@
 """`backend: wandb`: the same sweep run by a W&B server instead of the Optuna store.
 
-The sweep file already is W&B's sweep format; `wandb_sweep_config` keeps W&B's keys (`method`,
-`metric`, `parameters`, `run_cap`, `early_terminate`, `name`) and leaves popbert's (`job`,
-`config`, `set`, `args`, `init_from`, ...) on this side, in the sweep directory's `sweep.yaml`.
-`create_wandb_sweep` registers it with `wandb.sweep` and `run_wandb_agent` runs `wandb.agent`
-with `trial_function`: each W&B run reads its parameters from `wandb.config` and runs the same
-popbert trial as the Optuna agent (`popbert.sweep.agent.run_job`), into `trials/<run id>/`, with
-its metrics going to that W&B run under their metrics.jsonl names, so the sweep's metric is
-there by name: pre-training runs with `tracking.backend: wandb`, whose logger takes over the
-agent's run (wandb.init returns the active run); fine-tuning, which tracks as its checkpoint's
-config says, has each logged record and its end-of-run metric logged by the trial.
-
-W&B's controller does the search and Hyperband's early termination; it needs a W&B server and
-an account (`wandb login` or `WANDB_API_KEY`); in W&B's offline mode there is no controller, and
-that is one line and exit status 2.
+W&B's keys of the sweep file go to `wandb.sweep`, popbert's stay in the sweep directory's
+`sweep.yaml`; each W&B run runs the same popbert trial as the Optuna agent
+(`popbert.sweep.agent.run_job`), its metrics logged to that run. It needs a W&B server and
+account. How it works and what is tested: docs/sweeps.md, "On a W&B server".
 """
 
 from __future__ import annotations

@@ -84,8 +84,9 @@ def adamw_step_(
 def _probe_run(run: Callable[..., None], hyper: dict[str, object], params: list[Tensor],
                grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
                steps: list[int], round_fn: HashedRounding, fuse: HashedRounding | None) -> None:
-    """``run`` as the fused module's probe calls it (a :data:`~popbert.optimizers.fused.
-    StepRunner`): whole tensors, one tile, unsharded."""
+    """``run`` (:func:`_adamw` or :func:`_lamb`) as the probe of
+    :func:`~popbert.optimizers.fused.probe_agrees` calls it: whole tensors, one tile, unsharded
+    (a :data:`~popbert.optimizers.fused.StepRunner` once ``run`` and ``hyper`` are bound)."""
     plan = step_tiles(params, grads, exp_avgs, exp_avg_sqs, None)
     run((params, grads, exp_avgs, exp_avg_sqs), steps, plan, round_fn, fuse, **hyper)
 

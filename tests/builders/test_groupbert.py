@@ -379,6 +379,7 @@ SMALL = ["--set", "model.num_layers=2", "--set", "model.hidden_size=32",
          "--set", "training.steps=30"]
 
 
+@pytest.mark.e2e
 def test_pretrain_groupbert_mini_through_the_cli(tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
@@ -440,6 +441,7 @@ def test_import_hf_of_a_groupbert_config_is_a_one_line_error(
     assert "groupbert" in error and len(error.splitlines()) == 1, error
 
 
+@pytest.mark.e2e
 def test_pipelined_recomputed_training_gives_the_same_losses(tmp_path: Path) -> None:
     """Stages from `layers_per_ipu` (the padding mask crosses them like the attention mask),
     pipelined with recomputation: the same loss curve as one device."""

@@ -187,6 +187,7 @@ def replica_weights(runs: Path, name: str) -> dict[str, np.ndarray]:
         return dict(data)
 
 
+@pytest.mark.e2e
 def test_replicas_and_sharded_optimizer_train_the_same_groupbert(replica_runs: Path) -> None:
     """2 replicas == 1 process x accumulation 2 (1e-5), RTS on == off (1e-6): the tolerances of
     tests/test_distributed.py (relative over all weights, 100x that per tensor)."""
@@ -204,6 +205,7 @@ def test_replicas_and_sharded_optimizer_train_the_same_groupbert(replica_runs: P
     assert losses["dp"][-1] < losses["dp"][0] - 0.1, losses
 
 
+@pytest.mark.e2e
 def test_sharded_bf16_weights_train(replica_runs: Path) -> None:
     """RTS with BF16 weights and stochastic rounding: finite, and within 2% of FP32's loss."""
     weights = replica_weights(replica_runs, "rts-bf16")
@@ -328,6 +330,7 @@ def phase1(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+@pytest.mark.e2e
 def test_phase_two_continues_from_phase_one_at_a_longer_sequence(phase1: Path,
                                                                  tmp_path: Path) -> None:
     phase2 = tmp_path / "phase2"
@@ -407,6 +410,7 @@ def check_export(run: Path, task: str, max_seq_length: int, tmp_path: Path) -> N
         np.testing.assert_allclose(value, ours[name], rtol=0, atol=1e-4 * scale, err_msg=name)
 
 
+@pytest.mark.e2e
 def test_squad_fine_tuning_from_a_groupbert_checkpoint(phase1: Path, tmp_path: Path) -> None:
     run = tmp_path / "squad"
     assert main(["finetune", "squad", "--checkpoint", str(phase1), "--train", str(SQUAD),
@@ -429,6 +433,7 @@ def test_squad_fine_tuning_from_a_groupbert_checkpoint(phase1: Path, tmp_path: P
     check_export(run, "squad", 64, tmp_path)
 
 
+@pytest.mark.e2e
 def test_classification_fine_tuning_from_a_groupbert_checkpoint(phase1: Path,
                                                                 tmp_path: Path) -> None:
     run = tmp_path / "sst"

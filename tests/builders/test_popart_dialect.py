@@ -415,6 +415,7 @@ SMALL = ["--set", "model.num_layers=1", "--set", "model.hidden_size=32",
          "--set", "training.steps=8", "--set", "execution.threads=1"]
 
 
+@pytest.mark.e2e
 def test_pretrain_gives_the_onnx_dialects_loss_curve(tmp_path: Path) -> None:
     """`popbert pretrain --set model.dialect=popart`: the same losses, step by step, as the onnx
     dialect with the same seed, to 1e-5 relative. The two graphs are the same FP32 function

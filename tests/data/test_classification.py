@@ -141,6 +141,7 @@ def test_cli_label_errors_are_one_line(tmp_path: Path,
         assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.e2e
 def test_finetuning_minilm_on_the_fixture_reports_accuracy(tmp_path: Path) -> None:
     minilm = minilm_checkpoint()
     imported, run = tmp_path / "minilm", tmp_path / "sst"

@@ -395,6 +395,7 @@ def train_args(tmp_path: Path, shard_glob: str, vocab: Path, *extra: str) -> lis
             "--output-dir", str(tmp_path / "run"), *extra]
 
 
+@pytest.mark.e2e
 def test_pipeline_shards_train_through_the_main_job(prepared, tmp_path):
     shard_glob = str(prepared / "instances-s128-p20" / "part-*.h5")
     assert popbert(*train_args(tmp_path, shard_glob, prepared / "vocab.txt",
@@ -437,6 +438,7 @@ def test_unusable_shards_are_one_line_errors_naming_the_file(case, prepared, tmp
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.e2e
 def test_nvidia_layout_shard_written_with_plain_h5py_loads_and_trains(prepared, tmp_path):
     """NVIDIA's shards: the six datasets, no attributes, NSP labels as [N, 1] int64."""
     a = read_shard(shards(prepared / "instances-s128-p20")[0])

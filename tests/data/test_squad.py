@@ -357,6 +357,7 @@ def test_evaluate_command_prints_the_official_json(tmp_path: Path) -> None:
 # Fine-tuning the real MiniLM checkpoint, then serving it
 
 
+@pytest.mark.e2e
 def test_finetuning_minilm_overfits_the_fixture_and_serves_it(tmp_path: Path) -> None:
     minilm = minilm_checkpoint()
     imported, run = tmp_path / "minilm", tmp_path / "squad"

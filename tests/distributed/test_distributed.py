@@ -200,6 +200,7 @@ def weights(run: Path, step: int = STEPS) -> dict[str, np.ndarray]:
                                            "weights.safetensors"))
 
 
+@pytest.mark.e2e
 def test_replica_layouts_train_the_same_weights(runs: Path) -> None:
     """1 process x accumulation 4 == 2 replicas x 2 == 4 replicas x 1 (same global batch)."""
     single = weights(runs / "single")
@@ -209,17 +210,20 @@ def test_replica_layouts_train_the_same_weights(runs: Path) -> None:
     assert relative(single, weights(runs / "rts2", 5))[0] > 1e-4
 
 
+@pytest.mark.e2e
 def test_sharded_and_unsharded_optimizers_agree(runs: Path) -> None:
     assert_same(weights(runs / "rts2"), weights(runs / "dp2"), 1e-6, "RTS on vs off, 2 replicas")
     assert_same(weights(runs / "rts4"), weights(runs / "dp4"), 1e-6, "RTS on vs off, 4 replicas")
 
 
+@pytest.mark.e2e
 def test_compiled_replicas_with_sharding_train_like_eager(runs: Path) -> None:
     """execution.compile under torchrun-style replicas with replicated tensor sharding."""
     assert_same(weights(runs / "rts2-compiled"), weights(runs / "rts2"), 1e-6,
                 "compiled vs eager, RTS, 2 replicas")
 
 
+@pytest.mark.e2e
 def test_sharded_optimizer_matches_data_parallel_on_odd_shapes(runs: Path) -> None:
     """Tensors of 15, 7, 34, 33 and 1 values over 4 shards: pieces, padding, 1/N, norms."""
     for rank in range(4):
@@ -232,6 +236,7 @@ def test_sharded_optimizer_matches_data_parallel_on_odd_shapes(runs: Path) -> No
         assert toy["pieces"] >= 1
 
 
+@pytest.mark.e2e
 def test_sharded_optimizer_state_is_one_nth_per_replica(runs: Path) -> None:
     sizes = [json.loads((runs / f"state-bytes-{r}.json").read_text()) for r in range(4)]
     for rank, size in enumerate(sizes):
@@ -243,6 +248,7 @@ def test_sharded_optimizer_state_is_one_nth_per_replica(runs: Path) -> None:
         assert size["gradient_shard"] == sharded // 2
 
 
+@pytest.mark.e2e
 def test_pipeline_times_replicas_matches_data_parallel(runs: Path) -> None:
     assert_same(weights(runs / "pipe2"), weights(runs / "dp2"), 1e-5,
                 "4-stage pipeline x 2 replicas vs 2 replicas")
@@ -254,6 +260,7 @@ def test_pipeline_times_replicas_matches_data_parallel(runs: Path) -> None:
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
 
 
+@pytest.mark.e2e
 def test_sharded_checkpoint_resumes_on_other_replica_counts(runs: Path) -> None:
     """Step 5 of the 2-replica RTS run, resumed unsharded on 1 process and sharded on 4,
     continues to the weights the 2-replica run reached."""
@@ -265,6 +272,7 @@ def test_sharded_checkpoint_resumes_on_other_replica_counts(runs: Path) -> None:
     assert [m["step"] for m in metrics] == [10]
 
 
+@pytest.mark.e2e
 def test_only_replica_zero_writes_and_metrics_are_global(runs: Path) -> None:
     records = [json.loads(line) for line in
                (runs / "dp4" / "metrics.jsonl").read_text().splitlines()]
@@ -290,6 +298,7 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
+@pytest.mark.e2e
 def test_torchrun_popbert_pretrain_with_sharding(tmp_path: Path) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     output = tmp_path / "run"
@@ -309,6 +318,7 @@ def test_torchrun_popbert_pretrain_with_sharding(tmp_path: Path) -> None:
     assert (output / "model.inference.onnx").is_file()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("fate", ["killed", "hung"])
 def test_a_dead_replica_stops_the_job_with_a_clear_message(tmp_path: Path, fate: str) -> None:
     """Replica 1 is SIGKILLed (or SIGSTOPped: hangs) mid-run: replica 0 exits non-zero with

@@ -45,6 +45,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return root / "bert", root / "groupbert"
 
 
+@pytest.mark.e2e
 def test_legend_names_what_differs_and_curves_are_the_logged_values(
         runs: tuple[Path, Path]) -> None:
     loaded = [load_run(runs[0]), load_run(runs[1] / "metrics.jsonl")]  # a dir or its metrics
@@ -73,6 +74,7 @@ def test_legend_names_what_differs_and_curves_are_the_logged_values(
         [ln.get_color() for ln in val_ax.get_lines()]
 
 
+@pytest.mark.e2e
 def test_cli_writes_one_png(runs: tuple[Path, Path], tmp_path: Path) -> None:
     out = tmp_path / "plots" / "compare.png"
     assert main(["plot", str(runs[0]), str(runs[1]), "-o", str(out)]) == 0
@@ -88,6 +90,7 @@ def test_cli_writes_one_png(runs: tuple[Path, Path], tmp_path: Path) -> None:
     assert single.read_bytes().startswith(PNG_MAGIC)
 
 
+@pytest.mark.e2e
 def test_equal_configs_are_told_apart_by_directory(runs: tuple[Path, Path],
                                                    tmp_path: Path) -> None:
     same = [load_run(runs[0]), load_run(runs[0])]
@@ -122,6 +125,7 @@ def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     return err[0]
 
 
+@pytest.mark.e2e
 def test_bad_input_is_one_line(runs: tuple[Path, Path], tmp_path: Path,
                                capsys: pytest.CaptureFixture[str]) -> None:
     out = str(tmp_path / "out.png")

@@ -22,6 +22,8 @@ from wandb_offline import offline_records
 from popbert.cli.main import main
 from popbert.observe.tracking import read_metrics
 
+pytestmark = pytest.mark.e2e
+
 wandb = pytest.importorskip("wandb")
 wandb_pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 

@@ -53,6 +53,7 @@ def trials(directory: Path) -> list[optuna.trial.FrozenTrial]:
     return open_sweep(directory).load_study().get_trials()
 
 
+@pytest.mark.e2e
 def test_grid_sweep_two_agents_share_the_grid(tmp_path: Path, capsys) -> None:
     lrs = [3e-4, 1e-3, 3e-3, 1e-2]
     path = sweep_file(tmp_path, parameters={"optimizer.lr": {"values": lrs}})
@@ -91,6 +92,7 @@ def test_grid_sweep_two_agents_share_the_grid(tmp_path: Path, capsys) -> None:
     assert len(trials(out)) == len(done)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("method", ["random", "bayes"])
 def test_run_cap_holds_across_agents(tmp_path: Path, method: str) -> None:
     path = sweep_file(tmp_path, method=method, run_cap=2, seed=1,
@@ -108,6 +110,7 @@ def test_run_cap_holds_across_agents(tmp_path: Path, method: str) -> None:
     assert all(1e-4 <= t.params["optimizer.lr"] <= 1e-2 for t in done)
 
 
+@pytest.mark.e2e
 def test_hyperband_prunes_a_hopeless_trial_at_once(tmp_path: Path) -> None:
     steps = 16
     # seed 1: the grid runs lr 3e-3 first, so Hyperband has a good trial to compare with.
@@ -141,6 +144,7 @@ def test_hyperband_prunes_a_hopeless_trial_at_once(tmp_path: Path) -> None:
     assert yaml.safe_load((run / "config.yaml").read_text())["execution"]["replicas"] == 2
 
 
+@pytest.mark.e2e
 def test_killed_agent_trial_fails_and_is_retried(tmp_path: Path) -> None:
     path = sweep_file(tmp_path, heartbeat=1, set={**SMALL, "training.steps": 60,
                                                   "training.log_every": 1})
@@ -170,6 +174,7 @@ def test_killed_agent_trial_fails_and_is_retried(tmp_path: Path) -> None:
     assert (sweep.trial_dir(1) / "checkpoints" / "step-000060").is_dir()
 
 
+@pytest.mark.e2e
 def test_phase_two_starts_from_phase_one_best_trial(tmp_path: Path) -> None:
     phase1 = sweep_file(tmp_path, "phase1.yaml",
                         parameters={"optimizer.lr": {"values": [1e-7, 3e-3]}})
@@ -295,6 +300,7 @@ def test_init_from_a_sweep_without_finished_trials_is_refused(tmp_path: Path, ca
     assert not (tmp_path / "endless").exists()
 
 
+@pytest.mark.e2e
 def test_agent_by_id_in_a_shared_store_pinned_to_a_device(tmp_path: Path, capsys) -> None:
     """A store outside the sweep directory (as a PostgreSQL server would be): an agent elsewhere
     needs only the id and the URL; --device overrides the config's execution.device."""
@@ -352,6 +358,7 @@ def test_earlier_trials_decide_which_later_one_runs(tmp_path: Path) -> None:
     assert why_skip(spec, t[5], t) == "the sweep's 3 trials are taken"
 
 
+@pytest.mark.e2e
 def test_two_agents_share_a_grid_on_a_postgresql_store(tmp_path: Path, postgres_url: str
                                                        ) -> None:
     """The multi-machine store: a real PostgreSQL server (started by the fixture in a temporary

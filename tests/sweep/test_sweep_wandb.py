@@ -166,6 +166,7 @@ def fake_agent(params: dict[str, Any], run_id: str):
     return agent, calls
 
 
+@pytest.mark.e2e
 def test_agent_runs_a_real_trial_into_the_wandb_run(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     path = sweep_file(tmp_path, method="random", run_cap=3,
@@ -235,6 +236,7 @@ def offline_run(wandb_dir: Path) -> dict[str, Any]:
     return parsed
 
 
+@pytest.mark.e2e
 def test_a_finetuning_trial_logs_its_records_and_its_evaluation(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     checkpoint = tmp_path / "pretrained"

@@ -20,6 +20,8 @@ from popbert.builders.bert import build_bert
 from popbert.cli import main as cli
 from popbert.config import load_config
 
+pytestmark = pytest.mark.e2e
+
 # The tiny preset made smaller still (1 layer, hidden 64) so both phases take seconds.
 TINY = ["--config", "tiny", "--set", "model.num_layers=1", "--set", "model.hidden_size=64",
         "--set", "model.intermediate_size=128", "--set", "execution.micro_batch_size=16",

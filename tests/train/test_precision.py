@@ -9,7 +9,10 @@ not decide it.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from precision_run import train_losses
+
+pytestmark = pytest.mark.e2e
 
 STEPS = 200
 

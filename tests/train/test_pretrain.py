@@ -58,6 +58,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return output
 
 
+@pytest.mark.e2e
 def test_run_leaves_every_artifact_and_the_loss_falls(trained: Path) -> None:
     for name in (
         "config.yaml",
@@ -76,6 +77,7 @@ def test_run_leaves_every_artifact_and_the_loss_falls(trained: Path) -> None:
     assert (trained / "metrics.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.e2e
 def test_kill_and_resume_gives_bit_identical_weights(tmp_path: Path) -> None:
     """N steps straight == killed mid-run (SIGKILL) + `--resume` to N, bit for bit."""
     steps = [
@@ -117,6 +119,7 @@ def test_kill_and_resume_gives_bit_identical_weights(tmp_path: Path) -> None:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("task", ["pretraining", "encoder"])
 def test_export_matches_the_torch_backend_in_onnx_runtime(
     trained: Path, tmp_path: Path, task: str
@@ -170,6 +173,7 @@ def test_vocabulary_size_mismatch_is_a_one_line_error(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.e2e
 def test_corrupt_checkpoint_is_a_one_line_error(trained: Path, tmp_path: Path) -> None:
     import shutil
 

@@ -38,6 +38,7 @@ def error_line(capsys: pytest.CaptureFixture[str]) -> str:
     return lines[0]
 
 
+@pytest.mark.e2e
 def test_resume_continues_in_the_run_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.chdir(tmp_path)
@@ -53,6 +54,7 @@ def test_resume_continues_in_the_run_directory(tmp_path: Path, monkeypatch: pyte
     assert steps_logged(run) == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.e2e
 def test_resume_from_an_older_checkpoint_cuts_the_metrics_back(tmp_path: Path) -> None:
     run = tmp_path / "a"
     assert pretrain("--output-dir", str(run), "--set", "training.steps=6",
@@ -64,6 +66,7 @@ def test_resume_from_an_older_checkpoint_cuts_the_metrics_back(tmp_path: Path) -
     assert steps_logged(run) == [1, 2, 3, 4, 5, 6]  # each step once, not 3..6 twice
 
 
+@pytest.mark.e2e
 def test_keep_checkpoints_keeps_the_newest_and_the_final(tmp_path: Path) -> None:
     run = tmp_path / "a"
     assert pretrain("--output-dir", str(run), "--set", "training.steps=9",
@@ -73,6 +76,7 @@ def test_keep_checkpoints_keeps_the_newest_and_the_final(tmp_path: Path) -> None
                                                       "step-000009"]
 
 
+@pytest.mark.e2e
 def test_orphaned_temporary_checkpoints_are_removed_at_start(tmp_path: Path) -> None:
     run = tmp_path / "a"
     assert pretrain("--output-dir", str(run), "--set", "training.steps=2") == 0
@@ -85,6 +89,7 @@ def test_orphaned_temporary_checkpoints_are_removed_at_start(tmp_path: Path) -> 
         p.name for p in checkpoint_dirs(run)]
 
 
+@pytest.mark.e2e
 def test_a_run_whose_loss_explodes_stops_with_one_line_and_a_plot(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The issue's repro: lr 100 without warmup. The loss stays finite but jumps by 10^4; the
@@ -103,6 +108,7 @@ def test_a_run_whose_loss_explodes_stops_with_one_line_and_a_plot(
     assert not (run / "model.inference.onnx").exists()
 
 
+@pytest.mark.e2e
 def test_a_non_finite_loss_stops_the_run_and_names_the_last_good_checkpoint(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "a"
@@ -155,6 +161,7 @@ def test_a_device_that_is_not_there_is_rejected(tmp_path: Path,
     assert not run.exists()
 
 
+@pytest.mark.e2e
 def test_the_example_is_the_main_job(tmp_path: Path) -> None:
     """examples/pretrain.py, the walk through the API, trains exactly what `popbert pretrain`
     trains: same flags, same outputs, bit-identical weights."""

@@ -75,6 +75,7 @@ def test_held_out_documents_are_never_trained_on() -> None:
     assert sum(s in val for s in sentences) > len(sentences) // 4  # they are validated on
 
 
+@pytest.mark.e2e
 def test_val_metrics_at_eval_steps_and_after_resume(tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = [*HELD_OUT, "--set", "training.eval_every=3", "--set", "training.steps=7",
@@ -102,6 +103,7 @@ def test_val_metrics_at_eval_steps_and_after_resume(tmp_path: Path) -> None:
     assert "validation masked LM" in {line.get_label() for line in accuracy_ax.get_lines()}
 
 
+@pytest.mark.e2e
 def test_evaluating_does_not_change_training(tmp_path: Path) -> None:
     steps = ["--set", "training.steps=6"]
     assert pretrain("--output-dir", str(tmp_path / "plain"), *HELD_OUT, *steps) == 0
@@ -114,6 +116,7 @@ def test_evaluating_does_not_change_training(tmp_path: Path) -> None:
         np.testing.assert_array_equal(plain[name], evaluated[name], err_msg=name)
 
 
+@pytest.mark.e2e
 def test_validation_files_text(tmp_path: Path) -> None:
     documents = read_text_documents(bundled_corpus_path())[:40]
     held = tmp_path / "held.txt"
@@ -125,6 +128,7 @@ def test_validation_files_text(tmp_path: Path) -> None:
     assert VAL_KEYS <= set(record) and record["step"] == 2
 
 
+@pytest.mark.e2e
 def test_validation_files_hdf5_shard(tmp_path: Path) -> None:
     from popbert.data.hdf5 import write_shard
 
@@ -232,6 +236,7 @@ def _replica(rank: int, port: int, out: str) -> None:
                     replicas=Replicas.from_group(None, owns_process_group=True))
 
 
+@pytest.mark.e2e
 def test_replicas_evaluate_their_shares_and_average(tmp_path: Path) -> None:
     """Two replicas × 2 validation batches each = one replica × the same 4 batches."""
     import socket

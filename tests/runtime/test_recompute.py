@@ -66,9 +66,15 @@ def test_recompute_composes_with_pipelining() -> None:
     plain, _, _ = train_and_measure()
     both, _, s = train_and_measure(recompute=True, pipeline=True)
     assert all(p.recompute for p in s.program.partitions.values() if p.stage == 0)
-    for name in plain:  # pipelining adds the tied embedding's gradients in another order
+    # Pipelining adds the embeddings' gradients (tied word embedding, positions) in another
+    # order: FP32 rounding, carried through 4 AdamW steps. Measured worst, relative to the
+    # tensor's largest weight: 1.1e-5 on an AVX-512 Intel Xeon (Embedding/Positional_Dict),
+    # below 1e-5 on AMD EPYC; 3e-5 leaves margin for other kernels and stays far below a wrong
+    # schedule (the last step fed the previous step's batch moves every tensor by 2.3e-3 of its
+    # largest weight or more, measured).
+    for name in plain:
         error = float((both[name] - plain[name]).abs().max() / plain[name].abs().max())
-        assert error < 1e-5, (name, error)
+        assert error < 3e-5, (name, error)
 
 
 def test_a_graph_without_checkpoints_cannot_recompute() -> None:

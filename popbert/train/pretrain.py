@@ -14,7 +14,7 @@ import torch
 
 from popbert.backends import BackendUnavailable, import_popart
 from popbert.backends.popart import check_run_config
-from popbert.config import RunConfig, config_from_dict
+from popbert.config import RunConfig
 from popbert.data.pretraining import (
     ShardSet,
     load_training_data,
@@ -23,7 +23,6 @@ from popbert.data.pretraining import (
     validation_batches,
 )
 from popbert.errors import ConfigError
-from popbert.io import checkpoint as ckpt
 from popbert.io.export import export_weights
 from popbert.runtime.devices import resolve_device
 from popbert.runtime.protocol import Session
@@ -117,11 +116,4 @@ def matching_weights(weights: dict[str, torch.Tensor], session: Session) -> dict
     return kept
 
 
-def config_of_checkpoint(path: Path) -> RunConfig:
-    """The resolved config a checkpoint was trained with."""
-    restored = ckpt.load_checkpoint(path, weights_only=True)
-    return config_from_dict(restored.config, source=str(ckpt.find_checkpoint(path)))
-
-
-__all__ = ["METRIC_KEYS", "PretrainingJob", "check_supported", "config_of_checkpoint",
-           "matching_weights"]
+__all__ = ["METRIC_KEYS", "PretrainingJob", "check_supported", "matching_weights"]

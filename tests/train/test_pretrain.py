@@ -14,6 +14,7 @@ import onnxruntime as ort
 import pytest
 import safetensors.numpy
 
+import popbert
 from popbert.cli.main import main
 from popbert.io.export import sample_batch
 from popbert.runtime.session import InferenceSession
@@ -133,9 +134,7 @@ def test_export_matches_the_torch_backend_in_onnx_runtime(
     model = onnx.load(str(output))
     onnx.checker.check_model(model, full_check=True)
     assert not [a for n in model.graph.node for a in n.attribute if a.name.startswith("__")]
-    from popbert.train.pretrain import config_of_checkpoint
-
-    config = config_of_checkpoint(trained).model
+    config = popbert.load_config(trained / "config.yaml").model
     batch = sample_batch(config, task, batch_size=3, seed=7)
     ours = InferenceSession(model).run(batch)
     theirs = ort.InferenceSession(str(output)).run(None, batch)

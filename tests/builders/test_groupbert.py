@@ -244,7 +244,7 @@ def test_popart_dialect_checks_and_equals_the_onnx_dialect() -> None:
 def packed_setup(monkeypatch: pytest.MonkeyPatch | None = None, unmasked: bool = False):
     """Unpacked sequences, their packed rows, and both graphs' outputs with identical weights;
     `unmasked`: the packed convolution's same-sequence mask replaced by ones (a leaky conv)."""
-    from test_packed_model import K, sequences
+    from packing_helpers import K, sequences
 
     from popbert.builders import layers
     from popbert.data.packing import pack_instance_arrays
@@ -278,7 +278,7 @@ def packed_setup(monkeypatch: pytest.MonkeyPatch | None = None, unmasked: bool =
 def test_packed_rows_give_the_unpacked_per_sequence_logits() -> None:
     """Each packed sequence's NSP logits and MLM logits equal those of the same sequence
     unpacked (1e-5): the convolution never reads a neighbouring sequence of the pack."""
-    from test_packed_model import match_rows
+    from packing_helpers import match_rows
 
     unpacked, packed, out_u, out_p, pack = packed_setup()
     assert packed["sequence_index"].max() > 1  # rows really hold several sequences
@@ -306,7 +306,7 @@ def test_negative_control_an_unmasked_packed_conv_differs(
 
 
 def test_packed_popart_dialect_checks_and_equals_the_onnx_dialect() -> None:
-    from test_packed_model import K
+    from packing_helpers import K
 
     packed_cfg = dict(max_predictions_per_seq=K * 4, packed=True, max_sequences_per_pack=K)
     _, packed, _, theirs, reference = packed_setup()

@@ -28,8 +28,8 @@ import pytest
 import safetensors.numpy
 import torch
 from bert_helpers import one_thread, padded_batch, small_config  # noqa: F401 (autouse)
+from packing_helpers import K, match_rows, only_sequence, sequences
 from replica_helpers import assert_same, free_port
-from test_packed_model import K, match_rows, only_sequence, sequences
 from test_popart_dialect import assert_gradients_close
 
 from popbert.builders.bert import build_bert

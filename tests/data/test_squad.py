@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from bert_helpers import minilm_checkpoint
 
 from popbert.cli import main as cli
 from popbert.data.squad import (
@@ -358,11 +357,9 @@ def test_evaluate_command_prints_the_official_json(tmp_path: Path) -> None:
 
 
 @pytest.mark.e2e
-def test_finetuning_minilm_overfits_the_fixture_and_serves_it(tmp_path: Path) -> None:
-    minilm = minilm_checkpoint()
-    imported, run = tmp_path / "minilm", tmp_path / "squad"
-    assert cli.main(["import-hf", "--model", str(minilm.get_model_path()), "--output-dir",
-                     str(imported)]) == 0
+def test_finetuning_minilm_overfits_the_fixture_and_serves_it(tmp_path: Path,
+                                                              minilm_imported: Path) -> None:
+    imported, run = minilm_imported, tmp_path / "squad"
     # Few examples, one 192-token window per question, no dropout, a high learning rate.
     assert cli.main(["finetune", "squad", "--checkpoint", str(imported), "--train",
                      str(FIXTURE), "--predict", str(FIXTURE), "--output-dir", str(run),

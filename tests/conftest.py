@@ -1,5 +1,13 @@
 """Test-session setup: a private cache so tests never read or write the user's ~/.cache, and the
-fixtures several test folders share (the real MiniLM checkpoint, raw and imported)."""
+fixtures several test folders share (the real MiniLM checkpoint, raw and imported).
+
+Layout: tests/<package>/ holds the tests of popbert/<package> (builders, data and optimizers are
+popbert.builders, popbert.data and popbert.optimizers); tests/docs runs the README's and the
+docs' snippets; project-wide checks (architecture, benchmarks, atomic files) stay here. Helper
+modules (`*_helpers.py`, precision_run, postgres_server, wandb_offline) and popart_standin/ and
+fixtures/ live here too and are imported by name (setup.cfg puts tests/ on sys.path).
+Whole-job and multi-process tests are marked `e2e`; `pytest -m "not e2e"` is the fast subset.
+"""
 
 from __future__ import annotations
 

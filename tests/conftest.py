@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from postgres_server import postgres_url  # noqa: F401 (fixture of the PostgreSQL-backed tests)
 
 from popbert.cli import main as cli
@@ -36,6 +37,16 @@ def cli_logging():
     for handler in list(root.handlers):
         if getattr(handler, cli._HANDLER_MARK, False):
             root.removeHandler(handler)
+
+
+@pytest.fixture(autouse=True)
+def torch_threads():
+    """A run with `execution.threads` sets torch's process-wide thread count; put it back after
+    each test, so in-process runs of later tests compute as their subprocess peers do (a bias
+    gradient summed over 1 thread vs 2 differs in the last bit)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Attention over packed rows, per sequence: the lowering finds the block-diagonal mask and the
 attention reading it, and the per-sequence computation equals the dense masked one on every real
-token (FP32, 1e-5: the same sums in another order), values and gradients."""
+token (FP32, 1e-5 absolute, gradients 2e-6 of their largest value: the same sums in another
+order), values and gradients."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from popbert.lowering.lower import lower_to_fx
 from popbert.runtime.session import TrainingSession
 
 TOL = 1e-5
+GRAD_TOL = 2e-6  # of the gradient's largest magnitude
 
 
 def packed_segments(lengths_per_row: list[list[int]], width: int) -> torch.Tensor:
@@ -63,7 +65,9 @@ def test_per_sequence_equals_dense_masked_attention():
     assert sum(int(b.valid.sum()) for b in plan.buckets) == int((segments > 0).sum())
     assert torch.allclose(per_seq, dense, atol=TOL, rtol=0)
     for a, b in zip(per_seq_grads, dense_grads, strict=True):
-        assert torch.allclose(a, b, atol=TOL, rtol=0)
+        # Gradients reach |15|: FP32 reordering scales with them (measured 1.1e-5, 7.7e-7 of
+        # the tensor's largest value, on an AVX-512 Xeon; below 1e-5 on AMD EPYC).
+        assert torch.allclose(a, b, atol=max(TOL, GRAD_TOL * float(b.abs().max())), rtol=0)
     # Negative control: one sequence spilling into the next changes real outputs.
     leaky = segments.clone()
     leaky[0, 70:73] = 1

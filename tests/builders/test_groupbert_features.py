@@ -1,12 +1,14 @@
 """GroupBERT through popbert's features, each checked the way the BERT tests check it.
 
-tests/test_groupbert.py has the model itself (parity with an independent PyTorch GroupBERT, the
-graph, the popart dialect, placement and pipelining, one CLI run per preset shape, the export).
+tests/builders/test_groupbert.py has the model itself (parity with an independent PyTorch
+GroupBERT, the graph, the popart dialect, placement and pipelining, one CLI run per preset shape,
+the export).
 Here, on tiny GroupBERTs (hidden 32-64, 1-2 layers, sequence 32-64, a handful of steps):
 
 * half-precision weights (FP16, BF16) with stochastic rounding under LAMB and AdamW against the
-  FP32 run (tests/test_precision.py's 2% bound), and data-parallel replicas with and without
-  replicated tensor sharding against one process (tests/test_distributed.py's tolerances);
+  FP32 run (tests/train/test_precision.py's 2% bound), and data-parallel replicas with and
+  without replicated tensor sharding against one process (the tolerances of
+  tests/distributed/test_distributed.py);
 * packed sequences: per-sequence losses of a packed batch equal the unpacked ones, and the
   packed batch's gradients equal the per-sequence unpacked gradients summed with the loss's
   weights (1e-4 of each tensor's largest, as the parity tests);
@@ -103,7 +105,7 @@ def test_half_weights_with_stochastic_rounding_train_like_fp32(weight_dtype: str
     assert all(bool(torch.isfinite(w).all()) for w in weights.values())
     assert all(np.isfinite(losses))
     assert tail(losses) < losses[0] - 0.8
-    # tests/test_precision.py's bound, here at the end of a short run.
+    # tests/train/test_precision.py's bound, here at the end of a short run.
     assert abs(tail(losses) - tail(reference)) / tail(reference) < 0.02, (losses, reference)
 
 
@@ -190,7 +192,7 @@ def replica_weights(runs: Path, name: str) -> dict[str, np.ndarray]:
 @pytest.mark.e2e
 def test_replicas_and_sharded_optimizer_train_the_same_groupbert(replica_runs: Path) -> None:
     """2 replicas == 1 process x accumulation 2 (1e-5), RTS on == off (1e-6): the tolerances of
-    tests/test_distributed.py (relative over all weights, 100x that per tensor)."""
+    tests/distributed/test_distributed.py (relative over all weights, 100x that per tensor)."""
     single = replica_weights(replica_runs, "single")
     dp = replica_weights(replica_runs, "dp")
     assert_same(dp, single, 1e-5, "GroupBERT: 2 replicas x 1 vs 1 x 2")

@@ -7,9 +7,9 @@ graph computes, and what Hugging Face computes, and carries the same placement, 
 recompute annotations. This is the torch backend; nothing here runs on an IPU.
 
 Tolerances: forward values 1e-5 absolute, every gradient within 1e-4 of its tensor's largest
-gradient, as in `tests/test_hf_parity.py`. Both dialects are the same FP32 function; they differ
-in kernels (the fused `Attention` op against MatMul/Softmax/MatMul, `F.linear` against the MLM
-projection's MatMul + Add), so outputs differ by a few ulps (measured: 2e-7 on the MLM logits,
+gradient, as in `tests/builders/test_hf_parity.py`. Both dialects are the same FP32 function; they
+differ in kernels (the fused `Attention` op against MatMul/Softmax/MatMul, `F.linear` against the
+MLM projection's MatMul + Add), so outputs differ by a few ulps (measured: 2e-7 on the MLM logits,
 worst gradient 7e-7 of its tensor's largest). Against Hugging Face the gradient bound has the
 same 1e-7 absolute floor as `test_hf_parity.py` for analytically-zero gradients.
 """
@@ -405,7 +405,7 @@ def test_pipelined_recomputed_training_equals_the_onnx_dialect() -> None:
         torch.testing.assert_close(ours[name], value, atol=1e-6, rtol=0, msg=name)
 
 
-# Same small run as tests/test_run_lifecycle.py, dropout off so both dialects draw nothing.
+# Same small run as tests/train/test_run_lifecycle.py, dropout off so both dialects draw nothing.
 SMALL = ["--set", "model.num_layers=1", "--set", "model.hidden_size=32",
          "--set", "model.num_heads=2", "--set", "model.intermediate_size=64",
          "--set", "model.sequence_length=32", "--set", "model.max_position_embeddings=32",

@@ -78,7 +78,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         run_pretraining(config(2, 2), f"{out}/dp2", replicas=mine)
         run_pretraining(config(2, 2, training__checkpoint_every=5, **rts), f"{out}/rts2",
                         replicas=mine)
-        # The same under execution.compile, with tests/test_compile.py's aot_eager backend.
+        # The same under execution.compile, with tests/runtime/test_compile.py's aot_eager backend.
         import functools
 
         eager_compile = torch.compile

@@ -28,6 +28,7 @@ from popbert.config.sections import (
     TOP_LEVEL_KEYS,
     Origins,
     RunConfig,
+    Seconds,
     non_finite,
     validate_run_config,
 )
@@ -189,6 +190,8 @@ def _type_name(tp: Any) -> str:
         return "mapping"
     if tp is Any:
         return "any value"
+    if tp is Seconds:
+        return "seconds (a number, or e.g. 90s, 30m, 2h)"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -235,6 +238,11 @@ def _coerce(value: Any, tp: Any) -> Any:
         if not isinstance(value, dict):
             raise _TypeMismatch
         return dict(value)
+    if tp is Seconds:
+        try:
+            return Seconds.parse(value)
+        except ValueError:
+            raise _TypeMismatch from None
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -152,6 +152,26 @@ class ExecutionConfig:
         check_fields(self, "execution")
 
 
+class Seconds(float):
+    """A duration in seconds: a number, or a string of amounts with units `h`, `m`, `s`
+    (`90s`, `30m`, `2h`, `1h30m`). Only a marker for the config's types: values are floats."""
+
+    UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
+
+    @classmethod
+    def parse(cls, value: Any) -> float:
+        """Seconds of `value`; ValueError when it is not a duration."""
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if not isinstance(value, str):
+            raise ValueError(f"{value!r} is not a duration")
+        parts = re.fullmatch(r"\s*((?:\d+(?:\.\d+)?[hms]\s*)+)", value.lower())
+        if parts is None:
+            raise ValueError(f"{value!r} is not a duration")
+        return sum(float(amount) * cls.UNITS[unit]
+                   for amount, unit in re.findall(r"(\d+(?:\.\d+)?)([hms])", value.lower()))
+
+
 @dataclass
 class TrainingConfig:
     """Length of the run, batch size check, checkpoint and log cadence."""
@@ -171,6 +191,11 @@ class TrainingConfig:
     # `eval_batches` micro-batches (per replica) each time.
     eval_every: int = setting(0, at_least(0, " (0 = no evaluation)"))
     eval_batches: int = setting(8, at_least(1))
+    # Train for this long instead of to `steps` (seconds; `30m`, `2h` on the command line): the
+    # run stops when the budget is spent, leaving time for the final checkpoint and export, and
+    # the learning-rate schedule is laid over the budget (`steps` then sets its resolution: at a
+    # fraction f of the budget the rate is the schedule's at step f x steps). null: no budget.
+    time_budget: Seconds | None = setting(None, above(0).or_null())
 
     def validate(self) -> None:
         check_fields(self, "training")

@@ -39,16 +39,19 @@ class Checkpoint:
     loss_scaler: dict[str, Any] = field(default_factory=dict)
     rng: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
+    trainer: dict[str, Any] = field(default_factory=dict)  # the run's own state (elapsed_s)
 
     @classmethod
     def from_state(cls, state: Mapping[str, Mapping[str, Any]]) -> Checkpoint:
         """The checkpoint of a run's stateful parts: ``{"session": session.state_dict(),
-        "loader": loader.state_dict()}`` (the shape PyTorch's Distributed Checkpoint uses)."""
+        "loader": loader.state_dict(), "trainer": {...}}`` (the shape PyTorch's Distributed
+        Checkpoint uses)."""
         session = state["session"]
         return cls(step=int(session["step"]), weights=dict(session["weights"]),
                    optimizer=dict(session.get("optimizer", {})),
                    loss_scaler=dict(session.get("loss_scaler", {})),
-                   rng=dict(session.get("rng", {})), loader=dict(state.get("loader", {})))
+                   rng=dict(session.get("rng", {})), loader=dict(state.get("loader", {})),
+                   trainer=dict(state.get("trainer", {})))
 
     def state(self) -> dict[str, dict[str, Any]]:
         """The inverse of :meth:`from_state`: what each stateful part's ``load_state_dict``
@@ -56,7 +59,7 @@ class Checkpoint:
         return {"session": {"step": self.step, "weights": self.weights,
                             "optimizer": self.optimizer, "loss_scaler": self.loss_scaler,
                             "rng": self.rng},
-                "loader": self.loader}
+                "loader": self.loader, "trainer": self.trainer}
 
 
 def _torch_bytes(obj: Any) -> bytes:
@@ -76,7 +79,8 @@ def save_checkpoint(directory: Path, checkpoint: Checkpoint, config_yaml: str,
         (tmp / "optimizer.pt").write_bytes(_torch_bytes(checkpoint.optimizer))
         (tmp / "rng.pt").write_bytes(_torch_bytes(checkpoint.rng))
         state = {"format_version": FORMAT_VERSION, "step": checkpoint.step,
-                 "loader": checkpoint.loader, "loss_scaler": checkpoint.loss_scaler}
+                 "loader": checkpoint.loader, "loss_scaler": checkpoint.loss_scaler,
+                 "trainer": checkpoint.trainer}
         (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
         (tmp / "config.yaml").write_text(config_yaml)
         if model is not None:
@@ -134,7 +138,8 @@ def load_checkpoint(path: Path, weights_only: bool = False) -> Checkpoint:
         raise CheckpointError(f"{directory / 'config.yaml'}: corrupt YAML "
                               f"({one_line(error, 300)})") from None
     checkpoint = Checkpoint(step=step, weights=weights, loader=state.get("loader", {}),
-                            loss_scaler=state.get("loss_scaler", {}), config=config)
+                            loss_scaler=state.get("loss_scaler", {}), config=config,
+                            trainer=state.get("trainer", {}))
     if not weights_only:
         checkpoint.optimizer = _torch_load(directory / "optimizer.pt")
         checkpoint.rng = _torch_load(directory / "rng.pt")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -92,14 +93,55 @@ class LoopSettings:
                    samples_per_step=cfg.global_batch_size, desc=desc)
 
 
+class TrainingClock:
+    """Training seconds since the run began, summed over resumes (`elapsed_s` in every record),
+    and the budget they may reach (`training.time_budget`, None: none).
+
+    The loop stops before a run of steps would end past `budget - reserve`: it expects each
+    run to take as long as the longest so far, and the caller keeps `reserve` seconds for what
+    it writes after the loop (the final checkpoint and export; an estimate).
+    """
+
+    def __init__(self, budget: float | None = None, elapsed: float = 0.0,
+                 now: Callable[[], float] = time.perf_counter):
+        self.budget = budget
+        self.elapsed = float(elapsed)
+        self.reserve = 0.0
+        self.longest_run = 0.0
+        self._now = now
+        self._mark: float | None = None
+
+    def start(self) -> None:
+        self._mark = self._now()
+
+    def tick(self) -> float:
+        """Add the seconds since the last tick (or `start`); the elapsed seconds."""
+        now = self._now()
+        if self._mark is not None:
+            self.elapsed += now - self._mark
+        self._mark = now
+        return self.elapsed
+
+    def progress(self) -> float:
+        """The fraction of the budget spent (0 without a budget)."""
+        return min(1.0, self.elapsed / self.budget) if self.budget else 0.0
+
+    def out_of_time(self) -> bool:
+        """Whether another run of steps would overrun the budget (never without one)."""
+        return self.budget is not None and \
+            self.elapsed + self.longest_run + self.reserve > self.budget
+
+
 def train_loop(session: Session, batches: Iterator[Batch], settings: LoopSettings, *,
                schedule: Callable[[int], float] | None = None,
                tracker: MetricsLogger | None = None,
                checkpoints: CheckpointManager | None = None,
                save: Callable[[], Path] | None = None,
                validation: Sequence[Batch] | None = None,
-               on_record: RecordHook | None = None) -> LoopResult:
-    """Train until the session reaches `settings.steps` optimizer steps (or `batches` runs out).
+               on_record: RecordHook | None = None,
+               clock: TrainingClock | None = None) -> LoopResult:
+    """Train until the session reaches `settings.steps` optimizer steps, or, when `clock` has a
+    budget, until the next run of steps would overrun it (or until `batches` runs out).
 
     `schedule` is only read to log the learning rate (the session's step hook sets it).
     `checkpoints` says when a checkpoint is due and which one is good; `save()` writes one (the
@@ -109,7 +151,11 @@ def train_loop(session: Session, batches: Iterator[Batch], settings: LoopSetting
     go into that step's record, logged even when it is not a `log_every` step.
     `on_record(step, record)` sees every logged record on every replica; a reason (str) returned
     on any replica stops all of them at once with `RunStopped` (after the record is logged).
+    `clock` counts the training seconds (`elapsed_s` in every record; a resumed run's clock
+    starts where the checkpoint's stopped).
     """
+    clock = clock if clock is not None else TrainingClock()
+    budgeted = clock.budget is not None
     steps, log_every, eval_every = settings.steps, settings.log_every, settings.eval_every
     divergence_factor, samples_per_step = settings.divergence_factor, settings.samples_per_step
     if eval_every and not validation:
@@ -118,17 +164,22 @@ def train_loop(session: Session, batches: Iterator[Batch], settings: LoopSetting
     first_step = session.step
     window: dict[str, list[float]] = {}
     record: dict[str, float] = {}
-    bar = tqdm(total=steps, initial=session.step, desc=settings.desc, unit="step",
-               dynamic_ncols=True,
+    # Under a budget the bar counts seconds (and shows the step), else steps.
+    bar = tqdm(total=round(clock.budget) if budgeted else steps,
+               initial=round(clock.elapsed) if budgeted else session.step, desc=settings.desc,
+               unit="s" if budgeted else "step", dynamic_ncols=True,
                disable=not replicas.is_main)
     started = window_start = time.perf_counter()
+    clock.start()
     limit: float | None = None  # the loss above which the run has blown up
     shown: dict[str, float] = {}  # the bar keeps the last validation loss between evaluations
+    last_step = sys.maxsize if budgeted else steps  # the final checkpoint's step, when known
     try:
-        while session.step < steps:
+        while _more(session, steps, clock):
             batch = next(batches, None)
             if batch is None:
                 break
+            run_started = clock.elapsed
             outputs = session.run(batch)
             steps_done = int(outputs[session.loss_name].shape[0])
             for key, values in outputs.items():
@@ -140,7 +191,8 @@ def train_loop(session: Session, batches: Iterator[Batch], settings: LoopSetting
             if bad is not None:
                 step = session.step - steps_done + bad + 1
                 _log(session, window, step, schedule, tracker, samples_per_step,
-                     time.perf_counter() - window_start)  # the diverged step is on the record
+                     time.perf_counter() - window_start,
+                     elapsed=clock.tick())  # the diverged step is on the record
                 loss = float(losses[bad])
                 what = ("the loss is not finite" if not math.isfinite(loss) else
                         f"the loss {loss:.4g} exceeds {divergence_factor:g}× the first step's "
@@ -149,34 +201,54 @@ def train_loop(session: Session, batches: Iterator[Batch], settings: LoopSetting
                                        checkpoints.diverged() if checkpoints else None)
             if checkpoints is not None:
                 checkpoints.confirm()
-            bar.update(steps_done)
+            if not budgeted:
+                bar.update(steps_done)
             evaluated = None
             if eval_every and session.step % eval_every < steps_done:
                 eval_started = time.perf_counter()
                 evaluated = evaluate(session, validation)
                 window_start += time.perf_counter() - eval_started  # seq_per_s: training only
-            if session.step % log_every < steps_done or session.step >= steps or evaluated:
+            if session.step % log_every < steps_done or session.step >= last_step or evaluated:
                 record = _log(session, window, session.step, schedule, tracker,
-                              samples_per_step, time.perf_counter() - window_start, evaluated)
+                              samples_per_step, time.perf_counter() - window_start,
+                              clock.tick(), evaluated)
                 shown = {**shown, **record}
-                bar.set_postfix({label: f"{shown[key]:.3f}" if key != "seq_per_s"
-                                 else f"{shown[key]:.0f}"
-                                 for key, label in POSTFIX.items() if key in shown})
+                bar.set_postfix({**({"step": session.step} if budgeted else {}),
+                                 **{label: f"{shown[key]:.3f}" if key != "seq_per_s"
+                                    else f"{shown[key]:.0f}"
+                                    for key, label in POSTFIX.items() if key in shown}})
                 window, window_start = {}, time.perf_counter()
                 if on_record is not None:
                     reason = on_record(session.step, dict(record))
                     if not all_replicas(session, not reason):
                         raise RunStopped(session.step, reason or "another replica stopped")
             if save is not None and checkpoints is not None \
-                    and checkpoints.due(session.step, steps_done, steps):
+                    and checkpoints.due(session.step, steps_done, last_step):
                 save()
+            clock.tick()
+            clock.longest_run = max(clock.longest_run, clock.elapsed - run_started)
+            if budgeted:
+                bar.update(round(clock.elapsed) - bar.n)
+        if budgeted and window:  # the budget ended the run between two logged steps
+            record = _log(session, window, session.step, schedule, tracker, samples_per_step,
+                          time.perf_counter() - window_start, clock.tick())
     finally:
         bar.close()
     seconds = time.perf_counter() - started
     trained = session.step - first_step
-    log.info("trained %d steps (%d → %d) in %.1f s", trained, first_step, session.step, seconds)
+    log.info("trained %d steps (%d → %d) in %.1f s%s", trained, first_step, session.step,
+             seconds, f" ({clock.elapsed:.1f} s of the {clock.budget:g} s budget)"
+             if budgeted else "")
     return LoopResult(trained, seconds, record,
                       checkpoints.last_good if checkpoints else None)
+
+
+def _more(session: Session, steps: int, clock: TrainingClock) -> bool:
+    """Whether to run another batch: steps left, or (under a budget) time left on every
+    replica (they stop together)."""
+    if clock.budget is None:
+        return session.step < steps
+    return all_replicas(session, not clock.out_of_time())
 
 
 def evaluate(session: Session, validation: Sequence[Batch]) -> dict[str, float]:
@@ -219,7 +291,7 @@ def _collective_device(session: Session) -> torch.device:
 
 def _log(session: Session, window: dict[str, list[float]], step: int,
          schedule: Callable[[int], float] | None, tracker: MetricsLogger | None,
-         samples_per_step: int, elapsed: float,
+         samples_per_step: int, window_seconds: float, elapsed: float,
          evaluated: dict[str, float] | None = None) -> dict[str, Any]:
     """One metrics record: the window's means (over the replicas too), lr, throughput, and the
     validation metrics when this step evaluated."""
@@ -229,7 +301,8 @@ def _log(session: Session, window: dict[str, list[float]], step: int,
     record.update(_window_means(window, session))
     if samples_per_step and window:
         steps_in_window = len(next(iter(window.values())))
-        record["seq_per_s"] = steps_in_window * samples_per_step / max(elapsed, 1e-9)
+        record["seq_per_s"] = steps_in_window * samples_per_step / max(window_seconds, 1e-9)
+    record["elapsed_s"] = round(elapsed, 3)
     if session.loss_scaler is not None:
         record["skipped_steps"] = session.loss_scaler.skipped_steps
     record.update(evaluated or {})
@@ -250,5 +323,6 @@ def _window_means(window: dict[str, list[float]], session: Session) -> dict[str,
     return dict(zip(means, (values / replicas.size).tolist()))
 
 
-__all__ = ["LoopResult", "LoopSettings", "RecordHook", "RunStopped", "TrainingDiverged",
+__all__ = ["LoopResult", "LoopSettings", "RecordHook", "RunStopped", "TrainingClock",
+           "TrainingDiverged",
            "all_replicas", "evaluate", "train_loop"]

@@ -53,6 +53,7 @@ from popbert.train.loop import (
     LoopSettings,
     RecordHook,
     RunStopped,
+    TrainingClock,
     TrainingDiverged,
     all_replicas,
     train_loop,
@@ -76,7 +77,8 @@ class RunResult:
     inference_model: Path | None = None
     plot: Path | None = None
     fresh: list[str] = field(default_factory=list)  # weights the starting checkpoint lacked
-    seconds: float = 0.0  # spent in the training loop (evaluation included)
+    seconds: float = 0.0  # spent in the training loop by this call (evaluation included)
+    elapsed_s: float = 0.0  # the run's training seconds, summed over resumes
 
 
 class CheckpointManager:
@@ -169,7 +171,8 @@ class Trainer:
     def __init__(self, cfg: RunConfig, job: Job, output_dir: Path, session: Session,
                  loader: Any, validation: list[dict[str, torch.Tensor]] | None,
                  replicas: Replicas, *, owns_replicas: bool, resumed: bool,
-                 fresh: list[str], on_record: RecordHook | None = None):
+                 fresh: list[str], on_record: RecordHook | None = None,
+                 elapsed: float = 0.0):
         self.cfg = cfg
         self.job = job
         self.output_dir = output_dir
@@ -178,6 +181,8 @@ class Trainer:
         self.validation = validation
         self.replicas = replicas
         self.schedule = lr_schedule(cfg)
+        self.clock = TrainingClock(cfg.training.time_budget, elapsed)
+        self.lr = 0.0  # the rate the last step was given
         session.step_hook = self._set_lr
         self.fresh = fresh
         self.on_record = on_record
@@ -238,9 +243,15 @@ class Trainer:
         job.check(cfg)
         replicas, owns = _replicas_for(cfg, replicas)
         restored = ckpt.load_checkpoint(Path(resume)) if resume is not None else None
+        budget = cfg.training.time_budget
         if restored is not None:
             job.check_resume(restored)
-            if restored.step >= cfg.training.steps:
+            spent = float(restored.trainer.get("elapsed_s", 0.0))
+            if budget is not None and spent >= budget:
+                raise ConfigError(f"training.time_budget is {budget:g} s but the checkpoint "
+                                  f"{resume} has already trained {spent:.0f} s; raise "
+                                  "training.time_budget")
+            if budget is None and restored.step >= cfg.training.steps:
                 raise ConfigError(f"training.steps is {cfg.training.steps} but the checkpoint "
                                   f"{resume} is already at step {restored.step}; raise "
                                   "training.steps")
@@ -273,7 +284,8 @@ class Trainer:
                    loader.num_samples))
             return cls(cfg, job, output_dir, session, loader, validation, replicas,
                        owns_replicas=owns, resumed=restored is not None, fresh=fresh,
-                       on_record=on_record)
+                       on_record=on_record,
+                       elapsed=restored.trainer.get("elapsed_s", 0.0) if restored else 0.0)
         except BaseException:
             if owns:
                 replicas.shutdown(clean=False)
@@ -286,16 +298,17 @@ class Trainer:
         export (pre-training). A diverged or stopped run raises `TrainingDiverged` /
         `RunStopped` and keeps its metrics and plot."""
         session, main = self.session, self.replicas.is_main
-        started = session.step
+        started, wall = session.step, time.perf_counter()
         final: Path | None = None
         scores: dict[str, float] = {}
         try:
             batches = micro_batches(self.loader, session.micro_batches_per_run())
-            result = train_loop(session, batches, self.loop_settings(), schedule=self.schedule,
+            result = train_loop(session, batches, self.loop_settings(), schedule=self._logged_lr,
                                 tracker=self.metrics, checkpoints=self.checkpoints,
                                 save=self.save_checkpoint, validation=self.validation,
-                                on_record=self.on_record)
-            self.save_checkpoint()
+                                on_record=self.on_record, clock=self.clock)
+            if self.checkpoints.pending != run_dir.step_dir(self.output_dir, session.step):
+                self.save_checkpoint()  # unless the loop's last turn just saved this step
             final = self.checkpoints.finalize()
             if main:
                 scores = self.job.score(self)
@@ -307,9 +320,14 @@ class Trainer:
         if main:
             log.info("output: %s (checkpoint %s%s)", self.output_dir, final.name,
                      f", {inference.name}" if inference is not None else "")
+        if self.clock.budget is not None:  # the budget includes the final checkpoint and export
+            spent = self.clock.elapsed + time.perf_counter() - wall - result.seconds
+            log.info("time budget: %.1f s of %g s spent, final checkpoint and export included",
+                     spent, self.clock.budget)
         return RunResult(self.output_dir, final, session.step, session.step - started,
                          {k: v for k, v in result.record.items() if k in self.job.metric_keys},
-                         scores, inference, plot, list(self.fresh), result.seconds)
+                         scores, inference, plot, list(self.fresh), result.seconds,
+                         self.clock.elapsed)
 
     def loop_settings(self) -> LoopSettings:
         """The loop's length and cadences, from `training.*` (no evaluation without held-out
@@ -331,21 +349,44 @@ class Trainer:
         if not all_replicas(session, finite):
             raise TrainingDiverged(session.step, "a weight is not finite",
                                    self.checkpoints.diverged())
-        return self.checkpoints.save(session.step, self.job.checkpoint_state(self))
+        started = time.perf_counter()
+        path = self.checkpoints.save(session.step, self.job.checkpoint_state(self))
+        # A budget keeps time for the final checkpoint and the export after the loop: twice
+        # the last save (the export verifies in ONNX Runtime too), and 1% of the budget.
+        if self.clock.budget is not None:
+            self.clock.reserve = 2 * (time.perf_counter() - started) + 0.01 * self.clock.budget
+        return path
 
     # -- state ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The run's stateful parts: the session's and the data position."""
-        return {"session": self.session.state_dict(), "loader": self.loader.state_dict()}
+        """The run's stateful parts: the session's, the data position and the training seconds
+        spent (a resumed run continues the same time budget)."""
+        return {"session": self.session.state_dict(), "loader": self.loader.state_dict(),
+                "trainer": {"elapsed_s": self.clock.elapsed}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Put the run back where `state` (from `state_dict`, or a checkpoint's) left it."""
         self.session.load_state_dict(state["session"])
         _load_loader(self.loader, state["loader"])
+        self.clock.elapsed = float(state.get("trainer", {}).get("elapsed_s", 0.0))
+
+    def schedule_step(self, step: int) -> int:
+        """The schedule's step for optimizer step `step`: itself, or under a time budget the
+        step at the spent fraction of the budget (`training.steps` is then the schedule's
+        length)."""
+        if self.clock.budget is None:
+            return step
+        steps = self.cfg.training.steps
+        return min(steps - 1, int(self.clock.progress() * steps))
 
     def _set_lr(self, step: int) -> None:
-        set_lr(self.session.optimizer, self.schedule, step)
+        self.lr = set_lr(self.session.optimizer, self.schedule, self.schedule_step(step))
+
+    def _logged_lr(self, step: int) -> float:
+        """The rate optimizer step `step` (0-based) trained at, for its record: under a budget
+        the one the last step was given (the clock decides it, not the step)."""
+        return self.lr if self.clock.budget is not None else self.schedule(step)
 
     # -- closing --------------------------------------------------------------------------------
 

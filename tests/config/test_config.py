@@ -799,3 +799,19 @@ def test_cli_config_prints_a_partial_file_over_its_preset(
     out = capsys.readouterr().out
     assert out.startswith("preset: tiny\nmodel:\n  vocab_size: 8192\n")
     assert load_config(write(tmp_path, out, "resolved.yaml")) == load_config(path)
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("600", 600.0), ("90s", 90.0), ("30m", 1800.0),
+                                               ("2h", 7200.0), ("1h30m", 5400.0),
+                                               ("1.5h", 5400.0), ("null", None)])
+def test_a_time_budget_takes_durations(text: str, seconds: float | None) -> None:
+    assert load_config("tiny", [f"training.time_budget={text}"]).training.time_budget == seconds
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ("ten", "training.time_budget: expected seconds (a number, or e.g. 90s, 30m, 2h) or null"),
+    ("30x", "expected seconds"), ("0", "training.time_budget must be > 0 or null"),
+    ("-5m", "expected seconds")])
+def test_a_bad_time_budget_is_one_line(text: str, fragment: str) -> None:
+    message = error_of("tiny", [f"training.time_budget={text}"])
+    assert message.startswith(f"--set training.time_budget={text}: ") and fragment in message

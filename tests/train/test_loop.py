@@ -15,7 +15,13 @@ import pytest
 import torch
 
 from popbert.distributed import Replicas
-from popbert.train.loop import LoopSettings, RunStopped, TrainingDiverged, train_loop
+from popbert.train.loop import (
+    LoopSettings,
+    RunStopped,
+    TrainingClock,
+    TrainingDiverged,
+    train_loop,
+)
 from popbert.train.trainer import CheckpointManager
 
 
@@ -27,8 +33,10 @@ class ScriptedSession:
     loss_scaler = None
     device = torch.device("cpu")
 
-    def __init__(self, losses: list[float], steps_per_run: int = 1):
+    def __init__(self, losses: list[float], steps_per_run: int = 1, seconds_per_run: float = 0):
         self.losses = losses
+        self.seconds_per_run = seconds_per_run
+        self.now = 0.0  # a clock each run advances by `seconds_per_run`
         self.steps_per_run = steps_per_run
         self.step = 0
         self.replicas = Replicas.single()
@@ -37,6 +45,7 @@ class ScriptedSession:
     def run(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         losses = self.losses[self.step:self.step + self.steps_per_run]
         self.step += len(losses)
+        self.now += self.seconds_per_run
         return {"loss": torch.tensor(losses), "accuracy": torch.full((len(losses),), 0.5)}
 
     def evaluate(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -154,3 +163,36 @@ def test_a_caller_can_stop_the_run_after_a_record() -> None:
         train_loop(session, batches(), LoopSettings(steps=10, log_every=2), tracker=tracker,
                    on_record=on_record)
     assert seen == [2, 4] and [r["step"] for r in tracker.records] == [2, 4]
+
+
+def test_a_time_budget_stops_before_a_run_would_overrun_it() -> None:
+    """Runs of 1 s, a 10 s budget with 2 s kept for the final checkpoint: 8 runs (the 9th would
+    end at 9 s, into the reserve); `training.steps` (3 here) does not stop a budgeted run."""
+    session = ScriptedSession([1.0] * 50, seconds_per_run=1.0)
+    clock = TrainingClock(budget=10.0, now=lambda: session.now)
+    clock.reserve = 2.0
+    tracker = Tracker()
+    result = train_loop(session, batches(), LoopSettings(steps=3, log_every=2), tracker=tracker,
+                        clock=clock)
+    assert session.step == 8 and result.steps_trained == 8 and clock.elapsed == 8.0
+    assert [r["step"] for r in tracker.records] == [2, 4, 6, 8]
+    assert [r["elapsed_s"] for r in tracker.records] == [2.0, 4.0, 6.0, 8.0]
+    odd = ScriptedSession([1.0] * 50, seconds_per_run=1.0)  # stops between two logged steps
+    clock = TrainingClock(budget=7.0, now=lambda: odd.now)
+    tracker = Tracker()
+    train_loop(odd, batches(), LoopSettings(steps=3, log_every=2), tracker=tracker, clock=clock)
+    assert [r["step"] for r in tracker.records] == [2, 4, 6, 7]  # the last window is logged
+    # Without a budget the same loop stops at training.steps.
+    unbudgeted = ScriptedSession([1.0] * 50, seconds_per_run=1.0)
+    assert train_loop(unbudgeted, batches(), LoopSettings(steps=3, log_every=2)).steps_trained == 3
+
+
+def test_a_resumed_clock_continues_the_same_budget() -> None:
+    session = ScriptedSession([1.0] * 50, seconds_per_run=1.0)
+    clock = TrainingClock(budget=10.0, elapsed=6.0, now=lambda: session.now)  # 6 s already spent
+    tracker = Tracker()
+    train_loop(session, batches(), LoopSettings(steps=100, log_every=1), tracker=tracker,
+               clock=clock)
+    assert session.step == 4  # the runs ending at 7, 8, 9 and 10 s; the next would overrun
+    assert [r["elapsed_s"] for r in tracker.records] == [7.0, 8.0, 9.0, 10.0]
+    assert clock.progress() == 1.0

@@ -68,7 +68,7 @@ def test_state_dict_round_trips_to_the_same_numbers(tmp_path: Path) -> None:
     cfg = small("training.steps=4", "training.checkpoint_every=2")
     with popbert.Trainer.from_config(cfg, tmp_path / "a") as first:
         first.train()
-        assert set(first.state_dict()) == {"session", "loader"}
+        assert set(first.state_dict()) == {"session", "loader", "trainer"}
     state = ckpt.load_checkpoint(tmp_path / "a" / "checkpoints" / "step-000002").state()
     with popbert.Trainer.from_config(cfg, tmp_path / "b") as second:
         second.load_state_dict(state)
@@ -162,3 +162,50 @@ def test_a_cli_finetuning_run_repeats_from_python(tmp_path: Path) -> None:
     stripped = [dataclasses.replace(c, data=dataclasses.replace(c.data, vocab_file=None))
                 for c in configs]
     assert stripped[0] == stripped[1]
+
+
+def test_under_a_time_budget_the_schedule_follows_the_clock(tmp_path: Path) -> None:
+    """Warmup over the first 20% of the budget, then linear decay: the rate at a spent fraction
+    f is the schedule's at step f x training.steps, whatever step the run is at."""
+    cfg = small("training.steps=100", "training.time_budget=1h", "optimizer.warmup_steps=20",
+                "optimizer.lr=1e-3")
+    with popbert.Trainer.from_config(cfg, tmp_path / "run") as trainer:
+        for fraction, expected_step in ((0.0, 0), (0.1, 10), (0.5, 50), (0.999, 99), (2.0, 99)):
+            trainer.clock.elapsed = fraction * 3600
+            for step in (0, 7, 5000):  # the optimizer's step does not matter
+                trainer.session.step_hook(step)
+                assert trainer.lr == pytest.approx(trainer.schedule(expected_step))
+        assert trainer.schedule(10) < trainer.schedule(20) > trainer.schedule(50)  # warm, decay
+    without = small("training.steps=100", "optimizer.warmup_steps=20")
+    with popbert.Trainer.from_config(without, tmp_path / "steps") as trainer:
+        trainer.clock.elapsed = 1800
+        trainer.session.step_hook(7)
+        assert trainer.lr == pytest.approx(trainer.schedule(7))
+
+
+@pytest.mark.e2e
+def test_a_budgeted_run_stops_on_time_and_resumes_the_same_budget(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    cfg = small("training.steps=1000000", "training.time_budget=4s",
+                "training.checkpoint_every=3", "training.keep_checkpoints=0")
+    with popbert.Trainer.from_config(cfg, run) as trainer:
+        first = trainer.train()
+    assert 0 < first.steps < 1000000  # the budget, not training.steps, ended it
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    elapsed = [r["elapsed_s"] for r in records]
+    assert elapsed == sorted(elapsed) and records[-1]["step"] == first.steps
+    saved = json.loads((first.checkpoint / "state.json").read_text())["trainer"]
+    assert 0 < saved["elapsed_s"] <= first.elapsed_s <= 4  # saved when written: at most the end
+    shorter = small("training.steps=1000000", "training.time_budget=0.5s")
+    with pytest.raises(popbert.PopbertError, match="raise training.time_budget"):
+        popbert.Trainer.from_config(shorter, run, resume=run)  # that budget is spent
+    longer = small("training.steps=1000000", "training.time_budget=8s",
+                   "training.checkpoint_every=3", "training.keep_checkpoints=0")
+    with popbert.Trainer.from_config(longer, run, resume=run) as trainer:
+        assert trainer.clock.elapsed == saved["elapsed_s"]
+        second = trainer.train()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    resumed = [r for r in records if r["step"] > first.steps]
+    assert second.steps > first.steps and resumed
+    assert resumed[0]["elapsed_s"] > saved["elapsed_s"]  # the clock went on from the checkpoint
+    assert second.elapsed_s <= 8

@@ -73,8 +73,9 @@ class Job:
         """The job's evaluation of the current weights (by default its end-of-run score)."""
         return self.score(trainer)
 
-    def export(self, trainer: Trainer) -> Path | None:
-        """The inference model written at the end (replica 0), or None."""
+    def export(self, trainer: Trainer, directory: Path | None = None) -> Path | None:
+        """The inference model written at the end (replica 0) into `directory` (default: the
+        run directory), or None."""
         return None
 
 

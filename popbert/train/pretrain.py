@@ -95,9 +95,10 @@ class PretrainingJob(Job):
         """The `val_*` means over the held-out batches ({} without validation data)."""
         return evaluate(trainer.session, trainer.validation) if trainer.validation else {}
 
-    def export(self, trainer) -> Path:
+    def export(self, trainer, directory: Path | None = None) -> Path:
+        directory = directory if directory is not None else trainer.output_dir
         return export_weights(trainer.session.weights(), self.config.model, "pretraining",
-                              trainer.output_dir / "model.inference.onnx")
+                              directory / "model.inference.onnx")
 
 
 def matching_weights(weights: dict[str, torch.Tensor], session: Session) -> dict:

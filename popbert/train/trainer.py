@@ -14,8 +14,10 @@ every global batch, only replica 0 writes outputs, and all replicas take the sam
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -302,6 +304,8 @@ class Trainer:
         final: Path | None = None
         scores: dict[str, float] = {}
         try:
+            if self.clock.budget is not None:
+                self._rehearse_finish()
             batches = micro_batches(self.loader, session.micro_batches_per_run())
             result = train_loop(session, batches, self.loop_settings(), schedule=self._logged_lr,
                                 tracker=self.metrics, checkpoints=self.checkpoints,
@@ -349,13 +353,32 @@ class Trainer:
         if not all_replicas(session, finite):
             raise TrainingDiverged(session.step, "a weight is not finite",
                                    self.checkpoints.diverged())
-        started = time.perf_counter()
-        path = self.checkpoints.save(session.step, self.job.checkpoint_state(self))
-        # A budget keeps time for the final checkpoint and the export after the loop: twice
-        # the last save (the export verifies in ONNX Runtime too), and 1% of the budget.
-        if self.clock.budget is not None:
-            self.clock.reserve = 2 * (time.perf_counter() - started) + 0.01 * self.clock.budget
-        return path
+        return self.checkpoints.save(session.step, self.job.checkpoint_state(self))
+
+    def _rehearse_finish(self) -> None:
+        """Under a time budget: write a checkpoint, the export and a plot once, into a scratch
+        directory
+        (`checkpoints/.tmp-rehearsal-*`: what a kill leaves is tidied at the next start), and
+        keep 1.5 times as long, plus 1% of the budget, for the real ones after the loop. The
+        rehearsal's seconds count against the budget."""
+        before = self.clock.elapsed
+        self.clock.start()
+        state = self.job.checkpoint_state(self)  # every replica: sharded state is gathered
+        if self.replicas.is_main:
+            root = self.output_dir / "checkpoints"
+            root.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=root, prefix=".tmp-rehearsal-") as scratch:
+                ckpt.save_checkpoint(Path(scratch) / "checkpoint",
+                                     ckpt.Checkpoint.from_state(state), self.config_yaml,
+                                     self.checkpoints.graph)
+                self.job.export(self, Path(scratch))
+                metrics = Path(scratch) / "metrics.jsonl"  # and the plot, drawn at the end
+                metrics.write_text(json.dumps({"step": 1, "loss": 1.0, "lr": 0.0}) + "\n")
+                plot_if_logged(metrics, Path(scratch) / "metrics.png")
+        seconds = self.clock.tick() - before
+        self.clock.reserve = 1.5 * seconds + 0.01 * self.clock.budget
+        log.info("time budget: %.1f s kept for the final checkpoint and export",
+                 self.clock.reserve)
 
     # -- state ----------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import typing
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,8 +44,6 @@ NOT_SWEPT = ("model.", "data.", "training.steps", "optimizer.warmup_steps")
 def finetune_args(job: str) -> dict[str, Any]:
     """The `args` a fine-tuning job takes (its command's flags that set `finetune.*` keys), each
     with its kind: "path", int, float or str (labels: comma-separated, as on the command line)."""
-    import typing
-
     from popbert.config import FinetuneConfig
     from popbert.train.finetune import COMMON_FLAGS, FLAG_KEYS, TASKS
 

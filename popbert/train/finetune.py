@@ -212,6 +212,7 @@ class FinetuneJob(Job):
     flags: tuple[str, ...] = ()  # the task's own flags (`FLAG_KEYS`), besides COMMON_FLAGS
 
     def __init__(self, cfg: RunConfig, output_dir: Path):
+        self.check(cfg)  # before the checkpoint and the data are read
         f = cfg.finetune
         self.output_dir = Path(output_dir)
         self.pretrained = load_pretrained(Path(f.checkpoint))

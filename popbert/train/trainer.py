@@ -280,7 +280,8 @@ class Trainer:
             fresh = job.load_initial_weights(session,
                                              initial.weights if initial is not None else None)
             if restored is not None:
-                _restore(session, loader, restored)
+                _restore(session, loader, restored.state())
+                log.info("resumed from step %d", restored.step)
             agree(replicas, "(start step, training.steps, global batch, samples)",
                   (session.step, cfg.training.steps, cfg.global_batch_size,
                    loader.num_samples))
@@ -390,8 +391,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Put the run back where `state` (from `state_dict`, or a checkpoint's) left it."""
-        self.session.load_state_dict(state["session"])
-        _load_loader(self.loader, state["loader"])
+        _restore(self.session, self.loader, state)
         self.clock.elapsed = float(state.get("trainer", {}).get("elapsed_s", 0.0))
 
     def schedule_step(self, step: int) -> int:
@@ -473,16 +473,11 @@ def _replicas_for(cfg: RunConfig, replicas: Replicas | None) -> tuple[Replicas, 
     return replicas, False
 
 
-def _restore(session: Session, loader: Any, restored: ckpt.Checkpoint) -> None:
-    state = restored.state()
+def _restore(session: Session, loader: Any, state: dict[str, Any]) -> None:
+    """The session's and the data position's parts of a run's state put back."""
     session.load_state_dict(state["session"])
-    _load_loader(loader, state["loader"])
-    log.info("resumed from step %d", restored.step)
-
-
-def _load_loader(loader: Any, state: dict[str, Any]) -> None:
     try:
-        loader.load_state_dict(state)
+        loader.load_state_dict(state["loader"])
     except (KeyError, ValueError) as error:
         raise CheckpointError(f"checkpoint's data position does not fit this run's data: "
                               f"{one_line(error, 300)}") from None

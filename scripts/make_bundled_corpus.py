@@ -51,6 +51,11 @@ def split_sentences(text: str, segmenter) -> list[str]:
     return sentences
 
 
+def title_key(title: str) -> str:
+    """The sort key of an article: sha256 of its title (stable, mixes all topics)."""
+    return hashlib.sha256(title.encode("utf-8")).hexdigest()
+
+
 def select_documents(source: Path, max_bytes: int, min_sentences: int) -> list[list[str]]:
     """Pick whole articles in sha256(title) order until the corpus would exceed max_bytes."""
     import pysbd
@@ -58,7 +63,7 @@ def select_documents(source: Path, max_bytes: int, min_sentences: int) -> list[l
     with open(source, encoding="utf-8") as f:
         articles = json.load(f)
     segmenter = pysbd.Segmenter(language="en", clean=False)
-    order = sorted(articles, key=lambda t: hashlib.sha256(t.encode("utf-8")).hexdigest())
+    order = sorted(articles, key=title_key)
     documents: list[list[str]] = []
     used = 0
     for title in order:
@@ -75,8 +80,12 @@ def select_documents(source: Path, max_bytes: int, min_sentences: int) -> list[l
 
 def write_corpus(documents: list[list[str]], path: Path) -> None:
     """Google's format: one sentence per line, one blank line between documents."""
-    text = "\n\n".join("\n".join(doc) for doc in documents) + "\n"
-    path.write_text(text, encoding="utf-8")
+    path.write_text(corpus_text(documents), encoding="utf-8")
+
+
+def corpus_text(documents: list[list[str]]) -> str:
+    """The text of `write_corpus`: sentences joined by newlines, documents by blank lines."""
+    return "\n\n".join("\n".join(doc) for doc in documents) + "\n"
 
 
 def train_vocab(corpus: Path, vocab_size: int, out: Path) -> int:

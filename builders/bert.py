@@ -59,7 +59,7 @@ class Encoded:
     """What every task head starts from: the encoder output, the pooled [CLS], the word table."""
 
     hidden: str
-    pooled: str
+    pooled: str | None  # None: an MLM-only model has no pooler
     word_table: str
 
 
@@ -152,7 +152,9 @@ def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = 
                 hidden = b.checkpointOutput([hidden])[0]
 
     with plan.scope(b, plan.heads):
-        if config.packed:
+        if task in ("pretraining", "encoder") and not config.next_sentence_prediction:
+            pooled = None  # MLM only: no pooler was trained (task heads start their own)
+        elif config.packed:
             cls_positions = graph.add_input("cls_positions",
                                             [batch_size, config.max_sequences_per_pack])
             pooled = packed_pooler(b, config, init, hidden, cls_positions)
@@ -169,9 +171,11 @@ def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = 
 @register_task("encoder")
 def encoder_outputs(b: Builder, config: BertConfig, init: layers.WeightInit, graph: BertGraph,
                     encoded: Encoded, with_loss: bool) -> None:
-    """`transformers.BertModel`'s outputs; no loss (it is for inference and feature export)."""
+    """`transformers.BertModel`'s outputs; no loss (it is for inference and feature export).
+    An MLM-only model has no pooler, so no `pooler_output`."""
     graph.outputs["last_hidden_state"] = encoded.hidden
-    graph.outputs["pooler_output"] = encoded.pooled
+    if encoded.pooled is not None:
+        graph.outputs["pooler_output"] = encoded.pooled
 
 
 @register_task("pretraining")
@@ -181,12 +185,19 @@ def pretraining_head(b: Builder, config: BertConfig, init: layers.WeightInit, gr
 
     Packed: the MLM slots cover all sequences of a row, `nsp_logits` is [B, K, 2] (one per
     packed sequence) and `next_sentence_labels` [B, K] with `NSP_IGNORE` in unused slots.
+    `model.next_sentence_prediction: false` (RoBERTa's MLM-only objective): no NSP head, no
+    `next_sentence_labels` input, and the loss is the MLM loss alone.
     """
     preds = config.max_predictions_per_seq
     positions = graph.add_input("masked_lm_positions", [graph.batch_size, preds])
     mlm_logits = mlm_head(b, config, init, encoded.hidden, positions, encoded.word_table)
-    nsp_logits = nsp_head(b, config, init, encoded.pooled)
     graph.outputs["mlm_logits"] = mlm_logits
+    if not config.next_sentence_prediction:
+        if with_loss:
+            mlm_labels = graph.add_input("masked_lm_ids", [graph.batch_size, preds])
+            graph.outputs.update(mlm_losses(b, config, mlm_logits, mlm_labels))
+        return
+    nsp_logits = nsp_head(b, config, init, encoded.pooled)
     graph.outputs["nsp_logits"] = nsp_logits
     if with_loss:
         mlm_labels = graph.add_input("masked_lm_ids", [graph.batch_size, preds])
@@ -302,15 +313,31 @@ def nsp_head(b: Builder, config: BertConfig, init: layers.WeightInit, pooled: st
         return layers.dense(b, pooled, config.hidden_size, 2, init, "Cls")
 
 
+def _flat_mlm(b: Builder, config: BertConfig, mlm_logits: str, mlm_labels: str
+              ) -> tuple[str, str]:
+    flat_logits = b.aiOnnx.reshape(
+        [mlm_logits, b.addConstant(np.array([-1, config.vocab_size], np.int64), "shape")],
+        "MLMLogitsFlat")
+    flat_labels = b.aiOnnx.reshape(
+        [mlm_labels, b.addConstant(np.array([-1], np.int64), "flat")], "MLMLabelsFlat")
+    return flat_logits, flat_labels
+
+
+def mlm_losses(b: Builder, config: BertConfig, mlm_logits: str, mlm_labels: str
+               ) -> dict[str, str]:
+    """MLM only: the loss (label 0 = padding, ignored; `loss` is `mlm_loss`) and accuracy."""
+    with b.nameScope("Loss"):
+        flat_logits, flat_labels = _flat_mlm(b, config, mlm_logits, mlm_labels)
+        mlm_loss = layers.softmax_cross_entropy(b, flat_logits, flat_labels, 0, "mlm_loss")
+        mlm_accuracy = layers.accuracy(b, flat_logits, flat_labels, 0, "mlm_accuracy")
+    return {"loss": mlm_loss, "mlm_loss": mlm_loss, "mlm_accuracy": mlm_accuracy}
+
+
 def losses(b: Builder, config: BertConfig, mlm_logits: str, nsp_logits: str, mlm_labels: str,
            nsp_labels: str) -> dict[str, str]:
     """MLM loss (label 0 = padding, ignored) + NSP loss, their sum, and both accuracies."""
     with b.nameScope("Loss"):
-        flat_logits = b.aiOnnx.reshape(
-            [mlm_logits, b.addConstant(np.array([-1, config.vocab_size], np.int64), "shape")],
-            "MLMLogitsFlat")
-        flat_labels = b.aiOnnx.reshape(
-            [mlm_labels, b.addConstant(np.array([-1], np.int64), "flat")], "MLMLabelsFlat")
+        flat_logits, flat_labels = _flat_mlm(b, config, mlm_logits, mlm_labels)
         mlm_loss = layers.softmax_cross_entropy(b, flat_logits, flat_labels, 0, "mlm_loss")
         nsp_ignore = None
         if config.packed:

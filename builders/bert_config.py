@@ -93,6 +93,9 @@ class BertConfig:
     # sequences; the pre-training graph then takes `position_ids`, `sequence_index` and
     # `cls_positions` inputs, and `max_predictions_per_seq` counts MLM slots per row (pack).
     packed: bool = False
+    # Next-sentence prediction in pre-training (Google's BERT). false: MLM only (RoBERTa, Liu et
+    # al. 2019): no NSP head or pooler, and text becomes full rows of contiguous sentences.
+    next_sentence_prediction: bool = True
     max_sequences_per_pack: int = setting(3, at_least(1))
     # "bert" (Google's post-norm BERT, `builders/bert.py`) or "groupbert" (Chelombiev et al.
     # 2021: PreNorm layers of convolution, FFN, attention, FFN; `builders/groupbert.py`).
@@ -126,6 +129,11 @@ class BertConfig:
                           f"exceeds what model.sequence_length ({self.sequence_length}) can "
                           "hold (2 tokens each)", "model.max_sequences_per_pack",
                           "model.sequence_length", "model.packed")
+        if self.packed and not self.next_sentence_prediction:
+            raise Invalid("model.packed packs sentence pairs for next-sentence prediction; "
+                          "with model.next_sentence_prediction false rows are full chunks of "
+                          "text with no padding to pack away", "model.packed",
+                          "model.next_sentence_prediction")
         if self.layers_per_ipu is not None and sum(self.layers_per_ipu) != self.num_layers:
             raise Invalid(f"model.layers_per_ipu {self.layers_per_ipu} places "
                           f"{sum(self.layers_per_ipu)} layers but model.num_layers is "

@@ -49,6 +49,9 @@ class InstanceOptions:
     dupe_factor: int = 1
     whole_word_mask: bool = False
     seed: int = 12345
+    # False: MLM-only rows (RoBERTa's FULL-SENTENCES, what `transformers`' run_mlm does): the
+    # documents' tokens back to back, [SEP] between documents, cut into full rows; no pairs.
+    next_sentence: bool = True
 
     def validate(self) -> None:
         """Raise ValueError naming the bad option; catches impossible shapes before any work."""
@@ -66,8 +69,12 @@ class InstanceOptions:
             raise ValueError(f"dupe_factor must be >= 1, got {self.dupe_factor}")
 
     def as_dict(self) -> dict:
-        """Plain dict for shard attributes and cache keys."""
-        return asdict(self)
+        """Plain dict for shard attributes and cache keys (`next_sentence` only when off, so
+        the keys of sentence-pair data made before the option existed still match)."""
+        options = asdict(self)
+        if options["next_sentence"]:
+            del options["next_sentence"]
+        return options
 
 
 @dataclass
@@ -300,6 +307,8 @@ def instances_to_arrays(instances: Sequence[TrainingInstance], sequence_length: 
 def create_pretraining_arrays(documents: Sequence[Document], tokenizer: WordPieceTokenizer,
                               options: InstanceOptions) -> dict[str, np.ndarray]:
     """Tokenized documents -> instances -> NVIDIA-layout arrays, in one seeded call."""
+    if not options.next_sentence:
+        return create_chunk_arrays(documents, tokenizer, options)
     creator = InstanceCreator(tokenizer, options)
     instances = creator.create_training_instances(documents)
     log.info("created %d instances (seq %d, %d predictions, dupe %d, seed %d)", len(instances),
@@ -429,6 +438,8 @@ def create_instance_arrays(documents: Sequence[Document], tokenizer: WordPieceTo
     all_documents = [d for d in documents if d]
     if not all_documents:
         raise DataError("no non-empty documents to create instances from")
+    if not options.next_sentence:
+        return create_chunk_arrays(all_documents, tokenizer, options)
     rng.shuffle(all_documents)
     passes = []
     for _ in range(options.dupe_factor):
@@ -457,3 +468,62 @@ def create_instance_arrays(documents: Sequence[Document], tokenizer: WordPieceTo
     del passes
     mask_arrays(arrays, tokenizer, options, generator)
     return arrays
+
+
+def create_chunk_arrays(documents: Sequence[Document], tokenizer: WordPieceTokenizer,
+                        options: InstanceOptions) -> dict[str, np.ndarray]:
+    """MLM-only rows (`options.next_sentence` false), seeded: each pass shuffles the
+    documents, lays their tokens back to back with a [SEP] after each document, and cuts the
+    stream into `[CLS] chunk [SEP]` rows of exactly `sequence_length` tokens (the last row of a
+    pass is padded). Rows are shuffled, then masked by `mask_arrays`; `segment_ids` and
+    `next_sentence_labels` are all 0."""
+    width = options.sequence_length - 2
+    documents = [d for d in documents if d]
+    if not documents:
+        raise DataError("no non-empty documents to create instances from")
+    rng = random.Random(options.seed)
+    passes = []
+    for _ in range(options.dupe_factor):
+        rng.shuffle(documents)
+        stream = np.fromiter((token for document in documents
+                              for sentence in document + [[tokenizer.sep_id]]
+                              for token in sentence), dtype=np.int32)
+        rows = -(-len(stream) // width)
+        body = np.zeros((rows, width), np.int32)
+        body.reshape(-1)[:len(stream)] = stream
+        lengths = np.full(rows, width, np.int64)
+        lengths[-1] = len(stream) - width * (rows - 1)
+        ids = np.zeros((rows, options.sequence_length), np.int32)
+        ids[:, 0] = tokenizer.cls_id
+        ids[:, 1:-1] = body
+        ids[np.arange(rows), lengths + 1] = tokenizer.sep_id
+        passes.append((ids, lengths + 2))
+    ids = np.concatenate([p[0] for p in passes])
+    lengths = np.concatenate([p[1] for p in passes])
+    n, preds = len(ids), options.max_predictions_per_seq
+    generator = np.random.default_rng(options.seed)
+    order = generator.permutation(n)
+    columns = np.arange(options.sequence_length)
+    arrays = {
+        "input_ids": ids[order],
+        "input_mask": (columns[None, :] < lengths[order][:, None]).astype(np.int32),
+        "segment_ids": np.zeros_like(ids),
+        "masked_lm_positions": np.zeros((n, preds), np.int32),
+        "masked_lm_ids": np.zeros((n, preds), np.int32),
+        "next_sentence_labels": np.zeros(n, np.int32),
+    }
+    mask_arrays(arrays, tokenizer, options, generator)
+    log.info("created %d MLM-only rows of %d tokens (%d predictions, dupe %d, seed %d)", n,
+             options.sequence_length, preds, options.dupe_factor, options.seed)
+    return arrays
+
+
+def unmask_rows(arrays: dict[str, np.ndarray]) -> None:
+    """Undo `mask_arrays` in place: the original tokens back at the masked positions and the
+    prediction slots cleared (slots labelled 0 are padding)."""
+    ids, positions, labels = (arrays["input_ids"], arrays["masked_lm_positions"],
+                              arrays["masked_lm_ids"])
+    rows, slots = np.nonzero(labels)
+    ids[rows, positions[rows, slots]] = labels[rows, slots]
+    positions[:] = 0
+    labels[:] = 0

@@ -19,7 +19,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -36,7 +36,12 @@ from popbert.data.hdf5 import (
     read_shard_info,
     write_shard,
 )
-from popbert.data.instances import FEATURE_NAMES, InstanceOptions, create_pretraining_arrays
+from popbert.data.instances import (
+    FEATURE_NAMES,
+    InstanceOptions,
+    create_pretraining_arrays,
+    unmask_rows,
+)
 from popbert.data.packing import PACKED_FEATURE_NAMES
 from popbert.data.tokenization import (
     WordPieceTokenizer,
@@ -89,6 +94,9 @@ class PretrainingLoader:
     without, the last global batch is completed by wrapping to the epoch's start, so every
     replica always gets a full batch (collectives stay in step) and every sample is seen.
     Batches are dicts of int64 torch tensors (numpy arrays with `as_numpy=True`).
+    `remask` (dynamic masking, RoBERTa): each batch's stored masks are undone and `remask(batch,
+    rng)` masks it anew, `rng` seeded by the seed, the epoch and the batch's position, so every
+    epoch sees new masks and a resumed run the same ones.
     `prefetch_shards` shards beyond the current one are read ahead in a background thread.
     """
 
@@ -98,7 +106,9 @@ class PretrainingLoader:
                  sequence_length: int | None = None, max_predictions_per_seq: int | None = None,
                  vocab_size: int | None = None, vocab_sha256: str | None = None,
                  packed: bool | None = None, max_sequences_per_pack: int | None = None,
-                 as_numpy: bool = False, prefetch_shards: int = 2):
+                 as_numpy: bool = False, prefetch_shards: int = 2,
+                 remask: Callable[[dict[str, np.ndarray], np.random.Generator], None] | None
+                 = None):
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if num_replicas < 1 or not 0 <= replica_index < num_replicas:
@@ -135,6 +145,7 @@ class PretrainingLoader:
         self.drop_last = drop_last
         self.as_numpy = as_numpy
         self.prefetch_shards = max(0, int(prefetch_shards))
+        self.remask = remask
         self.global_batch_size = self.micro_batch_size * self.num_replicas
         if self.num_samples == 0:
             raise DataError("no pre-training samples to load")
@@ -262,6 +273,9 @@ class PretrainingLoader:
                     batch[name] = np.empty((self.micro_batch_size,) + data[name].shape[1:],
                                            np.int64)
                 batch[name][sel] = data[name][rows[sel]]
+        if self.remask is not None:
+            unmask_rows(batch)
+            self.remask(batch, np.random.default_rng([self.seed, self.epoch, start]))
         self.index += self.global_batch_size
         self._prefetch()
         if self.as_numpy:
@@ -321,7 +335,8 @@ def load_or_create_instances(input_files: PathsLike | None, vocab_path: str | os
                              dupe_factor: int = 1, masked_lm_prob: float = 0.15,
                              short_seq_prob: float = 0.1, whole_word_mask: bool = False,
                              use_cache: bool = True, validation_fraction: float = 0.0,
-                             split: str = "train") -> dict[str, np.ndarray]:
+                             split: str = "train", next_sentence: bool = True
+                             ) -> dict[str, np.ndarray]:
     """Pre-training arrays for Google-format text files, created once and cached as a shard.
 
     `input_files=None` / `vocab_path=None` mean the bundled corpus / vocabulary. The cache key
@@ -342,7 +357,8 @@ def load_or_create_instances(input_files: PathsLike | None, vocab_path: str | os
     options = InstanceOptions(sequence_length=sequence_length,
                               max_predictions_per_seq=max_predictions_per_seq,
                               masked_lm_prob=masked_lm_prob, short_seq_prob=short_seq_prob,
-                              dupe_factor=dupe_factor, whole_word_mask=whole_word_mask, seed=seed)
+                              dupe_factor=dupe_factor, whole_word_mask=whole_word_mask, seed=seed,
+                              next_sentence=next_sentence)
     options.validate()
     tokenizer = WordPieceTokenizer(vocab)
     material = {"algorithm": INSTANCES_ALGORITHM_VERSION, "schema": SCHEMA_VERSION,

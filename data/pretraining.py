@@ -14,6 +14,7 @@ micro-batches every evaluation sees.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +23,7 @@ import numpy as np
 
 from popbert.data.corpus import expand_input_files
 from popbert.data.hdf5 import check_shard_info, read_shard_info
+from popbert.data.instances import InstanceOptions, mask_arrays
 from popbert.data.loader import PretrainingLoader, load_or_create_instances
 from popbert.data.tokenization import WordPieceTokenizer, bundled_vocab_path
 from popbert.errors import ConfigError
@@ -79,7 +81,8 @@ def _instances(cfg: RunConfig, inputs: list[str] | None, vocab_path: Path, fract
         cfg.model.max_predictions_per_seq, cfg.data.seed,
         dupe_factor=cfg.data.duplication_factor, masked_lm_prob=cfg.data.masked_lm_prob,
         short_seq_prob=cfg.data.short_seq_prob, whole_word_mask=cfg.data.whole_word_masking,
-        validation_fraction=fraction, split=split)
+        validation_fraction=fraction, split=split,
+        next_sentence=cfg.model.next_sentence_prediction)
 
 
 def load_validation_data(cfg: RunConfig) -> dict[str, np.ndarray] | ShardSet | None:
@@ -146,12 +149,31 @@ def validation_batches(cfg: RunConfig, data: dict[str, np.ndarray] | ShardSet | 
 
 def make_loader(cfg: RunConfig, data: dict[str, np.ndarray] | ShardSet, replica_index: int = 0,
                 num_replicas: int = 1) -> PretrainingLoader:
-    """Micro-batches of `execution.micro_batch_size` for one replica, seeded by `data.seed`."""
+    """Micro-batches of `execution.micro_batch_size` for one replica, seeded by `data.seed`,
+    masked anew each batch with `data.dynamic_masking`."""
+    remask = dynamic_masking(cfg) if cfg.data.dynamic_masking else None
     if isinstance(data, ShardSet):
         return PretrainingLoader([str(p) for p in data.paths], cfg.execution.micro_batch_size,
                                  seed=cfg.data.seed, shuffle=cfg.data.shuffle,
                                  replica_index=replica_index, num_replicas=num_replicas,
-                                 **data.checks)
+                                 remask=remask, **data.checks)
     return PretrainingLoader(data, cfg.execution.micro_batch_size, seed=cfg.data.seed,
                              shuffle=cfg.data.shuffle, replica_index=replica_index,
-                             num_replicas=num_replicas)
+                             num_replicas=num_replicas, remask=remask)
+
+
+def dynamic_masking(cfg: RunConfig) -> Callable[[dict[str, np.ndarray], np.random.Generator],
+                                                None]:
+    """The loader's `remask`: Google's masking rule (`mask_arrays`) with the run's masking
+    rate, prediction slots and whole-word choice."""
+    vocab_path = Path(cfg.data.vocab_file) if cfg.data.vocab_file else bundled_vocab_path()
+    tokenizer = WordPieceTokenizer(vocab_path)
+    options = InstanceOptions(sequence_length=cfg.model.sequence_length,
+                              max_predictions_per_seq=cfg.model.max_predictions_per_seq,
+                              masked_lm_prob=cfg.data.masked_lm_prob,
+                              whole_word_mask=cfg.data.whole_word_masking)
+
+    def remask(batch: dict[str, np.ndarray], rng: np.random.Generator) -> None:
+        mask_arrays(batch, tokenizer, options, rng)
+
+    return remask

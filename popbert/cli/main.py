@@ -459,8 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", type=Path, required=True, metavar="DIR")
     p.add_argument("--output-dir", "-o", type=Path, required=True, metavar="DIR")
     p.add_argument("--architecture", default=None,
-                   choices=("BertModel", "BertForPreTraining", "BertForQuestionAnswering",
-                            "BertForSequenceClassification"),
+                   choices=("BertModel", "BertForPreTraining", "BertForMaskedLM",
+                            "BertForQuestionAnswering", "BertForSequenceClassification"),
                    help="default: the imported or fine-tuned model's class, else "
                         "BertForPreTraining")
     p.set_defaults(handler=_cmd_export_hf)

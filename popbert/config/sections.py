@@ -64,6 +64,9 @@ class DataConfig:
     short_seq_prob: float = setting(0.1, within("[0, 1]"))
     duplication_factor: int = setting(1, at_least(1))
     whole_word_masking: bool = False
+    # Mask every batch anew (RoBERTa's dynamic masking) instead of reusing the masks made with
+    # the data: over many epochs of a small corpus the model does not see the same masks again.
+    dynamic_masking: bool = False
     shuffle: bool = True
     # Held-out data for `training.eval_every`: files in input_files' formats, or (text corpora
     # only) a fraction of the corpus's documents, held out by document so that no sentence of a
@@ -398,6 +401,10 @@ def _check_across(cfg: RunConfig) -> None:
         raise Invalid(f"training.eval_every is {t.eval_every} but there is no validation data: "
                       "set data.validation_files or data.validation_fraction (e.g. 0.02)",
                       "training.eval_every", "data.validation_files", "data.validation_fraction")
+    if d.dynamic_masking and m.packed:
+        raise Invalid("data.dynamic_masking masks unpacked rows; packed rows keep the masks "
+                      "they were packed with (set data.dynamic_masking=false)",
+                      "data.dynamic_masking", "model.packed")
     if t.global_batch_size is not None:
         per_pass = e.micro_batch_size * e.replicas
         layout = (f"execution.micro_batch_size ({e.micro_batch_size}) x execution.replicas "

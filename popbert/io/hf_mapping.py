@@ -88,14 +88,18 @@ def encoder_rules(config: BertConfig, prefix: str = "bert.", pooler: bool = True
     return rules
 
 
-def head_rules() -> list[Rule]:
-    """`BertForPreTraining`'s `cls.*` heads (the decoder weight is tied to the word embedding)."""
+def mlm_head_rules() -> list[Rule]:
+    """`cls.predictions`, the MLM head (the decoder weight is tied to the word embedding)."""
     return [
         *_dense("CLS/LMPrediction/Dense", "cls.predictions.transform.dense"),
         *_norm("CLS/LMPrediction/Norm", "cls.predictions.transform.LayerNorm"),
         _same("CLS/MLM/Bias", "cls.predictions.bias"),
-        *_dense("NSP/Cls", "cls.seq_relationship"),
     ]
+
+
+def head_rules() -> list[Rule]:
+    """`BertForPreTraining`'s `cls.*` heads: MLM and NSP."""
+    return [*mlm_head_rules(), *_dense("NSP/Cls", "cls.seq_relationship")]
 
 
 def squad_rules() -> list[Rule]:
@@ -142,6 +146,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "BertModel": Architecture("BertModel", "", True, lambda: []),
     "BertForPreTraining": Architecture("BertForPreTraining", "bert.", True, head_rules,
                                        tied=tuple(TIED_HF_KEYS.items())),
+    # MLM-only pre-training (model.next_sentence_prediction: false): no pooler, no NSP head.
+    "BertForMaskedLM": Architecture("BertForMaskedLM", "bert.", False, mlm_head_rules,
+                                    tied=tuple(TIED_HF_KEYS.items())),
     "BertForQuestionAnswering": Architecture("BertForQuestionAnswering", "bert.", False,
                                              squad_rules),
     "BertForSequenceClassification": Architecture("BertForSequenceClassification", "bert.",
@@ -157,6 +164,8 @@ def architecture_for(weights: Mapping[str, object]) -> str:
         return "BertForSequenceClassification"
     if all(rule.ours in weights for rule in head_rules()):
         return "BertForPreTraining"
+    if all(rule.ours in weights for rule in mlm_head_rules()):
+        return "BertForMaskedLM"
     return "BertModel"
 
 
@@ -186,9 +195,10 @@ def to_hf_architecture(weights: Mapping[str, Array], config: BertConfig, archite
 
 def to_hf(weights: Mapping[str, Array], config: BertConfig,
           include_tied: bool = True) -> dict[str, Array]:
-    """popbert weights → `BertForPreTraining` state dict (numpy). Missing heads are skipped."""
+    """popbert weights → `BertForPreTraining` state dict (numpy). Missing heads (and the pooler,
+    which MLM-only models do not have) are skipped."""
     out: dict[str, Array] = {}
-    optional = {rule.ours for rule in head_rules()}
+    optional = {rule.ours for rule in head_rules() + _dense("NSP/Pool", "")}
     for rule in pretraining_rules(config):
         if rule.ours not in weights:
             if rule.ours in optional:

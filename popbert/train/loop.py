@@ -95,7 +95,8 @@ class LoopSettings:
 
 class TrainingClock:
     """Training seconds since the run began, summed over resumes (`elapsed_s` in every record),
-    and the budget they may reach (`training.time_budget`, None: none).
+    and the budget they may reach (`training.time_budget`, None: none). Steps, checkpoints and
+    logging count; validation does not (`skip`).
 
     The loop stops before a run of steps would end past `budget - reserve`: it expects each
     run to take as long as the longest so far, and the caller keeps `reserve` seconds for what
@@ -121,6 +122,11 @@ class TrainingClock:
             self.elapsed += now - self._mark
         self._mark = now
         return self.elapsed
+
+    def skip(self) -> None:
+        """Leave the seconds since the last tick uncounted (validation: the run's quality is
+        measured, not trained, so how often it is measured does not move its curve)."""
+        self._mark = self._now()
 
     def progress(self) -> float:
         """The fraction of the budget spent (0 without a budget)."""
@@ -205,9 +211,11 @@ def train_loop(session: Session, batches: Iterator[Batch], settings: LoopSetting
                 bar.update(steps_done)
             evaluated = None
             if eval_every and session.step % eval_every < steps_done:
+                clock.tick()
                 eval_started = time.perf_counter()
                 evaluated = evaluate(session, validation)
                 window_start += time.perf_counter() - eval_started  # seq_per_s: training only
+                clock.skip()  # measuring is not training: curves against elapsed_s stay fair
             if session.step % log_every < steps_done or session.step >= last_step or evaluated:
                 record = _log(session, window, session.step, schedule, tracker,
                               samples_per_step, time.perf_counter() - window_start,

@@ -33,9 +33,11 @@ class ScriptedSession:
     loss_scaler = None
     device = torch.device("cpu")
 
-    def __init__(self, losses: list[float], steps_per_run: int = 1, seconds_per_run: float = 0):
+    def __init__(self, losses: list[float], steps_per_run: int = 1, seconds_per_run: float = 0,
+                 seconds_per_evaluation: float = 0):
         self.losses = losses
         self.seconds_per_run = seconds_per_run
+        self.seconds_per_evaluation = seconds_per_evaluation
         self.now = 0.0  # a clock each run advances by `seconds_per_run`
         self.steps_per_run = steps_per_run
         self.step = 0
@@ -50,6 +52,7 @@ class ScriptedSession:
 
     def evaluate(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         self.evaluated.append(self.step)
+        self.now += self.seconds_per_evaluation
         return {"loss": batch["x"].float().mean()}
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -185,6 +188,27 @@ def test_a_time_budget_stops_before_a_run_would_overrun_it() -> None:
     # Without a budget the same loop stops at training.steps.
     unbudgeted = ScriptedSession([1.0] * 50, seconds_per_run=1.0)
     assert train_loop(unbudgeted, batches(), LoopSettings(steps=3, log_every=2)).steps_trained == 3
+
+
+def test_validation_seconds_are_not_training_seconds() -> None:
+    """Runs of 1 s and an evaluation of 5 s every 2 steps: elapsed_s counts the runs only, and a
+    10 s budget still trains 10 steps (how often a run is measured does not move its curve);
+    the negative control is the same loop without validation, whose clock reads the same."""
+    session = ScriptedSession([1.0] * 50, seconds_per_run=1.0, seconds_per_evaluation=5.0)
+    clock = TrainingClock(budget=10.0, now=lambda: session.now)
+    tracker = Tracker()
+    validation = [{"x": torch.tensor([2.0])}]
+    train_loop(session, batches(), LoopSettings(steps=100, log_every=1, eval_every=2),
+               tracker=tracker, validation=validation, clock=clock)
+    assert session.step == 10 and session.evaluated == [2, 4, 6, 8, 10]
+    assert [r["elapsed_s"] for r in tracker.records] == [float(i) for i in range(1, 11)]
+    assert session.now == 10.0 + 5 * 5.0  # the evaluations did take (scripted) time
+    plain = ScriptedSession([1.0] * 50, seconds_per_run=1.0)
+    plain_tracker = Tracker()
+    train_loop(plain, batches(), LoopSettings(steps=100, log_every=1), tracker=plain_tracker,
+               clock=TrainingClock(budget=10.0, now=lambda: plain.now))
+    assert [r["elapsed_s"] for r in plain_tracker.records] == \
+        [r["elapsed_s"] for r in tracker.records]
 
 
 def test_a_resumed_clock_continues_the_same_budget() -> None:

@@ -23,6 +23,7 @@ from popbert.optimizers.schedules import (
     piecewise_constant,
     set_lr,
     warmup_decay,
+    wsd_decay_start,
 )
 from popbert.optimizers.stochastic_rounding import (
     ROUNDING_SCHEME,
@@ -56,4 +57,5 @@ __all__ = [
     "stochastic_round_hashed",
     "unscale_grads_",
     "warmup_decay",
+    "wsd_decay_start",
 ]

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 # The names each choice may take; the modules that act on them import them from here.
 OPTIMIZERS = ("lamb", "adamw")
-DECAYS = ("linear", "polynomial", "none")
+DECAYS = ("linear", "polynomial", "none", "cosine", "wsd")
 LOSS_SCALINGS = ("none", "static", "dynamic")
 BACKENDS = ("torch", "popart")
 DEVICES = ("cpu", "cuda", "auto")
@@ -109,7 +109,10 @@ class OptimizerConfig:
     warmup_start_lr: float = setting(1e-7, at_least(0))
     decay: str = setting("linear", choice(DECAYS))
     end_lr: float = setting(1e-7, at_least(0))
-    power: float = setting(1.0, above(0))
+    power: float = setting(1.0, above(0))  # (decay: polynomial)
+    # decay: wsd holds the peak after warmup and decays linearly over this final fraction of
+    # training.steps (never starting before warmup ends); the other decays ignore it.
+    decay_fraction: float = setting(0.2, within("(0, 1]"))
     # Graphcore's piecewise-constant schedule "step:lr,step:lr,..."; replaces warmup/decay.
     lr_schedule: str | None = None
     loss_scaling: str = setting("none", choice(LOSS_SCALINGS))

@@ -50,13 +50,14 @@ def lr_schedule(cfg: RunConfig) -> Callable[[int], float]:
     o = cfg.optimizer
     if o.lr_schedule:
         return make_schedule("piecewise", piecewise=o.lr_schedule)
-    kind = {"linear": "linear", "polynomial": "poly", "none": "constant"}[o.decay]
+    kind = {"linear": "linear", "polynomial": "poly", "none": "constant", "cosine": "cosine",
+            "wsd": "wsd"}[o.decay]
     # A run shorter than its warmup (a quick `--set training.steps=20` on a preset) warms up
     # over the whole run rather than failing.
     return make_schedule(kind, peak_lr=o.lr, total_steps=cfg.training.steps,
                          warmup_steps=min(o.warmup_steps, cfg.training.steps),
                          warmup_start_lr=o.warmup_start_lr,
-                         end_lr=o.end_lr, power=o.power)
+                         end_lr=o.end_lr, power=o.power, decay_fraction=o.decay_fraction)
 
 
 def loss_scaler(cfg: RunConfig) -> LossScaler | None:

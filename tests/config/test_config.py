@@ -255,7 +255,7 @@ def test_wrong_type(tmp_path: Path, text: str, expected: str) -> None:
     "key,value,allowed",
     [
         ("optimizer.name", "sgd", "lamb, adamw"),
-        ("optimizer.decay", "cosine", "linear, polynomial, none"),
+        ("optimizer.decay", "exponential", "linear, polynomial, none, cosine, wsd"),
         ("optimizer.loss_scaling", "auto", "none, static, dynamic"),
         ("execution.backend", "jax", "torch, popart"),
         ("execution.device", "tpu", "cpu, cuda, auto"),
@@ -462,6 +462,28 @@ def test_to_dict_has_every_section() -> None:
                        "tracking"]
     assert d["preset"] == "tiny"
     assert d["optimizer"]["betas"] == [0.9, 0.999]
+
+
+def test_decay_cosine_and_wsd_with_its_fraction() -> None:
+    cfg = load_config("tiny", ["optimizer.decay=wsd", "optimizer.decay_fraction=0.3"])
+    assert cfg.optimizer.decay == "wsd" and cfg.optimizer.decay_fraction == 0.3
+    assert load_config("tiny", ["optimizer.decay=cosine"]).optimizer.decay == "cosine"
+    assert load_config("tiny").optimizer.decay_fraction == 0.2  # the default, for every decay
+    assert load_config("tiny", ["optimizer.decay_fraction=1"]).optimizer.decay_fraction == 1.0
+    for bad, shown in (("0", "0.0"), ("1.5", "1.5"), ("-0.2", "-0.2")):
+        override = f"optimizer.decay_fraction={bad}"
+        assert error_of("tiny", ["optimizer.decay=wsd", override]) == (
+            f"--set {override}: optimizer.decay_fraction must be in (0, 1], got {shown}")
+
+
+def test_a_config_saved_before_decay_fraction_still_loads(tmp_path: Path) -> None:
+    """Runs saved before `optimizer.decay_fraction` existed resume with its default."""
+    old = load_config("tiny").to_dict()
+    del old["optimizer"]["decay_fraction"]
+    path = write(tmp_path, yaml.safe_dump(old, sort_keys=False))
+    assert load_config(path).optimizer.decay_fraction == 0.2
+    assert config_from_dict(old) == load_config("tiny")
+    assert "  decay_fraction: 0.2\n" in dump_config(load_config(path))  # re-saved with the key
 
 
 def test_parse_lr_schedule() -> None:

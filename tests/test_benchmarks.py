@@ -49,3 +49,48 @@ def test_masked_head_peer_computes_popberts_loss() -> None:
     theirs = float(step_time.masked_head_loss(peer, batch))
     # FP32, same weights: the only difference is kernel summation order (~1e-6 relative).
     assert theirs == pytest.approx(ours, rel=1e-5)
+
+
+def test_time_to_quality_peer_computes_popberts_mlm_only_loss() -> None:
+    """The peer (`BertForMaskedLM` with the masked-positions head) and popbert-same do the same
+    work: on the same weights and batch the same MLM-only loss (FP32: ~1e-6 relative)."""
+    ttq = _load(BENCHMARKS / "time_to_quality.py")
+    import transformers
+
+    config = BertConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=2,
+                        intermediate_size=128, sequence_length=128, max_predictions_per_seq=20,
+                        hidden_dropout=0.0, attention_dropout=0.0,
+                        next_sentence_prediction=False)
+    model = build_bert(config, seed=0).model()
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    session = TrainingSession(model, "loss",
+                              lambda p: torch.optim.SGD([x for _, x in p], lr=0.0),
+                              SessionOptions(device="cpu"))
+    batch = {k: torch.from_numpy(v) for k, v in padded_batch(config, 4, seed=1).items()}
+    batch["segment_ids"].zero_()
+    ours = float(session.run(batch)["loss"][0])
+    peer = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        max_position_embeddings=512, attn_implementation="sdpa")).eval()
+    state = {k: torch.from_numpy(v.copy()) for k, v in to_hf(weights, config).items()}
+    missing, unexpected = peer.load_state_dict(state, strict=False)
+    assert not unexpected and not [k for k in missing if "position_ids" not in k]
+    assert float(ttq.masked_lm_loss(peer, batch)) == pytest.approx(ours, rel=1e-5)
+
+
+def test_time_to_quality_reads_the_time_a_curve_reaches_a_loss() -> None:
+    ttq = _load(BENCHMARKS / "time_to_quality.py")
+    curve = [(10.0, 7.0), (20.0, 6.0), (30.0, 5.0)]
+    assert ttq.seconds_to_reach(curve, 6.5) == pytest.approx(15.0)  # between two evaluations
+    assert ttq.seconds_to_reach(curve, 5.0) == 30.0
+    assert ttq.seconds_to_reach(curve, 7.5) == 10.0  # reached by the first evaluation
+    assert ttq.seconds_to_reach(curve, 4.0) is None
+    # popbert-same's overrides make the peer's recipe: MLM only, BF16, AdamW, its batch.
+    from popbert.config import load_config
+
+    cfg = load_config("tiny", ttq.same_recipe_overrides(1e-3))
+    assert not cfg.model.next_sentence_prediction and cfg.data.dynamic_masking
+    assert cfg.execution.compute_dtype == "bfloat16" and cfg.optimizer.name == "adamw"
+    assert cfg.model.hidden_size == ttq.SHAPE["hidden_size"]
+    assert cfg.execution.micro_batch_size == ttq.PEER_RECIPE["micro_batch_size"]

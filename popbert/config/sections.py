@@ -197,6 +197,10 @@ class TrainingConfig:
     # `eval_batches` micro-batches (per replica) each time.
     eval_every: int = setting(0, at_least(0, " (0 = no evaluation)"))
     eval_batches: int = setting(8, at_least(1))
+    # Under a time budget: evaluate each time another 1/eval_points of it is spent, and at its
+    # end (0 = not by time), so runs of different speeds are measured at the same seconds.
+    # Only when there is validation data (a preset may set it for runs that bring none).
+    eval_points: int = setting(0, at_least(0, " (0 = not by time)"))
     # Train for this long instead of to `steps` (seconds; `30m`, `2h` on the command line): the
     # run stops when the budget is spent, leaving time for the final checkpoint and export, and
     # the learning-rate schedule is laid over the budget (`steps` then sets its resolution: at a
@@ -404,6 +408,10 @@ def _check_across(cfg: RunConfig) -> None:
         raise Invalid(f"training.eval_every is {t.eval_every} but there is no validation data: "
                       "set data.validation_files or data.validation_fraction (e.g. 0.02)",
                       "training.eval_every", "data.validation_files", "data.validation_fraction")
+    if t.eval_points and t.time_budget is None:
+        raise Invalid("training.eval_points spaces evaluations over training.time_budget; set "
+                      "a budget, or use training.eval_every (steps)", "training.eval_points",
+                      "training.time_budget")
     if d.dynamic_masking and m.packed:
         raise Invalid("data.dynamic_masking masks unpacked rows; packed rows keep the masks "
                       "they were packed with (set data.dynamic_masking=false)",

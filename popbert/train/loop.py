@@ -81,6 +81,7 @@ class LoopSettings:
     steps: int
     log_every: int = 10
     eval_every: int = 0
+    eval_points: int = 0  # under a budget: evaluate at k / eval_points of it, and at the end
     divergence_factor: float = 0.0  # 0: only a non-finite loss counts as diverged
     samples_per_step: int = 0  # sequences per optimizer step, for seq_per_s (0: not logged)
     desc: str = "train"  # the progress bar's label
@@ -89,6 +90,7 @@ class LoopSettings:
     def from_config(cls, cfg: RunConfig, desc: str = "train") -> LoopSettings:
         t = cfg.training
         return cls(steps=t.steps, log_every=t.log_every, eval_every=t.eval_every,
+                   eval_points=t.eval_points if t.time_budget else 0,
                    divergence_factor=t.divergence_factor,
                    samples_per_step=cfg.global_batch_size, desc=desc)
 
@@ -164,8 +166,11 @@ def train_loop(session: Session, batches: Iterator[Batch], settings: LoopSetting
     budgeted = clock.budget is not None
     steps, log_every, eval_every = settings.steps, settings.log_every, settings.eval_every
     divergence_factor, samples_per_step = settings.divergence_factor, settings.samples_per_step
-    if eval_every and not validation:
-        raise ValueError("eval_every needs validation batches")
+    if (eval_every or settings.eval_points) and not validation:
+        raise ValueError("eval_every (or eval_points) needs validation batches")
+    points = settings.eval_points if budgeted else 0
+    # The next fraction of the budget to evaluate at (a resumed run: the next one ahead).
+    next_point = (math.floor(clock.progress() * points + 1e-9) + 1) / points if points else 0.0
     replicas = session.replicas
     first_step = session.step
     window: dict[str, list[float]] = {}
@@ -210,8 +215,11 @@ def train_loop(session: Session, batches: Iterator[Batch], settings: LoopSetting
             if not budgeted:
                 bar.update(steps_done)
             evaluated = None
-            if eval_every and session.step % eval_every < steps_done:
-                clock.tick()
+            clock.tick()
+            at_point = bool(points) and clock.progress() >= next_point
+            if at_point:
+                next_point = (math.floor(clock.progress() * points + 1e-9) + 1) / points
+            if at_point or (eval_every and session.step % eval_every < steps_done):
                 eval_started = time.perf_counter()
                 evaluated = evaluate(session, validation)
                 window_start += time.perf_counter() - eval_started  # seq_per_s: training only
@@ -237,9 +245,16 @@ def train_loop(session: Session, batches: Iterator[Batch], settings: LoopSetting
             clock.longest_run = max(clock.longest_run, clock.elapsed - run_started)
             if budgeted:
                 bar.update(round(clock.elapsed) - bar.n)
-        if budgeted and window:  # the budget ended the run between two logged steps
+        evaluated = None
+        measured = record.get("step") == session.step and any(k.startswith("val_")
+                                                              for k in record)
+        if points and not measured:
+            clock.tick()  # with eval_points the run's final weights are measured too
+            evaluated = evaluate(session, validation)
+            clock.skip()
+        if budgeted and (window or evaluated):  # the budget ended the run between two logs
             record = _log(session, window, session.step, schedule, tracker, samples_per_step,
-                          time.perf_counter() - window_start, clock.tick())
+                          time.perf_counter() - window_start, clock.tick(), evaluated)
     finally:
         bar.close()
     seconds = time.perf_counter() - started

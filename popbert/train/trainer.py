@@ -338,7 +338,8 @@ class Trainer:
         """The loop's length and cadences, from `training.*` (no evaluation without held-out
         data)."""
         settings = LoopSettings.from_config(self.cfg, desc=self.job.name)
-        return settings if self.validation else dataclasses.replace(settings, eval_every=0)
+        return settings if self.validation else dataclasses.replace(settings, eval_every=0,
+                                                                    eval_points=0)
 
     def evaluate(self) -> dict[str, float]:
         """The job's evaluation of the current weights: pre-training, the `val_*` means over

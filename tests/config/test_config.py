@@ -27,7 +27,7 @@ from popbert.errors import ConfigError, PopbertError
 
 PRESETS = ["tiny", "base-128", "base-384", "large-128", "large-384", "groupbert-mini",
            "groupbert-medium", "groupbert-base-128", "groupbert-base-384", "finetune-squad",
-           "finetune-classification"]
+           "finetune-classification", "fast"]
 
 
 def write(tmp_path: Path, text: str, name: str = "config.yaml") -> Path:
@@ -837,3 +837,23 @@ def test_a_time_budget_takes_durations(text: str, seconds: float | None) -> None
 def test_a_bad_time_budget_is_one_line(text: str, fragment: str) -> None:
     message = error_of("tiny", [f"training.time_budget={text}"])
     assert message.startswith(f"--set training.time_budget={text}: ") and fragment in message
+
+
+def test_eval_points_need_a_budget_and_dynamic_masking_unpacked_rows() -> None:
+    assert load_config("fast").training.eval_points == 10
+    message = error_of("tiny", ["training.eval_points=4"])
+    assert "training.eval_points" in message and "training.time_budget" in message
+    assert load_config("tiny", ["training.eval_points=4", "training.time_budget=5m"])
+    message = error_of("tiny", ["data.dynamic_masking=true", "model.packed=true"])
+    assert "data.dynamic_masking" in message
+    message = error_of("tiny", ["model.next_sentence_prediction=false", "model.packed=true"])
+    assert "model.packed packs sentence pairs" in message
+
+
+def test_the_fast_preset_takes_the_documented_overrides() -> None:
+    """The issue's interface: a budget in seconds, text files for training and validation."""
+    cfg = load_config("fast", ["training.time_budget=600", "data.input_files=[train.txt]",
+                               "data.validation_files=[heldout.txt]"])
+    assert cfg.training.time_budget == 600 and cfg.data.input_files == ["train.txt"]
+    assert cfg.data.validation_files == ["heldout.txt"] and cfg.data.validation_fraction == 0
+    assert not cfg.model.next_sentence_prediction and cfg.data.dynamic_masking

@@ -108,7 +108,7 @@ def test_evaluates_every_eval_every_steps_and_logs_those_steps() -> None:
     assert session.evaluated == [2, 2, 4, 4, 6, 6]  # both batches at each evaluated step
     assert [r["step"] for r in tracker.records] == [2, 4, 5, 6]
     assert [r.get("val_loss") for r in tracker.records] == [3.0, 3.0, None, 3.0]
-    with pytest.raises(ValueError, match="eval_every needs validation"):
+    with pytest.raises(ValueError, match="eval_every .*needs validation"):
         train_loop(ScriptedSession([1.0]), batches(), LoopSettings(steps=1, eval_every=1))
 
 
@@ -209,6 +209,28 @@ def test_validation_seconds_are_not_training_seconds() -> None:
                clock=TrainingClock(budget=10.0, now=lambda: plain.now))
     assert [r["elapsed_s"] for r in plain_tracker.records] == \
         [r["elapsed_s"] for r in tracker.records]
+
+
+def test_eval_points_measure_at_fractions_of_the_budget_and_at_the_end() -> None:
+    """Runs of 1 s, a 10 s budget with 1 s kept back, eval_points=4: evaluations when 2.5, 5
+    and 7.5 s are spent (after the runs ending at 3, 5 and 8 s), and once more on the final
+    weights (step 9); steps are not what decides it."""
+    session = ScriptedSession([1.0] * 50, seconds_per_run=1.0, seconds_per_evaluation=0.7)
+    clock = TrainingClock(budget=10.0, now=lambda: session.now)
+    clock.reserve = 1.0
+    tracker = Tracker()
+    train_loop(session, batches(), LoopSettings(steps=100, log_every=100, eval_points=4),
+               tracker=tracker, validation=[{"x": torch.tensor([2.0])}], clock=clock)
+    assert session.step == 9 and session.evaluated == [3, 5, 8, 9]
+    assert [(r["step"], r["elapsed_s"]) for r in tracker.records] == [
+        (3, 3.0), (5, 5.0), (8, 8.0), (9, 9.0)]
+    assert all(r["val_loss"] == 2.0 for r in tracker.records)
+    # Resumed at 6 s: the next point is 7.5 s, then the end.
+    resumed = ScriptedSession([1.0] * 50, seconds_per_run=1.0)
+    clock = TrainingClock(budget=10.0, elapsed=6.0, now=lambda: resumed.now)
+    train_loop(resumed, batches(), LoopSettings(steps=100, log_every=100, eval_points=4),
+               validation=[{"x": torch.tensor([2.0])}], clock=clock)
+    assert resumed.evaluated == [2, 4]
 
 
 def test_a_resumed_clock_continues_the_same_budget() -> None:

@@ -425,11 +425,16 @@ class PopartTrainingSession:
         o = self.options
         return o.device_iterations * o.gradient_accumulation * o.replication_factor
 
-    def run(self, batch: Batch) -> dict[str, torch.Tensor]:
+    def run(self, batch: Batch, micro_batches: int | None = None) -> dict[str, torch.Tensor]:
         """Train on ``batch`` (checked first: an InputError names what is wrong): one
         ``session.run`` of ``device_iterations`` optimizer steps; returns each scalar output's
-        mean per step, shape [iterations]."""
+        mean per step, shape [iterations]. ``micro_batches`` other than
+        ``gradient_accumulation`` is refused: the steps are compiled for that many."""
         o = self.options
+        if micro_batches is not None and micro_batches != o.gradient_accumulation:
+            raise InputError(f"the PopART session's steps take gradient_accumulation "
+                             f"({o.gradient_accumulation}) micro-batches each, not "
+                             f"{micro_batches} (batch-size warmup needs the torch backend)")
         iterations = o.device_iterations
         per_run = (f" (device_iterations {iterations} × gradient_accumulation "
                    f"{o.gradient_accumulation} × replicas {o.replication_factor})")

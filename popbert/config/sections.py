@@ -206,6 +206,11 @@ class TrainingConfig:
     # the learning-rate schedule is laid over the budget (`steps` then sets its resolution: at a
     # fraction f of the budget the rate is the schedule's at step f x steps). null: no budget.
     time_budget: Seconds | None = setting(None, above(0).or_null())
+    # Batch-size warmup (GPT-3; Geiping & Goldstein 2022, "Cramming"): over this fraction of
+    # training (of `steps`, or of `time_budget`) the micro-batches per optimizer step grow
+    # linearly from 1 to execution.gradient_accumulation, so early training makes more updates
+    # per sample. 0 = the full batch from the first step (rule: `warmup_micro_batches`).
+    batch_warmup: float = setting(0.0, within("[0, 1)", " (0 = off)"))
 
     def validate(self) -> None:
         check_fields(self, "training")
@@ -416,6 +421,8 @@ def _check_across(cfg: RunConfig) -> None:
         raise Invalid("data.dynamic_masking masks unpacked rows; packed rows keep the masks "
                       "they were packed with (set data.dynamic_masking=false)",
                       "data.dynamic_masking", "model.packed")
+    if t.batch_warmup:
+        _check_batch_warmup(e)
     if t.global_batch_size is not None:
         per_pass = e.micro_batch_size * e.replicas
         layout = (f"execution.micro_batch_size ({e.micro_batch_size}) x execution.replicas "
@@ -431,6 +438,30 @@ def _check_across(cfg: RunConfig) -> None:
                           f"{cfg.global_batch_size}; set execution.gradient_accumulation="
                           f"{t.global_batch_size // per_pass} or training.global_batch_size=null",
                           *keys)
+
+
+def _check_batch_warmup(e: ExecutionConfig) -> None:
+    """What batch-size warmup cannot do: it ramps the micro-batches of one step, so there must
+    be several (gradient accumulation), each step must be its own run (device_iterations 1), and
+    the step must not be compiled or scheduled for a fixed count (PopART, a pipeline)."""
+    key = "training.batch_warmup"
+    if e.gradient_accumulation == 1:
+        raise Invalid(f"{key} ramps the micro-batches per step from 1 to "
+                      "execution.gradient_accumulation, which is 1: nothing to ramp; raise "
+                      "execution.gradient_accumulation (a smaller execution.micro_batch_size "
+                      "keeps the global batch)", key, "execution.gradient_accumulation")
+    if e.backend == "popart":
+        raise Invalid(f"{key} needs execution.backend 'torch': PopART compiles each step for "
+                      "execution.gradient_accumulation micro-batches", key, "execution.backend")
+    if e.pipeline:
+        raise Invalid(f"{key} is not supported with execution.pipeline (its schedule runs "
+                      "execution.gradient_accumulation micro-batches per step); set "
+                      f"{key}=0 or execution.pipeline=false", key, "execution.pipeline")
+    if e.device_iterations > 1:
+        raise Invalid(f"{key} changes the micro-batches from step to step, but "
+                      f"execution.device_iterations ({e.device_iterations}) runs several steps "
+                      "on one batch; set execution.device_iterations=1", key,
+                      "execution.device_iterations")
 
 
 def validate_run_config(cfg: RunConfig, source: str = "<config>",

@@ -28,7 +28,9 @@ class Session(Protocol):
     """A graph being trained: `run` performs optimizer steps, the rest reads or restores state.
 
     `run(batch)` takes `micro_batches_per_run()` micro-batches stacked on the batch axis and
-    returns each output per optimizer step (first axis: steps); `evaluate(batch)` runs one
+    returns each output per optimizer step (first axis: steps); `run(batch, micro_batches=k)`
+    gives each step k micro-batches instead of `gradient_accumulation` (batch-size warmup; a
+    backend that cannot refuses it); `evaluate(batch)` runs one
     micro-batch without dropout or an update; `state_dict()` is everything a resumed run needs.
     """
 
@@ -47,7 +49,7 @@ class Session(Protocol):
 
     def micro_batches_per_run(self) -> int: ...
 
-    def run(self, batch: Batch) -> dict[str, torch.Tensor]: ...
+    def run(self, batch: Batch, micro_batches: int | None = None) -> dict[str, torch.Tensor]: ...
 
     def evaluate(self, batch: Batch) -> dict[str, torch.Tensor]: ...
 

@@ -235,19 +235,31 @@ class TrainingSession(_Session):
         """Micro-batches one `run()` takes: `device_iterations × gradient_accumulation`."""
         return self.options.device_iterations * self.options.gradient_accumulation
 
-    def run(self, batch: Batch) -> dict[str, torch.Tensor]:
+    def run(self, batch: Batch, micro_batches: int | None = None) -> dict[str, torch.Tensor]:
         """Train on `batch` ([iterations × accumulation × micro, ...], checked first: an
         InputError names what is wrong); returns each output averaged per optimizer step:
-        shape [iterations]."""
+        shape [iterations].
+
+        `micro_batches`: how many micro-batches each optimizer step takes, 1 to
+        `gradient_accumulation` (None: all of them). Fewer while the global batch warms up
+        (`training.batch_warmup`); the step's gradient is then the mean over those only."""
         iterations, accumulation = (self.options.device_iterations,
                                     self.options.gradient_accumulation)
-        tensors = self.inputs.check(
-            batch, self.micro_batches_per_run(),
-            f" (device_iterations {iterations} × gradient_accumulation {accumulation})")
+        per_run = f" (device_iterations {iterations} × gradient_accumulation {accumulation})"
+        if micro_batches is not None:
+            if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) \
+                    or not 1 <= micro_batches <= accumulation:
+                raise InputError(f"micro_batches is {micro_batches!r}: an optimizer step takes "
+                                 f"1 to gradient_accumulation ({accumulation}) micro-batches")
+            if micro_batches != accumulation:
+                per_run = (f" (device_iterations {iterations} × {micro_batches} of "
+                           f"gradient_accumulation {accumulation})")
+            accumulation = micro_batches
+        tensors = self.inputs.check(batch, iterations * accumulation, per_run)
         total = next(iter(tensors.values())).shape[0]
         if total % (iterations * accumulation):  # a graph that declares no input shapes
-            raise InputError(f"batch of {total} samples does not divide into device_iterations "
-                             f"({iterations}) × gradient_accumulation ({accumulation})")
+            raise InputError(f"batch of {total} samples does not divide into "
+                             f"{iterations * accumulation} micro-batches{per_run}")
         micro = total // (iterations * accumulation)
         per_step: list[dict[str, torch.Tensor]] = []
         for i in range(iterations):

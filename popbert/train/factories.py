@@ -1,5 +1,5 @@
-"""What a run config turns into: the graph's batch size, the optimizer, the learning-rate schedule
-and the loss scaler.
+"""What a run config turns into: the graph's batch size, the optimizer, the learning-rate schedule,
+the batch-size warmup's ramp and the loss scaler.
 
 Pre-training, fine-tuning and sweeps build these the same way, so a config means one thing
 everywhere. (The session options come from `SessionOptions.from_config`, next to the options.)
@@ -7,6 +7,7 @@ everywhere. (The session options come from `SessionOptions.from_config`, next to
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -60,6 +61,25 @@ def lr_schedule(cfg: RunConfig) -> Callable[[int], float]:
                          end_lr=o.end_lr, power=o.power, decay_fraction=o.decay_fraction)
 
 
+def warmup_micro_batches(step: int, accumulation: int, warmup: float, steps: int) -> int:
+    """Micro-batches optimizer step ``step`` (0-based; under a time budget the schedule step)
+    takes when the global batch warms up over the first ``warmup`` fraction of ``steps``
+    (`training.batch_warmup`): ``ceil(accumulation × (step + 1) / (warmup × steps))``, at least 1
+    and at most ``accumulation``; all ``accumulation`` with ``warmup`` 0.
+
+    The micro-batch stays fixed (one graph, one memory footprint) and only the accumulation
+    ramps: the global batch grows linearly, so early training makes more updates per sample
+    (GPT-3; "Cramming", Geiping & Goldstein 2022). The step reaching the warmup's end
+    (``step + 1 = warmup × steps``) takes all of them. A tolerance of 1e-9 keeps a quotient
+    that is whole in exact arithmetic from rounding up a step early (0.29 × 100 is
+    28.999999999999996 in floats).
+    """
+    if warmup <= 0:
+        return accumulation
+    span = warmup * steps
+    return max(1, min(accumulation, math.ceil(accumulation * (step + 1) / span - 1e-9)))
+
+
 def loss_scaler(cfg: RunConfig) -> LossScaler | None:
     """Static or dynamic loss scaling, or None (`optimizer.loss_scaling: none`)."""
     o = cfg.optimizer
@@ -71,4 +91,4 @@ def loss_scaler(cfg: RunConfig) -> LossScaler | None:
 
 
 __all__ = ["NamedParameters", "graph_batch_size", "loss_scaler", "lr_schedule",
-           "optimizer_factory"]
+           "optimizer_factory", "warmup_micro_batches"]

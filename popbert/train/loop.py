@@ -1,7 +1,8 @@
 """The one training loop: every run (`popbert.train.trainer.Trainer`) steps its session here.
 
 Each turn feeds one batch to `session.run` (which may perform several optimizer steps:
-`device_iterations`), logs the window's mean metrics every `log_every` steps (to the progress bar
+`device_iterations`; while the global batch warms up, a `PartialBatch` of fewer micro-batches per
+step), logs the window's mean metrics every `log_every` steps (to the progress bar
 and `metrics.jsonl`), evaluates every `eval_every` steps, and checkpoints when one is due. A run
 ends early when the batches run out, or when it diverged (a loss that is not finite, or more
 than `divergence_factor` times the first step's): one line naming the last good checkpoint.
@@ -75,6 +76,18 @@ class LoopResult:
 
 
 @dataclass(frozen=True)
+class PartialBatch:
+    """A run's batch while the global batch warms up (`training.batch_warmup`): each optimizer
+    step takes `micro_batches` micro-batches, fewer than the session's `gradient_accumulation`,
+    and trains on `samples` sequences (over all replicas), which `seq_per_s` and the record's
+    `batch_size` report."""
+
+    tensors: Batch
+    micro_batches: int
+    samples: int
+
+
+@dataclass(frozen=True)
 class LoopSettings:
     """How long the loop runs and how often it logs and evaluates (`training.*`)."""
 
@@ -140,7 +153,8 @@ class TrainingClock:
             self.elapsed + self.longest_run + self.reserve > self.budget
 
 
-def train_loop(session: Session, batches: Iterator[Batch], settings: LoopSettings, *,
+def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
+               settings: LoopSettings, *,
                schedule: Callable[[int], float] | None = None,
                tracker: MetricsLogger | None = None,
                checkpoints: CheckpointManager | None = None,
@@ -151,6 +165,8 @@ def train_loop(session: Session, batches: Iterator[Batch], settings: LoopSetting
     """Train until the session reaches `settings.steps` optimizer steps, or, when `clock` has a
     budget, until the next run of steps would overrun it (or until `batches` runs out).
 
+    A `PartialBatch` runs its steps on fewer micro-batches (batch-size warmup): the records of
+    its window carry `batch_size`, and `seq_per_s` counts the sequences actually trained on.
     `schedule` is only read to log the learning rate (the session's step hook sets it).
     `checkpoints` says when a checkpoint is due and which one is good; `save()` writes one (the
     final checkpoint is the caller's). Under replicas every replica runs this loop; only replica
@@ -174,6 +190,8 @@ def train_loop(session: Session, batches: Iterator[Batch], settings: LoopSetting
     replicas = session.replicas
     first_step = session.step
     window: dict[str, list[float]] = {}
+    sizes: list[int] = []  # the window's global batch of each step (0: not known)
+    warming = False  # a step of the window took a PartialBatch
     record: dict[str, float] = {}
     # Under a budget the bar counts seconds (and shows the step), else steps.
     bar = tqdm(total=round(clock.budget) if budgeted else steps,
@@ -191,8 +209,14 @@ def train_loop(session: Session, batches: Iterator[Batch], settings: LoopSetting
             if batch is None:
                 break
             run_started = clock.elapsed
-            outputs = session.run(batch)
+            if isinstance(batch, PartialBatch):
+                outputs = session.run(batch.tensors, micro_batches=batch.micro_batches)
+                size, warming = batch.samples, True
+            else:
+                outputs = session.run(batch)
+                size = samples_per_step
             steps_done = int(outputs[session.loss_name].shape[0])
+            sizes.extend([size] * steps_done)
             for key, values in outputs.items():
                 window.setdefault(key, []).extend(values.float().tolist())
             losses = outputs[session.loss_name].float()
@@ -201,7 +225,7 @@ def train_loop(session: Session, batches: Iterator[Batch], settings: LoopSetting
             bad = _first_bad(losses, limit, session)
             if bad is not None:
                 step = session.step - steps_done + bad + 1
-                _log(session, window, step, schedule, tracker, samples_per_step,
+                _log(session, window, step, schedule, tracker, sizes, warming,
                      time.perf_counter() - window_start,
                      elapsed=clock.tick())  # the diverged step is on the record
                 loss = float(losses[bad])
@@ -225,15 +249,15 @@ def train_loop(session: Session, batches: Iterator[Batch], settings: LoopSetting
                 window_start += time.perf_counter() - eval_started  # seq_per_s: training only
                 clock.skip()  # measuring is not training: curves against elapsed_s stay fair
             if session.step % log_every < steps_done or session.step >= last_step or evaluated:
-                record = _log(session, window, session.step, schedule, tracker,
-                              samples_per_step, time.perf_counter() - window_start,
-                              clock.tick(), evaluated)
+                record = _log(session, window, session.step, schedule, tracker, sizes,
+                              warming, time.perf_counter() - window_start, clock.tick(),
+                              evaluated)
                 shown = {**shown, **record}
                 bar.set_postfix({**({"step": session.step} if budgeted else {}),
                                  **{label: f"{shown[key]:.3f}" if key != "seq_per_s"
                                     else f"{shown[key]:.0f}"
                                     for key, label in POSTFIX.items() if key in shown}})
-                window, window_start = {}, time.perf_counter()
+                window, sizes, warming, window_start = {}, [], False, time.perf_counter()
                 if on_record is not None:
                     reason = on_record(session.step, dict(record))
                     if not all_replicas(session, not reason):
@@ -253,7 +277,7 @@ def train_loop(session: Session, batches: Iterator[Batch], settings: LoopSetting
             evaluated = evaluate(session, validation)
             clock.skip()
         if budgeted and (window or evaluated):  # the budget ended the run between two logs
-            record = _log(session, window, session.step, schedule, tracker, samples_per_step,
+            record = _log(session, window, session.step, schedule, tracker, sizes, warming,
                           time.perf_counter() - window_start, clock.tick(), evaluated)
     finally:
         bar.close()
@@ -308,23 +332,39 @@ def all_replicas(session: Session, flag: bool) -> bool:
     return float(value) == 0.0
 
 
+def agreed_max(session: Session, value: int) -> int:
+    """The largest `value` over the replicas (one small all-reduce under replicas): what they
+    all use where each one's own clock may read a little differently."""
+    replicas = session.replicas
+    if not replicas.distributed:
+        return value
+    tensor = torch.tensor([float(value)], dtype=torch.float64, device=_collective_device(session))
+    replicas.all_reduce_(tensor, op="max")
+    return int(tensor.item())
+
+
 def _collective_device(session: Session) -> torch.device:
     return session.device if session.device.type == "cuda" else torch.device("cpu")
 
 
 def _log(session: Session, window: dict[str, list[float]], step: int,
          schedule: Callable[[int], float] | None, tracker: MetricsLogger | None,
-         samples_per_step: int, window_seconds: float, elapsed: float,
+         sizes: Sequence[int], warming: bool, window_seconds: float, elapsed: float,
          evaluated: dict[str, float] | None = None) -> dict[str, Any]:
     """One metrics record: the window's means (over the replicas too), lr, throughput, and the
-    validation metrics when this step evaluated."""
+    validation metrics when this step evaluated.
+
+    `sizes`: the global batch of each step of the window (0 where unknown: no `seq_per_s`
+    then). A window with a step of a warming-up batch (`warming`) logs its last step's batch as
+    `batch_size`, so the ramp is on record up to the record where it reached the full batch."""
     record: dict[str, Any] = {"step": step}
     if schedule is not None:
         record["lr"] = schedule(step - 1)
     record.update(_window_means(window, session))
-    if samples_per_step and window:
-        steps_in_window = len(next(iter(window.values())))
-        record["seq_per_s"] = steps_in_window * samples_per_step / max(window_seconds, 1e-9)
+    if sizes and all(sizes) and window:
+        record["seq_per_s"] = sum(sizes) / max(window_seconds, 1e-9)
+    if warming and sizes:
+        record["batch_size"] = sizes[-1]
     record["elapsed_s"] = round(elapsed, 3)
     if session.loss_scaler is not None:
         record["skipped_steps"] = session.loss_scaler.skipped_steps
@@ -346,6 +386,6 @@ def _window_means(window: dict[str, list[float]], session: Session) -> dict[str,
     return dict(zip(means, (values / replicas.size).tolist()))
 
 
-__all__ = ["LoopResult", "LoopSettings", "RecordHook", "RunStopped", "TrainingClock",
-           "TrainingDiverged",
-           "all_replicas", "evaluate", "train_loop"]
+__all__ = ["LoopResult", "LoopSettings", "PartialBatch", "RecordHook", "RunStopped",
+           "TrainingClock", "TrainingDiverged", "agreed_max", "all_replicas", "evaluate",
+           "train_loop"]

@@ -48,15 +48,23 @@ from popbert.optimizers import set_lr
 from popbert.runtime.devices import resolve_device
 from popbert.runtime.options import SessionOptions
 from popbert.runtime.protocol import Session
-from popbert.train.factories import graph_batch_size, loss_scaler, lr_schedule, optimizer_factory
+from popbert.train.factories import (
+    graph_batch_size,
+    loss_scaler,
+    lr_schedule,
+    optimizer_factory,
+    warmup_micro_batches,
+)
 from popbert.train.finetune import finetune_job
 from popbert.train.jobs import Job
 from popbert.train.loop import (
     LoopSettings,
+    PartialBatch,
     RecordHook,
     RunStopped,
     TrainingClock,
     TrainingDiverged,
+    agreed_max,
     all_replicas,
     train_loop,
 )
@@ -307,8 +315,8 @@ class Trainer:
         try:
             if self.clock.budget is not None:
                 self._rehearse_finish()
-            batches = micro_batches(self.loader, session.micro_batches_per_run())
-            result = train_loop(session, batches, self.loop_settings(), schedule=self._logged_lr,
+            result = train_loop(session, self.batches(), self.loop_settings(),
+                                schedule=self._logged_lr,
                                 tracker=self.metrics, checkpoints=self.checkpoints,
                                 save=self.save_checkpoint, validation=self.validation,
                                 on_record=self.on_record, clock=self.clock)
@@ -333,6 +341,36 @@ class Trainer:
                          {k: v for k, v in result.record.items() if k in self.job.metric_keys},
                          scores, inference, plot, list(self.fresh), result.seconds,
                          self.clock.elapsed)
+
+    def batches(self) -> Iterator[dict[str, torch.Tensor] | PartialBatch]:
+        """What each `session.run` takes, drawn from the loader only when the loop asks for it
+        (so a checkpoint's data position is what the steps so far consumed, and a resumed run
+        goes on with the same micro-batches): `micro_batches_per_run()` micro-batches stacked,
+        or while the global batch warms up a `PartialBatch` of `micro_batches_per_step()`."""
+        accumulation = self.cfg.execution.gradient_accumulation
+        while self.cfg.training.batch_warmup:
+            count = self.micro_batches_per_step()
+            if count >= accumulation:
+                break  # the ramp never shrinks: the schedule step only grows
+            stacked = next(micro_batches(self.loader, count), None)
+            if stacked is None:
+                return
+            yield PartialBatch(stacked, count, self.cfg.global_batch_size * count // accumulation)
+        yield from micro_batches(self.loader, self.session.micro_batches_per_run())
+
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches the next optimizer step takes: `warmup_micro_batches` at its schedule
+        step (`execution.gradient_accumulation` once warm, or without `training.batch_warmup`).
+
+        Under a time budget the schedule step follows each replica's own clock, so the replicas
+        take the largest of theirs (one small all-reduce per step while warming up): they must
+        all take the same count, or their data positions and collectives fall out of step."""
+        t = self.cfg.training
+        step = self.schedule_step(self.session.step)
+        if t.batch_warmup and self.clock.budget is not None:
+            step = agreed_max(self.session, step)
+        return warmup_micro_batches(step, self.cfg.execution.gradient_accumulation,
+                                    t.batch_warmup, t.steps)
 
     def loop_settings(self) -> LoopSettings:
         """The loop's length and cadences, from `training.*` (no evaluation without held-out

@@ -744,3 +744,14 @@ def test_the_smoke_script_imports_without_the_sdk() -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "IPU Model" in proc.stdout
+
+
+def test_fewer_micro_batches_per_step_are_refused(popart: types.ModuleType) -> None:
+    """Batch-size warmup is the torch backend's: PopART's steps are compiled for
+    `gradient_accumulation` micro-batches (the config refuses `training.batch_warmup` first)."""
+    cfg = config("tiny", "execution.gradient_accumulation=2", "execution.micro_batch_size=2")
+    session = session_of(cfg)
+    with pytest.raises(InputError, match=r"take gradient_accumulation \(2\) micro-batches each, "
+                       r"not 1 \(batch-size warmup needs the torch backend\)"):
+        session.run(batch_for(cfg, 2), micro_batches=1)
+    assert session.step == 0 and not logged(popart, "TrainingSession.run")

@@ -362,14 +362,11 @@ class Trainer:
         """Micro-batches the next optimizer step takes: `warmup_micro_batches` at its schedule
         step (`execution.gradient_accumulation` once warm, or without `training.batch_warmup`).
 
-        Under a time budget the schedule step follows each replica's own clock, so the replicas
-        take the largest of theirs (one small all-reduce per step while warming up): they must
-        all take the same count, or their data positions and collectives fall out of step."""
+        Under a time budget `schedule_step` is agreed between the replicas, so they all take
+        the same count and their data positions and collectives stay in step."""
         t = self.cfg.training
-        step = self.schedule_step(self.session.step)
-        if t.batch_warmup and self.clock.budget is not None:
-            step = agreed_max(self.session, step)
-        return warmup_micro_batches(step, self.cfg.execution.gradient_accumulation,
+        return warmup_micro_batches(self.schedule_step(self.session.step),
+                                    self.cfg.execution.gradient_accumulation,
                                     t.batch_warmup, t.steps)
 
     def loop_settings(self) -> LoopSettings:
@@ -436,11 +433,13 @@ class Trainer:
     def schedule_step(self, step: int) -> int:
         """The schedule's step for optimizer step `step`: itself, or under a time budget the
         step at the spent fraction of the budget (`training.steps` is then the schedule's
-        length)."""
+        length), the same on every replica."""
         if self.clock.budget is None:
             return step
         steps = self.cfg.training.steps
-        return min(steps - 1, int(self.clock.progress() * steps))
+        # Each replica's clock reads a little differently: all take the furthest (one small
+        # all-reduce under replicas), or their learning rates and weights would drift apart.
+        return agreed_max(self.session, min(steps - 1, int(self.clock.progress() * steps)))
 
     def _set_lr(self, step: int) -> None:
         self.lr = set_lr(self.session.optimizer, self.schedule, self.schedule_step(step))

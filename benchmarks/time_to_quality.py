@@ -22,7 +22,7 @@ of 1,600 held-out articles, scored on 800 others) and its accuracy reported with
 error. The time-to-quality ratio: the seconds the peer trained to reach its final validation
 loss divided by the seconds `fast` needed to reach that loss (linear between evaluations).
 
-    python benchmarks/time_to_quality.py                         # 8-minute budgets, ~55 min
+    python benchmarks/time_to_quality.py                         # 7-minute budgets, ~40 min
     python benchmarks/time_to_quality.py --budget 120 --peer-lrs 1e-3   # a quick look
 
 Writes `<work-dir>/results.json`, `<work-dir>/time_to_quality.png` (validation loss against
@@ -184,7 +184,8 @@ def peer_main(args: argparse.Namespace) -> None:
             if elapsed / args.budget >= next_point or elapsed + longest >= args.budget:
                 next_point = (math.floor(elapsed / args.budget * args.eval_points) + 1) \
                     / args.eval_points
-                record = {"step": step, "loss": float(loss), "elapsed_s": round(elapsed, 3),
+                record = {"step": step, "loss": float(loss.detach()),
+                          "elapsed_s": round(elapsed, 3),
                           "val_mlm_loss": evaluate()}
                 records.append(record)
                 log.write(json.dumps(record) + "\n")
@@ -391,7 +392,7 @@ if __name__ == "__main__":
     p.add_argument("--eval-batches", type=int, default=12)
     p.add_argument("--output-dir", type=Path, required=True)
     p.add_argument("--compile", action="store_true")
-    parser.add_argument("--budget", type=float, default=480, help="seconds of training per run")
+    parser.add_argument("--budget", type=float, default=420, help="seconds of training per run")
     parser.add_argument("--peer-lrs", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3])
     parser.add_argument("--peer-compile", action="store_true",
                         help="torch.compile the peer's step (measured slower on 2-core CPUs)")

@@ -33,18 +33,30 @@ def test_benchmark_imports(path: Path) -> None:
     assert callable(getattr(_load(path), "main", None)), f"{path.name} has no main()"
 
 
-def test_masked_head_peer_computes_popberts_loss() -> None:
-    step_time = _load(BENCHMARKS / "step_time.py")
-    config = BertConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=2,
-                        intermediate_size=128, sequence_length=128, max_predictions_per_seq=20,
-                        hidden_dropout=0.0, attention_dropout=0.0)
+def _small(next_sentence_prediction: bool) -> BertConfig:
+    return BertConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=2,
+                      intermediate_size=128, sequence_length=128, max_predictions_per_seq=20,
+                      hidden_dropout=0.0, attention_dropout=0.0,
+                      next_sentence_prediction=next_sentence_prediction)
+
+
+def _popbert_loss(config: BertConfig, one_segment: bool = False) -> tuple[dict, dict, float]:
+    """A fresh model's weights, a padded batch, and popbert's loss on them."""
     model = build_bert(config, seed=0).model()
     weights = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
     session = TrainingSession(model, "loss",
                               lambda p: torch.optim.SGD([x for _, x in p], lr=0.0),
                               SessionOptions(device="cpu"))
     batch = {k: torch.from_numpy(v) for k, v in padded_batch(config, 4, seed=1).items()}
-    ours = float(session.run(batch)["loss"][0])
+    if one_segment:
+        batch["segment_ids"].zero_()
+    return weights, batch, float(session.run(batch)["loss"][0])
+
+
+def test_masked_head_peer_computes_popberts_loss() -> None:
+    step_time = _load(BENCHMARKS / "step_time.py")
+    config = _small(next_sentence_prediction=True)
+    weights, batch, ours = _popbert_loss(config)
     peer = hf_model(config, to_hf(weights, config)).eval()
     theirs = float(step_time.masked_head_loss(peer, batch))
     # FP32, same weights: the only difference is kernel summation order (~1e-6 relative).
@@ -57,18 +69,8 @@ def test_time_to_quality_peer_computes_popberts_mlm_only_loss() -> None:
     ttq = _load(BENCHMARKS / "time_to_quality.py")
     import transformers
 
-    config = BertConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=2,
-                        intermediate_size=128, sequence_length=128, max_predictions_per_seq=20,
-                        hidden_dropout=0.0, attention_dropout=0.0,
-                        next_sentence_prediction=False)
-    model = build_bert(config, seed=0).model()
-    weights = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
-    session = TrainingSession(model, "loss",
-                              lambda p: torch.optim.SGD([x for _, x in p], lr=0.0),
-                              SessionOptions(device="cpu"))
-    batch = {k: torch.from_numpy(v) for k, v in padded_batch(config, 4, seed=1).items()}
-    batch["segment_ids"].zero_()
-    ours = float(session.run(batch)["loss"][0])
+    config = _small(next_sentence_prediction=False)
+    weights, batch, ours = _popbert_loss(config, one_segment=True)
     peer = transformers.BertForMaskedLM(transformers.BertConfig(
         vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from popbert.atomic import atomic_write_text
 from popbert.data.errors import DataError
+from popbert.locking import DirectoryLock, lock_directory
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,12 @@ def derive_seed(seed: int, *parts: int) -> int:
 
 
 class StageDir:
-    """One stage's output directory with its parameter record and completion marker."""
+    """One stage's output directory with its parameter record and completion marker.
+
+    From `open` to `finish` (or `abandon`) the directory is locked (`.lock`,
+    `popbert.locking`): a stage resumes what an earlier run left, but two
+    processes writing the same parts at once would each count the other's, so the second
+    stops with one line naming the first."""
 
     def __init__(self, path: str | os.PathLike, stage: str, params: Mapping[str, Any]):
         self.path = Path(path)
@@ -62,9 +68,23 @@ class StageDir:
         self.params = json.loads(json.dumps(dict(params), sort_keys=True, default=str))
         # Directories `open` created (deepest first): what `abandon` may remove again.
         self.created: list[Path] = []
+        self._lock: DirectoryLock | None = None
 
     def open(self) -> StageDir:
-        """Create the directory, or check that an existing one was made with these parameters."""
+        """Create the directory, or check that an existing one was made with these parameters;
+        either way, lock it."""
+        missing = [d for d in (self.path, *self.path.parents) if not d.exists()]
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.created = missing
+        self._lock = lock_directory(self.path)
+        try:
+            self._check_or_record()
+        except BaseException:
+            self._remove_created()
+            raise
+        return self
+
+    def _check_or_record(self) -> None:
         record = self.path / STAGE_FILE
         if record.is_file():
             try:
@@ -80,12 +100,14 @@ class StageDir:
                                 f"parameters ({detail or 'stage differs'}); use another output "
                                 f"directory or delete this one")
         else:
-            missing = [d for d in (self.path, *self.path.parents) if not d.exists()]
-            self.path.mkdir(parents=True, exist_ok=True)
-            self.created = missing
             atomic_write_text(record, json.dumps({"stage": self.stage, "params": self.params},
                                                  indent=1, sort_keys=True) + "\n")
-        return self
+
+    def release(self) -> None:
+        """Unlock the directory (`finish` and `abandon` do; idempotent)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     @property
     def complete(self) -> bool:
@@ -102,6 +124,7 @@ class StageDir:
         """Mark the stage complete; only now may later stages (or re-runs) trust it whole."""
         record = {"stage": self.stage, "parts": parts, "stats": dict(stats)}
         atomic_write_text(self.path / SUCCESS_FILE, json.dumps(record, indent=1) + "\n")
+        self.release()
         return record
 
     def abandon(self, message: str) -> DataError:
@@ -111,19 +134,24 @@ class StageDir:
         and so do the directories (then empty) made for it. A directory that existed before is
         left as it was. Either way no completion marker is written. Use `raise stage.abandon(...)`.
         """
+        self._remove_created()
+        return DataError(message)
+
+    def _remove_created(self) -> None:
+        """`abandon`'s clean-up; the lock goes too."""
         if self.created:
             for child in self.path.iterdir():
                 if child.name == STAGE_FILE or child.name.lstrip(".").startswith("part-"):
                     with contextlib.suppress(FileNotFoundError):
                         child.unlink()
-            for directory in self.created:
-                try:
-                    directory.rmdir()
-                except OSError:  # something else was put there meanwhile: keep it
-                    log.warning("%s: not removed (not empty)", directory)
-                    break
-            self.created = []
-        return DataError(message)
+        self.release()  # its file goes with it, before the directories
+        for directory in self.created:
+            try:
+                directory.rmdir()
+            except OSError:  # something else was put there meanwhile: keep it
+                log.warning("%s: not removed (not empty)", directory)
+                break
+        self.created = []
 
     def pending(self, inputs: list[Path], suffix: str) -> list[tuple[int, Path, Path]]:
         """(index, input part, output part) for each input whose output is not written yet.

@@ -27,8 +27,11 @@ def main(args: argparse.Namespace) -> int:
 
     # The run: the annotated BERT graph, a session training it with our LAMB, the bundled
     # Wikipedia slice masked into MLM/NSP batches, checkpoints and metrics in the run directory.
+    # The run directory is this run's alone: locked while it runs; one holding another run is
+    # refused unless --overwrite deletes that run first.
     with popbert.Trainer.from_config(cfg, args.output_dir, resume=args.resume,
-                                     init_from=args.init_from) as trainer:
+                                     init_from=args.init_from,
+                                     overwrite=args.overwrite) as trainer:
         result = trainer.train()  # then the final checkpoint, metrics.png, model.inference.onnx
 
     print(f"done: {result.output_dir} (checkpoint {result.checkpoint.name}, "
@@ -47,6 +50,8 @@ if __name__ == "__main__":
     start.add_argument("--resume", type=Path, metavar="DIR", help="continue a stopped run")
     start.add_argument("--init-from", type=Path, metavar="DIR",
                        help="start from a checkpoint's weights (phase 2)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete an earlier run in the output directory first")
     arguments = parser.parse_args()
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("popbert").setLevel(logging.DEBUG if arguments.verbose else logging.INFO)

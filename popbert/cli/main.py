@@ -97,7 +97,7 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
     from popbert.train.trainer import Trainer
 
     with Trainer.from_config(cfg, pretrain_output_dir(args), resume=resume,
-                             init_from=init_from) as trainer:
+                             init_from=init_from, overwrite=args.overwrite) as trainer:
         trainer.train()
     return 0
 
@@ -163,7 +163,7 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     cfg = finetune_config_from_args(args)
     from popbert.train.trainer import Trainer
 
-    with Trainer.from_config(cfg, args.output_dir) as trainer:
+    with Trainer.from_config(cfg, args.output_dir, overwrite=args.overwrite) as trainer:
         result = trainer.train()
     logger.info("wrote %s (checkpoint %s)", result.output_dir, result.checkpoint.name)
     if result.metrics or args.finetune_task == "classification":
@@ -273,6 +273,16 @@ def add_pretrain_arguments(p: argparse.ArgumentParser) -> None:
                             "continues in that directory unless --output-dir says otherwise")
     start.add_argument("--init-from", type=Path, default=None, metavar="DIR",
                        help="start a new run from a checkpoint's weights only (e.g. phase 2)")
+    _add_overwrite_arg(p)
+
+
+_OVERWRITE_HELP = ("delete an earlier run in the output directory first (a new run refuses a "
+                   "directory holding another run; one that also holds files popbert did not "
+                   "write is never cleared)")
+
+
+def _add_overwrite_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
 
 
 def _add_training_args(p: argparse.ArgumentParser, preset: str) -> None:
@@ -283,6 +293,7 @@ def _add_training_args(p: argparse.ArgumentParser, preset: str) -> None:
     p.add_argument("--checkpoint", type=Path, required=True, metavar="DIR",
                    help="checkpoint or run directory (popbert pretrain, import-hf)")
     p.add_argument("--output-dir", "-o", type=Path, required=True, metavar="DIR")
+    _add_overwrite_arg(p)
     p.add_argument("--config", "-c", metavar="FILE_OR_PRESET", default=None,
                    help=f"YAML config or preset to start from (default: {preset})")
     p.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append",

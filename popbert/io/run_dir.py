@@ -1,8 +1,16 @@
-"""A run's output directory: where it is, that it can be written, and what a crash left in it.
+"""A run's output directory: where it is, that it can be written, whose it is, and what a crash
+left in it.
 
 A run directory holds `config.yaml`, `model.onnx`, `metrics.jsonl`, `metrics.png`,
 `checkpoints/step-NNNNNN/` and the inference export. `--resume DIR` continues in that same
 directory, so a second crash loses nothing either.
+
+A directory belongs to one run. A new run refuses a directory that holds another one (its
+metrics would be appended to the old run's, its checkpoints pruned, its config replaced), unless
+`--overwrite` asks to delete that run first; a directory holding files popbert did not write is
+never cleared. While a run lives, `.lock` in its directory is held with `flock`, so a second
+process on the same directory (a new run or a `--resume`) stops with one line naming the
+holder instead of interleaving its steps with the first's (:func:`claim_run_dir`).
 """
 
 from __future__ import annotations
@@ -11,15 +19,31 @@ import errno
 import logging
 import os
 import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from popbert.atomic import restore_interrupted
 from popbert.errors import UsageError
+from popbert.locking import LOCK_FILE, DirectoryLock, lock_directory
 
 log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 STEP_PREFIX = "step-"
+
+# What makes a directory a run: a new run there would mix with it.
+RUN_MARKERS = ("config.yaml", "metrics.jsonl", CHECKPOINTS)
+# Everything popbert writes into a run directory (pre-training, fine-tuning, import-hf, W&B's
+# offline files): `--overwrite` deletes only these, and only when nothing else is there.
+RUN_FILES = frozenset({
+    *RUN_MARKERS, LOCK_FILE, "model.onnx", "metrics.png", "model.inference.onnx",
+    "model.inference.onnx.data", "vocab.txt", "import.json", "eval_results.json",
+    "eval_predictions.jsonl", "predictions.json", "nbest_predictions.json", "wandb_run_id",
+    "wandb"})
+# Temporary names of popbert's atomic writes, write probes and lock files being created.
+_TEMP_PREFIXES = (".tmp-", ".popbert-write-test-")
+_CHECKPOINT_PREFIXES = (STEP_PREFIX, ".tmp-", ".old-")
 
 
 def step_dir(output_dir: Path, step: int) -> Path:
@@ -119,5 +143,160 @@ def remove_if_empty_run(output_dir: Path, created: bool) -> None:
         shutil.rmtree(output_dir, ignore_errors=True)
 
 
-__all__ = ["check_output_dir", "checkpoint_dirs", "clean_interrupted", "create_output_dir",
-           "prune_checkpoints", "remove_if_empty_run", "run_dir_of", "step_dir"]
+# ----------------------------------------------------------------------------------------------
+# Whose directory: the refusal rule and the lock
+
+
+def _is_run_file(name: str) -> bool:
+    return name in RUN_FILES or name.startswith(_TEMP_PREFIXES)
+
+
+def foreign_files(path: Path) -> list[str]:
+    """Entries of `path` (and of its `checkpoints/`) that popbert did not write, sorted."""
+    path = Path(path)
+    if not path.is_dir():
+        return []
+    foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir()
+                     if not _is_run_file(p.name))
+    checkpoints = path / CHECKPOINTS
+    if checkpoints.is_dir():
+        foreign += sorted(f"{CHECKPOINTS}/{p.name}" for p in checkpoints.iterdir()
+                          if not p.name.startswith(_CHECKPOINT_PREFIXES))
+    elif checkpoints.exists():
+        foreign.append(CHECKPOINTS)  # a file where popbert keeps a directory
+    return foreign
+
+
+def _listed(names: list[str], limit: int = 4) -> str:
+    more = f", ... ({len(names)} in all)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def check_new_run_dir(path: Path, *, overwrite: bool = False,
+                      flag: str = "--output-dir") -> bool:
+    """Whether a new run may use `path`, as one line before anything is written; returns
+    whether it must first delete an earlier run there (`overwrite`).
+
+    A missing or empty directory is fine. One that holds another run (its `config.yaml`,
+    `metrics.jsonl`, `checkpoints/`, or any file popbert writes into a run) is refused: the new
+    run would append to the old run's metrics, prune its checkpoints and replace its config and
+    exports, and a later `--resume` would continue old weights under the new config. With
+    `overwrite` that run is deleted first (:func:`clear_run_dir`), but only when every entry is
+    popbert's: a directory holding anything else is never cleared (nor written into).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    # The lock file and temporary names (a crash's leftovers, or another process's lock being
+    # made right now) do not make a run.
+    entries = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir()
+                     if p.name != LOCK_FILE and not p.name.startswith(_TEMP_PREFIXES))
+    if not entries:
+        return False
+    foreign = foreign_files(path)
+    ours = [name for name in entries if name not in foreign]
+    if foreign and not ours:
+        raise UsageError(f"{flag} {path}: is not empty ({_listed(foreign)}) and holds no "
+                         "popbert run: a new run needs a new or empty directory; choose "
+                         "another one")
+    held = (f"{flag} {path}: holds another run ({_listed(ours)}); continue it with --resume "
+            f"{path}, or choose another directory")
+    if foreign:
+        raise UsageError(f"{held}; it also holds files popbert did not write "
+                         f"({_listed(foreign)}), so --overwrite will not clear it")
+    if not overwrite:
+        raise UsageError(f"{held}, or pass --overwrite to delete that run first")
+    return True
+
+
+def clear_run_dir(path: Path) -> list[Path]:
+    """Delete the earlier run in `path` (after :func:`check_new_run_dir` allowed it): each of
+    popbert's entries, the lock file excepted. Refuses, and deletes nothing, if anything in it
+    is not popbert's. Returns what was deleted."""
+    path = Path(path)
+    foreign = foreign_files(path)
+    if foreign:
+        raise UsageError(f"{path}: holds files popbert did not write ({_listed(foreign)}); "
+                         "not cleared")
+    removed = []
+    for entry in sorted(path.iterdir()):
+        if entry.name == LOCK_FILE:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+        removed.append(entry)
+    if removed:
+        log.info("--overwrite: deleted the earlier run in %s (%s)", path,
+                 _listed([p.name for p in removed]))
+    return removed
+
+
+@dataclass
+class RunClaim:
+    """Replica 0's hold on a run directory, from before the run writes anything to after its
+    last write: the lock, whether the run created the directory, and whether an earlier run
+    is to be deleted (`--overwrite`) when the run starts writing (not before: a run that fails
+    its checks leaves the old one intact)."""
+
+    directory: Path
+    lock: DirectoryLock
+    created: bool
+    clear_first: bool = False
+
+    def start(self) -> None:
+        """Right before the run's first write: delete the earlier run when asked to."""
+        if self.clear_first:
+            clear_run_dir(self.directory)
+            self.clear_first = False
+
+    def release(self, failed: bool = False) -> None:
+        """Let the directory go; after a failure (`failed`), a directory this run created and
+        never checkpointed is removed first, still under the lock."""
+        try:
+            if failed:
+                remove_if_empty_run(self.directory, self.created)
+        finally:
+            self.lock.release()
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    try:
+        return Path(path).resolve().is_relative_to(Path(directory).resolve())
+    except OSError:
+        return False
+
+
+def claim_run_dir(path: Path, *, new_run: bool = True, overwrite: bool = False,
+                  sources: Iterable[tuple[str, Path | str | None]] = (),
+                  flag: str = "--output-dir") -> RunClaim:
+    """Create `path` if needed, take its lock (:func:`lock_directory`) and, for a new run, check
+    that it holds no other run (:func:`check_new_run_dir`; `--overwrite` deletes it at
+    :meth:`RunClaim.start`). `sources`: (what, path) pairs the run reads from, e.g.
+    ("--init-from", ...); `--overwrite` refuses to delete a directory one of them lies in.
+    A resumed run (`new_run=False`) is only locked. Everything is one-line `UsageError`s."""
+    path = Path(path)
+    if overwrite and not new_run:
+        raise UsageError(f"--overwrite would delete the run --resume continues in {path}; "
+                         "resume without it, or start a new run")
+    created = create_output_dir(path, flag)
+    lock = lock_directory(path)
+    try:
+        clear_first = check_new_run_dir(path, overwrite=overwrite, flag=flag) if new_run \
+            else False
+        if clear_first:
+            for what, source in sources:
+                if source is not None and _inside(Path(source), path):
+                    raise UsageError(f"--overwrite would delete {path}, and {what} {source} "
+                                     "lies in it: choose another directory")
+    except BaseException:
+        lock.release()
+        raise
+    return RunClaim(path, lock, created, clear_first)
+
+
+__all__ = ["RUN_FILES", "RUN_MARKERS", "RunClaim", "check_new_run_dir", "check_output_dir",
+           "checkpoint_dirs", "claim_run_dir", "clean_interrupted", "clear_run_dir",
+           "create_output_dir", "foreign_files", "prune_checkpoints", "remove_if_empty_run",
+           "run_dir_of", "step_dir"]

@@ -9,6 +9,10 @@ parts (`state_dict` / `load_state_dict`), `train()`, `close()`.
 
 Under `torchrun` every process is one replica (`execution.replicas`): each reads its share of
 every global batch, only replica 0 writes outputs, and all replicas take the same steps.
+
+A run directory belongs to one run (`popbert.io.run_dir.claim_run_dir`): replica 0 locks it
+before anything is written and until the last write, and a new run refuses a directory that
+holds another run unless told to delete it (`overwrite=True`, `--overwrite`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -182,7 +187,7 @@ class Trainer:
                  loader: Any, validation: list[dict[str, torch.Tensor]] | None,
                  replicas: Replicas, *, owns_replicas: bool, resumed: bool,
                  fresh: list[str], on_record: RecordHook | None = None,
-                 elapsed: float = 0.0):
+                 elapsed: float = 0.0, claim: run_dir.RunClaim | None = None):
         self.cfg = cfg
         self.job = job
         self.output_dir = output_dir
@@ -197,6 +202,7 @@ class Trainer:
         self.fresh = fresh
         self.on_record = on_record
         self._owns_replicas = owns_replicas
+        self._claim = claim  # replica 0's lock on the directory (from_config takes it)
         self._created = False
         self._closed = False
         self.config_yaml = dump_config(cfg)
@@ -204,8 +210,11 @@ class Trainer:
         main = replicas.is_main
         graph = job.graph_to_save()
         if main:
-            self._created = run_dir.create_output_dir(output_dir)
+            self._created = (claim.created if claim is not None
+                             else run_dir.create_output_dir(output_dir))
             try:
+                if claim is not None:
+                    claim.start()  # --overwrite: the earlier run goes now, not before the checks
                 run_dir.clean_interrupted(output_dir)
                 atomic_write_text(output_dir / "config.yaml", self.config_yaml)
                 job.write_inputs(output_dir)
@@ -227,7 +236,7 @@ class Trainer:
     @classmethod
     def from_config(cls, cfg: RunConfig, output_dir: str | Path | None = None, *,
                     resume: str | Path | None = None, init_from: str | Path | None = None,
-                    replicas: Replicas | None = None,
+                    overwrite: bool = False, replicas: Replicas | None = None,
                     on_record: RecordHook | None = None,
                     backend_options: Mapping[str, Any] | None = None) -> Trainer:
         """Assemble the run `cfg` describes, writing into `output_dir` (default:
@@ -241,6 +250,14 @@ class Trainer:
         `on_record(step, record)` sees every logged record and may stop the run (a sweep's
         pruner): see `popbert.train.loop.train_loop`. `backend_options` go to the backend's
         session (`popbert.backends.make_session`: `popart_options=` for PopART).
+
+        The directory belongs to this run (`popbert.io.run_dir.claim_run_dir`): replica 0 locks
+        it first (a second process on it stops with one line naming the holder) and holds the
+        lock until `close()`. A new run refuses a directory holding another run (it would
+        append to that run's metrics, prune its checkpoints and replace its config);
+        `overwrite` deletes that run first, once every check has passed, but never clears a
+        directory holding files popbert did not write. Resuming in the run's own directory
+        only locks it.
         """
         if output_dir is None:
             slug = "pretrain" if cfg.finetune.task is None else f"finetune-{cfg.finetune.task}"
@@ -248,6 +265,31 @@ class Trainer:
                           else Path("runs") / time.strftime(f"{slug}-%Y%m%d-%H%M%S"))
         output_dir = Path(output_dir)
         run_dir.check_output_dir(output_dir)
+        claim = None
+        if _launch_rank(replicas) == 0:  # the other replicas share replica 0's directory
+            continuing = resume is not None and _same_dir(run_dir.run_dir_of(Path(resume)),
+                                                          output_dir)
+            sources = [("--resume", resume), ("--init-from", init_from),
+                       ("finetune.checkpoint", cfg.finetune.checkpoint)]
+            if cfg.finetune.task is None:  # fine-tuning sets its own vocab_file
+                sources.append(("data.vocab_file", cfg.data.vocab_file))
+            claim = run_dir.claim_run_dir(output_dir, new_run=not continuing,
+                                          overwrite=overwrite, sources=sources)
+        try:
+            return cls._assemble(cfg, output_dir, claim, resume=resume, init_from=init_from,
+                                 replicas=replicas, on_record=on_record,
+                                 backend_options=backend_options)
+        except BaseException:
+            if claim is not None:
+                claim.release(failed=True)  # a directory it created goes (nothing was kept)
+            raise
+
+    @classmethod
+    def _assemble(cls, cfg: RunConfig, output_dir: Path, claim: run_dir.RunClaim | None, *,
+                  resume: str | Path | None, init_from: str | Path | None,
+                  replicas: Replicas | None, on_record: RecordHook | None,
+                  backend_options: Mapping[str, Any] | None) -> Trainer:
+        """`from_config` once the directory is this run's: everything else, in order."""
         job = make_job(cfg, output_dir)
         cfg = job.config
         job.check(cfg)
@@ -296,7 +338,8 @@ class Trainer:
             return cls(cfg, job, output_dir, session, loader, validation, replicas,
                        owns_replicas=owns, resumed=restored is not None, fresh=fresh,
                        on_record=on_record,
-                       elapsed=restored.trainer.get("elapsed_s", 0.0) if restored else 0.0)
+                       elapsed=restored.trainer.get("elapsed_s", 0.0) if restored else 0.0,
+                       claim=claim)
         except BaseException:
             if owns:
                 replicas.shutdown(clean=False)
@@ -454,16 +497,21 @@ class Trainer:
     def close(self, error: BaseException | None = None) -> None:
         """Finish the run's side effects: the metrics file, the replicas (when this trainer
         joined them), and — after a failure before anything worth keeping was written — the
-        output directory it created. Safe to call twice."""
+        output directory it created; last, the directory's lock goes (also when one of these
+        fails). Safe to call twice."""
         if self._closed:
             return
         self._closed = True
-        self._close_metrics(None)
-        if error is not None and not isinstance(error, TrainingDiverged | RunStopped) \
-                and self.replicas.is_main:
-            run_dir.remove_if_empty_run(self.output_dir, self._created)
-        if self._owns_replicas:
-            self.replicas.shutdown(clean=error is None)
+        try:
+            self._close_metrics(None)
+            if error is not None and not isinstance(error, TrainingDiverged | RunStopped) \
+                    and self.replicas.is_main:
+                run_dir.remove_if_empty_run(self.output_dir, self._created)
+            if self._owns_replicas:
+                self.replicas.shutdown(clean=error is None)
+        finally:
+            if self._claim is not None:
+                self._claim.release()
 
     def __enter__(self) -> Trainer:
         return self
@@ -493,6 +541,28 @@ def plot_if_logged(metrics: Path, plot: Path) -> Path:
     except Exception as error:  # the run's result matters more than its picture
         log.warning("could not plot %s: %s", metrics, error)
         return plot
+
+
+def _launch_rank(replicas: Replicas | None) -> int:
+    """This process's replica rank before the replicas are joined: the given group's, else
+    torchrun's `$RANK` (0 without torchrun). Replica 0 claims the run directory before any
+    replica starts, so a refusal ends the job at once (torchrun stops the others)."""
+    if replicas is not None:
+        return replicas.rank
+    if world_size_from_env() == 1:
+        return 0
+    raw = os.environ.get("RANK", "0")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"$RANK={raw!r} is not an integer") from None
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
 
 
 def _replicas_for(cfg: RunConfig, replicas: Replicas | None) -> tuple[Replicas, bool]:

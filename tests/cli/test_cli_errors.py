@@ -199,7 +199,8 @@ def test_pretrain_calls_the_trainer(
     assert rc == 0
     ((cfg, kw),) = calls
     assert cfg == load_config("base-384", ["training.steps=3"])
-    assert kw == {"output_dir": tmp_path / "out", "resume": None, "init_from": init}
+    assert kw == {"output_dir": tmp_path / "out", "resume": None, "init_from": init,
+                  "overwrite": False}
 
 
 def test_pretrain_defaults(monkeypatch: pytest.MonkeyPatch, cli_logging: None) -> None:

@@ -185,3 +185,143 @@ def test_the_example_is_the_main_job(tmp_path: Path) -> None:
     assert ours.keys() == theirs.keys()
     for key in ours:
         np.testing.assert_array_equal(ours[key], theirs[key], err_msg=key)
+
+
+# ---------------------------------------------------------------------------------------------
+# A run directory belongs to one run (issue 20): a new run refuses another run's directory
+# (--overwrite deletes that run first), and a run's directory is locked while it lives.
+
+
+def snapshot(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.e2e
+def test_a_new_run_refuses_a_directory_holding_another_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's repro: a second, different run with `-o ref` exited 0, replaced the config,
+    pruned the old checkpoints and appended its steps to the old metrics."""
+    ref = tmp_path / "ref"
+    assert pretrain("--set", "training.steps=4", "--set", "training.checkpoint_every=2",
+                    "--set", "training.keep_checkpoints=0", "-o", str(ref)) == 0
+    before = snapshot(ref)
+    capsys.readouterr()
+    assert pretrain("--set", "training.steps=2", "--set", "execution.micro_batch_size=4",
+                    "-o", str(ref)) == 2
+    line = error_line(capsys)
+    assert line.startswith(f"popbert: error: --output-dir {ref}: holds another run ("), line
+    assert f"continue it with --resume {ref}" in line and "--overwrite" in line, line
+    assert snapshot(ref) == before  # same files, same bytes
+    assert not (ref / ".lock").exists()
+
+    # --overwrite: a clean run of its own (its config, its metrics from step 1, its checkpoints).
+    assert pretrain("--set", "training.steps=2", "--set", "execution.micro_batch_size=4",
+                    "-o", str(ref), "--overwrite") == 0
+    assert steps_logged(ref) == [1, 2]
+    assert [p.name for p in checkpoint_dirs(ref)] == ["step-000002"]
+    assert "micro_batch_size: 4" in (ref / "config.yaml").read_text()
+    assert not (ref / ".lock").exists()  # released after a normal run
+    # --resume is unchanged; with --overwrite it is refused (it would delete what it resumes).
+    assert pretrain("--resume", str(ref), "--set", "training.steps=3") == 0
+    assert steps_logged(ref) == [1, 2, 3]
+    assert pretrain("--resume", str(ref), "--set", "training.steps=4", "--overwrite") == 2
+    assert "--overwrite would delete the run --resume continues" in error_line(capsys)
+
+
+def test_overwrite_never_clears_a_directory_with_other_files(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    mixed = tmp_path / "mixed"
+    (mixed / "checkpoints").mkdir(parents=True)
+    (mixed / "config.yaml").write_text("training: {steps: 2}\n")
+    (mixed / "notes.txt").write_text("my notes")
+    before = snapshot(mixed)
+    assert pretrain("--set", "training.steps=1", "-o", str(mixed), "--overwrite") == 2
+    line = error_line(capsys)
+    assert "files popbert did not write (notes.txt)" in line, line
+    assert snapshot(mixed) == before and (mixed / "checkpoints").is_dir()
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "shard.h5").write_text("data")
+    assert pretrain("--set", "training.steps=1", "-o", str(theirs)) == 2
+    assert "is not empty (shard.h5) and holds no popbert run" in error_line(capsys)
+    assert [p.name for p in theirs.iterdir()] == ["shard.h5"]
+
+
+def test_a_fine_tuning_run_refuses_another_runs_directory(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Fine-tuning outputs follow the same rule (checked before the checkpoint or data are
+    read); examples/pretrain.py takes --overwrite like `popbert pretrain`."""
+    import subprocess
+    import sys
+
+    sentiment = Path(__file__).resolve().parents[1] / "fixtures" / "classification" / \
+        "sentiment.tsv"
+    out = tmp_path / "sst"
+    out.mkdir()
+    for name, text in (("config.yaml", "finetune: {task: classification}\n"),
+                       ("metrics.jsonl", '{"step": 1, "loss": 0.7}\n'),
+                       ("eval_results.json", '{"accuracy": 0.5}')):
+        (out / name).write_text(text)
+    before = snapshot(out)
+    pre = tmp_path / "pre"
+    pre.mkdir()
+    for task in ("classify", "squad"):
+        assert main(["finetune", task, "--checkpoint", str(pre), "--train", str(sentiment),
+                     "-o", str(out)]) == 2
+        line = error_line(capsys)
+        assert f"--output-dir {out}: holds another run (" in line and "--overwrite" in line
+    assert snapshot(out) == before
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "pretrain.py"
+    proc = subprocess.run([sys.executable, str(example), "-o", str(out)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"popbert: error: --output-dir {out}: holds another run ("), proc.stderr
+    assert "--overwrite" in proc.stderr and snapshot(out) == before
+
+
+@pytest.mark.e2e
+def test_a_locked_run_directory_refuses_a_second_process(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """While a run holds its directory, a `--resume` or a new run there stops with one line
+    naming the holder (here this very process: flock locks belong to open files, not
+    processes); the lock goes after a normal run, and after a run that raised."""
+    import os
+    import socket
+
+    import popbert
+    from popbert.locking import lock_directory
+
+    run = tmp_path / "run"
+    assert pretrain("--set", "training.steps=2", "-o", str(run)) == 0
+    before = snapshot(run)
+    with lock_directory(run):
+        assert pretrain("--resume", str(run), "--set", "training.steps=3") == 2
+        line = error_line(capsys)
+        assert line.startswith(f"popbert: error: {run}: in use by another popbert process"), line
+        assert f"held by pid {os.getpid()} on host {socket.gethostname()} since" in line, line
+        assert snapshot(run) == {**before, ".lock": (run / ".lock").read_bytes()}
+    empty = tmp_path / "empty"  # an existing empty directory takes a new run
+    empty.mkdir()
+    with lock_directory(empty):
+        assert pretrain("--set", "training.steps=1", "-o", str(empty)) == 2
+        assert "in use by another popbert process" in error_line(capsys)
+    assert list(empty.iterdir()) == []
+
+    # A Trainer holds the lock from from_config to close(); an exception inside releases it.
+    cfg = popbert.load_config("tiny", [*SMALL[1::2], "training.steps=1"])
+    with pytest.raises(RuntimeError, match="stop here"), \
+            popbert.Trainer.from_config(cfg, empty) as trainer:
+        assert (empty / ".lock").is_file()
+        with pytest.raises(popbert.PopbertError, match="in use by another popbert process"):
+            popbert.Trainer.from_config(cfg, empty)
+        assert trainer.output_dir == empty
+        raise RuntimeError("stop here")
+    assert not (empty / ".lock").exists()
+    with lock_directory(empty):  # free again
+        pass
+    assert pretrain("--set", "training.steps=1", "-o", str(empty), "--overwrite") == 0
+    assert steps_logged(empty) == [1]

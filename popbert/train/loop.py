@@ -185,8 +185,7 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
     if (eval_every or settings.eval_points) and not validation:
         raise ValueError("eval_every (or eval_points) needs validation batches")
     points = settings.eval_points if budgeted else 0
-    # The next fraction of the budget to evaluate at (a resumed run: the next one ahead).
-    next_point = (math.floor(clock.progress() * points + 1e-9) + 1) / points if points else 0.0
+    next_point = _next_point(clock.progress(), points)  # a resumed run: the next one ahead
     replicas = session.replicas
     first_step = session.step
     window: dict[str, list[float]] = {}
@@ -240,9 +239,13 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
                 bar.update(steps_done)
             evaluated = None
             clock.tick()
-            at_point = bool(points) and clock.progress() >= next_point
-            if at_point:
-                next_point = (math.floor(clock.progress() * points + 1e-9) + 1) / points
+            at_point = False
+            if points:
+                # Each replica's clock reads a little differently; evaluation is collective,
+                # so all evaluate when any one reached the point.
+                at_point = not all_replicas(session, clock.progress() < next_point)
+                if at_point:  # a replica short of the point moves past it with the others
+                    next_point = _next_point(max(clock.progress(), next_point), points)
             if at_point or (eval_every and session.step % eval_every < steps_done):
                 eval_started = time.perf_counter()
                 evaluated = evaluate(session, validation)
@@ -330,6 +333,11 @@ def all_replicas(session: Session, flag: bool) -> bool:
     value = torch.tensor([0.0 if flag else 1.0], device=_collective_device(session))
     replicas.all_reduce_(value)
     return float(value) == 0.0
+
+
+def _next_point(progress: float, points: int) -> float:
+    """The next fraction k / points of the budget beyond `progress` (0 without points)."""
+    return (math.floor(progress * points + 1e-9) + 1) / points if points else 0.0
 
 
 def agreed_max(session: Session, value: int) -> int:

@@ -249,6 +249,7 @@ def test_overwrite_never_clears_a_directory_with_other_files(
     assert [p.name for p in theirs.iterdir()] == ["shard.h5"]
 
 
+@pytest.mark.e2e
 def test_a_fine_tuning_run_refuses_another_runs_directory(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Fine-tuning outputs follow the same rule (checked before the checkpoint or data are

@@ -21,8 +21,11 @@ from popbert.builders.placement import PlacementPlan
 from popbert.graph.builder import Builder, TensorInfo
 
 BATCH = "batch_size"
-# The symbolic sequence axis of inference exports (`build_bert(..., dynamic_sequence=True)`).
+# The symbolic sequence axis of `build_bert(..., dynamic_sequence=True)` graphs (inference
+# exports, and training graphs whose batches are trimmed: `execution.trim_padding`).
 SEQUENCE = "sequence_length"
+# Their symbolic MLM prediction-slot axis (`masked_lm_positions`, `masked_lm_ids`).
+PREDICTIONS = "predictions"
 # Label of an unused NSP slot in a packed row (PyTorch's and HF's ignore index).
 NSP_IGNORE = -100
 
@@ -89,11 +92,12 @@ def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = 
     `batch_size` is the batch dimension of every input: symbolic by default, an int for a graph
     compiled for one micro batch (required by `model.dialect: popart`).
 
-    `dynamic_sequence=True` (inference exports only) gives every input a symbolic sequence axis
-    (`SEQUENCE`) of any length up to `max_position_embeddings`: reshapes go through 0/-1 or the
-    inputs' `Shape`, positions are a `Slice` of the position table and the attention mask is
-    expanded to the input's length. Training graphs keep `config.sequence_length` baked in:
-    static shapes are what IPUs compile, so the popart dialect and packing refuse the flag.
+    `dynamic_sequence=True` gives every input a symbolic sequence axis (`SEQUENCE`) of any
+    length up to `max_position_embeddings`, and the MLM slots a symbolic `PREDICTIONS` axis:
+    reshapes go through 0/-1 or the inputs' `Shape`, positions are a `Slice` of the position
+    table and the attention mask is expanded to the input's length. Inference exports use it,
+    and so do training graphs fed batches cut to their longest row (`execution.trim_padding`).
+    Static shapes are what IPUs compile, so the popart dialect and packing refuse the flag.
     """
     config.validate()
     if task not in TASK_HEADS:
@@ -107,8 +111,8 @@ def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = 
         raise ValueError(f"model.packed is for pre-training only; task {task!r} takes one "
                          f"sequence per row")
     if dynamic_sequence and (config.dialect != "onnx" or config.packed):
-        raise ValueError("dynamic_sequence is for onnx-dialect inference graphs; the popart "
-                         "dialect and packed rows need model.sequence_length fixed")
+        raise ValueError("dynamic_sequence is for onnx-dialect graphs of unpacked rows; the "
+                         "popart dialect and packed rows need model.sequence_length fixed")
     seq: int | str = SEQUENCE if dynamic_sequence else config.sequence_length
     graph.sequence_length = seq
     input_ids = graph.add_input("input_ids", [batch_size, seq])
@@ -188,7 +192,8 @@ def pretraining_head(b: Builder, config: BertConfig, init: layers.WeightInit, gr
     `model.next_sentence_prediction: false` (RoBERTa's MLM-only objective): no NSP head, no
     `next_sentence_labels` input, and the loss is the MLM loss alone.
     """
-    preds = config.max_predictions_per_seq
+    preds: int | str = (PREDICTIONS if isinstance(graph.sequence_length, str)
+                        else config.max_predictions_per_seq)
     positions = graph.add_input("masked_lm_positions", [graph.batch_size, preds])
     mlm_logits = mlm_head(b, config, init, encoded.hidden, positions, encoded.word_table)
     graph.outputs["mlm_logits"] = mlm_logits

@@ -148,6 +148,10 @@ class ExecutionConfig:
     pipeline_schedule: str = setting("1f1b", choice(PIPELINE_SCHEDULES))  # (execution.pipeline)
     recompute: bool = False
     threads: int | None = setting(None, at_least(1).or_null())  # torch intra-op; None: default
+    # Cut each micro-batch to its longest row (and MLM slots to the most used), so padding past
+    # it is not computed at all: GEMMs included, not only attention (model.dialect onnx, rows
+    # not packed; the graph gets a symbolic sequence axis).
+    trim_padding: bool = False
 
     @property
     def use_stochastic_rounding(self) -> bool:
@@ -417,6 +421,16 @@ def _check_across(cfg: RunConfig) -> None:
         raise Invalid("training.eval_points spaces evaluations over training.time_budget; set "
                       "a budget, or use training.eval_every (steps)", "training.eval_points",
                       "training.time_budget")
+    if e.trim_padding and (m.packed or m.dialect != "onnx"):
+        raise Invalid("execution.trim_padding cuts unpadded rows to their longest; it needs "
+                      "model.dialect 'onnx' and model.packed false (packed rows carry no "
+                      "padding to cut)", "execution.trim_padding", "model.dialect",
+                      "model.packed")
+    if e.trim_padding and cfg.finetune.task == "squad":
+        raise Invalid("execution.trim_padding would change the loss of finetune.task 'squad': "
+                      "its start/end softmax runs over every position, padding included (as in "
+                      "BERT and transformers); set execution.trim_padding=false",
+                      "execution.trim_padding", "finetune.task")
     if d.dynamic_masking and m.packed:
         raise Invalid("data.dynamic_masking masks unpacked rows; packed rows keep the masks "
                       "they were packed with (set data.dynamic_masking=false)",

@@ -17,7 +17,7 @@ import torch
 
 from popbert.errors import InputError
 
-__all__ = ["InputChecker", "InputSpec", "input_specs"]
+__all__ = ["TRIM_MULTIPLE", "InputChecker", "InputSpec", "PaddingTrimmer", "input_specs"]
 
 Dim = int | str | None  # static size, symbolic name, or unknown
 # Ops that pass their first input's values through unchanged (only the layout may change).
@@ -29,6 +29,9 @@ _INTEGER_TYPES = {onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProt
 # The values a narrower-than-int64 input type holds (int64 batches may exceed them).
 _TYPE_RANGES = {onnx.TensorProto.UINT32: (0, 2**32 - 1),
                 onnx.TensorProto.INT32: (-2**31, 2**31 - 1)}
+#: Trimmed micro-batches are cut to a multiple of this many tokens (and MLM slots): few distinct
+#: shapes, so compiled graphs and GEMM kernels see the same ones again.
+TRIM_MULTIPLE = 8
 
 
 @dataclass(frozen=True)
@@ -177,3 +180,56 @@ class InputChecker:
                     raise InputError(f"input {spec.name!r} has {size} as its {dim} (dimension "
                                      f"{axis}, shape {shape}) but input {known[1]!r} has "
                                      f"{known[0]}: every input holds the same {dim}")
+
+
+class PaddingTrimmer:
+    """Cuts a micro-batch of unpacked rows to its longest row, so the padding past it is never
+    computed (the GEMMs skip it too, not only attention), and the MLM prediction slots to the
+    most any row uses.
+
+    Exact: padded keys get an exact zero after softmax, padded tokens never mix into real ones,
+    and unused slots are ignored by the loss; only the GEMMs' summation order may differ. Needs
+    a graph whose `input_mask` has a symbolic sequence axis (`build_bert(...,
+    dynamic_sequence=True)`); every input declared with that symbol is cut along it, and every
+    input sharing `masked_lm_ids`'s symbolic slot axis is cut to the slots in use.
+    """
+
+    def __init__(self, specs: Sequence[InputSpec], mask: str = "input_mask",
+                 slot_labels: str = "masked_lm_ids", multiple: int = TRIM_MULTIPLE):
+        by_name = {s.name: s for s in specs}
+        mask_dims = by_name[mask].dims if mask in by_name else None
+        if not mask_dims or len(mask_dims) != 2 or not isinstance(mask_dims[1], str):
+            raise ValueError(f"trimming padding needs a graph input {mask!r} of shape [batch, "
+                             f"sequence] with a symbolic sequence axis (build_bert(..., "
+                             f"dynamic_sequence=True)); the graph declares "
+                             f"{by_name[mask].shape_text() if mask in by_name else 'none'}")
+        self.mask, self.slot_labels, self.multiple = mask, slot_labels, multiple
+        self.sequence_inputs = _inputs_with_axis(specs, mask_dims[1])
+        label_dims = by_name[slot_labels].dims if slot_labels in by_name else None
+        self.slot_inputs = (_inputs_with_axis(specs, label_dims[1])
+                            if label_dims and len(label_dims) == 2
+                            and isinstance(label_dims[1], str) else [])
+
+    def __call__(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        trimmed = dict(batch)
+        width = self._width(batch[self.mask])
+        for name in self.sequence_inputs:
+            trimmed[name] = batch[name][:, :width]
+        if self.slot_inputs:
+            slots = self._width(batch[self.slot_labels])
+            for name in self.slot_inputs:
+                trimmed[name] = batch[name][:, :slots]
+        return trimmed
+
+    def _width(self, marks: torch.Tensor) -> int:
+        """One past the last nonzero column of any row, rounded up to `multiple` (at least
+        `multiple`, at most the full width)."""
+        full = marks.shape[1]
+        used = marks.ne(0).any(dim=0).nonzero()
+        last = int(used[-1]) + 1 if used.numel() else 1
+        return min(full, -(-last // self.multiple) * self.multiple)
+
+
+def _inputs_with_axis(specs: Sequence[InputSpec], symbol: str) -> list[str]:
+    """The inputs whose axis 1 is the symbolic dimension `symbol`."""
+    return [s.name for s in specs if s.dims and len(s.dims) > 1 and s.dims[1] == symbol]

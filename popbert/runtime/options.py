@@ -32,7 +32,8 @@ __all__ = ["SessionOptions"]
 # the options hold the resolved device of this replica ("cuda:1"), not the config's choice.
 _FROM_EXECUTION = {"replication_factor": "replicas", **{name: name for name in (
     "backend", "gradient_accumulation", "device_iterations", "weight_dtype", "compute_dtype",
-    "compile", "replicated_tensor_sharding", "pipeline", "pipeline_schedule", "recompute")}}
+    "compile", "replicated_tensor_sharding", "pipeline", "pipeline_schedule", "recompute",
+    "trim_padding")}}
 
 
 @dataclass
@@ -62,7 +63,9 @@ class SessionOptions:
     # Worker thread per device when pipelining: None = when the stages span several devices.
     pipeline_threads: bool | None = None
     recompute: bool = False
-    backend: str = "torch"  # last: positional construction keeps its meaning
+    backend: str = "torch"  # after the older options: positional construction keeps its meaning
+    # Run each micro-batch cut to its longest row (the graph's sequence axis must be symbolic).
+    trim_padding: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

@@ -26,7 +26,7 @@ from popbert.errors import CheckpointError, InputError, one_line
 from popbert.graph.annotations import constant_initializers
 from popbert.optimizers import LossScaler
 from popbert.runtime.devices import resolve_device
-from popbert.runtime.inputs import InputChecker
+from popbert.runtime.inputs import InputChecker, PaddingTrimmer
 from popbert.runtime.options import SessionOptions
 from popbert.runtime.partition import Program
 from popbert.runtime.protocol import Batch, NamedParameters, OptimizerFactory
@@ -84,6 +84,9 @@ class _Session:
         self.input_names = list(self.module.input_names)
         self.output_names = list(self.module.output_names)
         self.inputs = InputChecker(self.proto, self.input_names)
+        # execution.trim_padding: each micro-batch cut to its longest row before it runs.
+        self._trim = (PaddingTrimmer(self.inputs.specs) if self.options.trim_padding
+                      else _untrimmed)
         # Half weights are stored in FP16/BF16 only (no master copy): the graph computes from
         # FP32 views of them, made inside the (compiled) forward so the casts fuse with it.
         forward = self._from_fp32_views if self._half_weights else self.module
@@ -265,7 +268,7 @@ class TrainingSession(_Session):
         for i in range(iterations):
             starts = [(i * accumulation + a) * micro for a in range(accumulation)]
             per_step.append(self.train_step(
-                [{n: t[s:s + micro] for n, t in tensors.items()} for s in starts]))
+                [self._trim({n: t[s:s + micro] for n, t in tensors.items()}) for s in starts]))
         return {k: torch.stack([s[k] for s in per_step]) for k in per_step[0]}
 
     def evaluate(self, batch: Batch) -> dict[str, torch.Tensor]:
@@ -274,7 +277,7 @@ class TrainingSession(_Session):
         the session's GPU) are put back, so the next step's dropout masks do not depend on
         whether an evaluation ran. Works on every path `forward` takes: plain, pipelined or
         recomputed (the Program), half-precision weights."""
-        tensors = self.inputs.check(batch)
+        tensors = self._trim(self.inputs.check(batch))
         modules = [self.module] + ([self.program.split] if self.program is not None else [])
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.no_grad():
@@ -402,6 +405,10 @@ class TrainingSession(_Session):
             if given != shape:
                 raise CheckpointError(f"the weights do not fit this model: {name!r} has shape "
                                       f"{given}, this model {shape}")
+
+
+def _untrimmed(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return batch
 
 
 def _add_scalars(totals: dict[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:

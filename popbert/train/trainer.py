@@ -317,7 +317,8 @@ class Trainer:
         try:
             torch.manual_seed(cfg.training.seed)
             graph = build_bert(cfg.model, task=job.task, seed=cfg.training.seed,
-                               batch_size=graph_batch_size(cfg))
+                               batch_size=graph_batch_size(cfg),
+                               dynamic_sequence=cfg.execution.trim_padding)
             job.graph = graph.model()
             session = make_session(job.graph, graph.loss, optimizer_factory(cfg),
                                    SessionOptions.from_config(cfg, replicas),

@@ -67,13 +67,13 @@ def test_a_symbolic_length_computes_what_the_static_graph_does(extra, task) -> N
             assert np.abs(value).max() > 1e-3  # not vacuous
 
 
-def test_training_graphs_and_the_popart_dialect_stay_static() -> None:
+def test_training_graphs_stay_static_unless_asked_and_the_popart_dialect_always() -> None:
     cfg = config()
     training = build_bert(cfg, task="pretraining", zeros=True).model()
     assert all(dims[1] == 32 for dims in input_dims(training)[:3])
     assert not any(n.op_type in ("Shape", "Slice") for n in training.graph.node)
     popart = load_config("tiny", [*SMALL, "model.dialect=popart"]).model
-    with pytest.raises(ValueError, match="dynamic_sequence is for onnx-dialect inference"):
+    with pytest.raises(ValueError, match="dynamic_sequence is for onnx-dialect graphs"):
         build_bert(popart, batch_size=2, zeros=True, dynamic_sequence=True)
 
 

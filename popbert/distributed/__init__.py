@@ -2,6 +2,7 @@
 state, and the gradient-synchronisation strategy a training step runs with.
 
 - :mod:`~popbert.distributed.replicas`: joining the job, collectives, start-up checks;
+- :mod:`~popbert.distributed.elastic`: a torchrun restart resumes its own run by itself;
 - :mod:`~popbert.distributed.buffers`: flat parameter/gradient buffers, the all-reduced one;
 - :mod:`~popbert.distributed.sharded`: replicated tensor sharding (RTS) of the optimizer;
 - :mod:`~popbert.distributed.gradients`: local / all-reduce / sharded step strategies.

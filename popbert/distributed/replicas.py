@@ -259,6 +259,9 @@ def init_replicas(cfg: RunConfig, device: torch.device) -> Replicas:
         kwargs["device_id"] = torch.device("cuda", first)
     backend = "nccl" if use_cuda else "gloo"
     try:
+        store = _attempt_store(world, timeout)
+        if store is not None:
+            kwargs["store"] = store
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout), **kwargs)
     except (RuntimeError, ValueError, dist.DistError) as error:
@@ -268,6 +271,22 @@ def init_replicas(cfg: RunConfig, device: torch.device) -> Replicas:
              backend)
     return Replicas(group=None, rank=rank, size=world, local_rank=local_rank, timeout_s=timeout,
                     owns_process_group=True)
+
+
+def _attempt_store(world: int, timeout: float) -> Any:
+    """Under torchrun's shared rendezvous store (`$TORCHELASTIC_USE_AGENT_STORE`): that store,
+    with this attempt's own key prefix; None otherwise (torch's env:// store).
+
+    The agent's store outlives a restart of the workers, and torch's env:// join reads its keys
+    unprefixed: a restarted replica would find the dead attempt's addresses (gloo then fails to
+    connect, or hangs). Keys under `popbert/attempt-<TORCHELASTIC_RESTART_COUNT>/` are this
+    attempt's only."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    return dist.PrefixStore(f"popbert/attempt-{attempt}/", store)
 
 
 def agree(replicas: Replicas, what: str, value: Any) -> None:

@@ -40,7 +40,7 @@ RUN_FILES = frozenset({
     *RUN_MARKERS, LOCK_FILE, "model.onnx", "metrics.png", "model.inference.onnx",
     "model.inference.onnx.data", "vocab.txt", "import.json", "eval_results.json",
     "eval_predictions.jsonl", "predictions.json", "nbest_predictions.json", "wandb_run_id",
-    "wandb"})
+    "wandb", ".torchrun.json"})
 # Temporary names of popbert's atomic writes, write probes and lock files being created.
 _TEMP_PREFIXES = (".tmp-", ".popbert-write-test-")
 _CHECKPOINT_PREFIXES = (STEP_PREFIX, ".tmp-", ".old-")

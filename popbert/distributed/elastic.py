@@ -1,0 +1,126 @@
+"""torchrun's elastic restarts: a restarted worker group resumes its own run by itself.
+
+`torchrun --max-restarts N` restarts every worker of the job when one fails (a worker killed, a
+node's process gone), with the same command line and `$TORCHELASTIC_RESTART_COUNT` raised by
+one. A restarted `popbert pretrain -o DIR` must then continue its run from the newest complete
+checkpoint in DIR rather than be refused as a new run on a directory holding another run, and
+without `--resume` on a command line that cannot change.
+
+It must not resume *another* run, though: a first attempt refused because DIR held an older
+run also makes torchrun restart the group. So a run started under restartable torchrun records
+in `DIR/.torchrun.json` the torchrun agents (host, pid, start time) that launched it; a restart
+resumes only a directory its own agents are recorded in (an agent outlives its workers'
+restarts). Anything else keeps the first launch's behaviour. A restart before the first
+checkpoint starts the run over in DIR (what the previous attempt wrote is deleted).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from popbert.atomic import atomic_write_text
+from popbert.distributed.replicas import Replicas
+from popbert.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+MAX_RESTARTS_ENV = "TORCHELASTIC_MAX_RESTARTS"
+MARKER = ".torchrun.json"
+
+
+def _env_int(name: str) -> int:
+    raw = os.environ.get(name, "0")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"${name}={raw!r} is not an integer") from None
+
+
+def restart_count() -> int:
+    """How many times torchrun restarted this worker group (0: first launch, or no torchrun)."""
+    return _env_int(RESTART_ENV)
+
+
+def restartable() -> bool:
+    """Whether torchrun may restart this job (`--max-restarts` > 0)."""
+    return RESTART_ENV in os.environ and _env_int(MAX_RESTARTS_ENV) > 0
+
+
+def agent_identity() -> list[Any]:
+    """This worker's torchrun agent (its parent process): [host, pid, start time], stable over
+    the agent's restarts of its workers. The start time (Linux's clock ticks after boot; None
+    elsewhere) tells a reused pid apart."""
+    pid = os.getppid()
+    started = None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        started = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, after "pid (comm)"
+    except (OSError, ValueError, IndexError):
+        pass
+    return [socket.gethostname(), pid, started]
+
+
+@dataclass(frozen=True)
+class RestartPlan:
+    """How a restarted worker group continues: resume the run in `resume`, or start over
+    (`overwrite`: the previous attempt's files go) when it wrote no checkpoint yet."""
+
+    resume: Path | None = None
+    overwrite: bool = False
+
+
+def recorded_agents(output_dir: Path) -> list[list[Any]]:
+    """The torchrun agents recorded as having launched the run in `output_dir` ([] if none)."""
+    try:
+        record = json.loads((Path(output_dir) / MARKER).read_text())
+        return [list(agent) for agent in record["agents"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def restart_plan(output_dir: Path) -> RestartPlan | None:
+    """On a torchrun restart of the run in `output_dir`: how to go on (None: not a restart,
+    or not this job's directory, so the usual checks apply). Every worker decides alone, from
+    the same files (the run directory is on a filesystem all nodes share), and the replicas
+    then agree on the start step."""
+    count = restart_count()
+    if count == 0:
+        return None
+    if agent_identity() not in recorded_agents(output_dir):
+        log.info("torchrun restart %d: %s was not started by this job; starting as a new run",
+                 count, output_dir)
+        return None
+    from popbert.io.run_dir import checkpoint_dirs
+
+    checkpoints = checkpoint_dirs(output_dir)
+    if checkpoints:
+        log.warning("torchrun restart %d: resuming the run in %s from %s (the steps after it "
+                    "are trained again)", count, output_dir, checkpoints[-1].name)
+        return RestartPlan(resume=Path(output_dir))
+    log.warning("torchrun restart %d: no checkpoint in %s yet; the run starts over", count,
+                output_dir)
+    return RestartPlan(overwrite=True)
+
+
+def record_launch(replicas: Replicas, output_dir: Path) -> None:
+    """Under restartable torchrun: write which agents launched the run in `output_dir`, so a
+    restart of this job (and only of this job) resumes it. Every replica takes part (one
+    gather of the agents: on several nodes, replica 0 after a restart may sit on another)."""
+    if not restartable():
+        return
+    agents = replicas.all_gather_object(agent_identity())
+    if replicas.is_main:
+        unique = [agent for i, agent in enumerate(agents) if agent not in agents[:i]]
+        record = {"run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "agents": unique}
+        atomic_write_text(Path(output_dir) / MARKER, json.dumps(record) + "\n")
+
+
+__all__ = ["MARKER", "RestartPlan", "agent_identity", "record_launch", "recorded_agents",
+           "restart_count", "restart_plan", "restartable"]

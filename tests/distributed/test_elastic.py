@@ -1,0 +1,162 @@
+"""`popbert pretrain` under torchrun beyond one plain launch: elastic restarts after a worker is
+killed, and two "machines" (two torchrun launches with a c10d rendezvous) on one host.
+
+Each compares with one uninterrupted 2-replica `torchrun --nproc-per-node 2` run (the module's
+`reference`) of the same config and global batch: final weights bit for bit, logged losses
+exactly, one metrics record per step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.numpy
+from replica_helpers import free_port
+from test_distributed import cli_env, config, overrides
+
+STEPS = 40
+EVERY = 10  # checkpoint cadence
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+def pretrain_args(output: Path) -> list[str]:
+    args = ["-m", "popbert", "pretrain", "--output-dir", str(output)]
+    for item in overrides(execution__replicas=2, execution__gradient_accumulation=2,
+                          training__steps=STEPS, training__checkpoint_every=EVERY,
+                          training__log_every=1):
+        args += ["--set", item]
+    return args
+
+
+def torchrun(*launcher: str, output: Path, log: Path) -> subprocess.Popen:
+    command = [TORCHRUN, "--rdzv-backend", "c10d", *launcher, *pretrain_args(output)]
+    with log.open("w") as stream:
+        return subprocess.Popen(command, env=cli_env(), stdout=stream, stderr=subprocess.STDOUT)
+
+
+def finish(process: subprocess.Popen, log: Path, timeout: float = 120) -> str:
+    try:
+        process.wait(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    text = log.read_text()
+    assert process.returncode == 0, text[-3000:]
+    return text
+
+
+def final_weights(run: Path) -> dict[str, np.ndarray]:
+    return safetensors.numpy.load_file(str(run / "checkpoints" / f"step-{STEPS:06d}" /
+                                           "weights.safetensors"))
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_run(ours: Path, reference: Path) -> None:
+    """Bit-identical final weights, the same losses, one record per step."""
+    a, b = final_weights(ours), final_weights(reference)
+    assert a.keys() == b.keys()
+    different = [k for k in a if not np.array_equal(a[k], b[k])]
+    assert not different, different[:5]
+    mine, theirs = records(ours), records(reference)
+    assert [r["step"] for r in mine] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in mine] == [r["loss"] for r in theirs]
+
+
+def workers_of(agent: int) -> dict[int, int]:
+    """{RANK: pid} of the worker processes a torchrun agent started."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) != agent:
+                continue
+            env = dict(item.split("=", 1) for item in
+                       (entry / "environ").read_bytes().decode(errors="replace").split("\0")
+                       if "=" in item)
+        except (OSError, ValueError, IndexError):
+            continue
+        if "RANK" in env:
+            found[int(env["RANK"])] = int(entry.name)
+    return found
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from popbert.data.pretraining import load_training_data
+
+    load_training_data(config(1, 4))  # the instance cache, once, before the replicas read it
+    out = tmp_path_factory.mktemp("elastic")
+    started = time.perf_counter()
+    process = torchrun("--nnodes", "1", "--nproc-per-node", "2", "--rdzv-endpoint",
+                       f"127.0.0.1:{free_port()}", output=out / "run", log=out / "log")
+    finish(process, out / "log")
+    print(f"\nreference 2-replica run: {time.perf_counter() - started:.1f} s")
+    return out / "run"
+
+
+@pytest.mark.e2e
+def test_a_killed_worker_is_restarted_and_the_run_resumes_by_itself(
+        tmp_path: Path, reference: Path) -> None:
+    """torchrun --max-restarts 1: replica 1 is SIGKILLed once the step-10 checkpoint exists;
+    torchrun restarts both workers with the same command line, and the run resumes from its
+    newest checkpoint (no --resume), ending bit-identical to the uninterrupted run."""
+    output, log = tmp_path / "run", tmp_path / "log"
+    started = time.perf_counter()
+    agent = torchrun("--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1",
+                     "--rdzv-endpoint", f"127.0.0.1:{free_port()}", output=output, log=log)
+    first = output / "checkpoints" / f"step-{EVERY:06d}" / "state.json"
+    try:
+        deadline = time.monotonic() + 90
+        while not first.exists():
+            assert agent.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run never wrote its first checkpoint"
+            time.sleep(0.01)
+        os.kill(workers_of(agent.pid)[1], signal.SIGKILL)
+    except BaseException:
+        agent.kill()
+        agent.wait()
+        raise
+    text = finish(agent, log)
+    print(f"killed, restarted and finished in {time.perf_counter() - started:.1f} s")
+    resumed = [line for line in text.splitlines() if "torchrun restart 1: resuming" in line]
+    assert resumed, text[-3000:]  # the kill came before the end: a restart resumed the run
+    print(resumed[0])
+    step = int(resumed[0].rsplit("step-", 1)[1].split()[0])
+    assert EVERY <= step < STEPS  # lost only the steps after the newest checkpoint
+    assert_same_run(output, reference)
+    assert json.loads((output / ".torchrun.json").read_text())["agents"]
+
+
+@pytest.mark.e2e
+def test_a_restart_never_resumes_a_run_it_did_not_start(tmp_path: Path,
+                                                        reference: Path) -> None:
+    """A first attempt refused (the directory holds another run) makes torchrun restart the
+    group; the restart is refused the same way instead of continuing that other run."""
+    import shutil
+
+    output, log = tmp_path / "run", tmp_path / "log"
+    shutil.copytree(reference, output)
+    (output / ".torchrun.json").unlink(missing_ok=True)
+    before = (output / "metrics.jsonl").read_text()
+    agent = torchrun("--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1",
+                     "--rdzv-endpoint", f"127.0.0.1:{free_port()}", output=output, log=log)
+    agent.wait(timeout=120)
+    text = log.read_text()
+    assert agent.returncode != 0
+    assert text.count("holds another run") >= 2, text[-3000:]  # both attempts refused
+    assert "torchrun restart 1: resuming" not in text
+    assert (output / "metrics.jsonl").read_text() == before

@@ -194,8 +194,8 @@ def prepare_wikipedia(dump: str | os.PathLike, output_dir: str | os.PathLike,
     workers = workers or default_workers()
     out = Path(output_dir)
     options.validate()
-    if vocab is not None and not Path(vocab).is_file():
-        raise DataError(f"{vocab}: vocabulary file not found")
+    if vocab is not None:
+        WordPieceTokenizer(vocab)  # a missing or unreadable vocabulary fails before extraction
     records: dict = {}
     records["extract"] = extract_dump(dump, out / "extracted", workers, part_bytes)
     extracted = sorted((out / "extracted").glob(f"part-*.{EXTRACT_SUFFIX}"))

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from popbert.data.corpus import expand_input_files
+from popbert.data.errors import DataError
 from popbert.data.hdf5 import check_shard_info, read_shard_info
 from popbert.data.instances import InstanceOptions, mask_arrays
 from popbert.data.loader import PretrainingLoader, load_or_create_instances
@@ -58,7 +59,10 @@ def load_training_data(cfg: RunConfig) -> dict[str, np.ndarray] | ShardSet:
     vocab_path = Path(cfg.data.vocab_file) if cfg.data.vocab_file else bundled_vocab_path()
     if not vocab_path.is_file():
         raise ConfigError(f"data.vocab_file: {vocab_path} does not exist")
-    tokenizer = WordPieceTokenizer(vocab_path)
+    try:
+        tokenizer = WordPieceTokenizer(vocab_path)
+    except DataError as error:  # not UTF-8, no special tokens: name the key that chose it
+        raise ConfigError(f"data.vocab_file: {error}") from None
     if tokenizer.vocab_size != cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size is {cfg.model.vocab_size} but the vocabulary "
                           f"{vocab_path} has {tokenizer.vocab_size} entries")

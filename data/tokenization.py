@@ -49,6 +49,20 @@ def bundled_vocab_path() -> Path:
     return _resource("vocab.txt")
 
 
+def read_vocab_text(path: str | os.PathLike) -> str:
+    """The text of a `vocab.txt`; a file that is not UTF-8 (a binary file, a vocabulary saved
+    in another encoding) is a DataError naming it, not a UnicodeDecodeError from deep inside.
+
+    Text mode turns "\r\n" and a lone "\r" into "\n", as reading the file line by line did.
+    """
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        bad = error.object[error.start:error.start + 1].hex()
+        raise DataError(f"{path}: not a vocabulary: expected UTF-8 text, one WordPiece token a "
+                        f"line (byte 0x{bad} at offset {error.start} is not UTF-8)") from None
+
+
 def vocab_tokens(text: str) -> list[str]:
     """The entries of `vocab.txt` content, one a line (id = line number), trailing blanks cut.
 
@@ -140,8 +154,7 @@ class WordPieceTokenizer:
         path = Path(vocab_path) if vocab_path is not None else bundled_vocab_path()
         if not path.is_file():
             raise DataError(f"{path}: vocabulary file not found")
-        # Text mode turns "\r\n" and a lone "\r" into "\n", as reading the file line by line did.
-        tokens = vocab_tokens(path.read_text(encoding="utf-8"))
+        tokens = vocab_tokens(read_vocab_text(path))
         index = vocab_index(tokens, str(path))
         if len(index) != len(tokens):
             log.warning("%s: %d duplicate vocabulary entries; the first id of each is used",

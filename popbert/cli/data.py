@@ -27,6 +27,15 @@ _FLAGS = {"sequence_length": "--sequence-length", "max_predictions_per_seq": "--
           "random_next_prob": "--random-next-prob", "dupe_factor": "--dupe-factor"}
 
 
+def _output_dir(args: argparse.Namespace) -> Path:
+    """--output-dir, checked before the stage reads anything: a file there (or above it) would
+    end the stage in a traceback once it starts writing."""
+    from popbert.cli.main import check_output_directory
+
+    check_output_directory(args.output_dir)
+    return args.output_dir
+
+
 def _workers(args: argparse.Namespace) -> int:
     from popbert.data.stages import default_workers
 
@@ -52,6 +61,19 @@ def _options(args: argparse.Namespace):
             message = re.sub(rf"\b{field}\b", flag, message)
         raise UsageError(message) from None
     return options
+
+
+def _check_vocab(vocab: str) -> None:
+    """--vocab readable as a WordPiece vocabulary, checked before any stage starts."""
+    from popbert.data.errors import DataError
+    from popbert.data.tokenization import WordPieceTokenizer
+
+    if not Path(vocab).is_file():
+        raise UsageError(f"--vocab: {vocab} not found")
+    try:
+        WordPieceTokenizer(vocab)
+    except DataError as exc:
+        raise UsageError(f"--vocab: {exc}") from None
 
 
 def _part_bytes(args: argparse.Namespace) -> int:
@@ -84,7 +106,7 @@ def _report(record: dict) -> None:
 def _cmd_extract(args: argparse.Namespace) -> int:
     from popbert.data.wikipedia import extract_dump
 
-    _report(extract_dump(args.input, args.output_dir, _workers(args), _part_bytes(args)))
+    _report(extract_dump(args.input, _output_dir(args), _workers(args), _part_bytes(args)))
     return 0
 
 
@@ -92,16 +114,18 @@ def _cmd_sentences(args: argparse.Namespace) -> int:
     from popbert.data.sentences import split_sentences
 
     parts = _parts(args.input, "jsonl")
-    _report(split_sentences(parts, args.output_dir, _workers(args), args.splitter,
+    _report(split_sentences(parts, _output_dir(args), _workers(args), args.splitter,
                             args.min_sentences))
     return 0
 
 
 def _cmd_vocab(args: argparse.Namespace) -> int:
+    from popbert.cli.main import check_output_file
     from popbert.data.vocab import train_vocab
 
     if args.vocab_size <= 5:
         raise UsageError(f"--vocab-size must be > 5, got {args.vocab_size}")
+    check_output_file(args.output, "--output")
     tokenizer = train_vocab(_parts(args.input, "txt"), args.output, args.vocab_size,
                             args.min_frequency)
     logger.info("vocabulary %s: %d entries, sha256 %s", args.output, tokenizer.vocab_size,
@@ -113,9 +137,8 @@ def _cmd_instances(args: argparse.Namespace) -> int:
     from popbert.data.prepare import create_instances
 
     options = _options(args)
-    if not Path(args.vocab).is_file():
-        raise UsageError(f"--vocab: {args.vocab} not found")
-    _report(create_instances(_parts(args.input, "txt"), args.vocab, args.output_dir, options,
+    _check_vocab(args.vocab)
+    _report(create_instances(_parts(args.input, "txt"), args.vocab, _output_dir(args), options,
                              _workers(args)))
     return 0
 
@@ -133,7 +156,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     if args.max_predictions_per_pack is not None and args.max_predictions_per_pack < 1:
         raise UsageError(f"--max-predictions-per-pack must be >= 1, "
                          f"got {args.max_predictions_per_pack}")
-    record = pack_shards(_parts(args.input, "h5"), args.output_dir, strategy=args.strategy,
+    record = pack_shards(_parts(args.input, "h5"), _output_dir(args), strategy=args.strategy,
                          max_sequences_per_pack=args.max_sequences_per_pack,
                          max_predictions_per_pack=args.max_predictions_per_pack,
                          seed=args.seed, workers=_workers(args))
@@ -166,12 +189,12 @@ def _cmd_wikipedia(args: argparse.Namespace) -> int:
 
     options = _options(args)
     _check_pack_args(args)
-    if args.vocab is not None and not Path(args.vocab).is_file():
-        raise UsageError(f"--vocab: {args.vocab} not found")
+    if args.vocab is not None:
+        _check_vocab(args.vocab)
     if not Path(args.input).is_file():
         raise UsageError(f"--input: {args.input} not found")
     result = prepare_wikipedia(
-        args.input, args.output_dir, options, vocab=args.vocab, vocab_size=args.vocab_size,
+        args.input, _output_dir(args), options, vocab=args.vocab, vocab_size=args.vocab_size,
         workers=_workers(args), splitter=args.splitter, min_sentences=args.min_sentences,
         part_bytes=_part_bytes(args), pack=not args.no_pack, strategy=args.strategy,
         max_sequences_per_pack=args.max_sequences_per_pack)

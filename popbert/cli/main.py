@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from popbert import __version__
-from popbert.errors import CheckpointError, PopbertError, one_line
+from popbert.errors import CheckpointError, PopbertError, UsageError, one_line
 
 if TYPE_CHECKING:
     from popbert.config import RunConfig
@@ -63,6 +63,30 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 def _existing_dir(path: Path | None, what: str) -> Path | None:
     if path is not None and not path.is_dir():
         raise CheckpointError(f"{what}: not a directory: {path}")
+    return path
+
+
+def check_output_file(path: Path | None, flag: str) -> Path | None:
+    """Refuse, before any work, an output file `path` that cannot be written as a file: a
+    directory, or under a file (the write would fail with a traceback once the work is done)."""
+    if path is None:
+        return None
+    if path.is_dir():
+        raise UsageError(f"{flag} {path}: is a directory; expected a file name")
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor.parent != ancestor:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UsageError(f"{flag} {path}: {ancestor} is a file, not a directory")
+    return path
+
+
+def check_output_directory(path: Path | None, flag: str = "--output-dir") -> Path | None:
+    """Refuse, before any work, an output directory that is a file or sits under one."""
+    if path is not None:
+        from popbert.io.run_dir import check_output_dir
+
+        check_output_dir(path, flag)
     return path
 
 
@@ -112,6 +136,7 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     checkpoint = _existing_dir(args.checkpoint, "--checkpoint")
+    check_output_file(args.output, "--output")
     from popbert.io.export import export_checkpoint
 
     # Only options the user set are passed, so export_checkpoint's defaults stay the one source.
@@ -189,6 +214,7 @@ def _cmd_evaluate_squad(args: argparse.Namespace) -> int:
 def _cmd_predict_squad(args: argparse.Namespace) -> int:
     from popbert.serve.predict import predict_squad  # ONNX Runtime only: no torch on this path
 
+    check_output_file(args.output, "--output")
     predict_squad(args.model, args.data, args.output, n_best_size=args.n_best_size,
                   max_answer_length=args.max_answer_length, batch_size=args.batch_size,
                   threads=args.threads)
@@ -199,6 +225,7 @@ def _cmd_predict_squad(args: argparse.Namespace) -> int:
 def _cmd_predict_classify(args: argparse.Namespace) -> int:
     from popbert.serve.predict import predict_classify  # ONNX Runtime only: no torch
 
+    check_output_file(args.output, "--output")
     metrics = predict_classify(args.model, args.data, args.output, batch_size=args.batch_size,
                                threads=args.threads, text_column=args.text_column,
                                pair_column=args.text_pair_column,
@@ -211,9 +238,11 @@ def _cmd_predict_classify(args: argparse.Namespace) -> int:
 
 def _cmd_config(args: argparse.Namespace) -> int:
     from popbert.atomic import atomic_write_text
-    from popbert.config import dump_config
+    from popbert.config import dump_config, warn_config
 
+    check_output_file(args.output, "--output")
     cfg = config_from_args(args)
+    warn_config(cfg)
     if args.output is not None:
         atomic_write_text(args.output, dump_config(cfg))
         logger.info("wrote %s", args.output)
@@ -243,6 +272,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_plot(args: argparse.Namespace) -> int:
     """One run (its metrics.jsonl or directory): its full plot; several, or --metric: overlaid."""
+    check_output_file(args.output, "--output")
     if len(args.paths) == 1 and not args.metric:
         from popbert.observe.plots import plot_metrics
 
@@ -554,5 +584,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command(args.handler, args)
 
 
-__all__ = ["add_pretrain_arguments", "build_parser", "config_from_args",
-           "finetune_config_from_args", "main", "pretrain_output_dir", "run_command"]
+__all__ = ["add_pretrain_arguments", "build_parser", "check_output_directory",
+           "check_output_file", "config_from_args", "finetune_config_from_args", "main",
+           "pretrain_output_dir", "run_command"]

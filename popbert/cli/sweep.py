@@ -88,6 +88,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_show(args: argparse.Namespace) -> int:
     _optuna_logs_through_logging()
+    from popbert.cli.main import check_output_directory
     from popbert.sweep.show import (
         best_so_far,
         check_comparable,
@@ -97,6 +98,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     )
     from popbert.sweep.study import open_sweep
 
+    check_output_directory(args.plots_dir, "--plots-dir")
     opened = []
     for ref in args.sweep:
         sweep = open_sweep(ref, args.storage)

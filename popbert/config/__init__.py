@@ -27,6 +27,7 @@ from popbert.config.sections import (
     TrackingConfig,
     TrainingConfig,
     parse_lr_schedule,
+    warn_config,
 )
 from popbert.errors import ConfigError
 
@@ -35,4 +36,5 @@ __all__ = [
     "ExecutionConfig", "FinetuneConfig", "OptimizerConfig", "RunConfig", "TaskConfig",
     "TrackingConfig", "TrainingConfig", "apply_overrides", "config_from_dict", "dump_config",
     "list_presets", "load_config", "parse_lr_schedule", "parse_override", "preset_path",
+    "warn_config",
 ]

@@ -498,6 +498,14 @@ def validate_run_config(cfg: RunConfig, source: str = "<config>",
     except Invalid as error:
         raise ConfigError(f"{origin.blame(error.keys)}: {error}") from None
 
+
+def warn_config(cfg: RunConfig) -> None:
+    """Log the settings that are valid but probably not meant (a warmup longer than the run).
+
+    Not part of validation: every config read is validated, a checkpoint's stored one too
+    (export, fine-tuning, sweeps read it), and its warnings are about a run that is over. Only
+    what runs a config (a job) or shows it (`popbert config`) calls this.
+    """
     o, e, t = cfg.optimizer, cfg.execution, cfg.training
     if o.lr_schedule is None and o.warmup_steps > t.steps:
         logger.warning("optimizer.warmup_steps (%d) exceeds training.steps (%d): the run ends "
@@ -511,4 +519,5 @@ __all__ = [
     "PIPELINE_SCHEDULES", "SECTIONS", "TOP_LEVEL_KEYS", "TRACKERS", "BertConfig", "DataConfig",
     "ExecutionConfig", "FinetuneConfig", "OptimizerConfig", "RunConfig", "TrackingConfig",
     "TrainingConfig", "choice", "non_finite", "parse_lr_schedule", "validate_run_config",
+    "warn_config",
 ]

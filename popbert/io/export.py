@@ -316,7 +316,9 @@ def task_metadata(config: BertConfig, vocab: Path | None) -> dict[str, str]:
         if value is not None:
             meta[f"{METADATA_PREFIX}{key}"] = json.dumps(value)
     if vocab is not None:
-        meta[f"{METADATA_PREFIX}vocab"] = vocab.read_text(encoding="utf-8")
+        from popbert.data.tokenization import read_vocab_text
+
+        meta[f"{METADATA_PREFIX}vocab"] = read_vocab_text(vocab)
     return meta
 
 
@@ -331,16 +333,18 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
 
     restored = load_checkpoint(checkpoint, weights_only=True)
     cfg = config_from_dict(restored.config, source=str(find_checkpoint(checkpoint)))
-    metadata = None
+    metadata = vocab = None
     if task in TASK_NAMES:
         vocab = checkpoint_vocab(checkpoint, cfg.data.vocab_file)
-        if vocab is None:
-            log.warning("no vocabulary found for %s: the export cannot be served by `popbert "
-                        "predict` (it reads the vocabulary from the model's metadata)",
-                        checkpoint)
         metadata = task_metadata(cfg.model, vocab)
-    return export_weights(restored.weights, cfg.model, task, output, dtype=dtype,
+    path = export_weights(restored.weights, cfg.model, task, output, dtype=dtype,
                           batch_size=batch_size, sequence_length=sequence_length,
                           optimize=optimize, metadata=metadata,
                           external_data_threshold=external_data_threshold)
+    if metadata is not None and vocab is None:  # said once the export exists: it matters then
+        log.warning("%s: its vocabulary %s is gone and there is no vocab.txt in the run "
+                    "directory: %s cannot be served by `popbert predict` (it reads the "
+                    "vocabulary from the model's metadata)", checkpoint, cfg.data.vocab_file,
+                    path)
+    return path
 

@@ -325,7 +325,9 @@ def _hf_names(ours: str, config: BertConfig) -> str:
 
 def checkpoint_vocab(checkpoint: Path, vocab_file: str | None) -> Path | None:
     """The vocabulary of a checkpoint: the config's `data.vocab_file` if it exists, else the
-    `vocab.txt` of the run directory (import-hf and fine-tuning put one there)."""
+    `vocab.txt` of the run directory (import-hf and fine-tuning put one there), else, when the
+    config names none, the bundled one (what pre-training with no `data.vocab_file` used).
+    None: the config names a vocabulary that is gone."""
     from popbert.io.checkpoint import find_checkpoint
 
     if vocab_file and Path(vocab_file).is_file():
@@ -335,6 +337,10 @@ def checkpoint_vocab(checkpoint: Path, vocab_file: str | None) -> Path | None:
     for directory in (checkpoint, step, step.parent.parent):
         if (directory / VOCAB).is_file():
             return directory / VOCAB
+    if not vocab_file:
+        from popbert.data.tokenization import bundled_vocab_path
+
+        return bundled_vocab_path()
     return None
 
 
@@ -386,8 +392,9 @@ def export_hf(checkpoint: Path, output_dir: Path, architecture: str | None = Non
                 "cls_token": "[CLS]", "mask_token": "[MASK]",
                 "model_max_length": cfg.model.max_position_embeddings}, indent=2))
         else:
-            log.warning("no vocabulary found for %s: wrote the model without a tokenizer",
-                        checkpoint)
+            log.warning("%s: its vocabulary %s is gone and there is no %s in the run "
+                        "directory: wrote the model without a tokenizer", checkpoint,
+                        cfg.data.vocab_file, VOCAB)
     log.info("wrote %s (%s, %d tensors)", output_dir, architecture, len(state))
     return output_dir
 

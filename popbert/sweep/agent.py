@@ -157,12 +157,29 @@ def finetune_trial_config(spec: SweepSpec, params: Mapping[str, Any], init: Path
                            config=spec.config)
 
 
+def check_device(device: str | None, flag: str = "--device") -> None:
+    """Refuse a device the config refuses (`execution.device`'s own rule) before the first
+    trial: every trial would fail on it, spending the sweep's trials as failures."""
+    if device is None:
+        return
+    from popbert.config import ExecutionConfig
+    from popbert.rules import Invalid, rule_of
+
+    rule = rule_of(ExecutionConfig, "device")
+    try:
+        if rule is not None:
+            rule.check(flag, device)
+    except Invalid as error:
+        raise UsageError(str(error)) from None
+
+
 class Agent:
     """Runs trials of one sweep until it is done, `count` trials ran, or it is interrupted."""
 
     def __init__(self, sweep: Sweep, count: int | None = None, device: str | None = None):
         if count is not None and count < 1:
             raise UsageError(f"--count: expected a positive number of trials, got {count}")
+        check_device(device)
         self.sweep = sweep
         self.spec = sweep.spec
         self.count = count
@@ -363,6 +380,8 @@ def run_sweep(path: str | os.PathLike[str], agents: int, *, output_dir: Path | N
     `agent-<i>.log` in the sweep directory; device `devices[i % len(devices)]`)."""
     if agents < 1:
         raise UsageError(f"--agents: expected a positive number, got {agents}")
+    for device in devices or ():
+        check_device(device, "--devices")
     from popbert.sweep.spec import load_spec
 
     spec = load_spec(path)
@@ -399,4 +418,4 @@ def run_sweep(path: str | os.PathLike[str], agents: int, *, output_dir: Path | N
 
 
 __all__ = ["Agent", "AgentReport", "FAILURES_IN_A_ROW", "TrialError", "TrialSkipped",
-           "last_value", "run_agent", "run_job", "run_sweep", "suggest"]
+           "check_device", "last_value", "run_agent", "run_job", "run_sweep", "suggest"]

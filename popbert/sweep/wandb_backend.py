@@ -186,6 +186,9 @@ def run_wandb_agent(ref: str | os.PathLike[str], *, count: int | None = None,
     is done, or `count` runs."""
     if count is not None and count < 1:
         raise UsageError(f"--count: expected a positive number of trials, got {count}")
+    from popbert.sweep.agent import check_device
+
+    check_device(device)
     _local_side(ref, sweep_file, output_dir)  # a typo is not a question for W&B
     require_server()
     sweep = open_wandb_sweep(ref, sweep_file, output_dir)

@@ -51,9 +51,9 @@ from popbert.data.squad import (
 from popbert.data.squad_metric import evaluate as squad_evaluate
 from popbert.data.tokenization import (
     WordPieceTokenizer,
-    bundled_vocab_path,
     make_tokenizer,
     parse_vocab,
+    read_vocab_text,
 )
 from popbert.errors import CheckpointError, ConfigError, UsageError
 from popbert.io import checkpoint as ckpt
@@ -129,11 +129,9 @@ def load_pretrained(checkpoint: Path) -> Pretrained:
     cfg = config_from_dict(restored.config, source=str(step_dir / "config.yaml"))
     vocab = checkpoint_vocab(checkpoint, cfg.data.vocab_file)
     if vocab is None:
-        if cfg.data.vocab_file is not None:
-            raise CheckpointError(f"{checkpoint}: its vocabulary {cfg.data.vocab_file} is gone "
-                                  f"and there is no {VOCAB} in the run directory")
-        vocab = bundled_vocab_path()
-    entries = sum(1 for line in vocab.read_text(encoding="utf-8").splitlines() if line)
+        raise CheckpointError(f"{checkpoint}: its vocabulary {cfg.data.vocab_file} is gone "
+                              f"and there is no {VOCAB} in the run directory")
+    entries = sum(1 for line in read_vocab_text(vocab).splitlines() if line)
     if entries > cfg.model.vocab_size:
         raise CheckpointError(f"{vocab}: {entries} vocabulary entries but the checkpoint's "
                               f"model.vocab_size is {cfg.model.vocab_size}")
@@ -317,7 +315,7 @@ class SquadJob(FinetuneJob):
         f = cfg.finetune
         self.windows = WindowOptions(self.max_seq_length, f.doc_stride, f.max_query_length)
         self.windows.validate()
-        self.vocab = parse_vocab(self.pretrained.vocab.read_text(encoding="utf-8"))
+        self.vocab = parse_vocab(read_vocab_text(self.pretrained.vocab))
         self.tokenizer = make_tokenizer(self.vocab, self.pretrained.lowercase)
         questions, _ = read_squad(Path(f.train_file))
         self.to_predict = read_squad(Path(f.eval_file)) if f.eval_file else None

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import onnx
 import torch
 
-from popbert.config import RunConfig
+from popbert.config import RunConfig, warn_config
 
 if TYPE_CHECKING:
     from popbert.io.checkpoint import Checkpoint
@@ -27,6 +27,7 @@ class Job:
     metric_keys: tuple[str, ...] = ("loss",)  # logged metrics a RunResult reports
 
     def __init__(self, cfg: RunConfig):
+        warn_config(cfg)  # the run's own config: the one whose questionable settings matter
         self.config = cfg
         self.graph: onnx.ModelProto | None = None  # the training graph, once built
 

@@ -293,3 +293,170 @@ def test_main_returns_argparse_status(capsys: pytest.CaptureFixture[str]) -> Non
     assert cli.main(["pretrain", "--bogus"]) == 2
     assert cli.main(["--version"]) == 0
     assert "popbert" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad paths and values that used to end in a traceback or be accepted (issue 20), in-process
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str], args: list[str], *fragments: str) -> str:
+    """`main(args)` exits 2 with one `popbert: error:` line holding `fragments`, and nothing
+    else on stderr (no traceback, no warning)."""
+    capsys.readouterr()
+    assert cli.main(args) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("popbert: error: ")
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def binary_vocab(tmp_path: Path) -> Path:
+    path = tmp_path / "vocab.bin"
+    path.write_bytes(b"[PAD]\n\xb8\x00\xff\xfe binary\n")
+    return path
+
+
+def test_a_vocabulary_that_is_not_utf8_text(
+    tmp_path: Path, binary_vocab: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    expected = ("not a vocabulary: expected UTF-8 text, one WordPiece token a line "
+                "(byte 0xb8 at offset 6 is not UTF-8)")
+    run = tmp_path / "run"
+    one_line_error(capsys, ["pretrain", "--set", f"data.vocab_file={binary_vocab}", "-o",
+                            str(run)], f"data.vocab_file: {binary_vocab}: {expected}")
+    assert not run.exists()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("One sentence. Another one.\nA second line.\n")
+    shape = ["--sequence-length", "32", "--max-predictions", "5", "-j", "1"]
+    one_line_error(capsys, ["prepare-data", "instances", "--input", str(corpus), "--vocab",
+                            str(binary_vocab), "-o", str(tmp_path / "inst"), *shape],
+                   f"--vocab: {binary_vocab}: {expected}")
+    dump = tmp_path / "dump.xml.bz2"
+    dump.write_bytes(b"BZh9")  # never read: the vocabulary is checked before extraction
+    one_line_error(capsys, ["prepare-data", "wikipedia", "--input", str(dump), "--vocab",
+                            str(binary_vocab), "-o", str(tmp_path / "wiki"), *shape],
+                   f"--vocab: {binary_vocab}: {expected}")
+    assert not (tmp_path / "inst").exists() and not (tmp_path / "wiki").exists()
+
+
+def test_an_output_file_that_is_a_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    one_line_error(capsys, ["config", "-o", str(tmp_path)],
+                   f"--output {tmp_path}: is a directory; expected a file name")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    one_line_error(capsys, ["config", "-o", str(blocker / "run.yaml")],
+                   f"--output {blocker / 'run.yaml'}: {blocker} is a file, not a directory")
+    one_line_error(capsys, ["prepare-data", "vocab", "--input", str(blocker), "-o",
+                            str(tmp_path)], f"--output {tmp_path}: is a directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing half-written
+
+
+@pytest.mark.parametrize("stage", [
+    ["wikipedia", "--sequence-length", "32", "--max-predictions", "5"],
+    ["extract"], ["sentences"],
+    ["instances", "--vocab", "VOCAB", "--sequence-length", "32", "--max-predictions", "5"],
+    ["pack"],
+])
+def test_prepare_data_output_dir_that_is_a_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], stage: list[str]
+) -> None:
+    from popbert.data.tokenization import bundled_vocab_path
+
+    source = tmp_path / "input"
+    source.mkdir()
+    for name in ("part-00000.jsonl", "part-00000.txt", "part-00000.h5"):
+        (source / name).write_text("")
+    dump = tmp_path / "dump.xml.bz2"
+    dump.write_bytes(b"BZh9")
+    given = str(dump) if stage[0] in ("wikipedia", "extract") else str(source)
+    blocker = tmp_path / "out"
+    blocker.write_text("a file")
+    args = [str(bundled_vocab_path()) if a == "VOCAB" else a for a in stage]
+    one_line_error(capsys, ["prepare-data", *args, "--input", given, "-j", "1", "-o",
+                            str(blocker)], f"--output-dir {blocker}: is a file, not a directory")
+    assert blocker.read_text() == "a file"
+
+
+GRID_SWEEP = """\
+job: pretrain
+set: {training.steps: 2}
+method: grid
+metric: {name: loss, goal: minimize}
+parameters:
+  optimizer.lr: {values: [1.0e-3, 3.0e-3]}
+"""
+
+
+def test_sweep_agents_refuse_a_device_the_config_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = tmp_path / "lr.yaml"
+    spec.write_text(GRID_SWEEP)
+    sweep = tmp_path / "sweep"
+    assert cli.main(["sweep", "create", str(spec), "-o", str(sweep)]) == 0
+    one_line_error(capsys, ["sweep", "agent", str(sweep), "--device", "tpu"],
+                   "--device: expected one of cpu, cuda, auto, got 'tpu'")
+    assert not (sweep / "trials").exists()  # no trial was spent on it
+    one_line_error(capsys, ["sweep", "run", str(spec), "-o", str(tmp_path / "run"),
+                            "--devices", "cpu,tpu"],
+                   "--devices: expected one of cpu, cuda, auto, got 'tpu'")
+    assert not (tmp_path / "run").exists()
+
+
+def pretrained_run(directory: Path, vocab_file: str | None = None) -> Path:
+    """A pre-training run directory as `popbert pretrain --set training.steps=20` leaves it:
+    its stored config warms up longer (30 steps) than it trains."""
+    from checkpoint_helpers import random_task_run
+
+    cfg = load_config("tiny", ["training.steps=20", "model.num_layers=1",
+                               "model.hidden_size=32", "model.num_heads=2",
+                               "model.intermediate_size=64", "model.sequence_length=32",
+                               "model.max_position_embeddings=64"])
+    cfg.data.vocab_file = vocab_file
+    random_task_run(directory, cfg, "pretraining", seed=3, step=20)
+    return directory
+
+
+def test_no_warning_from_a_stored_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = pretrained_run(tmp_path / "ref")
+    assert cli.main(["export", "--checkpoint", str(run), "--task", "encoder", "--output",
+                     str(tmp_path / "encoder.onnx")]) == 0
+    assert cli.main(["export-hf", "--checkpoint", str(run), "-o", str(tmp_path / "hf")]) == 0
+    classify = tmp_path / "sweep.yaml"
+    classify.write_text(f"job: finetune classify\nargs: {{checkpoint: {run}, train: {classify}}}"
+                        "\nmethod: grid\nmetric: {name: accuracy, goal: maximize}\n"
+                        "parameters:\n  optimizer.lr: {values: [1.0e-3, 3.0e-3]}\n")
+    assert cli.main(["sweep", "create", str(classify), "-o", str(tmp_path / "sweep")]) == 0
+    assert " W " not in capsys.readouterr().err
+    # The running config's own warnings stay.
+    assert cli.main(["config", "--set", "training.steps=2"]) == 0
+    assert "optimizer.warmup_steps (30) exceeds training.steps (2)" in capsys.readouterr().err
+
+
+def test_exporting_a_pretrained_run_for_a_task(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from popbert.data.tokenization import bundled_vocab_path
+
+    run = pretrained_run(tmp_path / "ref")
+    # Its model has no SQuAD head: that is the one line, not a warning about its vocabulary
+    # (it was trained on the bundled one).
+    one_line_error(capsys, ["export", "--checkpoint", str(run), "--task", "squad", "--output",
+                            str(tmp_path / "squad.onnx")],
+                   "the checkpoint has no weights for the squad graph's")
+    assert cli.main(["export-hf", "--checkpoint", str(run), "-o", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "vocab.txt").read_bytes() == bundled_vocab_path().read_bytes()
+    assert " W " not in capsys.readouterr().err
+    # A vocabulary that is gone is named.
+    gone = pretrained_run(tmp_path / "gone", vocab_file=str(tmp_path / "moved" / "vocab.txt"))
+    assert cli.main(["export-hf", "--checkpoint", str(gone), "-o", str(tmp_path / "hf2")]) == 0
+    err = capsys.readouterr().err
+    assert f"its vocabulary {tmp_path / 'moved' / 'vocab.txt'} is gone" in err
+    assert not (tmp_path / "hf2" / "vocab.txt").exists()

@@ -506,10 +506,18 @@ def test_stochastic_rounding_default_follows_weight_dtype() -> None:
     assert not cfg.execution.use_stochastic_rounding
 
 
-def test_warmup_longer_than_run_warns(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="popbert.config.sections"):
-        load_config("tiny", ["training.steps=5"])
-    assert "warmup_steps" in caplog.text
+def test_only_the_running_config_warns(caplog: pytest.LogCaptureFixture) -> None:
+    """A config is validated wherever it is read, a checkpoint's stored one too (export,
+    fine-tuning, sweeps): its questionable settings are said only by the job that runs it."""
+    from popbert.train.pretrain import PretrainingJob
+
+    with caplog.at_level(logging.WARNING, logger="popbert"):
+        cfg = load_config("tiny", ["training.steps=2"])
+        config_from_dict(cfg.to_dict())
+        assert caplog.messages == []
+        PretrainingJob(cfg)
+    assert caplog.messages == ["optimizer.warmup_steps (30) exceeds training.steps (2): the run "
+                               "ends before reaching the peak learning rate"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -160,3 +160,24 @@ def test_a_restart_never_resumes_a_run_it_did_not_start(tmp_path: Path,
     assert text.count("holds another run") >= 2, text[-3000:]  # both attempts refused
     assert "torchrun restart 1: resuming" not in text
     assert (output / "metrics.jsonl").read_text() == before
+
+
+@pytest.mark.e2e
+def test_two_machines_on_one_host_train_like_one(tmp_path: Path, reference: Path) -> None:
+    """Two `torchrun --nnodes 2 --nproc-per-node 1` launches meeting at a c10d rendezvous on
+    127.0.0.1 (two "machines" sharing the run directory) train bit-identically to one launch of
+    `--nproc-per-node 2` with the same global batch; only global rank 0 writes. (No
+    `--node-rank`: a c10d rendezvous numbers the nodes itself and ignores it.)"""
+    output, endpoint = tmp_path / "run", f"127.0.0.1:{free_port()}"
+    started = time.perf_counter()
+    nodes = [torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
+                      "--rdzv-id", "two-machines",
+                      output=output, log=tmp_path / f"node-{node}.log") for node in range(2)]
+    logs = [finish(node, tmp_path / f"node-{i}.log") for i, node in enumerate(nodes)]
+    print(f"\ntwo launches of one replica each: {time.perf_counter() - started:.1f} s")
+    assert_same_run(output, reference)
+    # Each "machine" has local rank 0; only the one with global rank 0 wrote the outputs.
+    writers = [i for i, text in enumerate(logs) if "popbert.train.trainer: output:" in text]
+    assert len(writers) == 1, logs
+    assert "replica 0 of 2 (local rank 0)" in logs[writers[0]]
+    assert "replica 1 of 2 (local rank 0)" in logs[1 - writers[0]]

@@ -326,7 +326,12 @@ def _add_overwrite_arg(p: argparse.ArgumentParser) -> None:
 def _add_training_args(p: argparse.ArgumentParser, preset: str) -> None:
     """The flags of `popbert finetune TASK`: each sets one config key over the task's preset
     (`popbert config --config PRESET` shows its values); --set reaches every other key."""
-    from popbert.config.sections import DEVICES
+    from popbert.config.sections import DEVICE
+
+    def device(value: str) -> str:  # execution.device's own rule, so "cuda:1" passes too
+        if not DEVICE.allows(value):
+            raise argparse.ArgumentTypeError(f"expected {DEVICE.expected}, got {value!r}")
+        return value
 
     p.add_argument("--checkpoint", type=Path, required=True, metavar="DIR",
                    help="checkpoint or run directory (popbert pretrain, import-hf)")
@@ -346,7 +351,8 @@ def _add_training_args(p: argparse.ArgumentParser, preset: str) -> None:
     p.add_argument("--weight-decay", type=float, help="optimizer.weight_decay")
     p.add_argument("--max-grad-norm", type=float, help="optimizer.max_grad_norm")
     p.add_argument("--seed", type=int, help="training.seed")
-    p.add_argument("--device", choices=DEVICES, help="execution.device")
+    p.add_argument("--device", type=device, metavar="DEVICE",
+                   help=f"execution.device: {DEVICE.expected}")
     p.add_argument("--threads", type=int, help="torch intra-op threads: execution.threads")
     p.add_argument("--log-every", type=int, metavar="STEPS", help="training.log_every")
     p.add_argument("--eval-batch-size", type=int, help="finetune.eval_batch_size")

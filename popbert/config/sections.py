@@ -40,7 +40,7 @@ OPTIMIZERS = ("lamb", "adamw")
 DECAYS = ("linear", "polynomial", "none", "cosine", "wsd")
 LOSS_SCALINGS = ("none", "static", "dynamic")
 BACKENDS = ("torch", "popart")
-DEVICES = ("cpu", "cuda", "auto")
+DEVICES = ("cpu", "cuda", "auto")  # and "cuda:N", one GPU by its index (see DEVICE)
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 TRACKERS = ("none", "wandb")
 # The tasks fine-tuning trains are the tasks a checkpoint can be for (`model.task.name`).
@@ -50,6 +50,12 @@ FINETUNE_TASKS = TASK_NAMES
 def choice(names: tuple[str, ...]) -> Rule:
     """One of `names`, worded as the loader words a wrong type ("key: expected one of ...")."""
     return one_of(names, EXPECTED)
+
+
+# `execution.device`: one of DEVICES, or a GPU by index ("cuda:1"), as
+# `popbert.runtime.devices.resolve_device` reads it (a sweep agent pins its trials that way).
+DEVICE = Rule(lambda v: v in DEVICES or re.fullmatch(r"cuda:\d+", v) is not None,
+              f"one of {', '.join(DEVICES)}, cuda:N", form=EXPECTED)
 
 
 @dataclass
@@ -134,7 +140,7 @@ class ExecutionConfig:
     """How and where the graph runs: backend, device, batch layout, precision."""
 
     backend: str = setting("torch", choice(BACKENDS))
-    device: str = setting("auto", choice(DEVICES))
+    device: str = setting("auto", DEVICE)
     micro_batch_size: int = setting(32, at_least(1))
     gradient_accumulation: int = setting(1, at_least(1))
     replicas: int = setting(1, at_least(1))
@@ -515,7 +521,7 @@ def warn_config(cfg: RunConfig) -> None:
 
 
 __all__ = [
-    "BACKENDS", "DECAYS", "DEVICES", "FINETUNE_TASKS", "LOSS_SCALINGS", "OPTIMIZERS",
+    "BACKENDS", "DECAYS", "DEVICE", "DEVICES", "FINETUNE_TASKS", "LOSS_SCALINGS", "OPTIMIZERS",
     "PIPELINE_SCHEDULES", "SECTIONS", "TOP_LEVEL_KEYS", "TRACKERS", "BertConfig", "DataConfig",
     "ExecutionConfig", "FinetuneConfig", "OptimizerConfig", "RunConfig", "TrackingConfig",
     "TrainingConfig", "choice", "non_finite", "parse_lr_schedule", "validate_run_config",

@@ -158,8 +158,9 @@ def finetune_trial_config(spec: SweepSpec, params: Mapping[str, Any], init: Path
 
 
 def check_device(device: str | None, flag: str = "--device") -> None:
-    """Refuse a device the config refuses (`execution.device`'s own rule) before the first
-    trial: every trial would fail on it, spending the sweep's trials as failures."""
+    """Refuse, before the first trial, a device the config refuses (`execution.device`'s own
+    rule) or this machine lacks: every trial would fail on it, spending the sweep's trials as
+    failures. (An agent runs its trials on its own machine.)"""
     if device is None:
         return
     from popbert.config import ExecutionConfig
@@ -171,6 +172,13 @@ def check_device(device: str | None, flag: str = "--device") -> None:
             rule.check(flag, device)
     except Invalid as error:
         raise UsageError(str(error)) from None
+    from popbert.runtime.devices import available_devices, resolve_device
+
+    try:
+        resolve_device(device)
+    except ConfigError:
+        raise UsageError(f"{flag}: this machine has no device {device!r} (available: "
+                         f"{available_devices()})") from None
 
 
 class Agent:

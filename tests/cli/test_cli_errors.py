@@ -72,7 +72,7 @@ def test_missing_config_file(tmp_path: Path) -> None:
 def test_bad_enum_and_batch_mismatch_via_example(tmp_path: Path) -> None:
     assert_one_line_error(
         run_cli("config", "--set", "execution.device=tpu"),
-        "execution.device: expected one of cpu, cuda, auto, got 'tpu'",
+        "execution.device: expected one of cpu, cuda, auto, cuda:N, got 'tpu'",
     )
     example = Path(__file__).resolve().parents[2] / "examples" / "pretrain.py"
     proc = subprocess.run(
@@ -392,6 +392,12 @@ parameters:
 """
 
 
+def test_finetune_device_follows_the_config_rule() -> None:
+    args = ["finetune", "classify", "--checkpoint", "c", "-o", "o", "--train", "t.tsv"]
+    assert cli.build_parser().parse_args([*args, "--device", "cuda:1"]).device == "cuda:1"
+    assert cli.main([*args, "--device", "tpu"]) == 2
+
+
 def test_sweep_agents_refuse_a_device_the_config_refuses(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -400,11 +406,13 @@ def test_sweep_agents_refuse_a_device_the_config_refuses(
     sweep = tmp_path / "sweep"
     assert cli.main(["sweep", "create", str(spec), "-o", str(sweep)]) == 0
     one_line_error(capsys, ["sweep", "agent", str(sweep), "--device", "tpu"],
-                   "--device: expected one of cpu, cuda, auto, got 'tpu'")
-    assert not (sweep / "trials").exists()  # no trial was spent on it
+                   "--device: expected one of cpu, cuda, auto, cuda:N, got 'tpu'")
+    one_line_error(capsys, ["sweep", "agent", str(sweep), "--device", "cuda:99"],
+                   "--device: this machine has no device 'cuda:99' (available: ")
+    assert not (sweep / "trials").exists()  # no trial was spent on them
     one_line_error(capsys, ["sweep", "run", str(spec), "-o", str(tmp_path / "run"),
                             "--devices", "cpu,tpu"],
-                   "--devices: expected one of cpu, cuda, auto, got 'tpu'")
+                   "--devices: expected one of cpu, cuda, auto, cuda:N, got 'tpu'")
     assert not (tmp_path / "run").exists()
 
 

@@ -258,7 +258,8 @@ def test_wrong_type(tmp_path: Path, text: str, expected: str) -> None:
         ("optimizer.decay", "exponential", "linear, polynomial, none, cosine, wsd"),
         ("optimizer.loss_scaling", "auto", "none, static, dynamic"),
         ("execution.backend", "jax", "torch, popart"),
-        ("execution.device", "tpu", "cpu, cuda, auto"),
+        ("execution.device", "tpu", "cpu, cuda, auto, cuda:N"),
+        ("execution.device", "cuda:one", "cpu, cuda, auto, cuda:N"),
         ("execution.weight_dtype", "fp16", "float32, float16, bfloat16"),
         ("execution.compute_dtype", "half", "float32, float16, bfloat16"),
         ("tracking.backend", "mlflow", "none, wandb"),
@@ -268,6 +269,12 @@ def test_bad_enum(tmp_path: Path, key: str, value: str, allowed: str) -> None:
     section, name = key.split(".")
     path = write(tmp_path, f"{section}:\n  {name}: {value}\n")
     assert error_of(path) == f"{path}: {key}: expected one of {allowed}, got {value!r}"
+
+
+def test_a_gpu_by_index_is_a_device() -> None:
+    """As `popbert.runtime.devices.resolve_device` reads it (whether this machine has it is
+    the run's question, not the config's)."""
+    assert load_config("tiny", ["execution.device=cuda:1"]).execution.device == "cuda:1"
 
 
 @pytest.mark.parametrize(

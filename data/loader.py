@@ -304,6 +304,29 @@ class PretrainingLoader:
         self._prefetch()
 
 
+#: Length grouping sorts pools of this many batches by length (Hugging Face's `group_by_length`
+#: uses 50): large enough that a pool's batches are nearly uniform, small enough that the order
+#: stays random at the scale of an epoch.
+LENGTH_POOL_BATCHES = 50
+
+
+def length_grouped_order(order: np.ndarray, lengths: np.ndarray, batch_size: int,
+                         rng: np.random.Generator, pool_batches: int = LENGTH_POOL_BATCHES
+                         ) -> np.ndarray:
+    """`order` (a shuffled permutation) regrouped so each batch holds rows of similar length:
+    every pool of `pool_batches` batches is sorted by length (longest first, stably) and its
+    batches are then shuffled. With trimmed batches (`execution.trim_padding`) a batch then
+    costs about its own rows' length instead of the longest row's in the whole data."""
+    pool = pool_batches * batch_size
+    grouped = []
+    for start in range(0, len(order), pool):
+        rows = order[start:start + pool]
+        rows = rows[np.argsort(-lengths[rows], kind="stable")]
+        batches = [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
+        grouped.extend(batches[i] for i in rng.permutation(len(batches)))
+    return np.concatenate(grouped) if grouped else order
+
+
 def split_documents(documents: Sequence[T], fraction: float, seed: int
                     ) -> tuple[list[T], list[T]]:
     """(training, held-out) documents: `fraction` of them (at least one, and one fewer than

@@ -273,6 +273,9 @@ class FinetuneConfig:
     eval_batch_size: int = setting(64, at_least(1))
     # hidden and attention dropout; null: the checkpoint's
     dropout: float | None = setting(None, within("[0, 1)").or_null())
+    # Batches of rows of similar length (pools of 50 batches sorted, as transformers'
+    # group_by_length): with execution.trim_padding, short batches cost less.
+    group_by_length: bool = False
 
     def validate(self) -> None:
         check_fields(self, "finetune")

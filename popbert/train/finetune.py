@@ -41,6 +41,7 @@ from popbert.data.classification import (
     label_list,
     read_classification_file,
 )
+from popbert.data.loader import length_grouped_order
 from popbert.data.squad import (
     WindowOptions,
     decode_answers,
@@ -162,14 +163,17 @@ def task_model_config(model: BertConfig, sequence_length: int, task: TaskConfig,
 
 class EpochBatches:
     """Shuffled mini-batches of in-memory features, a new order each epoch (the last batch of
-    an epoch may be short); resumable by its position."""
+    an epoch may be short); resumable by its position. `group_by_length`: each batch's rows of
+    similar length (`length_grouped_order`, by `input_mask`), so trimmed batches are short."""
 
     def __init__(self, arrays: Mapping[str, np.ndarray], batch_size: int, epochs: int,
-                 seed: int):
+                 seed: int, group_by_length: bool = False):
         self.arrays = arrays
         self.batch_size = batch_size
         self.epochs = epochs
         self.seed = seed
+        self.lengths = (np.asarray(arrays["input_mask"]).sum(axis=1) if group_by_length
+                        else None)
         self.num_samples = len(next(iter(arrays.values())))
         self.per_epoch = math.ceil(self.num_samples / batch_size)
         self.position = 0  # batches served so far
@@ -183,8 +187,11 @@ class EpochBatches:
         if epoch >= self.epochs:
             raise StopIteration
         if self._order is None or self._order[0] != epoch:
-            self._order = (epoch, np.random.default_rng(self.seed + epoch).permutation(
-                self.num_samples))
+            rng = np.random.default_rng(self.seed + epoch)
+            order = rng.permutation(self.num_samples)
+            if self.lengths is not None:
+                order = length_grouped_order(order, self.lengths, self.batch_size, rng)
+            self._order = (epoch, order)
         rows = self._order[1][index * self.batch_size:(index + 1) * self.batch_size]
         self.position += 1
         return {k: torch.from_numpy(v[rows]) for k, v in self.arrays.items()}
@@ -265,7 +272,7 @@ class FinetuneJob(Job):
     def loader(self, rank: int, size: int) -> EpochBatches:
         c = self.config
         return EpochBatches(self.arrays, c.execution.micro_batch_size, c.finetune.epochs,
-                            c.training.seed)
+                            c.training.seed, c.finetune.group_by_length)
 
     def load_initial_weights(self, session: Session,
                              weights: dict[str, torch.Tensor] | None) -> list[str]:

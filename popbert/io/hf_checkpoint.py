@@ -203,11 +203,11 @@ def read_lowercase(model_dir: Path) -> bool:
 
 
 def _count_lines(path: Path) -> int:
-    with open(path, encoding="utf-8") as f:
-        lines = [line.rstrip("\r\n") for line in f]
-    while lines and lines[-1] == "":
-        lines.pop()
-    return len(lines)
+    """Entries of a `vocab.txt`, read as `WordPieceTokenizer` reads it (a file that is not
+    UTF-8 text is a one-line error naming it)."""
+    from popbert.data.tokenization import read_vocab_text, vocab_tokens
+
+    return len(vocab_tokens(read_vocab_text(path)))
 
 
 def _prepare_output(path: Path, marker: str, flag: str) -> None:

@@ -340,6 +340,13 @@ def test_a_vocabulary_that_is_not_utf8_text(
                             str(binary_vocab), "-o", str(tmp_path / "wiki"), *shape],
                    f"--vocab: {binary_vocab}: {expected}")
     assert not (tmp_path / "inst").exists() and not (tmp_path / "wiki").exists()
+    hf = tmp_path / "hf"
+    assert cli.main(["export-hf", "--checkpoint", str(pretrained_run(tmp_path / "ref")), "-o",
+                     str(hf)]) == 0
+    (hf / "vocab.txt").write_bytes(binary_vocab.read_bytes())
+    one_line_error(capsys, ["import-hf", "--model", str(hf), "-o", str(tmp_path / "imported")],
+                   f"{hf / 'vocab.txt'}: {expected}")
+    assert not (tmp_path / "imported").exists()
 
 
 def test_an_output_file_that_is_a_directory(

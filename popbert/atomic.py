@@ -3,6 +3,10 @@
 Checkpoints, configs and plots are written to a temporary sibling, fsynced, then renamed into
 place. Renames within one directory are atomic on POSIX filesystems, so readers never see a
 half-written file under its final name, and a resumed run never loads a torn checkpoint.
+
+A write the filesystem refuses for want of room or rights (a full disk, a quota, a read-only
+mount) is one `popbert.errors.WriteError` naming the final path, and what was half-written goes:
+the temporary file or directory is removed, the old content stays.
 """
 
 from __future__ import annotations
@@ -20,10 +24,33 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from popbert.errors import WriteError
+
 logger = logging.getLogger(__name__)
 
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
+# What the filesystem answers when an output cannot be written, whatever popbert does: no room
+# (ENOSPC, a quota, a file over the size limit) or no rights (a read-only mount, permissions).
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES,
+                         errno.EPERM})
+
+
+def write_error(path: str | os.PathLike[str], error: OSError) -> WriteError:
+    """The one line for an output the filesystem refused: the path and the reason."""
+    return WriteError(f"{path}: cannot write: {os.strerror(error.errno or 0)}")
+
+
+@contextlib.contextmanager
+def reported(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Turn a write the filesystem refuses (`DISK_ERRNOS`) into a `WriteError` naming `path`
+    (the output as the user knows it, not its temporary name); other errors pass unchanged."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno in DISK_ERRNOS:
+            raise write_error(path, error) from None
+        raise
 
 
 def _fsync_path(path: Path, directory: bool = False) -> None:
@@ -50,24 +77,36 @@ def _temp_name(path: Path) -> Path:
     return path.with_name(f".tmp-{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
+def write_file(path: str | os.PathLike[str], data: bytes) -> None:
+    """Create `path` (it must not exist) holding `data`, fsynced: how popbert's files reach the
+    disk, inside `atomic_directory` or through `atomic_write_bytes`."""
+    _create(Path(path), data)
+
+
+def _create(path: Path, data: bytes) -> None:
+    # os.open applies the umask to 0o666, so the file gets the permissions a plain open() would.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write `data` to `path` so that `path` holds either its old content or all of `data`."""
+    """Write `data` to `path` so that `path` holds either its old content or all of `data`; a
+    full disk (`DISK_ERRNOS`) is a `WriteError` naming `path`, and the old content stays."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temp_name(path)
-    try:
-        # os.open applies the umask to 0o666, so the file gets the permissions a plain open() would.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_path(path.parent, directory=True)
+    with reported(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            _create(tmp, data)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        _fsync_path(path.parent, directory=True)
     return path
 
 
@@ -150,9 +189,10 @@ def restore_interrupted(final_dir: str | os.PathLike[str]) -> bool:
 def atomic_directory(final_dir: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield an empty temporary sibling directory; on success it replaces `final_dir` atomically.
 
-    On an exception the temporary directory is removed and `final_dir` is left untouched. An
-    existing `final_dir` is swapped out atomically where the OS allows (Linux renameat2), else
-    renamed aside, replaced, then deleted (see `restore_interrupted`).
+    On an exception the temporary directory is removed and `final_dir` is left untouched (a
+    full disk, `DISK_ERRNOS`: a `WriteError` naming `final_dir`). An existing `final_dir` is
+    swapped out atomically where the OS allows (Linux renameat2), else renamed aside, replaced,
+    then deleted (see `restore_interrupted`).
     """
     final_dir = Path(final_dir)
     parent = final_dir.parent
@@ -183,11 +223,29 @@ def atomic_directory(final_dir: str | os.PathLike[str]) -> Iterator[Path]:
                 raise FileExistsError(f"{final_dir} exists and is not a directory")
             os.replace(tmp, final_dir)
             _fsync_path(parent, directory=True)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(tmp, ignore_errors=True)
         with contextlib.suppress(OSError):
             restore_interrupted(final_dir)
+        if isinstance(error, OSError) and error.errno in DISK_ERRNOS:
+            raise write_error(final_dir, error) from None
         raise
 
 
-__all__ = ["atomic_directory", "atomic_write_bytes", "atomic_write_text", "restore_interrupted"]
+def remove_tree(path: str | os.PathLike[str]) -> None:
+    """Delete a directory so that a kill at any instant leaves it whole or gone, never a torn
+    checkpoint: renamed to a temporary `.tmp-` sibling first (what a kill leaves there is
+    tidied like any unfinished write), then deleted."""
+    path = Path(path)
+    if not path.exists():
+        return
+    doomed = path.with_name(f".tmp-deleted-{path.name}-{os.getpid()}")
+    if doomed.exists():
+        shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(path, doomed)
+    _fsync_path(path.parent, directory=True)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+__all__ = ["DISK_ERRNOS", "atomic_directory", "atomic_write_bytes", "atomic_write_text",
+           "remove_tree", "reported", "restore_interrupted", "write_error", "write_file"]

@@ -20,6 +20,12 @@ class CheckpointError(PopbertError):
     """A checkpoint directory that is missing, incomplete or does not match the run's config."""
 
 
+class WriteError(PopbertError):
+    """An output that could not be written for want of room or rights (a full disk, a quota, a
+    read-only filesystem): the run's fault-free state on disk is kept, so freeing space and
+    resuming goes on where it stopped."""
+
+
 class InputError(PopbertError, ValueError):
     """A batch a session cannot run: a graph input missing, of the wrong shape, or holding an
     id outside the table it indexes (a token id beyond the vocabulary)."""
@@ -37,4 +43,4 @@ def one_line(error: BaseException, limit: int | None = None) -> str:
 
 
 __all__ = ["CheckpointError", "ConfigError", "InputError", "PopbertError", "UsageError",
-           "one_line"]
+           "WriteError", "one_line"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -16,8 +17,10 @@ from popbert.atomic import (
     atomic_directory,
     atomic_write_bytes,
     atomic_write_text,
+    remove_tree,
     restore_interrupted,
 )
+from popbert.errors import PopbertError, WriteError
 
 
 def leftovers(parent: Path) -> list[str]:
@@ -179,3 +182,65 @@ def test_kill_during_writes_leaves_a_complete_directory(tmp_path: Path) -> None:
     version = (final / "DONE").read_text()
     for i in range(20):
         assert (final / f"part{i}").read_text() == f"{version}\n" * 200
+
+
+# A full disk (issue 20, item 2): one WriteError naming the output, the old content kept, no
+# temporary file or directory left behind.
+
+
+def full_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every file write lands half its bytes, then ENOSPC (as a filling disk does)."""
+    create = atomic._create
+
+    def filling(path: Path, data: bytes) -> None:
+        create(path, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(atomic, "_create", filling)
+
+
+def test_a_full_disk_keeps_the_old_file_and_names_it(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "metrics.png"
+    target.write_bytes(b"old")
+    full_disk(monkeypatch)
+    with pytest.raises(WriteError) as raised:
+        atomic_write_bytes(target, b"new picture")
+    assert str(raised.value) == f"{target}: cannot write: No space left on device"
+    assert isinstance(raised.value, PopbertError)
+    assert target.read_bytes() == b"old" and leftovers(tmp_path) == []
+
+
+def test_a_full_disk_keeps_the_old_directory_and_names_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    final = tmp_path / "step-000004"
+    final.mkdir()
+    (final / "weights").write_text("v1")
+    full_disk(monkeypatch)
+    with pytest.raises(WriteError, match=f"^{final}: cannot write: No space left on device$"), \
+            atomic_directory(final) as tmp:
+        atomic.write_file(tmp / "weights", b"v2" * 1000)
+    assert (final / "weights").read_text() == "v1" and leftovers(tmp_path) == []
+
+
+def test_other_write_errors_are_not_disk_errors(tmp_path: Path) -> None:
+    with pytest.raises(IsADirectoryError):
+        atomic_write_bytes(tmp_path, b"x")  # a bug or a bad argument keeps its own error
+
+
+def test_remove_tree_never_leaves_a_torn_directory(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The directory is renamed to a `.tmp-` name first: a kill while it is deleted leaves no
+    step directory with some of its files gone."""
+    doomed = tmp_path / "step-000002"
+    doomed.mkdir()
+    (doomed / "state.json").write_text("{}")
+    (doomed / "weights").write_text("w")
+    seen = []
+    monkeypatch.setattr(atomic.shutil, "rmtree",
+                        lambda path, **kw: seen.append(Path(path).name))  # killed: never done
+    remove_tree(doomed)
+    assert not doomed.exists() and seen == [f".tmp-deleted-step-000002-{os.getpid()}"]
+    monkeypatch.undo()
+    remove_tree(doomed)  # gone already: nothing to do
+    assert leftovers(tmp_path) == [seen[0]]

@@ -566,13 +566,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Run one command the CLI way: logging set up, a user error is one line on stderr and
-    exit status 2 (a traceback means a bug), Ctrl-C is 130."""
+    exit status 2 (a traceback means a bug), Ctrl-C is 130, a run stopped by SIGTERM or
+    SIGUSR1 with its checkpoint 128 + the signal (143, 138: a job script requeues on it)."""
     _configure_logging(getattr(args, "verbose", False))
     try:
         return int(handler(args))
-    except KeyboardInterrupt:
-        sys.stderr.write("popbert: interrupted\n")
-        return 130
+    except KeyboardInterrupt as interrupt:
+        # A run stopped by SIGTERM/SIGUSR1 after its checkpoint (popbert.train.loop.
+        # RunInterrupted) says where and exits 128 + the signal, as if the signal had ended it.
+        sys.stderr.write(f"popbert: {one_line(interrupt) if str(interrupt) else 'interrupted'}\n")
+        return int(getattr(interrupt, "exit_status", 130))
     except Exception as exc:
         if isinstance(exc, _user_error_types()):
             sys.stderr.write(f"popbert: error: {one_line(exc)}\n")

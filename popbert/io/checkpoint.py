@@ -19,7 +19,7 @@ import onnx
 import safetensors.torch
 import torch
 
-from popbert.atomic import atomic_directory
+from popbert.atomic import atomic_directory, write_file
 from popbert.errors import CheckpointError, one_line
 
 log = logging.getLogger(__name__)
@@ -70,21 +70,26 @@ def _torch_bytes(obj: Any) -> bytes:
 
 def save_checkpoint(directory: Path, checkpoint: Checkpoint, config_yaml: str,
                     model: onnx.ModelProto | None = None) -> Path:
-    """Write `checkpoint` to `directory` atomically (temporary sibling, fsync, rename)."""
+    """Write `checkpoint` to `directory` atomically (temporary sibling, fsync, rename).
+
+    Every file is serialized in memory and written by `popbert.atomic.write_file`, so a full
+    disk is one `WriteError` naming `directory` (not safetensors' or onnx's own error), and the
+    half-written temporary directory goes."""
     directory = Path(directory)
     with atomic_directory(directory) as tmp:
         weights = {k: _standalone(v) for k, v in checkpoint.weights.items()}
-        safetensors.torch.save_file(weights, str(tmp / "weights.safetensors"),
-                                    metadata={"format": "popbert", "names": "onnx"})
-        (tmp / "optimizer.pt").write_bytes(_torch_bytes(checkpoint.optimizer))
-        (tmp / "rng.pt").write_bytes(_torch_bytes(checkpoint.rng))
+        write_file(tmp / "weights.safetensors",
+                   safetensors.torch.save(weights, metadata={"format": "popbert",
+                                                             "names": "onnx"}))
+        write_file(tmp / "optimizer.pt", _torch_bytes(checkpoint.optimizer))
+        write_file(tmp / "rng.pt", _torch_bytes(checkpoint.rng))
         state = {"format_version": FORMAT_VERSION, "step": checkpoint.step,
                  "loader": checkpoint.loader, "loss_scaler": checkpoint.loss_scaler,
                  "trainer": checkpoint.trainer}
-        (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
-        (tmp / "config.yaml").write_text(config_yaml)
+        write_file(tmp / "state.json", json.dumps(state, indent=2, sort_keys=True).encode())
+        write_file(tmp / "config.yaml", config_yaml.encode())
         if model is not None:
-            onnx.save(model, str(tmp / "model.onnx"))
+            write_file(tmp / "model.onnx", model.SerializeToString())
     log.info("saved checkpoint %s", directory)
     return directory
 
@@ -98,19 +103,47 @@ def _standalone(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def find_checkpoint(path: Path) -> Path:
-    """A checkpoint directory itself, or the latest one under a run's output directory."""
+def is_incomplete(path: Path) -> bool:
+    """Whether `path` is a checkpoint directory without its `state.json` (copied in part, or a
+    file deleted by hand): popbert's own writes are atomic and never leave one."""
+    path = Path(path)
+    if (path / "state.json").exists() or not path.is_dir():
+        return False
+    named = path.name.startswith("step-") and path.parent.name == "checkpoints"
+    # A run directory holds config.yaml too: only a checkpoint's own files tell one apart.
+    return named or any((path / name).exists()
+                        for name in ("weights.safetensors", "optimizer.pt", "rng.pt"))
+
+
+def find_checkpoint(path: Path, *, warn: bool = True) -> Path:
+    """A checkpoint directory itself, or the newest complete one under a run's output directory.
+
+    A checkpoint named directly that is incomplete (`is_incomplete`) is refused; in a run
+    directory, incomplete checkpoints newer than the one chosen are named in a warning (`warn`)
+    and skipped, rather than silently falling back to an older one."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: checkpoint not found")
     if (path / "state.json").exists():
         return path
-    candidates = sorted((path / "checkpoints").glob("step-*")) if path.is_dir() else []
-    candidates = [c for c in candidates if (c / "state.json").exists()]
+    if is_incomplete(path):
+        raise CheckpointError(f"{path}: incomplete checkpoint (no state.json); resume the run "
+                              "directory to use its newest complete checkpoint, or name "
+                              "another one")
+    found = sorted((path / "checkpoints").glob("step-*")) if path.is_dir() else []
+    candidates = [c for c in found if (c / "state.json").exists()]
     if not candidates:
+        skipped = [c.name for c in found if is_incomplete(c)]
+        also = f"; incomplete (no state.json): {', '.join(skipped)}" if skipped else ""
         raise CheckpointError(f"{path}: no checkpoint here (expected state.json, or "
-                              "checkpoints/step-*/ under a run directory)")
-    return candidates[-1]
+                              f"checkpoints/step-*/ under a run directory){also}")
+    newest = candidates[-1]
+    skipped = [c for c in found if c.name > newest.name and is_incomplete(c)]
+    if skipped and warn:
+        log.warning("%s: skipping incomplete checkpoint%s %s (no state.json); using %s",
+                    path, "s" if len(skipped) > 1 else "", ", ".join(c.name for c in skipped),
+                    newest.name)
+    return newest
 
 
 def load_checkpoint(path: Path, weights_only: bool = False) -> Checkpoint:

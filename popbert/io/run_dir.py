@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from popbert.atomic import restore_interrupted
+from popbert.atomic import remove_tree, restore_interrupted
 from popbert.errors import UsageError
 from popbert.locking import LOCK_FILE, DirectoryLock, lock_directory
 
@@ -130,7 +130,7 @@ def prune_checkpoints(output_dir: Path, keep: int, final: Path | None = None) ->
     others = [p for p in checkpoint_dirs(output_dir) if final is None or p != Path(final)]
     doomed = others[:-keep] if len(others) > keep else []
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path)  # a kill mid-delete leaves no torn checkpoint behind
     if doomed:
         log.debug("removed old checkpoints: %s", ", ".join(p.name for p in doomed))
     return doomed

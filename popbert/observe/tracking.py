@@ -8,6 +8,7 @@ the run is written under ``WANDB_DIR`` or the run directory, for ``wandb sync`` 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -17,7 +18,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from popbert.atomic import atomic_write_text
+from popbert.atomic import DISK_ERRNOS, atomic_write_text, write_error
 from popbert.config.sections import TrackingConfig
 from popbert.errors import ConfigError, one_line
 from popbert.rules import rule_of
@@ -135,8 +136,7 @@ class MetricsLogger:
             raise ValueError("metrics need a step: pass step= or a 'step' key")
         # NaN/inf are written as JSON NaN/Infinity (Python's json reads them back), so a
         # diverged loss is recorded rather than dropped.
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._append(json.dumps(record) + "\n")
         if self._wandb_run is not None:
             payload = {k: v for k, v in record.items() if k != "step"
                        and not (isinstance(v, float) and math.isnan(v))}
@@ -144,6 +144,27 @@ class MetricsLogger:
             self._final.update(payload)
             self._final["step"] = record["step"]
         return record
+
+    def _append(self, line: str) -> None:
+        """Write one line whole or not at all: a full disk cuts the file back to where it was
+        (a torn line would join the next one a resumed run writes) and is a `WriteError`."""
+        assert self._file is not None
+        size = os.fstat(self._file.fileno()).st_size
+        try:
+            self._file.write(line)
+            self._file.flush()
+        except OSError as error:
+            file, self._file = self._file, None
+            fd = os.dup(file.fileno())
+            try:
+                with contextlib.suppress(OSError):
+                    file.close()  # its buffer cannot be flushed either (or only in part)
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+            if error.errno in DISK_ERRNOS:
+                raise write_error(self.path, error) from None
+            raise
 
     def summarize(self, results: Mapping[str, Any], prefix: str = "eval_") -> None:
         """End-of-run results (a fine-tuning evaluation) for the W&B run's summary, as
@@ -199,10 +220,12 @@ class MetricsLogger:
 
 
 def truncate_metrics(path: str | os.PathLike[str], last_step: int) -> int:
-    """Drop the records after ``last_step`` (atomically); returns how many were dropped."""
+    """Drop the records after ``last_step`` (atomically); returns how many were dropped. A torn
+    last line (a full disk, a power cut) goes too, so the next record starts a line."""
     records = read_metrics(path)
     kept = [r for r in records if not isinstance(r.get("step"), int) or r["step"] <= last_step]
-    if len(kept) != len(records):
+    text = Path(path).read_bytes()
+    if len(kept) != len(records) or (text and not text.endswith(b"\n")):
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
     return len(records) - len(kept)
 

@@ -7,13 +7,18 @@ and `metrics.jsonl`), evaluates every `eval_every` steps, and checkpoints when o
 ends early when the batches run out, or when it diverged (a loss that is not finite, or more
 than `divergence_factor` times the first step's): one line naming the last good checkpoint.
 A caller watching the records (`on_record`, a sweep's pruner) may stop the run: `RunStopped`.
+SIGTERM or SIGUSR1 (what cluster schedulers send before they kill a job) ends the loop after the
+current step, on every replica at the same step (`StopSignals`); the caller then checkpoints and
+raises `RunInterrupted`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +66,59 @@ class RunStopped(PopbertError):
         self.reason = reason
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """A stop signal ended the run after a step, with a checkpoint of that step to resume from.
+
+    A KeyboardInterrupt, like Ctrl-C, not an error: a sweep agent puts its trial back, and the
+    `popbert` command exits with `exit_status`, 128 + the signal's number (143 for SIGTERM, 138
+    for SIGUSR1): what a shell reports for a process that signal killed, so a job script's
+    requeue rule holds whether the signal came during the run or before it could stop cleanly.
+    """
+
+    def __init__(self, step: int, signum: int, checkpoint: Path | None, output_dir: Path):
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name} at step {step}; checkpoint {checkpoint}; resume "
+                         f"with --resume {output_dir}")
+        self.step = step
+        self.signal = signum
+        self.checkpoint = checkpoint
+        self.exit_status = 128 + signum
+
+
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
+
+
+class StopSignals:
+    """While a run trains, SIGTERM and SIGUSR1 ask it to stop after its current step instead of
+    killing it (the loop ends, the caller checkpoints and raises `RunInterrupted`); a repeated
+    signal changes nothing (a scheduler's SIGKILL follows its grace period anyway). Installed
+    only in the main thread, where Python runs signal handlers; the previous handlers come
+    back on exit."""
+
+    def __init__(self) -> None:
+        self.received = 0  # the first stop signal's number (0: none)
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for name in STOP_SIGNALS:
+                number = getattr(signal, name, None)
+                if number is not None:
+                    self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for number, previous in self._previous.items():
+            signal.signal(number, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def _handle(self, number: int, frame: object) -> None:
+        if not self.received:
+            self.received = number
+            log.warning("%s received: stopping after this step, with a checkpoint",
+                        signal.Signals(number).name)
+
+
 # Called with (step, record) for every logged record; returns a reason (str) to stop the run.
 RecordHook = Callable[[int, dict[str, float]], "str | None"]
 
@@ -73,6 +131,7 @@ class LoopResult:
     seconds: float
     record: dict[str, float] = field(default_factory=dict)
     checkpoint: Path | None = None  # the last good checkpoint
+    stop_signal: int = 0  # the signal (`StopSignals`) that ended the loop early, 0 if none
 
 
 @dataclass(frozen=True)
@@ -161,7 +220,8 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
                save: Callable[[], Path] | None = None,
                validation: Sequence[Batch] | None = None,
                on_record: RecordHook | None = None,
-               clock: TrainingClock | None = None) -> LoopResult:
+               clock: TrainingClock | None = None,
+               stop: StopSignals | None = None) -> LoopResult:
     """Train until the session reaches `settings.steps` optimizer steps, or, when `clock` has a
     budget, until the next run of steps would overrun it (or until `batches` runs out).
 
@@ -176,7 +236,9 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
     `on_record(step, record)` sees every logged record on every replica; a reason (str) returned
     on any replica stops all of them at once with `RunStopped` (after the record is logged).
     `clock` counts the training seconds (`elapsed_s` in every record; a resumed run's clock
-    starts where the checkpoint's stopped).
+    starts where the checkpoint's stopped). A signal `stop` caught on any replica ends the loop
+    after the current step on all of them (the largest signal number, agreed once a step) unless
+    that step was the last; `LoopResult.stop_signal` says which.
     """
     clock = clock if clock is not None else TrainingClock()
     budgeted = clock.budget is not None
@@ -202,6 +264,7 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
     limit: float | None = None  # the loss above which the run has blown up
     shown: dict[str, float] = {}  # the bar keeps the last validation loss between evaluations
     last_step = sys.maxsize if budgeted else steps  # the final checkpoint's step, when known
+    stop_signal = 0
     try:
         while _more(session, steps, clock):
             batch = next(batches, None)
@@ -272,10 +335,16 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
             clock.longest_run = max(clock.longest_run, clock.elapsed - run_started)
             if budgeted:
                 bar.update(round(clock.elapsed) - bar.n)
+            if stop is not None and session.step < last_step:
+                # Each replica may catch the signal at a different step: all stop at the first
+                # step after which any of them had it, so their checkpoint is one.
+                stop_signal = agreed_max(session, stop.received)
+                if stop_signal:
+                    break
         evaluated = None
         measured = record.get("step") == session.step and any(k.startswith("val_")
                                                               for k in record)
-        if points and not measured:
+        if points and not measured and not stop_signal:
             clock.tick()  # with eval_points the run's final weights are measured too
             evaluated = evaluate(session, validation)
             clock.skip()
@@ -290,7 +359,7 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
              seconds, f" ({clock.elapsed:.1f} s of the {clock.budget:g} s budget)"
              if budgeted else "")
     return LoopResult(trained, seconds, record,
-                      checkpoints.last_good if checkpoints else None)
+                      checkpoints.last_good if checkpoints else None, stop_signal)
 
 
 def _more(session: Session, steps: int, clock: TrainingClock) -> bool:
@@ -394,6 +463,6 @@ def _window_means(window: dict[str, list[float]], session: Session) -> dict[str,
     return dict(zip(means, (values / replicas.size).tolist()))
 
 
-__all__ = ["LoopResult", "LoopSettings", "PartialBatch", "RecordHook", "RunStopped",
-           "TrainingClock", "TrainingDiverged", "agreed_max", "all_replicas", "evaluate",
-           "train_loop"]
+__all__ = ["STOP_SIGNALS", "LoopResult", "LoopSettings", "PartialBatch", "RecordHook",
+           "RunInterrupted", "RunStopped", "StopSignals", "TrainingClock", "TrainingDiverged",
+           "agreed_max", "all_replicas", "evaluate", "train_loop"]

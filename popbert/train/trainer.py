@@ -21,7 +21,6 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -32,7 +31,7 @@ from typing import Any
 
 import torch
 
-from popbert.atomic import atomic_write_bytes, atomic_write_text
+from popbert.atomic import atomic_write_bytes, atomic_write_text, remove_tree
 from popbert.backends.sessions import make_session
 from popbert.builders.bert import build_bert
 from popbert.config import RunConfig, dump_config
@@ -44,7 +43,7 @@ from popbert.distributed import (
     replica_seed,
     world_size_from_env,
 )
-from popbert.errors import CheckpointError, ConfigError, one_line
+from popbert.errors import CheckpointError, ConfigError, WriteError, one_line
 from popbert.io import checkpoint as ckpt
 from popbert.io import run_dir
 from popbert.observe.plots import plot_metrics
@@ -66,7 +65,9 @@ from popbert.train.loop import (
     LoopSettings,
     PartialBatch,
     RecordHook,
+    RunInterrupted,
     RunStopped,
+    StopSignals,
     TrainingClock,
     TrainingDiverged,
     agreed_max,
@@ -142,7 +143,7 @@ class CheckpointManager:
         if self.pending is not None:
             if self.is_main:
                 log.warning("removing %s: the run diverged right after it", self.pending)
-                shutil.rmtree(self.pending, ignore_errors=True)
+                remove_tree(self.pending)
             self.pending = None
         return self.last_good
 
@@ -154,6 +155,15 @@ class CheckpointManager:
         self.last_good, self.pending = final, None
         self._prune(final=final)
         return final
+
+    def resume_hint(self) -> str:
+        """What a run that failed to write an output (a full disk) still has, and how to go on:
+        every checkpoint written so far is intact (popbert's writes are atomic)."""
+        newest = self.pending or self.last_good
+        if newest is None:
+            return "no checkpoint was written yet"
+        return (f"the checkpoints written so far are intact (newest: {newest}); free some "
+                f"space, then continue with --resume {self.output_dir}")
 
     def _prune(self, final: Path | None) -> None:
         if self.is_main:
@@ -207,6 +217,7 @@ class Trainer:
         self._closed = False
         self.config_yaml = dump_config(cfg)
         self.metrics: MetricsLogger | None = None
+        self.resumed_from: Path | None = None  # the checkpoint resumed (from_config sets it)
         main = replicas.is_main
         graph = job.graph_to_save()
         if main:
@@ -259,6 +270,10 @@ class Trainer:
         directory holding files popbert did not write. Resuming in the run's own directory
         only locks it.
         """
+        if resume is not None:
+            # The checkpoint itself, before anything is written: an incomplete one named
+            # directly is refused, incomplete newer ones in a run directory are named.
+            resume = ckpt.find_checkpoint(Path(resume), warn=_launch_rank(replicas) == 0)
         if output_dir is None:
             slug = "pretrain" if cfg.finetune.task is None else f"finetune-{cfg.finetune.task}"
             output_dir = (run_dir.run_dir_of(Path(resume)) if resume is not None
@@ -303,10 +318,15 @@ class Trainer:
                 raise ConfigError(f"training.time_budget is {budget:g} s but the checkpoint "
                                   f"{resume} has already trained {spent:.0f} s; raise "
                                   "training.time_budget")
-            if budget is None and restored.step >= cfg.training.steps:
+            if budget is None and restored.step > cfg.training.steps:
                 raise ConfigError(f"training.steps is {cfg.training.steps} but the checkpoint "
                                   f"{resume} is already at step {restored.step}; raise "
                                   "training.steps")
+            if budget is None and restored.step == cfg.training.steps:
+                # Stopped after its final checkpoint (before its export, say): train() finishes
+                # it; raising training.steps trains on instead.
+                log.info("%s is at the run's last step (training.steps %d): finishing the run "
+                         "(export, plot) without training", resume, restored.step)
         initial = (ckpt.load_checkpoint(Path(init_from), weights_only=True)
                    if init_from is not None else None)
         if cfg.execution.threads:
@@ -336,11 +356,13 @@ class Trainer:
             agree(replicas, "(start step, training.steps, global batch, samples)",
                   (session.step, cfg.training.steps, cfg.global_batch_size,
                    loader.num_samples))
-            return cls(cfg, job, output_dir, session, loader, validation, replicas,
-                       owns_replicas=owns, resumed=restored is not None, fresh=fresh,
-                       on_record=on_record,
-                       elapsed=restored.trainer.get("elapsed_s", 0.0) if restored else 0.0,
-                       claim=claim)
+            trainer = cls(cfg, job, output_dir, session, loader, validation, replicas,
+                          owns_replicas=owns, resumed=restored is not None, fresh=fresh,
+                          on_record=on_record,
+                          elapsed=restored.trainer.get("elapsed_s", 0.0) if restored else 0.0,
+                          claim=claim)
+            trainer.resumed_from = Path(resume) if resume is not None else None
+            return trainer
         except BaseException:
             if owns:
                 replicas.shutdown(clean=False)
@@ -351,29 +373,50 @@ class Trainer:
     def train(self) -> RunResult:
         """Train to `training.steps`, save the final checkpoint, evaluate (fine-tuning) and
         export (pre-training). A diverged or stopped run raises `TrainingDiverged` /
-        `RunStopped` and keeps its metrics and plot."""
+        `RunStopped` and keeps its metrics and plot.
+
+        SIGTERM or SIGUSR1 while training (`StopSignals`) stops the run after its current step
+        with a checkpoint of that step: `RunInterrupted`. A run resumed at its last step (it
+        stopped after its final checkpoint) trains nothing and writes what is missing: the
+        evaluation, plot and export. A full disk is a one-line `WriteError` saying which
+        checkpoint to resume from."""
         session, main = self.session, self.replicas.is_main
         started, wall = session.step, time.perf_counter()
         final: Path | None = None
         scores: dict[str, float] = {}
-        try:
-            if self.clock.budget is not None:
-                self._rehearse_finish()
-            result = train_loop(session, self.batches(), self.loop_settings(),
-                                schedule=self._logged_lr,
-                                tracker=self.metrics, checkpoints=self.checkpoints,
-                                save=self.save_checkpoint, validation=self.validation,
-                                on_record=self.on_record, clock=self.clock)
-            if self.checkpoints.pending != run_dir.step_dir(self.output_dir, session.step):
-                self.save_checkpoint()  # unless the loop's last turn just saved this step
-            final = self.checkpoints.finalize()
-            if main:
-                scores = self.job.score(self)
-                if scores and self.metrics is not None:
-                    self.metrics.summarize(scores)
-        finally:
-            plot = self._close_metrics(final)
-        inference = self.job.export(self) if main else None
+        with StopSignals() as stop:
+            try:
+                if self.clock.budget is not None:
+                    self._rehearse_finish()
+                result = train_loop(session, self.batches(), self.loop_settings(),
+                                    schedule=self._logged_lr,
+                                    tracker=self.metrics, checkpoints=self.checkpoints,
+                                    save=self.save_checkpoint, validation=self.validation,
+                                    on_record=self.on_record, clock=self.clock, stop=stop)
+                here = run_dir.step_dir(self.output_dir, session.step)
+                if session.step == started and self.resumed_from is not None \
+                        and _same_dir(self.resumed_from, here):
+                    self.checkpoints.pending = here  # resumed at its last step: it is there
+                elif self.checkpoints.pending != here:
+                    self.save_checkpoint()  # unless the loop's last turn just saved this step
+                if result.stop_signal:
+                    raise RunInterrupted(session.step, result.stop_signal,
+                                         self.checkpoints.pending, self.output_dir)
+                final = self.checkpoints.finalize()
+                if main:
+                    scores = self.job.score(self)
+                    if scores and self.metrics is not None:
+                        self.metrics.summarize(scores)
+                plot = self._close_metrics(final)
+                inference = self.job.export(self) if main else None
+            except WriteError as error:
+                self._close_metrics(None, failing=True)
+                raise WriteError(f"{error}; {self.checkpoints.resume_hint()}") from None
+            except BaseException:
+                self._close_metrics(None, failing=True)
+                raise
+        if not result.record and main:  # resumed at its last step: its record is on file
+            result.record = last_record(self.output_dir / "metrics.jsonl", session.step)
         if main:
             log.info("output: %s (checkpoint %s%s)", self.output_dir, final.name,
                      f", {inference.name}" if inference is not None else "")
@@ -504,7 +547,7 @@ class Trainer:
             return
         self._closed = True
         try:
-            self._close_metrics(None)
+            self._close_metrics(None, failing=error is not None)
             if error is not None and not isinstance(error, TrainingDiverged | RunStopped) \
                     and self.replicas.is_main:
                 run_dir.remove_if_empty_run(self.output_dir, self._created)
@@ -521,16 +564,22 @@ class Trainer:
                  traceback: TracebackType | None) -> None:
         self.close(error)
 
-    def _close_metrics(self, checkpoint: Path | None) -> Path | None:
+    def _close_metrics(self, checkpoint: Path | None, failing: bool = False) -> Path | None:
         """Close the metrics (W&B uploads `checkpoint` if asked) and plot them; a run that
         failed or diverged still gets its plot, and a plotting problem never hides the run's
-        own error."""
+        own error (`failing`: a full disk is then only a warning)."""
         if self.metrics is None:
             return None
-        self.metrics.close(checkpoint=checkpoint)
-        self.metrics = None
-        return plot_if_logged(self.output_dir / "metrics.jsonl",
-                              self.output_dir / "metrics.png")
+        metrics, self.metrics = self.metrics, None
+        try:
+            metrics.close(checkpoint=checkpoint)
+            return plot_if_logged(self.output_dir / "metrics.jsonl",
+                                  self.output_dir / "metrics.png")
+        except WriteError as error:
+            if not failing:
+                raise
+            log.warning("%s", error)
+            return None
 
 
 def plot_if_logged(metrics: Path, plot: Path) -> Path:
@@ -539,9 +588,19 @@ def plot_if_logged(metrics: Path, plot: Path) -> Path:
         return plot
     try:
         return plot_metrics(metrics, plot)
+    except WriteError:  # a full disk is not a plotting problem: the run's outputs are at stake
+        raise
     except Exception as error:  # the run's result matters more than its picture
         log.warning("could not plot %s: %s", metrics, error)
         return plot
+
+
+def last_record(metrics: Path, step: int) -> dict[str, Any]:
+    """The record logged at `step` ({} if none): a run resumed at its last step trains nothing,
+    and its final metrics are those on file."""
+    if not metrics.is_file():
+        return {}
+    return next((r for r in reversed(read_metrics(metrics)) if r.get("step") == step), {})
 
 
 def _launch_rank(replicas: Replicas | None) -> int:
@@ -599,5 +658,5 @@ def make_job(cfg: RunConfig, output_dir: Path) -> Job:
     return finetune_job(cfg, output_dir)
 
 
-__all__ = ["CheckpointManager", "RunResult", "Trainer", "make_job", "micro_batches",
-           "plot_if_logged"]
+__all__ = ["CheckpointManager", "RunResult", "Trainer", "last_record", "make_job",
+           "micro_batches", "plot_if_logged"]

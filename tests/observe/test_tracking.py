@@ -66,6 +66,43 @@ def test_read_metrics_skips_torn_line(tmp_path: Path) -> None:
     assert read_metrics(path) == [{"step": 1, "loss": 3.0}]
 
 
+def test_a_resumed_log_drops_a_torn_last_line(tmp_path: Path) -> None:
+    """A torn last line (a full disk, a power cut) goes when a resumed run opens the file, so
+    its first record starts a line of its own instead of joining the fragment."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    with MetricsLogger(tmp_path, {}, resume_step=1) as logger:
+        logger.log({"loss": 1.5}, step=2)
+    assert read_metrics(path) == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
+
+
+def test_a_full_disk_leaves_no_torn_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    from popbert.errors import WriteError
+
+    logger = MetricsLogger(tmp_path, {})
+    logger.log({"loss": 2.0}, step=1)
+    file = logger._file
+    assert file is not None
+
+    class Full:  # half the line reaches the disk, then ENOSPC
+        def write(self, text: str) -> int:
+            file.write(text[: len(text) // 2])
+            file.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(file, name)
+
+    logger._file = Full()  # type: ignore[assignment]
+    with pytest.raises(WriteError, match="metrics.jsonl: cannot write: No space left"):
+        logger.log({"loss": 1.5}, step=2)
+    logger.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'
+
+
 def test_wandb_missing_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` fail
     with pytest.raises(ConfigError, match="pip install wandb"):

@@ -159,10 +159,15 @@ def fake_trainer(monkeypatch: pytest.MonkeyPatch, run) -> None:
     `run(cfg, output_dir=..., **kw)` (which may raise) and hands back a run that trains nothing."""
 
     class Trainer:
+        replicas = None  # one process (what `popbert pretrain` hands popbert.distributed)
+
+        def __init__(self, output_dir: object) -> None:
+            self.output_dir = output_dir
+
         @classmethod
         def from_config(cls, cfg: object, output_dir: object = None, **kw: object) -> Trainer:
             run(cfg, output_dir=output_dir, **kw)
-            return cls()
+            return cls(output_dir)
 
         def __enter__(self) -> Trainer:
             return self

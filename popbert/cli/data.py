@@ -30,7 +30,7 @@ _FLAGS = {"sequence_length": "--sequence-length", "max_predictions_per_seq": "--
 def _output_dir(args: argparse.Namespace) -> Path:
     """--output-dir, checked before the stage reads anything: a file there (or above it) would
     end the stage in a traceback once it starts writing."""
-    from popbert.cli.main import check_output_directory
+    from popbert.cli.paths import check_output_directory
 
     check_output_directory(args.output_dir)
     return args.output_dir
@@ -120,7 +120,7 @@ def _cmd_sentences(args: argparse.Namespace) -> int:
 
 
 def _cmd_vocab(args: argparse.Namespace) -> int:
-    from popbert.cli.main import check_output_file
+    from popbert.cli.paths import check_output_file
     from popbert.data.vocab import train_vocab
 
     if args.vocab_size <= 5:

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from popbert import __version__
-from popbert.errors import CheckpointError, PopbertError, UsageError, one_line
+from popbert.cli.paths import check_output_file
+from popbert.errors import CheckpointError, PopbertError, one_line
 
 if TYPE_CHECKING:
     from popbert.config import RunConfig
@@ -63,30 +64,6 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 def _existing_dir(path: Path | None, what: str) -> Path | None:
     if path is not None and not path.is_dir():
         raise CheckpointError(f"{what}: not a directory: {path}")
-    return path
-
-
-def check_output_file(path: Path | None, flag: str) -> Path | None:
-    """Refuse, before any work, an output file `path` that cannot be written as a file: a
-    directory, or under a file (the write would fail with a traceback once the work is done)."""
-    if path is None:
-        return None
-    if path.is_dir():
-        raise UsageError(f"{flag} {path}: is a directory; expected a file name")
-    ancestor = path.parent
-    while not ancestor.exists() and ancestor.parent != ancestor:
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise UsageError(f"{flag} {path}: {ancestor} is a file, not a directory")
-    return path
-
-
-def check_output_directory(path: Path | None, flag: str = "--output-dir") -> Path | None:
-    """Refuse, before any work, an output directory that is a file or sits under one."""
-    if path is not None:
-        from popbert.io.run_dir import check_output_dir
-
-        check_output_dir(path, flag)
     return path
 
 
@@ -593,6 +570,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command(args.handler, args)
 
 
-__all__ = ["add_pretrain_arguments", "build_parser", "check_output_directory",
-           "check_output_file", "config_from_args", "finetune_config_from_args", "main",
-           "pretrain_output_dir", "run_command"]
+__all__ = ["add_pretrain_arguments", "build_parser", "config_from_args",
+           "finetune_config_from_args", "main", "pretrain_output_dir", "run_command"]

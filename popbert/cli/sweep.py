@@ -88,7 +88,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_show(args: argparse.Namespace) -> int:
     _optuna_logs_through_logging()
-    from popbert.cli.main import check_output_directory
+    from popbert.cli.paths import check_output_directory
     from popbert.sweep.show import (
         best_so_far,
         check_comparable,

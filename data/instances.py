@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -516,6 +516,36 @@ def create_chunk_arrays(documents: Sequence[Document], tokenizer: WordPieceToken
     log.info("created %d MLM-only rows of %d tokens (%d predictions, dupe %d, seed %d)", n,
              options.sequence_length, preds, options.dupe_factor, options.seed)
     return arrays
+
+
+def cut_chunk_rows(arrays: Mapping[str, np.ndarray], length: int, predictions: int,
+                   cls_id: int, sep_id: int) -> dict[str, np.ndarray]:
+    """Unmasked MLM-only rows (`create_chunk_arrays`' `[CLS] chunk [SEP]`) cut into rows of
+    `length` tokens: row i's chunk becomes the consecutive rows `[CLS] piece [SEP]` of
+    `length - 2` tokens each (its last `(S - 2) mod (length - 2)` tokens dropped), with
+    `predictions` empty prediction slots for `mask_arrays` to fill. Pieces past a short row's
+    end are `[CLS] [SEP]` rows, which mask nothing (the loss ignores them)."""
+    ids = np.asarray(arrays["input_ids"])
+    rows, seq = ids.shape
+    width = length - 2
+    pieces = (seq - 2) // width
+    lengths = np.asarray(arrays["input_mask"]).sum(axis=1)
+    # The chunk without [CLS] and its closing [SEP]: real tokens are a prefix of each row.
+    body = ids[:, 1:seq - 1].copy()
+    columns = np.arange(seq - 2)
+    body[columns[None, :] >= (lengths - 2)[:, None]] = 0
+    body = body[:, :pieces * width].reshape(rows * pieces, width)
+    real = (columns[None, :pieces * width] < (lengths - 2)[:, None]).reshape(rows * pieces,
+                                                                            width).sum(axis=1)
+    out_ids = np.zeros((rows * pieces, length), ids.dtype)
+    out_ids[:, 0] = cls_id
+    out_ids[:, 1:-1] = body
+    out_ids[np.arange(rows * pieces), real + 1] = sep_id
+    out_mask = (np.arange(length)[None, :] < (real + 2)[:, None]).astype(ids.dtype)
+    return {"input_ids": out_ids, "input_mask": out_mask,
+            "segment_ids": np.zeros_like(out_ids),
+            "masked_lm_positions": np.zeros((rows * pieces, predictions), ids.dtype),
+            "masked_lm_ids": np.zeros((rows * pieces, predictions), ids.dtype)}
 
 
 def unmask_rows(arrays: dict[str, np.ndarray]) -> None:

@@ -166,12 +166,18 @@ def make_loader(cfg: RunConfig, data: dict[str, np.ndarray] | ShardSet, replica_
                              num_replicas=num_replicas, remask=remask)
 
 
+def run_tokenizer(cfg: RunConfig) -> WordPieceTokenizer:
+    """The WordPiece tokenizer of the run's vocabulary (`data.vocab_file`, else the bundled
+    one)."""
+    vocab_path = Path(cfg.data.vocab_file) if cfg.data.vocab_file else bundled_vocab_path()
+    return WordPieceTokenizer(vocab_path)
+
+
 def dynamic_masking(cfg: RunConfig) -> Callable[[dict[str, np.ndarray], np.random.Generator],
                                                 None]:
     """The loader's `remask`: Google's masking rule (`mask_arrays`) with the run's masking
     rate, prediction slots and whole-word choice."""
-    vocab_path = Path(cfg.data.vocab_file) if cfg.data.vocab_file else bundled_vocab_path()
-    tokenizer = WordPieceTokenizer(vocab_path)
+    tokenizer = run_tokenizer(cfg)
     options = InstanceOptions(sequence_length=cfg.model.sequence_length,
                               max_predictions_per_seq=cfg.model.max_predictions_per_seq,
                               masked_lm_prob=cfg.data.masked_lm_prob,

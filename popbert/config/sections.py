@@ -221,9 +221,35 @@ class TrainingConfig:
     # linearly from 1 to execution.gradient_accumulation, so early training makes more updates
     # per sample. 0 = the full batch from the first step (rule: `warmup_micro_batches`).
     batch_warmup: float = setting(0.0, within("[0, 1)", " (0 = off)"))
+    # Sequence-length curriculum (BERT's phase 1 -> 2 within one run, as in "Cramming"):
+    # [[until, length], ...] trains on rows of `length` tokens until that fraction of the run
+    # (of `steps`, or of `time_budget`), then the next stage, then model.sequence_length. Each
+    # full row is cut into rows of `length` with the same tokens per step; MLM-only rows masked
+    # anew (model.next_sentence_prediction false, data.dynamic_masking true). [] = off.
+    sequence_curriculum: list[list[float]] = setting(factory=list, rule=Rule(
+        lambda v: _is_curriculum(v), "a list of [until, length] pairs, until increasing "
+        "within (0, 1], length an integer >= 8 increasing"))
 
     def validate(self) -> None:
         check_fields(self, "training")
+
+
+def _is_curriculum(stages: Any) -> bool:
+    """[[until, length], ...] with until in (0, 1] and both increasing."""
+    if not isinstance(stages, list):
+        return False
+    previous = (0.0, 0)
+    for stage in stages:
+        if not (isinstance(stage, list | tuple) and len(stage) == 2):
+            return False
+        until, length = stage
+        if any(isinstance(v, bool) or not isinstance(v, int | float) for v in stage) \
+                or not float(length).is_integer():  # YAML lists of floats: 16.0 is 16
+            return False
+        if not (previous[0] < until <= 1 and length >= 8 and length > previous[1]):
+            return False
+        previous = (until, length)
+    return True
 
 
 @dataclass
@@ -446,6 +472,8 @@ def _check_across(cfg: RunConfig) -> None:
                       "data.dynamic_masking", "model.packed")
     if t.batch_warmup:
         _check_batch_warmup(e)
+    if t.sequence_curriculum:
+        _check_curriculum(cfg)
     if t.global_batch_size is not None:
         per_pass = e.micro_batch_size * e.replicas
         layout = (f"execution.micro_batch_size ({e.micro_batch_size}) x execution.replicas "
@@ -461,6 +489,28 @@ def _check_across(cfg: RunConfig) -> None:
                           f"{cfg.global_batch_size}; set execution.gradient_accumulation="
                           f"{t.global_batch_size // per_pass} or training.global_batch_size=null",
                           *keys)
+
+
+def _check_curriculum(cfg: RunConfig) -> None:
+    """What the sequence-length curriculum needs: rows of contiguous text it can cut anywhere
+    and mask anew (MLM only, dynamic masking), unpacked rows in the onnx dialect (a symbolic
+    sequence axis), and stages shorter than the model's rows."""
+    m, d, t, key = cfg.model, cfg.data, cfg.training, "training.sequence_curriculum"
+    longest = int(max(length for _, length in t.sequence_curriculum))
+    if longest >= m.sequence_length:
+        raise Invalid(f"{key} stage length {longest} must be below model.sequence_length "
+                      f"({m.sequence_length}), which the run ends with", key,
+                      "model.sequence_length")
+    if m.next_sentence_prediction or not d.dynamic_masking:
+        raise Invalid(f"{key} cuts rows of contiguous text and masks the pieces anew: it needs "
+                      "model.next_sentence_prediction false and data.dynamic_masking true", key,
+                      "model.next_sentence_prediction", "data.dynamic_masking")
+    if m.packed or m.dialect != "onnx":
+        raise Invalid(f"{key} needs model.dialect 'onnx' and model.packed false (rows whose "
+                      "length can change)", key, "model.dialect", "model.packed")
+    if t.batch_warmup:
+        raise Invalid(f"{key} and training.batch_warmup cannot be combined; set one to off",
+                      key, "training.batch_warmup")
 
 
 def _check_batch_warmup(e: ExecutionConfig) -> None:

@@ -25,6 +25,12 @@ def graph_batch_size(cfg: RunConfig) -> int | str:
     return cfg.execution.micro_batch_size if cfg.model.dialect == "popart" else BATCH
 
 
+def rows_change_length(cfg: RunConfig) -> bool:
+    """Whether the training graph needs a symbolic sequence axis: its batches are trimmed
+    (`execution.trim_padding`) or cut shorter early on (`training.sequence_curriculum`)."""
+    return cfg.execution.trim_padding or bool(cfg.training.sequence_curriculum)
+
+
 def optimizer_factory(cfg: RunConfig) -> Callable[[NamedParameters], torch.optim.Optimizer]:
     """Our LAMB / AdamW with Graphcore's per-tensor exclusions (no decay on biases and norms).
 

@@ -52,11 +52,13 @@ from popbert.optimizers import set_lr
 from popbert.runtime.devices import resolve_device
 from popbert.runtime.options import SessionOptions
 from popbert.runtime.protocol import Session
+from popbert.train.curriculum import SequenceCurriculum
 from popbert.train.factories import (
     graph_batch_size,
     loss_scaler,
     lr_schedule,
     optimizer_factory,
+    rows_change_length,
     warmup_micro_batches,
 )
 from popbert.train.finetune import finetune_job
@@ -206,6 +208,9 @@ class Trainer:
         self.validation = validation
         self.replicas = replicas
         self.schedule = lr_schedule(cfg)
+        # training.sequence_curriculum: short rows first (the batches are cut as they are drawn)
+        self.curriculum = (SequenceCurriculum(cfg, replicas.rank)
+                           if cfg.training.sequence_curriculum else None)
         self.clock = TrainingClock(cfg.training.time_budget, elapsed)
         self.lr = 0.0  # the rate the last step was given
         session.step_hook = self._set_lr
@@ -338,7 +343,7 @@ class Trainer:
             torch.manual_seed(cfg.training.seed)
             graph = build_bert(cfg.model, task=job.task, seed=cfg.training.seed,
                                batch_size=graph_batch_size(cfg),
-                               dynamic_sequence=cfg.execution.trim_padding)
+                               dynamic_sequence=rows_change_length(cfg))
             job.graph = graph.model()
             session = make_session(job.graph, graph.loss, optimizer_factory(cfg),
                                    SessionOptions.from_config(cfg, replicas),
@@ -443,7 +448,12 @@ class Trainer:
             if stacked is None:
                 return
             yield PartialBatch(stacked, count, self.cfg.global_batch_size * count // accumulation)
-        yield from micro_batches(self.loader, self.session.micro_batches_per_run())
+        for batch in micro_batches(self.loader, self.session.micro_batches_per_run()):
+            if self.curriculum is not None:
+                step = self.session.step
+                batch = self.curriculum(batch, self.schedule_step(step) / self.cfg.training.steps,
+                                        step)
+            yield batch
 
     def micro_batches_per_step(self) -> int:
         """Micro-batches the next optimizer step takes: `warmup_micro_batches` at its schedule

@@ -8,7 +8,11 @@ gradients are reduced lives next door: flat all-reduced buffers
 (:mod:`popbert.distributed.sharded`).
 
 Every collective goes through :class:`Replicas`, which turns a failure (a replica died, or did not
-answer within the timeout) into one :class:`ReplicaError` line instead of a hang.
+answer within the timeout) into one :class:`ReplicaError` line instead of a hang. The line names
+the replica that went away: each replica bumps a counter in the job's store every second
+(:class:`Heartbeat`, a thread, so it keeps beating while its replica computes or writes), and
+after a failure the counters that stand still are the culprits. A stopped process (SIGSTOP, a
+hung node) keeps its sockets open, so only the timeout notices it; a killed one is noticed at once.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ import gc
 import logging
 import os
 import re
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -73,6 +80,7 @@ class Replicas:
     local_rank: int = 0
     timeout_s: float = DEFAULT_TIMEOUT_S
     owns_process_group: bool = False
+    heartbeat: Heartbeat | None = None  # names a silent replica after a failure
 
     @classmethod
     def single(cls) -> Replicas:
@@ -107,10 +115,12 @@ class Replicas:
             yield
         except (RuntimeError, dist.DistError) as error:
             cause = _short_cause(error)
+            silent = self.heartbeat.silent() if self.heartbeat is not None else None
             raise ReplicaError(
-                f"replica {self.rank} of {self.size}: {what} failed ({cause}); another replica "
-                f"died or did not answer within {self.timeout_s:.0f} s, so the whole job stops "
-                f"(see the other replicas' logs; ${TIMEOUT_ENV} sets the timeout)") from None
+                f"replica {self.rank} of {self.size}: {what} failed ({cause}); "
+                f"{_who(silent, 'died or did not answer')} within {self.timeout_s:g} s, so the "
+                f"whole job stops (see {_whose(silent)} log; ${TIMEOUT_ENV} sets the timeout)"
+            ) from None
 
     def all_reduce_(self, tensor: Tensor, op: str = "sum") -> Tensor:
         """In place: sum / max over replicas."""
@@ -170,6 +180,8 @@ class Replicas:
         if self.owns_process_group and dist.is_initialized():
             if clean:
                 self.barrier()
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
             self.owns_process_group = False
@@ -182,6 +194,107 @@ def _short_cause(error: BaseException) -> str:
     text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", text)
     first = text.split(". ")[0]
     return (first or type(error).__name__)[:200]
+
+
+def _who(silent: list[int] | None, fate: str) -> str:
+    """'replica 1 died ...', 'replicas 1, 3 died ...', or 'another replica died ...'."""
+    if not silent:
+        return f"another replica {fate}"
+    if len(silent) == 1:
+        return f"replica {silent[0]} {fate}"
+    return f"replicas {', '.join(map(str, silent))} {fate}"
+
+
+def _whose(silent: list[int] | None) -> str:
+    return "its" if silent and len(silent) == 1 else "the other replicas'"
+
+
+class Heartbeat:
+    """This replica's pulse in the job's store: a daemon thread adds 1 to
+    `popbert/heartbeat/<attempt>/<rank>` every `interval` seconds, from before the process group
+    is joined until shutdown. :meth:`silent` names the replicas whose count stands still: killed,
+    stopped, or never started. The store is torchrun's agent store, or the one replica
+    `store_host` (0) serves; when that replica is gone the store is too, and it is the one named.
+    """
+
+    def __init__(self, host: str, port: int, rank: int, size: int, attempt: str = "0",
+                 interval: float = 1.0, store_host: int | None = None):
+        self.host, self.port, self.rank, self.size = host, port, rank, size
+        self.prefix = f"popbert/heartbeat/{attempt}"
+        self.interval = interval
+        self.store_host = store_host
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._writer: Any = None  # the beating thread's client
+        self._reader: Any = None  # silent()'s (the caller's thread)
+
+    def _store(self) -> Any:
+        # A client of its own (never shared between threads); short timeouts: a dead store
+        # must not hold up the error message.
+        return dist.PrefixStore(self.prefix, dist.TCPStore(
+            self.host, self.port, is_master=False, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=self._wait)))
+
+    @property
+    def _wait(self) -> float:
+        return max(0.5, 3 * self.interval)
+
+    def _reachable(self) -> bool:
+        """Whether the store still listens: a plain connect first, since torch prints a stack
+        trace to stderr for every operation on a store that is gone."""
+        try:
+            with socket.create_connection((self.host, self.port), timeout=self._wait):
+                return True
+        except OSError:
+            return False
+
+    def start(self) -> Heartbeat:
+        """Connect (the store is up: the caller's client reached it) and beat from now on."""
+        self._writer, self._reader = self._store(), self._store()
+        self._writer.add(str(self.rank), 1)
+        self._thread = threading.Thread(target=self._beat, name="popbert-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                if not self._reachable():
+                    return  # the store went with its host: nothing left to tell
+                self._writer.add(str(self.rank), 1)
+            except Exception:
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self._wait + 5)
+            self._thread = None
+
+    def silent(self) -> list[int] | None:
+        """The other replicas whose count does not move within 3 intervals (None: unknown)."""
+        others = [r for r in range(self.size) if r != self.rank]
+        try:
+            if self._reader is None or not self._reachable():
+                raise ConnectionError("the store is gone")
+            first = {r: self._reader.add(str(r), 0) for r in others}
+            moved: set[int] = set()
+            deadline = time.monotonic() + 3 * self.interval
+            while time.monotonic() < deadline and len(moved) < len(others):
+                time.sleep(self.interval / 4)
+                moved |= {r for r in others
+                          if r not in moved and self._reader.add(str(r), 0) != first[r]}
+        except Exception:  # no store: its host is the one that went
+            if self.store_host is not None and self.store_host != self.rank:
+                return [self.store_host]
+            return None
+        return [r for r in others if r not in moved] or None
+
+
+def heartbeat_interval(timeout: float) -> float:
+    """Seconds between beats: 1, or a tenth of a shorter replica timeout."""
+    return min(1.0, timeout / 10)
 
 
 def world_size_from_env() -> int:
@@ -258,35 +371,46 @@ def init_replicas(cfg: RunConfig, device: torch.device) -> Replicas:
         torch.cuda.set_device(first)
         kwargs["device_id"] = torch.device("cuda", first)
     backend = "nccl" if use_cuda else "gloo"
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    heartbeat = None
     try:
-        store = _attempt_store(world, timeout)
-        if store is not None:
-            kwargs["store"] = store
-        dist.init_process_group(backend, rank=rank, world_size=world,
+        store, heartbeat = _job_store(rank, world, timeout, agent_store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout), **kwargs)
     except (RuntimeError, ValueError, dist.DistError) as error:
+        if heartbeat is not None:
+            silent = heartbeat.silent()
+            heartbeat.stop()
+        else:  # no store: without torchrun's, replica 0 serves it
+            silent = None if agent_store or rank == 0 else [0]
+        missing = f"; {_who(silent, 'did not join')} within {timeout:g} s" if silent else ""
         raise ReplicaError(f"replica {rank} of {world} could not join the job "
-                           f"({one_line(error, 240)})") from None
+                           f"({one_line(error, 240)}){missing} (${TIMEOUT_ENV} sets the "
+                           "timeout)") from None
     log.info("replica %d of %d (local rank %d) joined, backend %s", rank, world, local_rank,
              backend)
     return Replicas(group=None, rank=rank, size=world, local_rank=local_rank, timeout_s=timeout,
-                    owns_process_group=True)
+                    owns_process_group=True, heartbeat=heartbeat)
 
 
-def _attempt_store(world: int, timeout: float) -> Any:
-    """Under torchrun's shared rendezvous store (`$TORCHELASTIC_USE_AGENT_STORE`): that store,
-    with this attempt's own key prefix; None otherwise (torch's env:// store).
+def _job_store(rank: int, world: int, timeout: float, agent_store: bool
+               ) -> tuple[Any, Heartbeat]:
+    """The store the replicas meet in, and this replica's heartbeat there (started).
 
-    The agent's store outlives a restart of the workers, and torch's env:// join reads its keys
-    unprefixed: a restarted replica would find the dead attempt's addresses (gloo then fails to
-    connect, or hangs). Keys under `popbert/attempt-<TORCHELASTIC_RESTART_COUNT>/` are this
-    attempt's only."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
+    Under torchrun it is the agents' shared store (`$TORCHELASTIC_USE_AGENT_STORE`), which
+    outlives a restart of the workers; torch's env:// join would read the dead attempt's keys
+    there (gloo then fails to connect, or hangs), so each attempt's keys get their own prefix
+    (`$TORCHELASTIC_RESTART_COUNT`). Otherwise replica 0 serves it, as env:// does, but made
+    here, without waiting for the others, so the heartbeats can start before the join.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=False, timeout=datetime.timedelta(seconds=timeout))
-    return dist.PrefixStore(f"popbert/attempt-{attempt}/", store)
+    store = dist.TCPStore(host, port, world, is_master=not agent_store and rank == 0,
+                          timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False,
+                          multi_tenant=True)
+    heartbeat = Heartbeat(host, port, rank, world, attempt, heartbeat_interval(timeout),
+                          store_host=None if agent_store else 0).start()
+    return dist.PrefixStore(f"popbert/attempt-{attempt}", store), heartbeat
 
 
 def agree(replicas: Replicas, what: str, value: Any) -> None:

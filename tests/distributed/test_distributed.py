@@ -321,8 +321,9 @@ def test_torchrun_popbert_pretrain_with_sharding(tmp_path: Path) -> None:
 @pytest.mark.e2e
 @pytest.mark.parametrize("fate", ["killed", "hung"])
 def test_a_dead_replica_stops_the_job_with_a_clear_message(tmp_path: Path, fate: str) -> None:
-    """Replica 1 is SIGKILLed (or SIGSTOPped: hangs) mid-run: replica 0 exits non-zero with
-    one clear line at once (or after $POPBERT_REPLICA_TIMEOUT), never hangs."""
+    """Replica 1 is SIGKILLed (or SIGSTOPped: hangs, its sockets stay open) mid-run: replica 0
+    exits non-zero with one clear line naming replica 1 at once (or after
+    $POPBERT_REPLICA_TIMEOUT), never hangs."""
     timeout = 10
     output = tmp_path / "run"
     port = str(free_port())
@@ -360,11 +361,39 @@ def test_a_dead_replica_stops_the_job_with_a_clear_message(tmp_path: Path, fate:
     assert survivor.returncode != 0
     lines = [line for line in stderr.splitlines() if line.startswith("popbert: error:")]
     assert len(lines) == 1, stderr[-2000:]
-    assert "replica 0 of 2" in lines[0] and "died or did not answer" in lines[0], lines[0]
+    assert "replica 0 of 2" in lines[0], lines[0]
+    assert "; replica 1 died or did not answer within 10 s" in lines[0], lines[0]  # named
     assert "Traceback" not in stderr
     if fate == "killed":
         assert stopped < timeout  # noticed at once, not by the timeout
     print(lines[0])
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("missing", [1, 0])
+def test_a_replica_that_never_joins_is_named_within_the_timeout(tmp_path: Path,
+                                                               missing: int) -> None:
+    """One of 2 replicas never starts (a node that is gone, or stopped before it joined): the
+    other stops at init_process_group after $POPBERT_REPLICA_TIMEOUT with one line naming it
+    (replica 0 missing: the store it would serve is missing too)."""
+    timeout, present = 4, 1 - missing
+    args = [sys.executable, "-m", "popbert", "pretrain", "--output-dir", str(tmp_path / "run")]
+    for item in overrides(execution__replicas=2, execution__gradient_accumulation=2):
+        args += ["--set", item]
+    env = cli_env(RANK=str(present), LOCAL_RANK=str(present), WORLD_SIZE="2",
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                  POPBERT_REPLICA_TIMEOUT=str(timeout))
+    started = time.monotonic()
+    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    seconds = time.monotonic() - started
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.startswith("popbert: error:")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    print(f"replica {present} alone stopped after {seconds:.1f} s: {lines[0]}")
+    assert f"replica {present} of 2 could not join the job" in lines[0]
+    assert f"; replica {missing} did not join within {timeout} s" in lines[0]
+    assert seconds < timeout + 30  # start-up (imports, data) + the timeout, never a hang
+    assert not (tmp_path / "run").exists()
 
 
 def test_replica_count_must_match_the_process_count(monkeypatch, capsys, tmp_path) -> None:

@@ -181,3 +181,29 @@ def test_two_machines_on_one_host_train_like_one(tmp_path: Path, reference: Path
     assert len(writers) == 1, logs
     assert "replica 0 of 2 (local rank 0)" in logs[writers[0]]
     assert "replica 1 of 2 (local rank 0)" in logs[1 - writers[0]]
+
+
+def test_a_restart_resumes_only_a_directory_this_job_started(tmp_path: Path, monkeypatch
+                                                             ) -> None:
+    """restart_plan: no restart, or a directory another job started, is a new run as before;
+    this job's directory resumes from its checkpoint, or starts over without one."""
+    from popbert.distributed import elastic
+
+    output = tmp_path / "run"
+    (output / "checkpoints").mkdir(parents=True)
+    monkeypatch.delenv(elastic.RESTART_ENV, raising=False)
+    assert elastic.restart_plan(output) is None  # no torchrun
+    monkeypatch.setenv(elastic.RESTART_ENV, "0")
+    (output / elastic.MARKER).write_text(json.dumps({"agents": [elastic.agent_identity()]}))
+    assert elastic.restart_plan(output) is None  # the first launch
+    monkeypatch.setenv(elastic.RESTART_ENV, "2")
+    assert elastic.restart_plan(output) == elastic.RestartPlan(overwrite=True)
+    step = output / "checkpoints" / "step-000010"
+    step.mkdir()
+    (step / "state.json").write_text("{}")
+    assert elastic.restart_plan(output) == elastic.RestartPlan(resume=output)
+    other = ["elsewhere", 1, 2]
+    (output / elastic.MARKER).write_text(json.dumps({"agents": [other]}))
+    assert elastic.restart_plan(output) is None  # another job's run: refused as before
+    (output / elastic.MARKER).unlink()
+    assert elastic.restart_plan(output) is None

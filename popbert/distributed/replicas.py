@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import itertools
 import logging
 import os
 import re
@@ -211,10 +212,11 @@ def _whose(silent: list[int] | None) -> str:
 
 class Heartbeat:
     """This replica's pulse in the job's store: a daemon thread adds 1 to
-    `popbert/heartbeat/<attempt>/<rank>` every `interval` seconds, from before the process group
-    is joined until shutdown. :meth:`silent` names the replicas whose count stands still: killed,
-    stopped, or never started. The store is torchrun's agent store, or the one replica
-    `store_host` (0) serves; when that replica is gone the store is too, and it is the one named.
+    `popbert/heartbeat/<attempt>/<join>/<rank>` every `interval` seconds, from before the
+    process group is joined until shutdown. :meth:`silent` names the replicas whose count
+    stands still: killed, stopped, or never started. The store is torchrun's agent store, or
+    the one replica `store_host` (0) serves; when that replica is gone the store is too, and it
+    is the one named.
     """
 
     def __init__(self, host: str, port: int, rank: int, size: int, attempt: str = "0",
@@ -393,6 +395,9 @@ def init_replicas(cfg: RunConfig, device: torch.device) -> Replicas:
                     owns_process_group=True, heartbeat=heartbeat)
 
 
+_JOINS = itertools.count()  # this process's joins so far: every replica makes the same ones
+
+
 def _job_store(rank: int, world: int, timeout: float, agent_store: bool
                ) -> tuple[Any, Heartbeat]:
     """The store the replicas meet in, and this replica's heartbeat there (started).
@@ -400,11 +405,13 @@ def _job_store(rank: int, world: int, timeout: float, agent_store: bool
     Under torchrun it is the agents' shared store (`$TORCHELASTIC_USE_AGENT_STORE`), which
     outlives a restart of the workers; torch's env:// join would read the dead attempt's keys
     there (gloo then fails to connect, or hangs), so each attempt's keys get their own prefix
-    (`$TORCHELASTIC_RESTART_COUNT`). Otherwise replica 0 serves it, as env:// does, but made
-    here, without waiting for the others, so the heartbeats can start before the join.
+    (`$TORCHELASTIC_RESTART_COUNT`), and so do each process's successive joins (a sweep agent's
+    trials: torch numbers its groups from 0 again after each teardown). Otherwise replica 0
+    serves it, as env:// does, but made here, without waiting for the others, so the
+    heartbeats can start before the join.
     """
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_JOINS)}"
     store = dist.TCPStore(host, port, world, is_master=not agent_store and rank == 0,
                           timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False,
                           multi_tenant=True)

@@ -60,3 +60,6 @@ if __name__ == "__main__":
     except PopbertError as error:  # a user's mistake: one line, exit status 2
         print(f"popbert: error: {one_line(error)}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt as stop:  # Ctrl-C; or SIGTERM/SIGUSR1, after a checkpoint
+        print(f"popbert: {stop or 'interrupted'}", file=sys.stderr)
+        sys.exit(getattr(stop, "exit_status", 130))

@@ -21,7 +21,7 @@ import torch
 from onnx import TensorProto, numpy_helper
 
 import popbert.builders.tasks  # noqa: F401  (registers the squad and classification heads)
-from popbert.atomic import atomic_write_bytes
+from popbert.atomic import atomic_write_bytes, reported
 from popbert.builders.bert import BATCH, SEQUENCE, build_bert
 from popbert.builders.bert_config import TASK_NAMES, BertConfig
 from popbert.errors import CheckpointError, UsageError
@@ -224,7 +224,8 @@ def _write(model: onnx.ModelProto, output: Path, external_data_threshold: int) -
     # Over the protobuf limit: weights in `<name>.onnx.data`; both files written in a temporary
     # directory next to the output, checked there, then renamed into place (data file first).
     data_name = output.name + ".data"
-    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".tmp-{output.name}-") as tmp:
+    with reported(output), \
+            tempfile.TemporaryDirectory(dir=output.parent, prefix=f".tmp-{output.name}-") as tmp:
         staged = Path(tmp) / output.name
         onnx.save_model(model, str(staged), save_as_external_data=True,
                         all_tensors_to_one_file=True, location=data_name, size_threshold=1024)

@@ -169,3 +169,30 @@ def test_user_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[
     # --dynamic-batch and --batch-size exclude each other (argparse usage error).
     assert cli.main(["export", "--checkpoint", str(run), "--task", "encoder", "--output",
                      str(tmp_path / "x.onnx"), "--dynamic-batch", "--batch-size", "2"]) == 2
+
+
+@pytest.mark.parametrize("threshold", [export.EXTERNAL_DATA_THRESHOLD, 1],
+                         ids=["inline", "external-data"])
+def test_a_full_disk_is_one_line_naming_the_export(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   threshold: int) -> None:
+    """`popbert export` onto a full disk: a WriteError naming the output (not onnx's or the
+    OS's traceback), and no file or temporary left behind (issue 20, item 2)."""
+    import errno
+    import os
+
+    from popbert import atomic
+    from popbert.errors import WriteError
+
+    run, _ = fine_tuned(tmp_path / "run", "squad")
+    output = tmp_path / "out" / "squad.onnx"
+    output.parent.mkdir()
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(atomic, "_create", full)
+    monkeypatch.setattr(export.onnx, "save_model", full)
+    with pytest.raises(WriteError, match=f"^{output}: cannot write: No space left on device$"):
+        export.export_checkpoint(run, "squad", output, external_data_threshold=threshold)
+    assert list(output.parent.iterdir()) == []

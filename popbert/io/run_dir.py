@@ -98,19 +98,25 @@ def create_output_dir(path: Path, flag: str = "--output-dir") -> bool:
 
 def clean_interrupted(output_dir: Path) -> list[Path]:
     """Tidy what a kill during a checkpoint write left: a previous checkpoint set aside by a
-    replace is put back, temporary `.tmp-*` directories are removed. Returns what was removed."""
+    replace is put back, temporary `.tmp-*` directories are removed, and so are the temporary
+    files of a file write (config.yaml, metrics.png, the export) a kill left in the run
+    directory (the run holds its lock: no other process writes there). Returns what was
+    removed."""
     root = Path(output_dir) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    for aside in root.glob(".old-*"):
-        name = aside.name[len(".old-"):].rsplit("-", 1)[0]
-        restore_interrupted(root / name)
+    # Another process's lock file in the making is left alone (it finds ours and stops).
+    leftovers = [p for p in Path(output_dir).glob(".tmp-*")
+                 if not p.name.startswith(f".tmp-{LOCK_FILE}-")]
+    if root.is_dir():
+        for aside in root.glob(".old-*"):
+            name = aside.name[len(".old-"):].rsplit("-", 1)[0]
+            restore_interrupted(root / name)
+        leftovers += root.glob(".tmp-*")
     removed = []
-    for tmp in sorted(root.glob(".tmp-*")):
+    for tmp in sorted(leftovers):
         shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
         removed.append(tmp)
     if removed:
-        log.info("removed %d unfinished checkpoint write(s) in %s", len(removed), root)
+        log.info("removed %d unfinished write(s) in %s", len(removed), output_dir)
     return removed
 
 

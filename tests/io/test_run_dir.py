@@ -263,3 +263,24 @@ def test_run_dir_keeps_one_rule(tmp_path: Path) -> None:
                  "nbest_predictions.json", "eval_predictions.jsonl", "import.json",
                  "wandb_run_id", "wandb", LOCK_FILE, "checkpoints"):
         assert name in run_dir.RUN_FILES, name
+
+
+def test_a_restart_tidies_what_a_kill_left_mid_write(tmp_path: Path) -> None:
+    """The temporaries of an atomic write a kill interrupted (a half-written config.yaml, a
+    checkpoint directory, an old checkpoint being deleted) go; another process's lock file in
+    the making and everything else stay (issue 20, item 4)."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-000003").mkdir(parents=True)
+    (run / "checkpoints" / ".tmp-step-000006-123").mkdir()
+    (run / "checkpoints" / ".tmp-deleted-step-000001-123").mkdir()
+    (run / ".tmp-config.yaml-123-abcd").write_text("torn")
+    (run / ".tmp-model.inference.onnx-xyz").mkdir()
+    (run / f".tmp-{LOCK_FILE}-456-beef").write_text("")
+    (run / "config.yaml").write_text("x")
+    removed = run_dir.clean_interrupted(run)
+    assert sorted(p.name for p in removed) == [
+        ".tmp-config.yaml-123-abcd", ".tmp-deleted-step-000001-123",
+        ".tmp-model.inference.onnx-xyz", ".tmp-step-000006-123"]
+    assert sorted(p.name for p in run.iterdir()) == [f".tmp-{LOCK_FILE}-456-beef", "checkpoints",
+                                                     "config.yaml"]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000003"]

@@ -94,9 +94,10 @@ def restart_plan(output_dir: Path) -> RestartPlan | None:
     if count == 0:
         return None
     if agent_identity() not in recorded_agents(output_dir):
-        log.info("torchrun restart %d: %s was not started by this job; starting as a new run",
-                 count, output_dir)
-        return None
+        if any(Path(output_dir).glob("[!.]*")):
+            log.info("torchrun restart %d: %s holds no run this job started; starting as a new "
+                     "run", count, output_dir)
+        return None  # nothing there yet (a failed first attempt leaves no empty run behind)
     from popbert.io.run_dir import checkpoint_dirs
 
     checkpoints = checkpoint_dirs(output_dir)
@@ -115,11 +116,16 @@ def record_launch(replicas: Replicas, output_dir: Path) -> None:
     gather of the agents: on several nodes, replica 0 after a restart may sit on another)."""
     if not restartable():
         return
+    if replicas.is_main:  # its own agent at once: one machine's restart needs no more
+        _write_marker(output_dir, [agent_identity()])
     agents = replicas.all_gather_object(agent_identity())
     if replicas.is_main:
-        unique = [agent for i, agent in enumerate(agents) if agent not in agents[:i]]
-        record = {"run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "agents": unique}
-        atomic_write_text(Path(output_dir) / MARKER, json.dumps(record) + "\n")
+        _write_marker(output_dir, [a for i, a in enumerate(agents) if a not in agents[:i]])
+
+
+def _write_marker(output_dir: Path, agents: list[list[Any]]) -> None:
+    record = {"run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "agents": agents}
+    atomic_write_text(Path(output_dir) / MARKER, json.dumps(record) + "\n")
 
 
 __all__ = ["MARKER", "RestartPlan", "agent_identity", "record_launch", "recorded_agents",

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -27,17 +28,17 @@ EVERY = 10  # checkpoint cadence
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
-def pretrain_args(output: Path) -> list[str]:
+def pretrain_args(output: Path, every: int = EVERY) -> list[str]:
     args = ["-m", "popbert", "pretrain", "--output-dir", str(output)]
     for item in overrides(execution__replicas=2, execution__gradient_accumulation=2,
-                          training__steps=STEPS, training__checkpoint_every=EVERY,
+                          training__steps=STEPS, training__checkpoint_every=every,
                           training__log_every=1):
         args += ["--set", item]
     return args
 
 
-def torchrun(*launcher: str, output: Path, log: Path) -> subprocess.Popen:
-    command = [TORCHRUN, "--rdzv-backend", "c10d", *launcher, *pretrain_args(output)]
+def torchrun(*launcher: str, output: Path, log: Path, every: int = EVERY) -> subprocess.Popen:
+    command = [TORCHRUN, "--rdzv-backend", "c10d", *launcher, *pretrain_args(output, every)]
     with log.open("w") as stream:
         return subprocess.Popen(command, env=cli_env(), stdout=stream, stderr=subprocess.STDOUT)
 
@@ -108,6 +109,22 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out / "run"
 
 
+def kill_worker_when(agent: subprocess.Popen, log: Path, ready: Callable[[], bool],
+                     rank: int = 1) -> None:
+    """SIGKILL replica `rank` of a torchrun job once `ready()` (first attempt only)."""
+    try:
+        deadline = time.monotonic() + 90
+        while not ready():
+            assert agent.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run never got there"
+            time.sleep(0.01)
+        os.kill(workers_of(agent.pid)[rank], signal.SIGKILL)
+    except BaseException:
+        agent.kill()
+        agent.wait()
+        raise
+
+
 @pytest.mark.e2e
 def test_a_killed_worker_is_restarted_and_the_run_resumes_by_itself(
         tmp_path: Path, reference: Path) -> None:
@@ -119,17 +136,7 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_by_itself(
     agent = torchrun("--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1",
                      "--rdzv-endpoint", f"127.0.0.1:{free_port()}", output=output, log=log)
     first = output / "checkpoints" / f"step-{EVERY:06d}" / "state.json"
-    try:
-        deadline = time.monotonic() + 90
-        while not first.exists():
-            assert agent.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the run never wrote its first checkpoint"
-            time.sleep(0.01)
-        os.kill(workers_of(agent.pid)[1], signal.SIGKILL)
-    except BaseException:
-        agent.kill()
-        agent.wait()
-        raise
+    kill_worker_when(agent, log, first.exists)
     text = finish(agent, log)
     print(f"killed, restarted and finished in {time.perf_counter() - started:.1f} s")
     resumed = [line for line in text.splitlines() if "torchrun restart 1: resuming" in line]
@@ -139,6 +146,27 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_by_itself(
     assert EVERY <= step < STEPS  # lost only the steps after the newest checkpoint
     assert_same_run(output, reference)
     assert json.loads((output / ".torchrun.json").read_text())["agents"]
+
+
+@pytest.mark.e2e
+def test_a_worker_killed_before_the_first_checkpoint_starts_the_run_over(
+        tmp_path: Path, reference: Path) -> None:
+    """No checkpoint yet (only the final one is written): the restart deletes what the first
+    attempt wrote and trains from step 0, to the same end. (The directory exists beforehand,
+    as one made on a shared filesystem would: a directory the run created itself is removed
+    by the failed attempt when it holds no checkpoint, and the restart simply starts anew.)"""
+    output, log = tmp_path / "run", tmp_path / "log"
+    output.mkdir()
+    agent = torchrun("--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1",
+                     "--rdzv-endpoint", f"127.0.0.1:{free_port()}", output=output, log=log,
+                     every=0)
+    metrics = output / "metrics.jsonl"
+    kill_worker_when(agent, log, lambda: metrics.is_file() and
+                     len(metrics.read_text().splitlines()) >= 3)
+    text = finish(agent, log)
+    assert "torchrun restart 1: no checkpoint in" in text, text[-3000:]
+    assert "--overwrite: deleted the earlier run" in text
+    assert_same_run(output, reference)
 
 
 @pytest.mark.e2e

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from popbert.atomic import atomic_write_bytes, atomic_write_text, remove_tree
+from popbert.atomic import atomic_write_bytes, atomic_write_text, remove_tree, reported
 from popbert.backends.sessions import make_session
 from popbert.builders.bert import build_bert
 from popbert.config import RunConfig, dump_config
@@ -500,8 +500,10 @@ class Trainer:
         state = self.job.checkpoint_state(self)  # every replica: sharded state is gathered
         if self.replicas.is_main:
             root = self.output_dir / "checkpoints"
-            root.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=root, prefix=".tmp-rehearsal-") as scratch:
+            with reported(root):  # a full disk here is the one line it is everywhere
+                root.mkdir(parents=True, exist_ok=True)
+                scratch_dir = tempfile.TemporaryDirectory(dir=root, prefix=".tmp-rehearsal-")
+            with scratch_dir as scratch, reported(root):
                 ckpt.save_checkpoint(Path(scratch) / "checkpoint",
                                      ckpt.Checkpoint.from_state(state), self.config_yaml,
                                      self.checkpoints.graph)

@@ -168,6 +168,30 @@ def test_a_full_disk_is_one_line_and_the_run_resumes_to_the_same_numbers(
     assert_same_run(run, reference)
 
 
+@pytest.mark.e2e
+def test_a_full_disk_while_rehearsing_a_budgets_finish_is_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Under a time budget the run first writes a checkpoint, the export and a plot into a
+    scratch directory (to measure them); a full disk there is the same one line, and a run that
+    never checkpointed leaves no directory behind."""
+    run = tmp_path / "run"
+    write_text = Path.write_text
+
+    def full(self: Path, *args: Any, **kwargs: Any) -> int:
+        if self.parent.name.startswith(".tmp-rehearsal-"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    capsys.readouterr()
+    assert pretrain("-o", str(run), "--set", "training.time_budget=60") == 2
+    line = error_line(capsys)
+    assert line == (f"popbert: error: {run / 'checkpoints'}: cannot write: No space left on "
+                    "device; no checkpoint was written yet"), line
+    assert not run.exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # SIGTERM and SIGUSR1
 

@@ -333,7 +333,8 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
     from popbert.io.hf_checkpoint import checkpoint_vocab
 
     restored = load_checkpoint(checkpoint, weights_only=True)
-    cfg = config_from_dict(restored.config, source=str(find_checkpoint(checkpoint)))
+    cfg = config_from_dict(restored.config,
+                           source=str(find_checkpoint(checkpoint, warn=False)))  # said once
     metadata = vocab = None
     if task in TASK_NAMES:
         vocab = checkpoint_vocab(checkpoint, cfg.data.vocab_file)

@@ -75,10 +75,12 @@ class RunInterrupted(KeyboardInterrupt):
     requeue rule holds whether the signal came during the run or before it could stop cleanly.
     """
 
-    def __init__(self, step: int, signum: int, checkpoint: Path | None, output_dir: Path):
+    def __init__(self, step: int, signum: int, checkpoint: Path | None, output_dir: Path,
+                 resumable: bool = True):
         name = signal.Signals(signum).name
-        super().__init__(f"stopped by {name} at step {step}; checkpoint {checkpoint}; resume "
-                         f"with --resume {output_dir}")
+        # `popbert finetune` has no --resume (`Trainer.from_config(resume=...)` has).
+        hint = f"; resume with --resume {output_dir}" if resumable else ""
+        super().__init__(f"stopped by {name} at step {step}; checkpoint {checkpoint}{hint}")
         self.step = step
         self.signal = signum
         self.checkpoint = checkpoint

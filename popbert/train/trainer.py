@@ -406,7 +406,8 @@ class Trainer:
                     self.save_checkpoint()  # unless the loop's last turn just saved this step
                 if result.stop_signal:
                     raise RunInterrupted(session.step, result.stop_signal,
-                                         self.checkpoints.pending, self.output_dir)
+                                         self.checkpoints.pending, self.output_dir,
+                                         resumable=self.cfg.finetune.task is None)
                 final = self.checkpoints.finalize()
                 if main:
                     scores = self.job.score(self)

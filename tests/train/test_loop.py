@@ -17,7 +17,9 @@ import torch
 from popbert.distributed import Replicas
 from popbert.train.loop import (
     LoopSettings,
+    RunInterrupted,
     RunStopped,
+    StopSignals,
     TrainingClock,
     TrainingDiverged,
     train_loop,
@@ -166,6 +168,50 @@ def test_a_caller_can_stop_the_run_after_a_record() -> None:
         train_loop(session, batches(), LoopSettings(steps=10, log_every=2), tracker=tracker,
                    on_record=on_record)
     assert seen == [2, 4] and [r["step"] for r in tracker.records] == [2, 4]
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_ends_the_loop_after_the_current_step(name: str) -> None:
+    """What a scheduler sends before it kills a job: the step under way finishes, the loop
+    ends and says which signal (the caller checkpoints); the handlers go again after."""
+    import os
+    import signal
+
+    number = getattr(signal, name)
+    before = signal.getsignal(number)
+
+    class Signalled(ScriptedSession):
+        def run(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            if self.step == 3:
+                os.kill(os.getpid(), number)  # arrives during step 4
+            return super().run(batch)
+
+    session = Signalled([1.0] * 10)
+    with StopSignals() as stop:
+        result = train_loop(session, batches(), LoopSettings(steps=10, log_every=1),
+                            stop=stop)
+        os.kill(os.getpid(), number)  # a second one changes nothing
+    assert session.step == 4 and result.stop_signal == number and stop.received == number
+    assert signal.getsignal(number) is before
+    # At the last step there is nothing left to stop: the run finishes.
+    session = Signalled([1.0] * 4)
+    with StopSignals() as stop:
+        result = train_loop(session, batches(), LoopSettings(steps=4, log_every=1), stop=stop)
+    assert session.step == 4 and result.stop_signal == 0 and stop.received == number
+
+
+def test_an_interrupted_run_says_where_and_exits_for_a_requeue() -> None:
+    import signal
+
+    stopped = RunInterrupted(12, signal.SIGTERM, Path("runs/a/checkpoints/step-000012"),
+                             Path("runs/a"))
+    assert str(stopped) == ("stopped by SIGTERM at step 12; checkpoint "
+                            "runs/a/checkpoints/step-000012; resume with --resume runs/a")
+    assert stopped.exit_status == 143 and isinstance(stopped, KeyboardInterrupt)
+    finetuned = RunInterrupted(3, signal.SIGUSR1, Path("ft/checkpoints/step-000003"),
+                               Path("ft"), resumable=False)
+    assert str(finetuned) == "stopped by SIGUSR1 at step 3; checkpoint ft/checkpoints/step-000003"
+    assert finetuned.exit_status == 138
 
 
 def test_a_time_budget_stops_before_a_run_would_overrun_it() -> None:

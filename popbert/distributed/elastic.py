@@ -1,10 +1,11 @@
 """torchrun's elastic restarts: a restarted worker group resumes its own run by itself.
 
 `torchrun --max-restarts N` restarts every worker of the job when one fails (a worker killed, a
-node's process gone), with the same command line and `$TORCHELASTIC_RESTART_COUNT` raised by
-one. A restarted `popbert pretrain -o DIR` must then continue its run from the newest complete
-checkpoint in DIR rather than be refused as a new run on a directory holding another run, and
-without `--resume` on a command line that cannot change.
+node's process gone), with the same command line (`$TORCHELASTIC_RESTART_COUNT` is raised by one
+only on the machine whose worker failed). A restarted `popbert pretrain -o DIR` must then
+continue its run from the newest complete checkpoint in DIR rather than be refused as a new run
+on a directory holding another run, and without `--resume` on a command line that cannot
+change.
 
 It must not resume *another* run, though: a first attempt refused because DIR held an older
 run also makes torchrun restart the group. So a run started under restartable torchrun records
@@ -86,26 +87,28 @@ def recorded_agents(output_dir: Path) -> list[list[Any]]:
 
 
 def restart_plan(output_dir: Path) -> RestartPlan | None:
-    """On a torchrun restart of the run in `output_dir`: how to go on (None: not a restart,
-    or not this job's directory, so the usual checks apply). Every worker decides alone, from
-    the same files (the run directory is on a filesystem all nodes share), and the replicas
-    then agree on the start step."""
-    count = restart_count()
-    if count == 0:
+    """Under torchrun: whether this worker is a restart of the job that runs in `output_dir`,
+    and how it goes on (None: a first launch, or not this job's directory, so the usual checks
+    apply). A restart is recognised by this worker's agent being recorded in the directory, not
+    by `$TORCHELASTIC_RESTART_COUNT`: each agent counts only its own workers' failures, so on
+    the machines where nothing failed the restarted workers still read 0 (torch issue 108158).
+    Every worker decides alone, from the same files (the run directory is on a filesystem all
+    nodes share), and the replicas then agree on the start step."""
+    if RESTART_ENV not in os.environ:
         return None
     if agent_identity() not in recorded_agents(output_dir):
-        if any(Path(output_dir).glob("[!.]*")):
-            log.info("torchrun restart %d: %s holds no run this job started; starting as a new "
-                     "run", count, output_dir)
+        if restart_count() and any(Path(output_dir).glob("[!.]*")):
+            log.info("torchrun restarted this job, but %s holds no run it started; starting as "
+                     "a new run", output_dir)
         return None  # nothing there yet (a failed first attempt leaves no empty run behind)
     from popbert.io.run_dir import checkpoint_dirs
 
     checkpoints = checkpoint_dirs(output_dir)
     if checkpoints:
-        log.warning("torchrun restart %d: resuming the run in %s from %s (the steps after it "
-                    "are trained again)", count, output_dir, checkpoints[-1].name)
+        log.warning("torchrun restarted this job: resuming the run in %s from %s (the steps "
+                    "after it are trained again)", output_dir, checkpoints[-1].name)
         return RestartPlan(resume=Path(output_dir))
-    log.warning("torchrun restart %d: no checkpoint in %s yet; the run starts over", count,
+    log.warning("torchrun restarted this job: no checkpoint in %s yet; the run starts over",
                 output_dir)
     return RestartPlan(overwrite=True)
 

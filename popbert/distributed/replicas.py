@@ -212,21 +212,23 @@ def _whose(silent: list[int] | None) -> str:
 
 class Heartbeat:
     """This replica's pulse in the job's store: a daemon thread adds 1 to
-    `popbert/heartbeat/<attempt>/<join>/<rank>` every `interval` seconds, from before the
+    `popbert/heartbeat/<generation>/<rank>` every `interval` seconds, from before the
     process group is joined until shutdown. :meth:`silent` names the replicas whose count
     stands still: killed, stopped, or never started. The store is torchrun's agent store, or
     the one replica `store_host` (0) serves; when that replica is gone the store is too, and it
     is the one named.
     """
 
-    def __init__(self, host: str, port: int, rank: int, size: int, attempt: str = "0",
-                 interval: float = 1.0, store_host: int | None = None):
+    def __init__(self, host: str, port: int, rank: int, size: int, generation: str = "0",
+                 interval: float = 1.0, store_host: int | None = None, announce: bool = False):
         self.host, self.port, self.rank, self.size = host, port, rank, size
-        self.prefix = f"popbert/heartbeat/{attempt}"
+        self.announce = announce  # replica 0 under torchrun: its join is open until joined()
+        self.prefix = f"popbert/heartbeat/{generation}"
         self.interval = interval
         self.store_host = store_host
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._joining = True
         self._writer: Any = None  # the beating thread's client
         self._reader: Any = None  # silent()'s (the caller's thread)
 
@@ -251,19 +253,34 @@ class Heartbeat:
             return False
 
     def start(self) -> Heartbeat:
-        """Connect (the store is up: the caller's client reached it) and beat from now on."""
+        """Connect (the store is up: the caller's client reached it) and beat from now on,
+        ten times as often until :meth:`joined` (replica 0's pulse tells the others that its
+        join is this attempt's, not a dead one's)."""
         self._writer, self._reader = self._store(), self._store()
+        if self.announce:
+            self._reader.set(_JOINING, "1")
         self._writer.add(str(self.rank), 1)
         self._thread = threading.Thread(target=self._beat, name="popbert-heartbeat",
                                         daemon=True)
         self._thread.start()
         return self
 
+    def joined(self) -> None:
+        """The process group is up: beat at the normal pace; replica 0 closes its join (a
+        later join of this process, a sweep's next trial, must not be taken for it)."""
+        self._joining = False
+        if self.announce:
+            with contextlib.suppress(Exception):
+                self._reader.delete_key(_JOINING)
+
     def _beat(self) -> None:
-        while not self._stop.wait(self.interval):
+        probed = time.monotonic()
+        while not self._stop.wait(self.interval / 10 if self._joining else self.interval):
             try:
-                if not self._reachable():
-                    return  # the store went with its host: nothing left to tell
+                if time.monotonic() - probed >= self.interval:  # a connection a second at most
+                    probed = time.monotonic()
+                    if not self._reachable():
+                        return  # the store went with its host: nothing left to tell
                 self._writer.add(str(self.rank), 1)
             except Exception:
                 return
@@ -383,12 +400,13 @@ def init_replicas(cfg: RunConfig, device: torch.device) -> Replicas:
         if heartbeat is not None:
             silent = heartbeat.silent()
             heartbeat.stop()
-        else:  # no store: without torchrun's, replica 0 serves it
-            silent = None if agent_store or rank == 0 else [0]
+        else:  # no store or no join of replica 0's to take part in
+            silent = None if rank == 0 else [0]
         missing = f"; {_who(silent, 'did not join')} within {timeout:g} s" if silent else ""
         raise ReplicaError(f"replica {rank} of {world} could not join the job "
                            f"({one_line(error, 240)}){missing} (${TIMEOUT_ENV} sets the "
                            "timeout)") from None
+    heartbeat.joined()
     log.info("replica %d of %d (local rank %d) joined, backend %s", rank, world, local_rank,
              backend)
     return Replicas(group=None, rank=rank, size=world, local_rank=local_rank, timeout_s=timeout,
@@ -402,22 +420,62 @@ def _job_store(rank: int, world: int, timeout: float, agent_store: bool
                ) -> tuple[Any, Heartbeat]:
     """The store the replicas meet in, and this replica's heartbeat there (started).
 
+    Without torchrun's shared store, replica 0 serves a new one, as env:// does, but made here,
+    without waiting for the others, so the heartbeats can start before the join.
+
     Under torchrun it is the agents' shared store (`$TORCHELASTIC_USE_AGENT_STORE`), which
-    outlives a restart of the workers; torch's env:// join would read the dead attempt's keys
-    there (gloo then fails to connect, or hangs), so each attempt's keys get their own prefix
-    (`$TORCHELASTIC_RESTART_COUNT`), and so do each process's successive joins (a sweep agent's
-    trials: torch numbers its groups from 0 again after each teardown). Otherwise replica 0
-    serves it, as env:// does, but made here, without waiting for the others, so the
-    heartbeats can start before the join.
+    outlives a restart of the workers, and torch's env:// join reads it unprefixed: a restarted
+    replica would find the dead attempt's addresses (gloo then fails to connect, or hangs;
+    torch issue 135712). `$TORCHELASTIC_RESTART_COUNT` cannot tell the attempts apart, as each
+    machine counts only its own failures, so every join gets a generation of its own in the
+    store (:func:`_join_generation`) and its keys live under it.
     """
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    attempt = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_JOINS)}"
+    interval = heartbeat_interval(timeout)
     store = dist.TCPStore(host, port, world, is_master=not agent_store and rank == 0,
                           timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False,
                           multi_tenant=True)
-    heartbeat = Heartbeat(host, port, rank, world, attempt, heartbeat_interval(timeout),
-                          store_host=None if agent_store else 0).start()
-    return dist.PrefixStore(f"popbert/attempt-{attempt}", store), heartbeat
+    if not agent_store:
+        generation = f"local-{next(_JOINS)}"
+    elif rank == 0:
+        generation = f"g{store.add(_GENERATION_KEY, 1)}"
+    else:
+        generation = _join_generation(store, timeout, interval)
+    heartbeat = Heartbeat(host, port, rank, world, generation, interval,
+                          store_host=None if agent_store else 0,
+                          announce=agent_store and rank == 0).start()
+    if agent_store and rank == 0:  # beating already: the others can tell it is alive
+        store.set(_CURRENT_KEY, generation)
+    return dist.PrefixStore(f"popbert/join/{generation}", store), heartbeat
+
+
+_GENERATION_KEY = "popbert/generation"  # joins of replica 0 so far, in torchrun's store
+_CURRENT_KEY = "popbert/current"  # the newest one's generation
+_JOINING = "joining"  # under a generation's heartbeats: replica 0 has not joined yet
+
+
+def _join_generation(store: Any, timeout: float, interval: float) -> str:
+    """The generation of the join replica 0 of this attempt opened: the newest one, still
+    open (a finished join, e.g. a sweep's previous trial, is closed) and with a heartbeat that
+    moves (a dead attempt's stands still; the new replica 0 then publishes its own)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not store.check([_CURRENT_KEY]):
+            time.sleep(interval / 10)
+            continue
+        generation = store.get(_CURRENT_KEY).decode()
+        beats = dist.PrefixStore(f"popbert/heartbeat/{generation}", store)
+        first = beats.add("0", 0)
+        alive_by = time.monotonic() + 3 * interval
+        while time.monotonic() < min(alive_by, deadline) and beats.check([_JOINING]):
+            time.sleep(interval / 20)
+            if beats.add("0", 0) != first:
+                return generation
+            if store.get(_CURRENT_KEY).decode() != generation:
+                break  # a newer join opened meanwhile
+        else:
+            time.sleep(interval / 10)  # closed or dead: wait for the next one
+    raise RuntimeError(f"replica 0 did not open a join within {timeout:g} s")
 
 
 def agree(replicas: Replicas, what: str, value: Any) -> None:

@@ -139,7 +139,8 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_by_itself(
     kill_worker_when(agent, log, first.exists)
     text = finish(agent, log)
     print(f"killed, restarted and finished in {time.perf_counter() - started:.1f} s")
-    resumed = [line for line in text.splitlines() if "torchrun restart 1: resuming" in line]
+    resumed = [line for line in text.splitlines()
+               if "torchrun restarted this job: resuming" in line]
     assert resumed, text[-3000:]  # the kill came before the end: a restart resumed the run
     print(resumed[0])
     step = int(resumed[0].rsplit("step-", 1)[1].split()[0])
@@ -164,7 +165,7 @@ def test_a_worker_killed_before_the_first_checkpoint_starts_the_run_over(
     kill_worker_when(agent, log, lambda: metrics.is_file() and
                      len(metrics.read_text().splitlines()) >= 3)
     text = finish(agent, log)
-    assert "torchrun restart 1: no checkpoint in" in text, text[-3000:]
+    assert "torchrun restarted this job: no checkpoint in" in text, text[-3000:]
     assert "--overwrite: deleted the earlier run" in text
     assert_same_run(output, reference)
 
@@ -186,7 +187,7 @@ def test_a_restart_never_resumes_a_run_it_did_not_start(tmp_path: Path,
     text = log.read_text()
     assert agent.returncode != 0
     assert text.count("holds another run") >= 2, text[-3000:]  # both attempts refused
-    assert "torchrun restart 1: resuming" not in text
+    assert "torchrun restarted this job: resuming" not in text
     assert (output / "metrics.jsonl").read_text() == before
 
 
@@ -211,6 +212,39 @@ def test_two_machines_on_one_host_train_like_one(tmp_path: Path, reference: Path
     assert "replica 1 of 2 (local rank 0)" in logs[1 - writers[0]]
 
 
+@pytest.mark.e2e
+def test_a_machine_whose_worker_is_killed_restarts_with_the_other(tmp_path: Path,
+                                                                  reference: Path) -> None:
+    """Two "machines" with --max-restarts 1; replica 1 is SIGKILLed after the step-10
+    checkpoint. Only its machine's restart count goes up (torch counts per machine), yet both
+    restarted workers resume the run and meet in a join of their own, ending bit-identical."""
+    output, endpoint = tmp_path / "run", f"127.0.0.1:{free_port()}"
+    logs = [tmp_path / f"node-{node}.log" for node in range(2)]
+    nodes = [torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
+                      "--rdzv-id", "two-machines", "--max-restarts", "1",
+                      output=output, log=logs[node]) for node in range(2)]
+    first = output / "checkpoints" / f"step-{EVERY:06d}" / "state.json"
+    try:
+        deadline = time.monotonic() + 90
+        while not first.exists():
+            assert all(node.poll() is None for node in nodes), logs[0].read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run never wrote its first checkpoint"
+            time.sleep(0.01)
+        victim = next(pid for node in nodes for rank, pid in workers_of(node.pid).items()
+                      if rank == 1)
+        os.kill(victim, signal.SIGKILL)
+    except BaseException:
+        for node in nodes:
+            node.kill()
+            node.wait()
+        raise
+    texts = [finish(node, log) for node, log in zip(nodes, logs, strict=True)]
+    for text in texts:  # both machines' workers resumed, not only the failed one's
+        assert "torchrun restarted this job: resuming" in text, text[-3000:]
+        assert "holds another run" not in text
+    assert_same_run(output, reference)
+
+
 def test_a_restart_resumes_only_a_directory_this_job_started(tmp_path: Path, monkeypatch
                                                              ) -> None:
     """restart_plan: no restart, or a directory another job started, is a new run as before;
@@ -222,8 +256,10 @@ def test_a_restart_resumes_only_a_directory_this_job_started(tmp_path: Path, mon
     monkeypatch.delenv(elastic.RESTART_ENV, raising=False)
     assert elastic.restart_plan(output) is None  # no torchrun
     monkeypatch.setenv(elastic.RESTART_ENV, "0")
+    assert elastic.restart_plan(output) is None  # the first launch: nothing recorded yet
     (output / elastic.MARKER).write_text(json.dumps({"agents": [elastic.agent_identity()]}))
-    assert elastic.restart_plan(output) is None  # the first launch
+    # Recorded: a restart, even where this machine's count stayed 0 (its worker did not fail).
+    assert elastic.restart_plan(output) == elastic.RestartPlan(overwrite=True)
     monkeypatch.setenv(elastic.RESTART_ENV, "2")
     assert elastic.restart_plan(output) == elastic.RestartPlan(overwrite=True)
     step = output / "checkpoints" / "step-000010"

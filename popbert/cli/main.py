@@ -95,15 +95,13 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
     resume = _existing_dir(args.resume, "--resume")
     init_from = _existing_dir(args.init_from, "--init-from")
     cfg = config_from_args(args)
-    from popbert.distributed.elastic import record_launch, restart_plan
+    from popbert.distributed.elastic import record_launch, restart_arguments
     from popbert.train.trainer import Trainer
 
-    output_dir, overwrite = pretrain_output_dir(args), args.overwrite
-    plan = restart_plan(output_dir)  # torchrun restarted the job: it resumes its own run
-    if plan is not None and plan.resume is not None:
-        resume, init_from, overwrite = plan.resume, None, False
-    elif plan is not None:
-        overwrite = plan.overwrite
+    output_dir = pretrain_output_dir(args)
+    # A torchrun restart of this job resumes its own run by itself.
+    resume, init_from, overwrite = restart_arguments(output_dir, resume, init_from,
+                                                     args.overwrite)
     with Trainer.from_config(cfg, output_dir, resume=resume, init_from=init_from,
                              overwrite=overwrite) as trainer:
         record_launch(trainer.replicas, trainer.output_dir)

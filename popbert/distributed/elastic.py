@@ -17,6 +17,7 @@ checkpoint starts the run over in DIR (what the previous attempt wrote is delete
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -77,13 +78,31 @@ class RestartPlan:
     overwrite: bool = False
 
 
+def _read_marker(output_dir: Path) -> dict[str, Any]:
+    try:
+        record = json.loads((Path(output_dir) / MARKER).read_text())
+        return record if isinstance(record, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
 def recorded_agents(output_dir: Path) -> list[list[Any]]:
     """The torchrun agents recorded as having launched the run in `output_dir` ([] if none)."""
     try:
-        record = json.loads((Path(output_dir) / MARKER).read_text())
-        return [list(agent) for agent in record["agents"]]
-    except (OSError, ValueError, KeyError, TypeError):
+        return [list(agent) for agent in _read_marker(output_dir)["agents"]]
+    except (KeyError, TypeError):
         return []
+
+
+def _checkpoint_stamps(output_dir: Path) -> dict[str, int]:
+    """{name: state.json's mtime in ns} of the complete checkpoints in `output_dir`."""
+    from popbert.io.run_dir import checkpoint_dirs
+
+    stamps = {}
+    for path in checkpoint_dirs(output_dir):
+        with contextlib.suppress(OSError):
+            stamps[path.name] = (path / "state.json").stat().st_mtime_ns
+    return stamps
 
 
 def restart_plan(output_dir: Path) -> RestartPlan | None:
@@ -92,6 +111,9 @@ def restart_plan(output_dir: Path) -> RestartPlan | None:
     apply). A restart is recognised by this worker's agent being recorded in the directory, not
     by `$TORCHELASTIC_RESTART_COUNT`: each agent counts only its own workers' failures, so on
     the machines where nothing failed the restarted workers still read 0 (torch issue 108158).
+
+    It resumes from the newest checkpoint this job wrote: one that was there before it started
+    (`--resume` of an older checkpoint of the same directory) belongs to another trajectory.
     Every worker decides alone, from the same files (the run directory is on a filesystem all
     nodes share), and the replicas then agree on the start step."""
     if RESTART_ENV not in os.environ:
@@ -101,35 +123,74 @@ def restart_plan(output_dir: Path) -> RestartPlan | None:
             log.info("torchrun restarted this job, but %s holds no run it started; starting as "
                      "a new run", output_dir)
         return None  # nothing there yet (a failed first attempt leaves no empty run behind)
-    from popbert.io.run_dir import checkpoint_dirs
-
-    checkpoints = checkpoint_dirs(output_dir)
-    if checkpoints:
+    before = _read_marker(output_dir).get("checkpoints_before", {})
+    ours = [name for name, stamp in sorted(_checkpoint_stamps(output_dir).items())
+            if before.get(name) != stamp]
+    if ours:
         log.warning("torchrun restarted this job: resuming the run in %s from %s (the steps "
-                    "after it are trained again)", output_dir, checkpoints[-1].name)
-        return RestartPlan(resume=Path(output_dir))
-    log.warning("torchrun restarted this job: no checkpoint in %s yet; the run starts over",
-                output_dir)
+                    "after it are trained again)", output_dir, ours[-1])
+        from popbert.io.run_dir import step_dir
+
+        return RestartPlan(resume=step_dir(output_dir, int(ours[-1].split("-")[-1])))
+    log.warning("torchrun restarted this job: no checkpoint of it in %s yet; the run starts "
+                "over", output_dir)
     return RestartPlan(overwrite=True)
+
+
+def restart_arguments(output_dir: Path, resume: Path | None, init_from: Path | None,
+                      overwrite: bool) -> tuple[Path | None, Path | None, bool]:
+    """`pretrain`'s (resume, init_from, overwrite), changed on a torchrun restart of this job's
+    run (:func:`restart_plan`): resume its newest checkpoint; or, with none yet, start over the
+    way the first launch did, deleting what it wrote, unless it resumed a checkpoint of this
+    same directory (that run is not deleted: it is resumed from the same checkpoint again)."""
+    plan = restart_plan(output_dir)
+    if plan is None:
+        return resume, init_from, overwrite
+    if plan.resume is not None:
+        return plan.resume, None, False
+    from popbert.io.run_dir import run_dir_of
+
+    if resume is not None and _same_dir(run_dir_of(Path(resume)), Path(output_dir)):
+        return resume, init_from, False
+    return resume, init_from, True
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
 
 
 def record_launch(replicas: Replicas, output_dir: Path) -> None:
     """Under restartable torchrun: write which agents launched the run in `output_dir`, so a
-    restart of this job (and only of this job) resumes it. Every replica takes part (one
-    gather of the agents: on several nodes, replica 0 after a restart may sit on another)."""
+    restart of this job (and only of this job) resumes it, and which checkpoints were there
+    before it (kept from the first launch on). Every replica takes part (one gather of the
+    agents: on several nodes, replica 0 after a restart may sit on another)."""
     if not restartable():
         return
     if replicas.is_main:  # its own agent at once: one machine's restart needs no more
-        _write_marker(output_dir, [agent_identity()])
+        record = _read_marker(output_dir)
+        if agent_identity() not in recorded_agents(output_dir):  # this job's first launch here
+            record = {"checkpoints_before": _checkpoint_stamps(output_dir)}
+        record.update(run_id=os.environ.get("TORCHELASTIC_RUN_ID"),
+                      agents=_union(recorded_agents(output_dir) if "agents" in record else [],
+                                    [agent_identity()]))
+        _write_marker(output_dir, record)
     agents = replicas.all_gather_object(agent_identity())
     if replicas.is_main:
-        _write_marker(output_dir, [a for i, a in enumerate(agents) if a not in agents[:i]])
+        record["agents"] = _union(record["agents"], agents)
+        _write_marker(output_dir, record)
 
 
-def _write_marker(output_dir: Path, agents: list[list[Any]]) -> None:
-    record = {"run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "agents": agents}
+def _union(first: list[list[Any]], second: list[list[Any]]) -> list[list[Any]]:
+    both = [list(a) for a in first + second]
+    return [a for i, a in enumerate(both) if a not in both[:i]]
+
+
+def _write_marker(output_dir: Path, record: dict[str, Any]) -> None:
     atomic_write_text(Path(output_dir) / MARKER, json.dumps(record) + "\n")
 
 
 __all__ = ["MARKER", "RestartPlan", "agent_identity", "record_launch", "recorded_agents",
-           "restart_count", "restart_plan", "restartable"]
+           "restart_arguments", "restart_count", "restart_plan", "restartable"]

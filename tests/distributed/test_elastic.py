@@ -165,7 +165,7 @@ def test_a_worker_killed_before_the_first_checkpoint_starts_the_run_over(
     kill_worker_when(agent, log, lambda: metrics.is_file() and
                      len(metrics.read_text().splitlines()) >= 3)
     text = finish(agent, log)
-    assert "torchrun restarted this job: no checkpoint in" in text, text[-3000:]
+    assert "torchrun restarted this job: no checkpoint of it in" in text, text[-3000:]
     assert "--overwrite: deleted the earlier run" in text
     assert_same_run(output, reference)
 
@@ -247,8 +247,9 @@ def test_a_machine_whose_worker_is_killed_restarts_with_the_other(tmp_path: Path
 
 def test_a_restart_resumes_only_a_directory_this_job_started(tmp_path: Path, monkeypatch
                                                              ) -> None:
-    """restart_plan: no restart, or a directory another job started, is a new run as before;
-    this job's directory resumes from its checkpoint, or starts over without one."""
+    """restart_plan: no torchrun, or a directory another job started, is a new run as before;
+    this job's directory resumes from the newest checkpoint the job wrote, or starts over
+    without one."""
     from popbert.distributed import elastic
 
     output = tmp_path / "run"
@@ -262,12 +263,50 @@ def test_a_restart_resumes_only_a_directory_this_job_started(tmp_path: Path, mon
     assert elastic.restart_plan(output) == elastic.RestartPlan(overwrite=True)
     monkeypatch.setenv(elastic.RESTART_ENV, "2")
     assert elastic.restart_plan(output) == elastic.RestartPlan(overwrite=True)
-    step = output / "checkpoints" / "step-000010"
-    step.mkdir()
-    (step / "state.json").write_text("{}")
-    assert elastic.restart_plan(output) == elastic.RestartPlan(resume=output)
+    step = checkpoint(output, 10)
+    assert elastic.restart_plan(output) == elastic.RestartPlan(resume=step)
     other = ["elsewhere", 1, 2]
     (output / elastic.MARKER).write_text(json.dumps({"agents": [other]}))
     assert elastic.restart_plan(output) is None  # another job's run: refused as before
     (output / elastic.MARKER).unlink()
     assert elastic.restart_plan(output) is None
+
+
+def checkpoint(run: Path, step: int) -> Path:
+    """A complete checkpoint, as far as restart_plan looks."""
+    path = run / "checkpoints" / f"step-{step:06d}"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "state.json").write_text(json.dumps({"step": step, "at": time.time_ns()}))
+    return path
+
+
+def test_a_restart_after_resuming_an_older_checkpoint_keeps_to_its_trajectory(
+        tmp_path: Path, monkeypatch) -> None:
+    """`--resume DIR/checkpoints/step-000010` while DIR holds steps 10, 20 (an earlier
+    trajectory): a restart resumes the newest checkpoint this job wrote, or the one the first
+    launch named, never the earlier trajectory's step 20, and never deletes that run."""
+    from types import SimpleNamespace
+
+    from popbert.distributed import elastic
+
+    output = tmp_path / "run"
+    ten, twenty = checkpoint(output, 10), checkpoint(output, 20)
+    monkeypatch.setenv(elastic.RESTART_ENV, "0")
+    monkeypatch.setenv(elastic.MAX_RESTARTS_ENV, "1")
+    single = SimpleNamespace(is_main=True, all_gather_object=lambda obj: [obj])
+    elastic.record_launch(single, output)  # the first launch, after from_config
+    monkeypatch.setenv(elastic.RESTART_ENV, "1")
+    # Killed before its first checkpoint: again from the checkpoint it was told to resume.
+    assert elastic.restart_arguments(output, ten, None, False) == (ten, None, False)
+    # A new run in a directory of its own (--init-from elsewhere) starts over, deleting its files.
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    elastic.record_launch(single, fresh)
+    assert elastic.restart_arguments(fresh, None, twenty, False) == (None, twenty, True)
+    # It wrote step 15, then rewrote step 20: the newest of its own is step 20.
+    fifteen = checkpoint(output, 15)
+    assert elastic.restart_arguments(output, ten, None, False) == (fifteen, None, False)
+    time.sleep(0.01)
+    checkpoint(output, 20)
+    elastic.record_launch(single, output)  # the restarted launch keeps the first one's list
+    assert elastic.restart_arguments(output, ten, None, False) == (twenty, None, False)

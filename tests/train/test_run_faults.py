@@ -339,3 +339,41 @@ def test_a_run_stopped_after_its_last_checkpoint_is_finished_by_resume(
     assert pretrain("--resume", str(run)) == 0
     assert_same_run(run, reference)
     assert pretrain("--resume", str(run), "--set", "training.steps=30") == 2
+
+
+def test_a_budgeted_run_stopped_after_its_final_checkpoint_is_finished_by_resume(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The same under a time budget: the final checkpoint says it ended the budget, so
+    `--resume` with that budget writes the export without training; a larger budget trains on."""
+    from popbert.train.pretrain import PretrainingJob
+
+    run = tmp_path / "run"
+    budget = ["--set", "training.time_budget=3s", "--set", "training.steps=1000"]
+    export = PretrainingJob.export
+
+    def killed(self: PretrainingJob, trainer: Any, directory: Path | None = None) -> Path:
+        if directory is not None:  # the budget's rehearsal of its finish, into scratch
+            return export(self, trainer, directory)
+        raise KeyboardInterrupt  # the process ends here, as under a kill
+
+    with monkeypatch.context() as patch:
+        patch.setattr(PretrainingJob, "export", killed)
+        assert pretrain("-o", str(run), *budget) == 130
+    final = checkpoint_dirs(run)[-1]
+    state = json.loads((final / "state.json").read_text())["trainer"]
+    assert state["budget_done"] == 3.0
+    before = weights(run, int(final.name.split("-")[1]))
+    with caplog.at_level("INFO", logger="popbert"):
+        assert pretrain("--resume", str(run)) == 0
+    assert "without training (a larger training.time_budget trains on)" in caplog.text
+    assert (run / "model.inference.onnx").is_file() and (run / "metrics.png").is_file()
+    assert checkpoint_dirs(run)[-1] == final  # no step was trained
+    after = weights(run, int(final.name.split("-")[1]))
+    for key in before:
+        np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="popbert"):
+        assert pretrain("--resume", str(run), "--set", "training.time_budget=5s") == 0
+    assert "without training" not in caplog.text
+    assert checkpoint_dirs(run)[-1] != final  # trained on

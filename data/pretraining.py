@@ -56,7 +56,7 @@ def load_training_data(cfg: RunConfig) -> dict[str, np.ndarray] | ShardSet:
     Text inputs (or none: the bundled corpus) give in-memory instance arrays; shard inputs give
     a `ShardSet` (metadata checked now, data read lazily by the loader).
     """
-    vocab_path = Path(cfg.data.vocab_file) if cfg.data.vocab_file else bundled_vocab_path()
+    vocab_path = run_vocab_path(cfg)
     if not vocab_path.is_file():
         raise ConfigError(f"data.vocab_file: {vocab_path} does not exist")
     try:
@@ -93,7 +93,7 @@ def load_validation_data(cfg: RunConfig) -> dict[str, np.ndarray] | ShardSet | N
     """The held-out data (`data.validation_files`, or `data.validation_fraction` of the
     training corpus's documents), checked like the training data; None when there is none."""
     d = cfg.data
-    vocab_path = Path(d.vocab_file) if d.vocab_file else bundled_vocab_path()
+    vocab_path = run_vocab_path(cfg)
     if d.validation_fraction:
         return _instances(cfg, list(d.input_files) or None, vocab_path, d.validation_fraction,
                           "validation")
@@ -166,11 +166,14 @@ def make_loader(cfg: RunConfig, data: dict[str, np.ndarray] | ShardSet, replica_
                              num_replicas=num_replicas, remask=remask)
 
 
+def run_vocab_path(cfg: RunConfig) -> Path:
+    """The run's vocabulary file: `data.vocab_file`, else the bundled one."""
+    return Path(cfg.data.vocab_file) if cfg.data.vocab_file else bundled_vocab_path()
+
+
 def run_tokenizer(cfg: RunConfig) -> WordPieceTokenizer:
-    """The WordPiece tokenizer of the run's vocabulary (`data.vocab_file`, else the bundled
-    one)."""
-    vocab_path = Path(cfg.data.vocab_file) if cfg.data.vocab_file else bundled_vocab_path()
-    return WordPieceTokenizer(vocab_path)
+    """The WordPiece tokenizer of the run's vocabulary (`run_vocab_path`)."""
+    return WordPieceTokenizer(run_vocab_path(cfg))
 
 
 def dynamic_masking(cfg: RunConfig) -> Callable[[dict[str, np.ndarray], np.random.Generator],

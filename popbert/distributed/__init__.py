@@ -24,6 +24,7 @@ from popbert.distributed.replicas import (
     check_world_size,
     devices_per_replica,
     init_replicas,
+    rank_from_env,
     replica_seed,
     replica_timeout,
     world_size_from_env,
@@ -49,5 +50,6 @@ __all__ = [
     "init_replicas",
     "replica_seed",
     "replica_timeout",
+    "rank_from_env",
     "world_size_from_env",
 ]

@@ -316,13 +316,23 @@ def heartbeat_interval(timeout: float) -> float:
     return min(1.0, timeout / 10)
 
 
-def world_size_from_env() -> int:
-    """WORLD_SIZE as set by torchrun (1 when absent)."""
-    raw = os.environ.get("WORLD_SIZE", "1")
+def _env_int(name: str, default: int) -> int:
+    """An integer torchrun sets in the environment; a one-line error when it is not one."""
+    raw = os.environ.get(name, str(default))
     try:
         return int(raw)
     except ValueError:
-        raise ConfigError(f"$WORLD_SIZE={raw!r} is not an integer") from None
+        raise ConfigError(f"${name}={raw!r} is not an integer") from None
+
+
+def world_size_from_env() -> int:
+    """WORLD_SIZE as set by torchrun (1 when absent)."""
+    return _env_int("WORLD_SIZE", 1)
+
+
+def rank_from_env() -> int:
+    """RANK as set by torchrun (0 when absent)."""
+    return _env_int("RANK", 0)
 
 
 def check_world_size(cfg: RunConfig, world: int) -> None:

@@ -10,7 +10,7 @@ so curves stay comparable across stages.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -32,10 +32,8 @@ class SequenceCurriculum:
         self.predictions = cfg.model.max_predictions_per_seq
         self.tokenizer = run_tokenizer(cfg)
         self.seed = (cfg.data.seed, rank)
-        self._options: Callable[[int, int], InstanceOptions] = lambda length, slots: (
-            InstanceOptions(sequence_length=length, max_predictions_per_seq=slots,
-                            masked_lm_prob=cfg.data.masked_lm_prob,
-                            whole_word_mask=cfg.data.whole_word_masking))
+        self.masked_lm_prob = cfg.data.masked_lm_prob
+        self.whole_word_mask = cfg.data.whole_word_masking
 
     def length_at(self, progress: float) -> int:
         """The row length at `progress` (the fraction of the run done, 0 to 1)."""
@@ -61,6 +59,8 @@ class SequenceCurriculum:
         slots = self.slots(length)
         cut = cut_chunk_rows(arrays, length, slots, self.tokenizer.cls_id,
                              self.tokenizer.sep_id)
-        mask_arrays(cut, self.tokenizer, self._options(length, slots),
-                    np.random.default_rng([*self.seed, step]))
+        options = InstanceOptions(sequence_length=length, max_predictions_per_seq=slots,
+                                  masked_lm_prob=self.masked_lm_prob,
+                                  whole_word_mask=self.whole_word_mask)
+        mask_arrays(cut, self.tokenizer, options, np.random.default_rng([*self.seed, step]))
         return {k: torch.from_numpy(v) for k, v in cut.items()}

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -40,6 +39,7 @@ from popbert.distributed import (
     agree,
     check_world_size,
     init_replicas,
+    rank_from_env,
     replica_seed,
     world_size_from_env,
 )
@@ -644,11 +644,7 @@ def _launch_rank(replicas: Replicas | None) -> int:
         return replicas.rank
     if world_size_from_env() == 1:
         return 0
-    raw = os.environ.get("RANK", "0")
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"$RANK={raw!r} is not an integer") from None
+    return rank_from_env()
 
 
 def _same_dir(a: Path, b: Path) -> bool:

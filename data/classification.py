@@ -185,6 +185,14 @@ def _truncate_pair(a: list[int], b: list[int], max_tokens: int) -> None:
 def encode_classification(data: ClassificationData, tokenizer: WordPieceTokenizer,
                           max_seq_length: int) -> dict[str, np.ndarray]:
     """[CLS] a [SEP] (b [SEP]) padded to `max_seq_length`: input_ids, segment_ids, input_mask."""
+    return encode_classification_counted(data, tokenizer, max_seq_length)[0]
+
+
+def encode_classification_counted(data: ClassificationData, tokenizer: WordPieceTokenizer,
+                                  max_seq_length: int) -> tuple[dict[str, np.ndarray], int]:
+    """`encode_classification`'s arrays and how many rows were truncated to fit: rows whose
+    text (with its pair) had more word pieces than `max_seq_length` leaves beside the special
+    tokens."""
     specials = 3 if data.pairs is not None else 2
     if max_seq_length <= specials:
         raise DataError(f"--max-seq-length must exceed {specials}, got {max_seq_length}")
@@ -212,7 +220,7 @@ def encode_classification(data: ClassificationData, tokenizer: WordPieceTokenize
     if truncated:
         log.info("%s: truncated %d of %d rows to %d tokens", data.path, truncated, n,
                  max_seq_length)
-    return arrays
+    return arrays, truncated
 
 
 def classification_metrics(predictions: np.ndarray, labels: np.ndarray, num_labels: int
@@ -233,4 +241,5 @@ def classification_metrics(predictions: np.ndarray, labels: np.ndarray, num_labe
 
 
 __all__ = ["ClassificationData", "classification_metrics", "encode_classification",
-           "label_ids", "label_list", "read_classification_file"]
+           "encode_classification_counted", "label_ids", "label_list",
+           "read_classification_file"]

@@ -138,6 +138,7 @@ class Window:
     max_context: list[bool]
     context_start: int  # index of the window's first context token in the whole context
     context_end: int  # one past its last
+    query_truncated: bool = False  # the question had more than max_query_length tokens
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,8 @@ def make_windows(question_index: int, question: Encoding, context: Encoding,
         input_mask = np.zeros(seq, np.int64)
         input_mask[:used] = 1
         windows.append(Window(question_index, input_ids, segment_ids, input_mask, char_spans,
-                              max_context, start, start + size))
+                              max_context, start, start + size,
+                              len(question.ids) > options.max_query_length))
     return windows
 
 

@@ -12,7 +12,10 @@ import json
 import logging
 import math
 import tempfile
+import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +24,7 @@ from popbert.atomic import atomic_write_text
 from popbert.data.classification import (
     ClassificationData,
     classification_metrics,
-    encode_classification,
+    encode_classification_counted,
     label_ids,
     read_classification_file,
 )
@@ -44,6 +47,77 @@ log = logging.getLogger(__name__)
 
 # Start/end logit of a token cut off a batch (beyond its longest row): padding, never an answer.
 CUT_LOGIT = -10000.0
+
+
+@dataclass
+class PredictStats:
+    """What one `popbert predict` computed and cut; `ExportedModel.run` and the predictors add
+    to it, `predict_squad`/`predict_classify` time the whole and log `describe()`.
+
+    `tokens` are the real (unmasked) tokens fed, `computed` the token positions ONNX Runtime
+    ran (each batch's rows times its width, a fixed-batch export's filler rows included), so
+    `padding_share` is the part of the work spent on padding.
+    """
+
+    examples: int = 0  # questions (SQuAD) or rows (classification) asked about
+    rows: int = 0  # model rows: SQuAD windows, classification rows
+    batches: int = 0
+    tokens: int = 0
+    computed: int = 0
+    model_seconds: float = 0.0  # in ONNX Runtime's session.run only
+    seconds: float = 0.0  # the whole predict: read, tokenize, run, decode (not load, not write)
+    sequence_length: int = 0
+    bucketed: bool = False  # rows ran longest first
+    cut: bool = False  # each batch cut to its longest row (a symbolic sequence axis)
+    truncated: int | None = None  # classification: rows truncated to fit
+    multi_window: int | None = None  # SQuAD: questions whose context took more than one window
+    query_truncated: int | None = None  # SQuAD: questions cut to max_query_length
+
+    @property
+    def padding_share(self) -> float:
+        return (self.computed - self.tokens) / self.computed if self.computed else 0.0
+
+    def summary(self) -> dict[str, float | int]:
+        """The figures as JSON fields (the cut counts of the task that was run)."""
+        out: dict[str, float | int] = {
+            "batches": self.batches,
+            "padding_share": round(self.padding_share, 4),
+            "examples_per_second": round(self.examples / self.seconds, 1) if self.seconds else 0.0,
+            "model_rows_per_second": (round(self.rows / self.model_seconds, 1)
+                                      if self.model_seconds else 0.0)}
+        for key in ("truncated", "multi_window", "query_truncated"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+    def describe(self, examples: str = "rows", rows: str = "rows") -> str:
+        """One log line: throughput, batches, padding and what was cut."""
+        per_second = self.summary()
+        counted = f"{self.examples} {examples}"
+        if rows != examples:
+            counted += f" ({self.rows} {rows})"
+        if self.cut:
+            shape = (f"{'sorted longest first' if self.bucketed else 'in input order'}, "
+                     "each batch cut to its longest row")
+        else:
+            shape = f"every row padded to the export's length, {self.sequence_length}"
+        batches = f"{self.batches} batch" + ("" if self.batches == 1 else "es")
+        text = (f"{counted} in {batches}, {self.seconds:.2f} s: "
+                f"{per_second['examples_per_second']} {examples}/s end to end (read, tokenize, "
+                f"run, decode), {per_second['model_rows_per_second']} {rows}/s in ONNX Runtime; "
+                f"padding {100 * self.padding_share:.1f}% of {self.computed} computed tokens "
+                f"({shape})")
+        if self.truncated is not None:
+            text += f"; {self.truncated} truncated to {self.sequence_length} tokens"
+        if self.multi_window is not None:
+            text += (f"; {self.multi_window} needed more than one window, "
+                     f"{self.query_truncated} had their question cut to max_query_length")
+        return text
+
+
+def length_order(input_mask: np.ndarray) -> np.ndarray:
+    """Row indices longest first (by `input_mask`), ties in input order."""
+    return np.argsort(-np.asarray(input_mask).sum(axis=1), kind="stable")
 
 
 class ExportedModel:
@@ -83,6 +157,10 @@ class ExportedModel:
         self.sequence_length = (int(json.loads(self.text("sequence_length")))
                                 if self.dynamic_sequence else int(shape[1]))
         self.output_names = [o.name for o in self.session.get_outputs()]
+        if not self.dynamic_sequence:
+            log.info("%s has a fixed sequence length of %d: every row is padded to it (an "
+                     "export with a symbolic sequence axis cuts each batch to its longest row)",
+                     model, self.sequence_length)
 
     def text(self, key: str) -> str:
         """Metadata `popbert.<key>`; a one-line error naming the model if it is missing."""
@@ -92,13 +170,18 @@ class ExportedModel:
         return value
 
     def run(self, arrays: Mapping[str, np.ndarray], batch_size: int = 16,
-            per_token: Mapping[str, float] | None = None) -> dict[str, np.ndarray]:
+            per_token: Mapping[str, float] | None = None, stats: PredictStats | None = None,
+            bucket: bool = True) -> dict[str, np.ndarray]:
         """All outputs for the rows of `arrays` ([N, S] inputs), `batch_size` rows per run (a
         fixed-batch export runs its own batch, the last one padded).
 
-        With a symbolic sequence axis rows run longest first (by `input_mask`) and each batch
-        is cut to its longest row; the outputs named in `per_token` ([N, S, ...]) are padded
-        back to S with the value given. Outputs come back in the rows' order.
+        With a symbolic sequence axis rows run longest first (by `input_mask`, stable; with
+        `bucket=False` in input order) and each batch is cut to its longest row; the outputs
+        named in `per_token` ([N, S, ...]) are padded back to S and hold the value given at
+        every masked position, so that no row's outputs depend on the rows batched with it.
+        A fixed sequence axis runs every row at S. Outputs come back in the rows' order.
+        `stats`, if given, gets the rows, batches, real and computed tokens and ONNX Runtime's
+        time added.
         """
         from tqdm import tqdm
 
@@ -107,11 +190,13 @@ class ExportedModel:
         step = self.batch_size or batch_size
         rows = len(arrays["input_ids"])
         lengths = np.asarray(arrays["input_mask"]).sum(axis=1)
-        order = (np.argsort(-lengths, kind="stable") if self.dynamic_sequence
-                 else np.arange(rows))
+        bucketed = self.dynamic_sequence and bucket
+        order = length_order(arrays["input_mask"]) if bucketed else np.arange(rows)
         full = np.asarray(arrays["input_ids"]).shape[1]
         per_token = per_token or {}
         parts: dict[str, list[np.ndarray]] = {name: [] for name in self.output_names}
+        batches = computed = 0
+        seconds = 0.0
         for first in tqdm(range(0, rows, step), desc="predict", unit="batch",
                           total=math.ceil(rows / step), disable=rows <= step):
             chosen = order[first:first + step]
@@ -121,16 +206,34 @@ class ExportedModel:
             width = max(1, int(lengths[chosen].max())) if self.dynamic_sequence else full
             feeds = {name: np.ascontiguousarray(np.asarray(value)[chosen, :width])
                      for name, value in arrays.items()}
-            for name, value in zip(self.output_names, self.session.run(None, feeds)):
+            started = time.perf_counter()
+            outputs = self.session.run(None, feeds)
+            seconds += time.perf_counter() - started
+            batches += 1
+            computed += len(chosen) * width
+            for name, value in zip(self.output_names, outputs):
                 value = np.asarray(value, np.float32)[:real]
                 if name in per_token and value.shape[1] < full:
                     pad = [(0, 0)] * value.ndim
                     pad[1] = (0, full - value.shape[1])
                     value = np.pad(value, pad, constant_values=per_token[name])
                 parts[name].append(value)
+        if stats is not None:
+            stats.rows += rows
+            stats.batches += batches
+            stats.tokens += int(lengths.sum())
+            stats.computed += computed
+            stats.model_seconds += seconds
+            stats.sequence_length = full
+            stats.bucketed = bucketed
+            stats.cut = self.dynamic_sequence
         inverse = np.empty_like(order)
         inverse[order] = np.arange(rows)
-        return {name: np.concatenate(values)[inverse] for name, values in parts.items()}
+        result = {name: np.concatenate(values)[inverse] for name, values in parts.items()}
+        masked = np.asarray(arrays["input_mask"]) == 0
+        for name, fill in per_token.items():
+            result[name][masked] = fill
+        return result
 
 
 class SquadPredictor(ExportedModel):
@@ -143,20 +246,37 @@ class SquadPredictor(ExportedModel):
                                      int(json.loads(self.text("doc_stride"))),
                                      int(json.loads(self.text("max_query_length"))))
 
-    def logits(self, windows: Sequence[Window], batch_size: int = 16
+    def logits(self, windows: Sequence[Window], batch_size: int = 16,
+               stats: PredictStats | None = None, bucket: bool = True
                ) -> tuple[np.ndarray, np.ndarray]:
         """Start and end logits [N, S] for `windows`, in batches of `batch_size` windows."""
         out = self.run(window_arrays(windows), batch_size,
-                       per_token={"start_logits": CUT_LOGIT, "end_logits": CUT_LOGIT})
+                       per_token={"start_logits": CUT_LOGIT, "end_logits": CUT_LOGIT},
+                       stats=stats, bucket=bucket)
         return out["start_logits"], out["end_logits"]
 
     def predict(self, questions: Sequence[Question], n_best_size: int = 20,
-                max_answer_length: int = 30, batch_size: int = 16
+                max_answer_length: int = 30, batch_size: int = 16,
+                stats: PredictStats | None = None
                 ) -> tuple[dict[str, str], dict[str, list[Candidate]]]:
-        """Best answer and n-best list per question id, windowed with the model's options."""
+        """Best answer and n-best list per question id, windowed with the model's options;
+        `stats`, if given, also gets the questions and what windowing cut (`window_cuts`)."""
         windows = build_windows(questions, self.tokenizer, self.vocab, self.options)
-        start, end = self.logits(windows, batch_size)
+        start, end = self.logits(windows, batch_size, stats)
+        if stats is not None:
+            stats.examples += len(questions)
+            multi, cut = window_cuts(windows)
+            stats.multi_window = (stats.multi_window or 0) + multi
+            stats.query_truncated = (stats.query_truncated or 0) + cut
         return decode_answers(questions, windows, start, end, n_best_size, max_answer_length)
+
+
+def window_cuts(windows: Sequence[Window]) -> tuple[int, int]:
+    """(questions whose context took more than one window, questions cut to the model's
+    max_query_length) among the questions of `windows`."""
+    per_question = Counter(w.question_index for w in windows)
+    cut = {w.question_index for w in windows if w.query_truncated}
+    return sum(1 for n in per_question.values() if n > 1), len(cut)
 
 
 def read_texts(path: Path, text_column: str | None = None, pair_column: str | None = None,
@@ -191,42 +311,59 @@ class ClassifyPredictor(ExportedModel):
             vocab.write_text(self.text("vocab"), encoding="utf-8")
             self.tokenizer = WordPieceTokenizer(vocab, lowercase=self.lowercase)
 
-    def probabilities(self, data: ClassificationData, batch_size: int = 16) -> np.ndarray:
-        """Softmax over the labels, [N, num_labels], for the rows of `data`."""
-        arrays = encode_classification(data, self.tokenizer, self.sequence_length)
-        logits = self.run(arrays, batch_size)["logits"]
+    def probabilities(self, data: ClassificationData, batch_size: int = 16,
+                      stats: PredictStats | None = None, bucket: bool = True) -> np.ndarray:
+        """Softmax over the labels, [N, num_labels], for the rows of `data`; `stats`, if
+        given, also gets the rows and how many were truncated to the model's length."""
+        arrays, truncated = encode_classification_counted(data, self.tokenizer,
+                                                          self.sequence_length)
+        logits = self.run(arrays, batch_size, stats=stats, bucket=bucket)["logits"]
+        if stats is not None:
+            stats.examples += len(logits)
+            stats.truncated = (stats.truncated or 0) + truncated
         shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
         return shifted / shifted.sum(axis=1, keepdims=True)
 
-    def predict(self, data: ClassificationData, batch_size: int = 16
-                ) -> tuple[list[str], np.ndarray]:
+    def predict(self, data: ClassificationData, batch_size: int = 16,
+                stats: PredictStats | None = None) -> tuple[list[str], np.ndarray]:
         """(label name, probabilities) of every row of `data`."""
-        probabilities = self.probabilities(data, batch_size)
+        probabilities = self.probabilities(data, batch_size, stats)
         return [self.labels[i] for i in probabilities.argmax(axis=1)], probabilities
 
 
 def predict_squad(model: Path, data: Path, output: Path, n_best_size: int = 20,
                   max_answer_length: int = 30, batch_size: int = 16,
-                  threads: int | None = None) -> dict[str, str]:
-    """`popbert predict squad`: answer every question of `data`, write `output` (+ n-best)."""
+                  threads: int | None = None, stats: PredictStats | None = None
+                  ) -> dict[str, str]:
+    """`popbert predict squad`: answer every question of `data`, write `output` (+ n-best)
+    and log `stats` (filled in if given): throughput, padding and what windowing cut."""
     predictor = SquadPredictor(model, threads)
+    stats = stats if stats is not None else PredictStats()
+    started = time.perf_counter()
     questions, _ = read_squad(data)
-    predictions, nbest = predictor.predict(questions, n_best_size, max_answer_length, batch_size)
+    predictions, nbest = predictor.predict(questions, n_best_size, max_answer_length, batch_size,
+                                           stats)
+    stats.seconds += time.perf_counter() - started
     write_predictions(output, predictions, nbest)
     log.info("answered %d questions with %s: %s", len(predictions), model, output)
+    log.info("predict: %s", stats.describe("questions", "windows"))
     return predictions
 
 
 def predict_classify(model: Path, data: Path, output: Path, batch_size: int = 16,
                      threads: int | None = None, text_column: str | None = None,
-                     pair_column: str | None = None, label_column: str = "label"
-                     ) -> dict[str, float] | None:
+                     pair_column: str | None = None, label_column: str = "label",
+                     stats: PredictStats | None = None) -> dict[str, float] | None:
     """`popbert predict classify`: label every row of `data` and write `output` as JSON lines
-    (`line`, `label`, `probabilities` by label, `gold` where the file has labels). Returns
-    accuracy and F1 when the file is labelled (with the model's labels), else None."""
+    (`line`, `label`, `probabilities` by label, `gold` where the file has labels), and log
+    `stats` (filled in if given). Returns accuracy and F1 when the file is labelled (with the
+    model's labels) and `stats.summary()`'s figures beside them, else None."""
     predictor = ClassifyPredictor(model, threads)
+    stats = stats if stats is not None else PredictStats()
+    started = time.perf_counter()
     rows = read_texts(data, text_column, pair_column, label_column)
-    predicted, probabilities = predictor.predict(rows, batch_size)
+    predicted, probabilities = predictor.predict(rows, batch_size, stats)
+    stats.seconds += time.perf_counter() - started
     gold = rows.labels
     records = []
     for index, (line, label) in enumerate(zip(rows.lines, predicted)):
@@ -239,13 +376,15 @@ def predict_classify(model: Path, data: Path, output: Path, batch_size: int = 16
     Path(output).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(output, "".join(records))
     log.info("labelled %d rows of %s with %s: %s", len(records), data, model, output)
+    log.info("predict: %s", stats.describe())
     if gold is None:
         return None
     metrics = classification_metrics(probabilities.argmax(axis=1),
                                      label_ids(rows, predictor.labels), len(predictor.labels))
     metrics["examples"] = len(records)
+    metrics.update(stats.summary())
     return metrics
 
 
-__all__ = ["CUT_LOGIT", "ClassifyPredictor", "ExportedModel", "SquadPredictor",
-           "predict_classify", "predict_squad", "read_texts"]
+__all__ = ["CUT_LOGIT", "ClassifyPredictor", "ExportedModel", "PredictStats", "SquadPredictor",
+           "length_order", "predict_classify", "predict_squad", "read_texts", "window_cuts"]

@@ -7,11 +7,16 @@ answers the SQuAD fixture; the answers are arbitrary but must be exactly those t
 classification model labels a TSV file with the probabilities the torch path gives for
 `popbert.data.classification`'s encoding, whatever the batch size and whether the export's
 sequence axis is symbolic (batches cut to their longest row) or fixed.
+
+Length buckets (rows run longest first, each batch cut to its longest row) must give every row
+the outputs it gets alone, back in the input order, with less padding than batches in input
+order; the counts of truncated rows and of multi-window or cut SQuAD questions must be right.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +30,21 @@ import popbert.builders.tasks  # noqa: F401
 from popbert.builders.bert import build_bert
 from popbert.cli import main as cli
 from popbert.config import TaskConfig, load_config
-from popbert.data.classification import encode_classification, read_classification_file
-from popbert.data.squad import WindowOptions, decode_answers, read_squad, squad_features
+from popbert.data.classification import (
+    ClassificationData,
+    encode_classification,
+    encode_classification_counted,
+    read_classification_file,
+)
+from popbert.data.squad import (
+    Question,
+    WindowOptions,
+    build_windows,
+    decode_answers,
+    read_squad,
+    squad_features,
+    window_arrays,
+)
 from popbert.data.tokenization import (
     WordPieceTokenizer,
     bundled_vocab_path,
@@ -34,7 +52,14 @@ from popbert.data.tokenization import (
     parse_vocab,
 )
 from popbert.runtime.session import InferenceSession
-from popbert.serve.predict import ClassifyPredictor, SquadPredictor, read_texts
+from popbert.serve.predict import (
+    ClassifyPredictor,
+    PredictStats,
+    SquadPredictor,
+    length_order,
+    read_texts,
+    window_cuts,
+)
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "squad" / "squad-v1.1-sample.json"
 SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",
@@ -260,3 +285,126 @@ def test_classify_errors_are_one_line(exported: Path, classify_files, tmp_path: 
         assert result.returncode == 2 and len(lines) == 1, result.stderr
         assert fragment in lines[0], lines[0]
         assert not (tmp_path / "p.jsonl").exists()
+
+
+# Rows of very different lengths (3 to 40 tokens, one over-long), not in length order.
+MIXED = ["fine", "good " * 50, "it is what it is", "good " * 20, "bad",
+         "the film was long and, frankly, far too slow", "good " * 37, "ok"]
+
+
+def mixed_arrays() -> dict[str, np.ndarray]:
+    data = ClassificationData(Path("mixed.txt"), MIXED, None, None, list(range(1, 9)))
+    return encode_classification(data, WordPieceTokenizer(bundled_vocab_path()), 40)
+
+
+def test_length_buckets_give_each_rows_own_outputs_in_input_order(classify_files,
+                                                                  exported: Path) -> None:
+    arrays = mixed_arrays()
+    lengths = arrays["input_mask"].sum(axis=1)
+    assert lengths.tolist() == [3, 40, 7, 22, 3, 14, 39, 3]
+    order = length_order(arrays["input_mask"])
+    assert order.tolist() == [1, 6, 3, 5, 2, 0, 4, 7]  # longest first, ties in input order
+    predictor = ClassifyPredictor(classify_files["dynamic"])
+    # Each row alone: a batch of one at its own length, nothing sorted.
+    alone = np.concatenate([predictor.run({k: v[i:i + 1] for k, v in arrays.items()}, 1)["logits"]
+                            for i in range(len(MIXED))])
+    # Negative control: in the order the rows ran, the outputs are not the rows' own, so the
+    # order must be restored (and the rows' outputs differ from each other).
+    assert not np.allclose(alone[order], alone, atol=1e-3)
+    for batch_size in (3, 8):
+        bucketed = predictor.run(arrays, batch_size)["logits"]
+        unsorted = predictor.run(arrays, batch_size, bucket=False)["logits"]
+        # Pad positions are masked out exactly (their attention weight underflows to 0), and on
+        # this machine the outputs are bit-identical; 1e-6 leaves room for ONNX Runtime picking
+        # another GEMM blocking for another batch width on another CPU.
+        np.testing.assert_allclose(bucketed, alone, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(unsorted, alone, rtol=0, atol=1e-6)
+    # SQuAD: each window's start/end logits (padded back to the export's length with
+    # CUT_LOGIT) are those it gets alone, in the windows' order.
+    squad = SquadPredictor(exported)
+    questions, _ = read_squad(FIXTURE)
+    windows = build_windows(questions, squad.tokenizer, squad.vocab, squad.options)
+    window_order = length_order(window_arrays(windows)["input_mask"])
+    assert window_order.tolist() != list(range(len(windows)))
+    start, end = squad.logits(windows, batch_size=4)
+    for i, window in enumerate(windows):
+        one_start, one_end = squad.logits([window], batch_size=1)
+        np.testing.assert_allclose(start[i], one_start[0], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(end[i], one_end[0], rtol=0, atol=1e-6)
+
+
+def test_length_buckets_compute_less_padding(classify_files,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    arrays = mixed_arrays()
+    lengths = arrays["input_mask"].sum(axis=1)
+    predictor = ClassifyPredictor(classify_files["dynamic"])
+    bucketed, in_order = PredictStats(), PredictStats()
+    predictor.run(arrays, 2, stats=bucketed)
+    predictor.run(arrays, 2, stats=in_order, bucket=False)
+    # Batches of two cut to their longest row: (40, 39) (22, 14) (7, 3) (3, 3) sorted,
+    # (3, 40) (7, 22) (3, 14) (39, 3) in input order.
+    assert (bucketed.computed, in_order.computed) == (2 * (40 + 22 + 7 + 3),
+                                                      2 * (40 + 22 + 14 + 39))
+    assert bucketed.tokens == in_order.tokens == lengths.sum() == 131
+    assert (bucketed.batches, bucketed.rows, bucketed.bucketed) == (4, 8, True)
+    assert bucketed.padding_share == pytest.approx((144 - 131) / 144)
+    assert bucketed.padding_share < in_order.padding_share / 4
+    # A fixed-length export pads every row to its length (4-row batches, the last one's filler
+    # rows computed too), says so once when loaded, and still answers.
+    with caplog.at_level(logging.INFO, logger="popbert.serve.predict"):
+        fixed = ClassifyPredictor(classify_files["fixed"])
+    assert sum("fixed sequence length of 40" in r.getMessage() for r in caplog.records) == 1
+    padded = PredictStats()
+    fixed.run(arrays, 2, stats=padded)
+    assert (padded.batches, padded.computed, padded.bucketed, padded.cut) == (2, 8 * 40, False,
+                                                                              False)
+    assert "every row padded to the export's length, 40" in padded.describe()
+    assert "in input order, each batch cut" in in_order.describe()
+    assert padded.padding_share == pytest.approx(1 - 131 / 320)
+
+
+def test_cut_counts(classify_files, exported: Path, tmp_path: Path,
+                    capsys: pytest.CaptureFixture[str],
+                    caplog: pytest.LogCaptureFixture) -> None:
+    # Classification pairs at length 40: 37 word pieces fit beside [CLS] [SEP] [SEP] ("good" is
+    # one piece); rows 2 and 4 have more and are truncated, row 1 fits exactly.
+    sizes = [(20, 17), (20, 18), (1, 1), (40, 5), (36, 1)]
+    tsv = tmp_path / "pairs.tsv"
+    tsv.write_text("sentence1\tsentence2\tlabel\n" + "".join(
+        f"{'good ' * a}\t{'good ' * b}\tpos\n" for a, b in sizes), encoding="utf-8")
+    data = read_classification_file(tsv, require_labels=False)
+    tokenizer = WordPieceTokenizer(bundled_vocab_path())
+    arrays, truncated = encode_classification_counted(data, tokenizer, 40)
+    assert truncated == 2
+    for name, value in encode_classification(data, tokenizer, 40).items():
+        np.testing.assert_array_equal(arrays[name], value)  # the same arrays as training's
+    output = tmp_path / "pairs.jsonl"
+    with caplog.at_level(logging.INFO):
+        assert cli.main(["predict", "classify", "--model", str(classify_files["dynamic"]),
+                         "--data", str(tsv), "--output", str(output)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["truncated"] == 2 and summary["batches"] == 1
+    assert 0 < summary["padding_share"] < 1 and summary["examples_per_second"] > 0
+    assert summary["model_rows_per_second"] > 0 and summary["examples"] == 5
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("predict:"))
+    assert "5 rows in 1 batch," in line and "2 truncated to 40 tokens" in line, line
+    assert set(json.loads(output.read_text().splitlines()[0])) == {"line", "label",
+                                                                   "probabilities", "gold"}
+    # SQuAD at length 40, max_query_length 12: a context takes one window up to 40 - 3 -
+    # (question tokens, at most 12) pieces. Questions a: fits; b: long context; c: long
+    # question (cut to 12), short context; d: both.
+    questions = [Question("a", "good bad", "good " * 5),
+                 Question("b", "good bad", "good " * 60, context_index=1),
+                 Question("c", "good " * 20, "good " * 5, context_index=2),
+                 Question("d", "good " * 15, "good " * 30, context_index=3)]
+    predictor = SquadPredictor(exported)
+    windows = build_windows(questions, predictor.tokenizer, predictor.vocab, predictor.options)
+    per_question = [sum(w.question_index == i for w in windows) for i in range(4)]
+    assert per_question[0] == per_question[2] == 1 and min(per_question[1::2]) > 1
+    assert window_cuts(windows) == (2, 2)
+    stats = PredictStats()
+    answers, _ = predictor.predict(questions, stats=stats)
+    assert list(answers) == ["a", "b", "c", "d"]
+    assert (stats.examples, stats.rows) == (4, len(windows))
+    assert (stats.multi_window, stats.query_truncated) == (2, 2)
+    assert stats.summary()["multi_window"] == 2 and "truncated" not in stats.summary()

@@ -112,6 +112,7 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     checkpoint = _existing_dir(args.checkpoint, "--checkpoint")
     check_output_file(args.output, "--output")
+    from popbert.errors import UsageError
     from popbert.io.export import export_checkpoint
 
     # Only options the user set are passed, so export_checkpoint's defaults stay the one source.
@@ -121,6 +122,21 @@ def _cmd_export(args: argparse.Namespace) -> int:
         options["dtype"] = args.dtype
     if args.optimize:
         options["optimize"] = True
+    if args.quantize:
+        options["quantize"] = args.quantize
+    if args.keep_float is not None:
+        from popbert.io.quantize import parse_roles
+
+        options["keep_float"] = parse_roles(args.keep_float)
+    if args.eval is not None:
+        if not args.eval.is_file():
+            raise UsageError(f"--eval: file not found: {args.eval}")
+        options["eval_data"] = args.eval
+    if args.max_accuracy_drop is not None:
+        if not args.max_accuracy_drop >= 0:
+            raise UsageError(f"--max-accuracy-drop: expected points >= 0, got "
+                             f"{args.max_accuracy_drop:g}")
+        options["max_accuracy_drop"] = args.max_accuracy_drop
     path = export_checkpoint(checkpoint=checkpoint, task=args.task, output=args.output,
                              **options)
     logger.info("wrote %s", path)
@@ -466,8 +482,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fix the input length to N (default: a symbolic sequence axis, any "
                         "length up to model.max_position_embeddings)")
     p.add_argument("--optimize", action="store_true",
-                   help="apply ONNX Runtime's transformer optimizer (BERT fusions) to the "
-                        "export; float32 only, checked like the plain export")
+                   help="write ONNX Runtime's fused BERT operators (Attention, "
+                        "SkipLayerNormalization, BiasGelu, EmbedLayerNormalization); float32 "
+                        "only, checked like the plain export")
+    p.add_argument("--quantize", choices=("int8",), default=None,
+                   help="int8: dynamic INT8 weight matrices (per channel), for CPUs with "
+                        "AVX-512 VNNI or AMX; checked against the torch backend")
+    p.add_argument("--keep-float", default=None, metavar="ROLES",
+                   help="with --quantize: weight roles left in FP32, comma-separated, from "
+                        "qkv, attention-out, ffn-in, ffn-out, conv, head, or none "
+                        "(default: head)")
+    p.add_argument("--eval", type=Path, default=None, metavar="FILE",
+                   help="score the export against the plain FP32 export on this file "
+                        "(classification rows or SQuAD JSON): agreement and task metric")
+    p.add_argument("--max-accuracy-drop", type=float, default=None, metavar="POINTS",
+                   help="with --eval: refuse (write nothing, exit 2) if the export loses more "
+                        "than POINTS of accuracy (SQuAD: F1)")
     p.set_defaults(handler=_cmd_export)
 
     p = sub.add_parser("import-hf", parents=[common],

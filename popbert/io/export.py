@@ -9,10 +9,11 @@ docs/design.md, section "popbert.io.export".
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from popbert.builders.bert import BATCH, SEQUENCE, build_bert
 from popbert.builders.bert_config import TASK_NAMES, BertConfig
 from popbert.errors import CheckpointError, UsageError
 from popbert.graph.annotations import METADATA_PREFIX, strip_annotations, trainable_initializers
+from popbert.io.quantize import DEFAULT_KEEP_FLOAT, QUANTIZE_MODES, quantize_int8
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,10 @@ VERIFY_ATOL = 1e-4
 # FP16 has 11 significant bits (relative step 9.8e-4); over a dozen layers rounding compounds to
 # about 1e-2 of an output's scale, while a wrong or missing weight changes outputs by O(1).
 FP16_TOLERANCE = 3e-2
+# Dynamic INT8 moves each output by a share of its size, not by rounding noise: on random token
+# ids the RMS difference of all-MiniLM-L6-v2's hidden states is 0.12-0.19 of their RMS with
+# per-channel weights, 0.40 per-tensor. A wrong or missing weight moves it by about 1 or more.
+INT8_TOLERANCE = 0.5
 # Protobuf cannot serialize 2 GiB; above this many bytes of weights, use external data.
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**27
 
@@ -128,19 +134,26 @@ def ort_outputs(source: bytes | Path, batch: Mapping[str, np.ndarray]) -> dict[s
 
 
 def compare(reference: Mapping[str, np.ndarray], theirs: Mapping[str, np.ndarray],
-            dtype: str = "float32") -> float:
-    """Largest difference over outputs; RuntimeError above the tolerance for `dtype`."""
+            dtype: str = "float32", quantize: str | None = None) -> float:
+    """Largest difference over outputs (for an INT8 export: the largest RMS difference relative
+    to the output's RMS, at least 1); RuntimeError above the tolerance for `dtype`/`quantize`."""
     worst = 0.0
     for name, value in theirs.items():
         expected = reference[name]
-        difference = float(np.abs(expected - value).max())
-        scale = max(1.0, float(np.abs(expected).max()))
-        allowed = (VERIFY_ATOL if dtype == "float32" else FP16_TOLERANCE) * scale
+        if quantize:
+            rms = float(np.sqrt(np.mean(np.square(expected, dtype=np.float64))))
+            difference = float(np.sqrt(np.mean(np.square(expected - value, dtype=np.float64))))
+            difference /= max(1.0, rms)
+            allowed = INT8_TOLERANCE
+        else:
+            difference = float(np.abs(expected - value).max())
+            scale = max(1.0, float(np.abs(expected).max()))
+            allowed = (VERIFY_ATOL if dtype == "float32" else FP16_TOLERANCE) * scale
         worst = max(worst, difference)
         if not difference <= allowed:
             raise RuntimeError(f"export check failed: output {name!r} differs between ONNX "
                                f"Runtime and the torch backend by {difference:.3g} "
-                               f"(> {allowed:.3g})")
+                               f"(> {allowed:.3g}{' relative RMS' if quantize else ''})")
     return worst
 
 
@@ -157,28 +170,11 @@ def check_shapes(config: BertConfig, batch_size: int | None,
 
 
 def optimize_for_ort(model: onnx.ModelProto, config: BertConfig) -> onnx.ModelProto:
-    """`model` through ONNX Runtime's transformer optimizer (model_type "bert"): its Python
-    fusions only (`opt_level=0`), so the file stays portable across execution providers; ORT
-    applies its own graph optimisations when it loads the file anyway. The operators the
-    fusions added (op type → count) are logged and stored as `popbert.fusions` metadata."""
-    import json
-    from collections import Counter
+    """`model` with ONNX Runtime's fused BERT contrib operators (`popbert.io.fused`); the
+    operators it now has (op type → count) are stored as `popbert.fusions` metadata."""
+    from popbert.io.fused import fuse_for_ort
 
-    from onnxruntime.transformers.optimizer import optimize_model
-
-    before = Counter(node.op_type for node in model.graph.node)
-    # The optimizer warns about every producer but PyTorch/Keras/TF; ours is known.
-    logging.getLogger("onnxruntime.transformers.optimizer").setLevel(logging.ERROR)
-    out = optimize_model(model, model_type="bert", num_heads=config.num_heads,
-                         hidden_size=config.hidden_size, opt_level=0).model
-    domains = {node.domain for node in out.graph.node} - {"", "ai.onnx"}
-    imported = {opset.domain for opset in out.opset_import}
-    for domain in sorted(domains - imported):  # the fused contrib ops' domain (com.microsoft)
-        out.opset_import.append(onnx.helper.make_opsetid(domain, 1))
-    after = Counter(node.op_type for node in out.graph.node)
-    fused = {op: count - before[op] for op, count in sorted(after.items())
-             if count > before[op]}
-    log.info("ONNX Runtime transformer optimizer added %s", fused or "no fused operators")
+    out, fused = fuse_for_ort(model, config.num_heads)
     onnx.helper.set_model_props(out, {**{p.key: p.value for p in model.metadata_props},
                                       f"{METADATA_PREFIX}fusions": json.dumps(fused)})
     return out
@@ -240,15 +236,19 @@ def _write(model: onnx.ModelProto, output: Path, external_data_threshold: int) -
 def export_weights(weights: Mapping[str, torch.Tensor | np.ndarray], config: BertConfig,
                    task: str, output: Path, *, dtype: str = "float32",
                    batch_size: int | None = None, sequence_length: int | None = None,
-                   optimize: bool = False, metadata: Mapping[str, str] | None = None,
+                   optimize: bool = False, quantize: str | None = None,
+                   keep_float: Collection[str] | None = None,
+                   metadata: Mapping[str, str] | None = None,
                    external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> Path:
     """Build the `task` inference graph with `weights`, check, write and verify it.
 
     `batch_size=None` / `sequence_length=None` keep that axis symbolic (any batch; any length
     up to `max_position_embeddings`), an integer fixes it (the length at most
-    `max_position_embeddings`). `optimize` applies ONNX Runtime's transformer optimizer
-    (`optimize_for_ort`). `metadata` is stored as ONNX metadata props. ONNX Runtime must agree
-    with the torch backend at every `check_shapes` pair; the file is removed again if not.
+    `max_position_embeddings`). `optimize` rewrites the graph into ONNX Runtime's fused BERT
+    operators (`optimize_for_ort`); `quantize="int8"` then stores its weight matrices in INT8
+    except the roles in `keep_float` (`popbert.io.quantize`). `metadata` is stored as ONNX
+    metadata props. ONNX Runtime must agree with the torch backend at every `check_shapes`
+    pair (within `compare`'s tolerance for the format); the file is removed again if not.
     """
     if task not in TASKS:
         raise UsageError(f"--task: expected one of {', '.join(TASKS)}, got {task!r}")
@@ -257,8 +257,16 @@ def export_weights(weights: Mapping[str, torch.Tensor | np.ndarray], config: Ber
     if batch_size is not None and batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
     if optimize and dtype != "float32":
-        raise UsageError("--optimize: ONNX Runtime's transformer fusions are applied to float32 "
-                         "exports only; drop --optimize or use --dtype float32")
+        raise UsageError("--optimize: ONNX Runtime's fused BERT operators are written for "
+                         "float32 exports only; drop --optimize or use --dtype float32")
+    if quantize is not None and quantize not in QUANTIZE_MODES:
+        raise UsageError(f"--quantize: expected one of {', '.join(QUANTIZE_MODES)}, "
+                         f"got {quantize!r}")
+    if quantize and dtype != "float32":
+        raise UsageError(f"--quantize {quantize} quantizes a float32 graph; drop --dtype "
+                         f"{dtype}")
+    if keep_float is not None and not quantize:
+        raise UsageError("--keep-float applies to quantized exports; add --quantize int8")
     config = inference_config(config, sequence_length)
     try:
         graph = build_bert(config, task=task, with_loss=False, zeros=True,
@@ -287,29 +295,33 @@ def export_weights(weights: Mapping[str, torch.Tensor | np.ndarray], config: Ber
                                             str(config.sequence_length)})
     if optimize:
         model = optimize_for_ort(model, config)
+    if quantize:
+        model, counts = quantize_int8(model, DEFAULT_KEEP_FLOAT if keep_float is None
+                                      else keep_float)
+        onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
+                                            f"{METADATA_PREFIX}quantized": json.dumps(counts)})
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     source = _write(model, output, external_data_threshold)
     try:
-        difference = max(compare(reference, ort_outputs(source, batch), dtype)
+        difference = max(compare(reference, ort_outputs(source, batch), dtype, quantize)
                          for reference, batch in zip(references, batches))
     except BaseException:
         output.unlink(missing_ok=True)
         output.with_name(output.name + ".data").unlink(missing_ok=True)
         raise
     checked = ", ".join(f"{len(b['input_ids'])}x{b['input_ids'].shape[1]}" for b in batches)
-    log.info("exported %s (%s, %s%s, batch %s, sequence %s): ONNX Runtime matches the torch "
-             "backend to %.2g at batch x length %s", output, task, dtype,
-             ", optimized" if optimize else "", batch_size or BATCH,
+    log.info("exported %s (%s, %s%s%s, batch %s, sequence %s): ONNX Runtime matches the torch "
+             "backend to %.2g%s at batch x length %s", output, task, dtype,
+             ", fused" if optimize else "", f", {quantize}" if quantize else "",
+             batch_size or BATCH,
              sequence_length or f"{SEQUENCE} (trained at {config.sequence_length})", difference,
-             checked)
+             " (relative RMS)" if quantize else "", checked)
     return output
 
 
 def task_metadata(config: BertConfig, vocab: Path | None) -> dict[str, str]:
     """What serving a fine-tuned model needs besides its weights (read by `popbert.serve`)."""
-    import json
-
     task = config.task
     meta = {f"{METADATA_PREFIX}lowercase": json.dumps(task.lowercase)}
     for key in ("doc_stride", "max_query_length", "labels"):
@@ -325,13 +337,25 @@ def task_metadata(config: BertConfig, vocab: Path | None) -> dict[str, str]:
 
 def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str = "float32",
                       batch_size: int | None = None, sequence_length: int | None = None,
-                      optimize: bool = False,
+                      optimize: bool = False, quantize: str | None = None,
+                      keep_float: Collection[str] | None = None,
+                      eval_data: Path | None = None, max_accuracy_drop: float | None = None,
                       external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> Path:
-    """`popbert export`: a checkpoint directory (or run directory) → inference ONNX file."""
+    """`popbert export`: a checkpoint directory (or run directory) → inference ONNX file.
+
+    With `eval_data` the export is scored against the plain FP32 export on that file
+    (`popbert.serve.accuracy`) before it is moved into place, and refused (AccuracyError,
+    nothing written) if it loses more than `max_accuracy_drop` points.
+    """
     from popbert.config import config_from_dict
     from popbert.io.checkpoint import find_checkpoint, load_checkpoint
     from popbert.io.hf_checkpoint import checkpoint_vocab
 
+    if max_accuracy_drop is not None and eval_data is None:
+        raise UsageError("--max-accuracy-drop needs --eval FILE: the data to measure the drop on")
+    if eval_data is not None and task not in TASK_NAMES:
+        raise UsageError(f"--eval: a {task} export has no task to score; --eval applies to "
+                         f"{' and '.join(TASK_NAMES)} exports")
     restored = load_checkpoint(checkpoint, weights_only=True)
     cfg = config_from_dict(restored.config,
                            source=str(find_checkpoint(checkpoint, warn=False)))  # said once
@@ -339,10 +363,23 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
     if task in TASK_NAMES:
         vocab = checkpoint_vocab(checkpoint, cfg.data.vocab_file)
         metadata = task_metadata(cfg.model, vocab)
-    path = export_weights(restored.weights, cfg.model, task, output, dtype=dtype,
-                          batch_size=batch_size, sequence_length=sequence_length,
-                          optimize=optimize, metadata=metadata,
-                          external_data_threshold=external_data_threshold)
+    if eval_data is not None and vocab is None:
+        raise UsageError(f"--eval: {checkpoint} has no vocabulary (its {cfg.data.vocab_file} is "
+                         f"gone and the run directory has no vocab.txt) to encode {eval_data}")
+
+    def export(target: Path, **chosen: object) -> Path:
+        return export_weights(restored.weights, cfg.model, task, target,
+                              batch_size=batch_size, sequence_length=sequence_length,
+                              metadata=metadata,
+                              external_data_threshold=external_data_threshold, **chosen)
+
+    chosen = {"dtype": dtype, "optimize": optimize, "quantize": quantize,
+              "keep_float": keep_float}
+    if eval_data is None:
+        path = export(Path(output), **chosen)
+    else:
+        path = _export_scored(export, chosen, task, Path(output), Path(eval_data),
+                              max_accuracy_drop)
     if metadata is not None and vocab is None:  # said once the export exists: it matters then
         log.warning("%s: its vocabulary %s is gone and there is no vocab.txt in the run "
                     "directory: %s cannot be served by `popbert predict` (it reads the "
@@ -350,3 +387,23 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
                     path)
     return path
 
+
+def _export_scored(export, chosen: Mapping[str, object], task: str, output: Path,
+                   eval_data: Path, max_drop: float | None) -> Path:
+    """Export into a directory beside `output`, score it against the plain FP32 export on
+    `eval_data`, and move it into place only if the drop is allowed."""
+    from popbert.serve.accuracy import accuracy_cost, check_drop
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with reported(output), \
+            tempfile.TemporaryDirectory(dir=output.parent, prefix=f".tmp-{output.name}-") as tmp:
+        staged = export(Path(tmp) / output.name, **chosen)
+        reference = export(Path(tmp) / "reference-fp32.onnx")
+        cost = accuracy_cost(reference, staged, task, eval_data)
+        log.info("accuracy cost %s", cost.line())
+        check_drop(cost, max_drop, output)
+        data = staged.with_name(staged.name + ".data")
+        if data.exists():
+            os.replace(data, output.with_name(output.name + ".data"))
+        os.replace(staged, output)
+    return output

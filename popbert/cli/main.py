@@ -122,6 +122,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
         options["dtype"] = args.dtype
     if args.optimize:
         options["optimize"] = True
+    if args.fusions is not None:
+        from popbert.io.fused import parse_fusions
+
+        options["fusions"] = parse_fusions(args.fusions)
     if args.quantize:
         options["quantize"] = args.quantize
     if args.keep_float is not None:
@@ -482,12 +486,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fix the input length to N (default: a symbolic sequence axis, any "
                         "length up to model.max_position_embeddings)")
     p.add_argument("--optimize", action="store_true",
-                   help="write ONNX Runtime's fused BERT operators (Attention, "
-                        "SkipLayerNormalization, BiasGelu, EmbedLayerNormalization); float32 "
-                        "only, checked like the plain export")
+                   help="write ONNX Runtime's fused BERT operators that pay on its CPU "
+                        "provider (Attention, EmbedLayerNormalization); float32 only, checked "
+                        "like the plain export")
+    p.add_argument("--fusions", default=None, metavar="LIST",
+                   help="with --optimize: the fused operators to write instead, "
+                        "comma-separated from Attention, EmbedLayerNormalization, "
+                        "SkipLayerNormalization, BiasGelu, or all (for GPU providers)")
     p.add_argument("--quantize", choices=("int8",), default=None,
-                   help="int8: dynamic INT8 weight matrices (per channel), for CPUs with "
-                        "AVX-512 VNNI or AMX; checked against the torch backend")
+                   help="int8: dynamic INT8 weight matrices (per channel) on the optimized "
+                        "graph, for CPUs with AVX-512 VNNI or AMX; checked against the torch "
+                        "backend")
     p.add_argument("--keep-float", default=None, metavar="ROLES",
                    help="with --quantize: weight roles left in FP32, comma-separated, from "
                         "qkv, attention-out, ffn-in, ffn-out, conv, head, or none "

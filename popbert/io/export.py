@@ -27,6 +27,7 @@ from popbert.builders.bert import BATCH, SEQUENCE, build_bert
 from popbert.builders.bert_config import TASK_NAMES, BertConfig
 from popbert.errors import CheckpointError, UsageError
 from popbert.graph.annotations import METADATA_PREFIX, strip_annotations, trainable_initializers
+from popbert.io.fused import CPU_FUSIONS, fuse_for_ort
 from popbert.io.quantize import DEFAULT_KEEP_FLOAT, QUANTIZE_MODES, quantize_int8
 
 log = logging.getLogger(__name__)
@@ -169,12 +170,12 @@ def check_shapes(config: BertConfig, batch_size: int | None,
     return sorted(set(zip(batches, lengths)))
 
 
-def optimize_for_ort(model: onnx.ModelProto, config: BertConfig) -> onnx.ModelProto:
-    """`model` with ONNX Runtime's fused BERT contrib operators (`popbert.io.fused`); the
-    operators it now has (op type → count) are stored as `popbert.fusions` metadata."""
-    from popbert.io.fused import fuse_for_ort
-
-    out, fused = fuse_for_ort(model, config.num_heads)
+def optimize_for_ort(model: onnx.ModelProto, config: BertConfig,
+                     fusions: Collection[str] = CPU_FUSIONS) -> onnx.ModelProto:
+    """`model` with ONNX Runtime's fused BERT contrib operators named in `fusions`
+    (`popbert.io.fused`); the operators it now has (op type → count) are stored as
+    `popbert.fusions` metadata."""
+    out, fused = fuse_for_ort(model, config.num_heads, fusions)
     onnx.helper.set_model_props(out, {**{p.key: p.value for p in model.metadata_props},
                                       f"{METADATA_PREFIX}fusions": json.dumps(fused)})
     return out
@@ -236,8 +237,8 @@ def _write(model: onnx.ModelProto, output: Path, external_data_threshold: int) -
 def export_weights(weights: Mapping[str, torch.Tensor | np.ndarray], config: BertConfig,
                    task: str, output: Path, *, dtype: str = "float32",
                    batch_size: int | None = None, sequence_length: int | None = None,
-                   optimize: bool = False, quantize: str | None = None,
-                   keep_float: Collection[str] | None = None,
+                   optimize: bool = False, fusions: Collection[str] | None = None,
+                   quantize: str | None = None, keep_float: Collection[str] | None = None,
                    metadata: Mapping[str, str] | None = None,
                    external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> Path:
     """Build the `task` inference graph with `weights`, check, write and verify it.
@@ -245,7 +246,8 @@ def export_weights(weights: Mapping[str, torch.Tensor | np.ndarray], config: Ber
     `batch_size=None` / `sequence_length=None` keep that axis symbolic (any batch; any length
     up to `max_position_embeddings`), an integer fixes it (the length at most
     `max_position_embeddings`). `optimize` rewrites the graph into ONNX Runtime's fused BERT
-    operators (`optimize_for_ort`); `quantize="int8"` then stores its weight matrices in INT8
+    operators named in `fusions` (default: those that pay on the CPU, `CPU_FUSIONS`);
+    `quantize="int8"` (which implies `optimize`) then stores its weight matrices in INT8
     except the roles in `keep_float` (`popbert.io.quantize`). `metadata` is stored as ONNX
     metadata props. ONNX Runtime must agree with the torch backend at every `check_shapes`
     pair (within `compare`'s tolerance for the format); the file is removed again if not.
@@ -256,9 +258,6 @@ def export_weights(weights: Mapping[str, torch.Tensor | np.ndarray], config: Ber
         raise UsageError(f"--dtype: expected one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
     if batch_size is not None and batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
-    if optimize and dtype != "float32":
-        raise UsageError("--optimize: ONNX Runtime's fused BERT operators are written for "
-                         "float32 exports only; drop --optimize or use --dtype float32")
     if quantize is not None and quantize not in QUANTIZE_MODES:
         raise UsageError(f"--quantize: expected one of {', '.join(QUANTIZE_MODES)}, "
                          f"got {quantize!r}")
@@ -267,6 +266,10 @@ def export_weights(weights: Mapping[str, torch.Tensor | np.ndarray], config: Ber
                          f"{dtype}")
     if keep_float is not None and not quantize:
         raise UsageError("--keep-float applies to quantized exports; add --quantize int8")
+    optimize = optimize or bool(quantize) or fusions is not None
+    if optimize and dtype != "float32":
+        raise UsageError("--optimize: ONNX Runtime's fused BERT operators are written for "
+                         "float32 exports only; drop --optimize or use --dtype float32")
     config = inference_config(config, sequence_length)
     try:
         graph = build_bert(config, task=task, with_loss=False, zeros=True,
@@ -294,7 +297,7 @@ def export_weights(weights: Mapping[str, torch.Tensor | np.ndarray], config: Ber
                                         f"{METADATA_PREFIX}sequence_length":
                                             str(config.sequence_length)})
     if optimize:
-        model = optimize_for_ort(model, config)
+        model = optimize_for_ort(model, config, CPU_FUSIONS if fusions is None else fusions)
     if quantize:
         model, counts = quantize_int8(model, DEFAULT_KEEP_FLOAT if keep_float is None
                                       else keep_float)
@@ -337,8 +340,8 @@ def task_metadata(config: BertConfig, vocab: Path | None) -> dict[str, str]:
 
 def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str = "float32",
                       batch_size: int | None = None, sequence_length: int | None = None,
-                      optimize: bool = False, quantize: str | None = None,
-                      keep_float: Collection[str] | None = None,
+                      optimize: bool = False, fusions: Collection[str] | None = None,
+                      quantize: str | None = None, keep_float: Collection[str] | None = None,
                       eval_data: Path | None = None, max_accuracy_drop: float | None = None,
                       external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> Path:
     """`popbert export`: a checkpoint directory (or run directory) → inference ONNX file.
@@ -373,7 +376,7 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
                               metadata=metadata,
                               external_data_threshold=external_data_threshold, **chosen)
 
-    chosen = {"dtype": dtype, "optimize": optimize, "quantize": quantize,
+    chosen = {"dtype": dtype, "optimize": optimize, "fusions": fusions, "quantize": quantize,
               "keep_float": keep_float}
     if eval_data is None:
         path = export(Path(output), **chosen)

@@ -310,11 +310,21 @@ REWRITES = {"Attention": _fuse_attention, "EmbedLayerNormalization": _fuse_embed
             "SkipLayerNormalization": _fuse_skip_norms, "BiasGelu": _fuse_bias_gelu}
 
 
+ALL_FUSIONS = tuple(REWRITES)
+# The fused operators that pay on ONNX Runtime's CPU provider, measured on AVX-512 VNNI/AMX
+# Xeons (benchmarks/RESULTS_inference.md): QAttention and the embedding kernel help INT8;
+# SkipLayerNormalization's CPU kernel is slower than Add + LayerNormalization, and BiasGelu
+# gains nothing once ORT has folded the bias into the (quantized) MatMul.
+CPU_FUSIONS = ("Attention", "EmbedLayerNormalization")
+
+
 def fuse_for_ort(model: onnx.ModelProto, num_heads: int,
-                 fusions: Collection[str] = tuple(REWRITES)
+                 fusions: Collection[str] = ALL_FUSIONS
                  ) -> tuple[onnx.ModelProto, dict[str, int]]:
     """A copy of popbert's FP32 inference graph `model` with ONNX Runtime's fused BERT contrib
     operators named in `fusions` (all by default), and how many of each it now has.
+    Without SkipLayerNormalization the residual additions are kept apart from their
+    LayerNorm (`residuals_apart`), or ORT would fuse them itself when it loads the file.
     `num_heads` is used where the graph's `Attention` does not say."""
     unknown = set(fusions) - set(REWRITES)
     if unknown:
@@ -327,9 +337,49 @@ def fuse_for_ort(model: onnx.ModelProto, num_heads: int,
             rewrite(g, num_heads) if name == "Attention" else rewrite(g)
     fused = dict(sorted(g.fused.items()))
     result = g.finish()
+    if "SkipLayerNormalization" not in fusions:
+        result, apart = residuals_apart(result)
+        if apart:
+            fused["Sum"] = apart
     log.info("fused for ONNX Runtime: %s", ", ".join(f"{count} {op}" for op, count in
                                                      fused.items()) or "nothing")
     return result, fused
 
 
-__all__ = ["CONTRIB", "REWRITES", "fuse_for_ort"]
+def parse_fusions(text: str, flag: str = "--fusions") -> tuple[str, ...]:
+    """`a,b` → the fused operators named; "all" → every one; "none" → ()."""
+    from popbert.errors import UsageError
+
+    if text.strip() == "all":
+        return ALL_FUSIONS
+    names = tuple(n.strip() for n in text.split(",") if n.strip() and n.strip() != "none")
+    unknown = [n for n in names if n not in REWRITES]
+    if unknown:
+        raise UsageError(f"{flag}: unknown fused operator {unknown[0]!r}; expected all, none "
+                         f"or a comma-separated list of {', '.join(REWRITES)}")
+    return names
+
+
+def residuals_apart(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """A copy of `model` whose residual additions before a LayerNormalization are `Sum` nodes
+    (the same arithmetic), and how many: ONNX Runtime then cannot fuse them into its
+    `SkipLayerNormalization` CPU kernel, which measured slower than `Add` + `LayerNormalization`
+    (20-25% of a whole INT8 MiniLM call; benchmarks/RESULTS_inference.md)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    producer = {name: node for node in out.graph.node for name in node.output}
+    changed = 0
+    for node in out.graph.node:
+        if node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx"):
+            residual = producer.get(node.input[0])
+            if residual is not None and residual.op_type == "Add" \
+                    and residual.domain in ("", "ai.onnx") \
+                    and not any(i in {t.name for t in out.graph.initializer}
+                                for i in residual.input):
+                residual.op_type = "Sum"
+                changed += 1
+    return out, changed
+
+
+__all__ = ["ALL_FUSIONS", "CONTRIB", "CPU_FUSIONS", "REWRITES", "fuse_for_ort", "parse_fusions",
+           "residuals_apart"]

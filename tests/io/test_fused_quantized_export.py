@@ -73,7 +73,8 @@ def test_fused_export_runs_ort_kernels_and_matches_the_torch_backend(
         tmp_path: Path, architecture: str, task: str) -> None:
     config = small_config(architecture)
     weights = random_weights(config, task)
-    path = export.export_weights(weights, config, task, tmp_path / "fused.onnx", optimize=True)
+    path = export.export_weights(weights, config, task, tmp_path / "fused.onnx",
+                                 fusions=fused.ALL_FUSIONS)
     ops = op_counts(path)
     residuals = 2 if architecture == "bert" else 4  # per layer: post-norm BERT, GroupBERT
     ffns = 1 if architecture == "bert" else 2
@@ -110,7 +111,7 @@ def test_a_wrong_fusion_is_caught_by_the_export_check(tmp_path: Path, monkeypatc
     config = small_config("bert")
     with pytest.raises(RuntimeError, match="export check failed"):
         export.export_weights(random_weights(config, "encoder"), config, "encoder",
-                              tmp_path / "wrong.onnx", optimize=True)
+                              tmp_path / "wrong.onnx", fusions=fused.ALL_FUSIONS)
     assert not (tmp_path / "wrong.onnx").exists()
 
 
@@ -119,25 +120,24 @@ def test_fusions_can_be_chosen() -> None:
     graph = strip_annotations(build_bert(config, task="encoder", with_loss=False,
                                          batch_size=BATCH, dynamic_sequence=True).model())
     model, counts = fused.fuse_for_ort(graph, config.num_heads, fusions=("BiasGelu",))
-    assert counts == {"BiasGelu": LAYERS}
+    assert counts == {"BiasGelu": LAYERS, "Sum": 1 + 2 * LAYERS}  # embeddings + residuals
     assert Counter(n.op_type for n in model.graph.node)["LayerNormalization"] == 1 + 2 * LAYERS
     with pytest.raises(ValueError, match="unknown fusions"):
         fused.fuse_for_ort(graph, config.num_heads, fusions=("Flash",))
 
 
-@pytest.mark.parametrize("architecture,task,optimize", [
-    ("bert", "classification", True), ("bert", "squad", False),
-    ("bert", "pretraining", True), ("groupbert", "encoder", True)])
+@pytest.mark.parametrize("architecture,task,fusions", [
+    ("bert", "classification", None), ("bert", "squad", fused.ALL_FUSIONS),
+    ("bert", "pretraining", None), ("groupbert", "encoder", None)])
 def test_int8_export_matches_the_torch_backend(tmp_path: Path, architecture: str, task: str,
-                                               optimize: bool) -> None:
+                                               fusions) -> None:
     config = small_config(architecture)
     weights = random_weights(config, task)
     path = export.export_weights(weights, config, task, tmp_path / "int8.onnx",
-                                 optimize=optimize, quantize="int8")
+                                 fusions=fusions, quantize="int8")
     model = onnx.load(str(path))
     ops = Counter(n.op_type for n in model.graph.node)
-    assert ops["MatMulInteger"] + ops["QAttention"] >= 3 * LAYERS
-    assert ops["QAttention"] == (LAYERS if optimize else 0)
+    assert ops["MatMulInteger"] >= 2 * LAYERS and ops["QAttention"] == LAYERS
     integer = {t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.INT8}
     assert integer and not any("Embedding" in name for name in integer)
     # The default keeps the task heads in FP32: their weights are still float MatMul inputs
@@ -162,8 +162,10 @@ def test_keep_float_roles_and_a_corrupt_int8_weight(tmp_path: Path, monkeypatch)
                                        quantize="int8", keep_float=())
     kept = export.export_weights(weights, config, "encoder", tmp_path / "kept.onnx",
                                  quantize="int8", keep_float=("ffn-out", "head"))
-    assert op_counts(everything)["MatMulInteger"] == 4 * LAYERS + 1  # + the pooler
-    assert op_counts(kept)["MatMulInteger"] == 3 * LAYERS
+    # QKV in QAttention; attention-out, ffn-in, ffn-out in MatMulInteger; + the pooler.
+    assert op_counts(everything)["MatMulInteger"] == 3 * LAYERS + 1
+    assert op_counts(everything)["QAttention"] == op_counts(kept)["QAttention"] == LAYERS
+    assert op_counts(kept)["MatMulInteger"] == 2 * LAYERS
     # Negative control: an INT8 weight scaled wrongly must fail the export's INT8 check.
     real = quantize.quantize_int8
 
@@ -198,3 +200,31 @@ def test_quantize_misuse_is_one_line(tmp_path: Path) -> None:
         quantize.parse_roles("qkv,ffn")
     assert quantize.parse_roles("none") == () and quantize.parse_roles("head, qkv") == (
         "head", "qkv")
+
+
+def ort_loaded_ops(path: Path, tmp_path: Path) -> Counter:
+    """The operators ONNX Runtime runs after its own load-time fusions (ORT_ENABLE_ALL)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "loaded.onnx")
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return Counter(n.op_type for n in onnx.load(str(tmp_path / "loaded.onnx")).graph.node)
+
+
+def test_cpu_fusions_keep_ort_off_its_slow_skip_layer_norm(tmp_path: Path, monkeypatch) -> None:
+    """The default (CPU) fusions write residuals as `Sum`, so ONNX Runtime does not fuse them
+    into SkipLayerNormalization when it loads an INT8 file; negative control: with plain
+    `Add`s it does."""
+    config = small_config("bert")
+    weights = random_weights(config, "classification")
+    default = export.export_weights(weights, config, "classification", tmp_path / "a.onnx",
+                                    quantize="int8")
+    written = op_counts(default)
+    assert written["EmbedLayerNormalization"] == 1 and written["Sum"] == 2 * LAYERS
+    loaded = ort_loaded_ops(default, tmp_path)
+    assert loaded["SkipLayerNormalization"] == 0 and loaded["QAttention"] == LAYERS
+    monkeypatch.setattr(fused, "residuals_apart", lambda model: (model, 0))
+    adds = export.export_weights(weights, config, "classification", tmp_path / "b.onnx",
+                                 quantize="int8")
+    assert ort_loaded_ops(adds, tmp_path)["SkipLayerNormalization"] == 2 * LAYERS

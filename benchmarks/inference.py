@@ -481,7 +481,22 @@ def classification_exports(run: Path, directory: Path, names: list[str]
                            metadata)
 
 
-class PopbertRunner:
+class InProcessRunner:
+    """A mix runner in this process: `labels()` classifies the texts; `seconds()` times it."""
+
+    def labels(self) -> list[str]:
+        raise NotImplementedError
+
+    def seconds(self) -> float:
+        started = time.perf_counter()
+        self.labels()
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        pass
+
+
+class PopbertRunner(InProcessRunner):
     """`popbert predict classify`'s path: `ClassifyPredictor` on an export, texts → labels."""
 
     def __init__(self, path: Path, threads: int, data, batch_size: int) -> None:
@@ -494,16 +509,8 @@ class PopbertRunner:
         with contextlib.redirect_stderr(io.StringIO()):  # its progress bar
             return self.predictor.predict(self.data, self.batch_size)[0]
 
-    def seconds(self) -> float:
-        started = time.perf_counter()
-        self.labels()
-        return time.perf_counter() - started
 
-    def close(self) -> None:
-        pass
-
-
-class HFPipelineRunner:
+class HFPipelineRunner(InProcessRunner):
     """transformers' text-classification pipeline on `BertForSequenceClassification` (eager)."""
 
     def __init__(self, hf_dir: Path, threads: int, texts: list[str], batch_size: int,
@@ -525,14 +532,6 @@ class HFPipelineRunner:
 
         with torch.no_grad():
             return [r["label"] for r in self.pipe(self.texts)]
-
-    def seconds(self) -> float:
-        started = time.perf_counter()
-        self.labels()
-        return time.perf_counter() - started
-
-    def close(self) -> None:
-        pass
 
 
 class OptimumWorker:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from popbert import __version__
 from popbert.cli.paths import check_output_file
-from popbert.errors import CheckpointError, PopbertError, one_line
+from popbert.errors import CheckpointError, PopbertError, UsageError, one_line
 
 if TYPE_CHECKING:
     from popbert.config import RunConfig
@@ -109,10 +109,21 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _names(text: str, known: Sequence[str], flag: str, what: str) -> tuple[str, ...]:
+    """A comma-separated list of `known` names; "all" → every one, "none" (or "") → ()."""
+    if text.strip() == "all":
+        return tuple(known)
+    names = tuple(n.strip() for n in text.split(",") if n.strip() not in ("", "none"))
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise UsageError(f"{flag}: unknown {what} {unknown[0]!r}; expected all, none or a "
+                         f"comma-separated list of {', '.join(known)}")
+    return names
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     checkpoint = _existing_dir(args.checkpoint, "--checkpoint")
     check_output_file(args.output, "--output")
-    from popbert.errors import UsageError
     from popbert.io.export import export_checkpoint
 
     # Only options the user set are passed, so export_checkpoint's defaults stay the one source.
@@ -123,15 +134,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if args.optimize:
         options["optimize"] = True
     if args.fusions is not None:
-        from popbert.io.fused import parse_fusions
+        from popbert.io.fused import ALL_FUSIONS
 
-        options["fusions"] = parse_fusions(args.fusions)
+        options["fusions"] = _names(args.fusions, ALL_FUSIONS, "--fusions", "fused operator")
     if args.quantize:
         options["quantize"] = args.quantize
     if args.keep_float is not None:
-        from popbert.io.quantize import parse_roles
+        from popbert.io.quantize import ALL_ROLES
 
-        options["keep_float"] = parse_roles(args.keep_float)
+        options["keep_float"] = _names(args.keep_float, ALL_ROLES, "--keep-float", "role")
     if args.eval is not None:
         if not args.eval.is_file():
             raise UsageError(f"--eval: file not found: {args.eval}")

@@ -346,20 +346,6 @@ def fuse_for_ort(model: onnx.ModelProto, num_heads: int,
     return result, fused
 
 
-def parse_fusions(text: str, flag: str = "--fusions") -> tuple[str, ...]:
-    """`a,b` → the fused operators named; "all" → every one; "none" → ()."""
-    from popbert.errors import UsageError
-
-    if text.strip() == "all":
-        return ALL_FUSIONS
-    names = tuple(n.strip() for n in text.split(",") if n.strip() and n.strip() != "none")
-    unknown = [n for n in names if n not in REWRITES]
-    if unknown:
-        raise UsageError(f"{flag}: unknown fused operator {unknown[0]!r}; expected all, none "
-                         f"or a comma-separated list of {', '.join(REWRITES)}")
-    return names
-
-
 def residuals_apart(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     """A copy of `model` whose residual additions before a LayerNormalization are `Sum` nodes
     (the same arithmetic), and how many: ONNX Runtime then cannot fuse them into its
@@ -381,5 +367,4 @@ def residuals_apart(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     return out, changed
 
 
-__all__ = ["ALL_FUSIONS", "CONTRIB", "CPU_FUSIONS", "REWRITES", "fuse_for_ort", "parse_fusions",
-           "residuals_apart"]
+__all__ = ["ALL_FUSIONS", "CONTRIB", "CPU_FUSIONS", "REWRITES", "fuse_for_ort", "residuals_apart"]

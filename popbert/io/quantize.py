@@ -21,8 +21,6 @@ from pathlib import Path
 
 import onnx
 
-from popbert.errors import UsageError
-
 log = logging.getLogger(__name__)
 
 QUANTIZE_MODES = ("int8",)
@@ -46,16 +44,6 @@ DEFAULT_KEEP_FLOAT = (HEAD,)
 def weight_role(weight: str) -> str:
     """The role (`ROLES` key, or "head") of the weight initializer named `weight`."""
     return next((role for role, pattern in ROLES.items() if pattern.search(weight)), HEAD)
-
-
-def parse_roles(text: str, flag: str = "--keep-float") -> tuple[str, ...]:
-    """`a,b` → ("a", "b"), each a known role; "" or "none" → ()."""
-    roles = tuple(r.strip() for r in text.split(",") if r.strip() and r.strip() != "none")
-    unknown = [r for r in roles if r not in ALL_ROLES]
-    if unknown:
-        raise UsageError(f"{flag}: unknown role {unknown[0]!r}; expected a comma-separated list "
-                         f"of {', '.join(ALL_ROLES)} (or none)")
-    return roles
 
 
 def quantize_int8(model: onnx.ModelProto, keep_float: Collection[str] = DEFAULT_KEEP_FLOAT,
@@ -116,5 +104,5 @@ def quantize_int8(model: onnx.ModelProto, keep_float: Collection[str] = DEFAULT_
     return result, counts
 
 
-__all__ = ["ALL_ROLES", "DEFAULT_KEEP_FLOAT", "HEAD", "QUANTIZE_MODES", "ROLES", "parse_roles",
-           "quantize_int8", "weight_role"]
+__all__ = ["ALL_ROLES", "DEFAULT_KEEP_FLOAT", "HEAD", "QUANTIZE_MODES", "ROLES", "quantize_int8",
+           "weight_role"]

@@ -150,6 +150,8 @@ def test_squad_export_cost_uses_the_official_metric(tmp_path: Path) -> None:
     (["--task", "classification", "--eval", "{missing}"], "--eval: file not found"),
     (["--task", "classification", "--quantize", "int8", "--keep-float", "ffn"],
      "--keep-float: unknown role 'ffn'"),
+    (["--task", "classification", "--optimize", "--fusions", "Attention,Flash"],
+     "--fusions: unknown fused operator 'Flash'"),
     (["--task", "classification", "--eval", "{rows}", "--max-accuracy-drop", "-1"],
      "--max-accuracy-drop: expected points >= 0"),
 ])

@@ -1,7 +1,8 @@
 """Which weights to leave in FP32, and per-channel or per-tensor scales: measured, not assumed.
 
 For a fine-tuned classification run (the topic classifier of benchmarks/inference.py, say) this
-exports the plain FP32 model, then quantizes it (dynamic INT8, `popbert.io.quantize`) with
+exports the plain FP32 model, then quantizes its optimized graph (dynamic INT8,
+`popbert.io.quantize`, on what `--optimize` writes, as `popbert export --quantize int8` does) with
 every choice of roles kept in FP32 below and with per-tensor and per-channel weight scales, and
 scores each on a labelled file against the FP32 export: held-out accuracy, agreement of labels
 with FP32, and the median latency of a batch in ONNX Runtime (2 threads). The default of
@@ -56,7 +57,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
+    from popbert.config import load_config
     from popbert.io.export import export_checkpoint
+    from popbert.io.fused import CPU_FUSIONS, fuse_for_ort
     from popbert.io.quantize import quantize_int8
     from popbert.serve.accuracy import accuracy_cost
 
@@ -67,9 +70,12 @@ def main() -> None:
         results.append({"weights": "fp32", "kept": "all", "accuracy": fp32.reference["accuracy"],
                         "agreement": 100.0, "ms": latency(reference, args.rows, args.threads,
                                                           args.calls)})
+        # What `popbert export --quantize int8` quantizes: the graph `--optimize` writes.
+        heads = load_config(args.run / "config.yaml").model.num_heads
+        optimized, _ = fuse_for_ort(onnx.load(str(reference)), heads, CPU_FUSIONS)
         for per_channel in (False, True):
             for kept in CHOICES:
-                model, _ = quantize_int8(onnx.load(str(reference)), kept, per_channel)
+                model, _ = quantize_int8(optimized, kept, per_channel)
                 path = Path(tmp) / "int8.onnx"
                 onnx.save(model, str(path))
                 cost = accuracy_cost(reference, path, "classification", args.eval)

@@ -205,6 +205,22 @@ def _fuse_attention(g: _Graph, heads_hint: int) -> None:
         g.replace([matmul, bias_add, split, node], fused, "Attention")
 
 
+def _first_positions(g: _Graph, name: str) -> onnx.NodeProto | None:
+    """The node that makes `name` the first rows of a table, position 0 on: a `Slice` from 0
+    (a symbolic sequence axis) or a `Gather` of the constant 0..S-1 (a fixed one)."""
+    node = g.made_by(name, "Slice")
+    if node is not None:
+        starts = g.vector(node.input[1])
+        return node if starts is not None and not starts.any() else None
+    node = g.made_by(name, "Gather")
+    if node is not None:
+        indices = g.vector(node.input[1])
+        if indices is not None and indices.ndim == 1 and \
+                np.array_equal(indices, np.arange(len(indices))):
+            return node
+    return None
+
+
 def _fuse_embeddings(g: _Graph) -> None:
     for norm in g.nodes:
         if norm.op_type != "LayerNormalization" or id(norm) in g.removed \
@@ -225,15 +241,13 @@ def _fuse_embeddings(g: _Graph) -> None:
         words = positions = None
         for words_name, positions_name in (inner.input, reversed(inner.input)):
             words = g.made_by(words_name, "Gather")
-            positions = g.made_by(positions_name, "Slice")
-            if words is not None and positions is not None:
+            positions = _first_positions(g, positions_name)
+            if words is not None and words.input[1] in g.inputs and positions is not None:
                 break
         if words is None or positions is None:
             continue
-        starts = g.vector(positions.input[1])
         ids, types = words.input[1], segments.input[1]
-        if not (ids in g.inputs and types in g.inputs and starts is not None
-                and not starts.any() and words.input[0] in g.initializers
+        if not (ids in g.inputs and types in g.inputs and words.input[0] in g.initializers
                 and segments.input[0] in g.initializers
                 and positions.input[0] in g.initializers
                 and all(g.only_feeds(n.output[0], m) for n, m in

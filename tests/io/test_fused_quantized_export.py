@@ -224,3 +224,20 @@ def test_cpu_fusions_keep_ort_off_its_slow_skip_layer_norm(tmp_path: Path, monke
     adds = export.export_weights(weights, config, "classification", tmp_path / "b.onnx",
                                  quantize="int8")
     assert ort_loaded_ops(adds, tmp_path)["SkipLayerNormalization"] == 2 * LAYERS
+
+
+def test_fixed_shape_exports_fuse_too(tmp_path: Path) -> None:
+    """A fixed sequence axis reads positions by a constant Gather, not a Slice: fused alike."""
+    config = small_config("bert")
+    weights = random_weights(config, "squad")
+    path = export.export_weights(weights, config, "squad", tmp_path / "fixed.onnx",
+                                 batch_size=4, sequence_length=19, fusions=fused.ALL_FUSIONS)
+    ops = op_counts(path)
+    assert ops["EmbedLayerNormalization"] == 1 and ops["Attention"] == LAYERS
+    assert ops["SkipLayerNormalization"] == 2 * LAYERS
+    batch = unseen_batch(config, "squad")
+    ours, theirs = torch_reference(config, "squad", weights, batch), run_ort(path, batch)
+    for name in OUTPUTS["squad"]:
+        scale = max(1.0, float(np.abs(ours[name]).max()))
+        np.testing.assert_allclose(theirs[name], ours[name], rtol=0,
+                                   atol=export.VERIFY_ATOL * scale, err_msg=name)

@@ -87,6 +87,17 @@ def test_int8_export_reports_its_accuracy_cost(setup: Setup, tmp_path: Path, cap
     assert output.is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["int8.onnx"]
 
 
+def test_a_half_precision_export_reports_its_cost_too(setup: Setup, tmp_path: Path,
+                                                      caplog) -> None:
+    output = tmp_path / "fp16.onnx"
+    with caplog.at_level(logging.INFO):
+        assert cli.main(["export", "--checkpoint", str(setup.run), "--task", "classification",
+                         "--output", str(output), "--dtype", "float16", "--eval",
+                         str(setup.texts)]) == 0
+    line = next(r.getMessage() for r in caplog.records if "accuracy cost" in r.getMessage())
+    assert "on 60 examples" in line and output.is_file()
+
+
 def test_the_cost_is_measured_not_assumed(setup: Setup, tmp_path: Path) -> None:
     """The FP32 export against itself costs nothing; a perturbed one costs what it changed."""
     same = accuracy_cost(setup.reference, setup.reference, "classification", setup.rows)

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -356,9 +356,10 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
 
     if max_accuracy_drop is not None and eval_data is None:
         raise UsageError("--max-accuracy-drop needs --eval FILE: the data to measure the drop on")
-    if eval_data is not None and task not in TASK_NAMES:
-        raise UsageError(f"--eval: a {task} export has no task to score; --eval applies to "
-                         f"{' and '.join(TASK_NAMES)} exports")
+    if eval_data is not None:
+        from popbert.serve.accuracy import check_eval_task
+
+        check_eval_task(task)
     restored = load_checkpoint(checkpoint, weights_only=True)
     cfg = config_from_dict(restored.config,
                            source=str(find_checkpoint(checkpoint, warn=False)))  # said once
@@ -391,8 +392,8 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
     return path
 
 
-def _export_scored(export, chosen: Mapping[str, object], task: str, output: Path,
-                   eval_data: Path, max_drop: float | None) -> Path:
+def _export_scored(export: Callable[..., Path], chosen: Mapping[str, object], task: str,
+                   output: Path, eval_data: Path, max_drop: float | None) -> Path:
     """Export into a directory beside `output`, score it against the plain FP32 export on
     `eval_data`, and move it into place only if the drop is allowed."""
     from popbert.serve.accuracy import accuracy_cost, check_drop

@@ -40,6 +40,7 @@ class _Graph:
     def __init__(self, model: onnx.ModelProto) -> None:
         self.model = model
         self.nodes = list(model.graph.node)
+        self.position = {id(node): index for index, node in enumerate(self.nodes)}
         self.initializers = {t.name: t for t in model.graph.initializer}
         self.inputs = {i.name for i in model.graph.input}
         self.outputs = {o.name for o in model.graph.output}
@@ -85,16 +86,9 @@ class _Graph:
 
     def replace(self, old: Iterable[onnx.NodeProto], new: onnx.NodeProto, kind: str) -> None:
         old = list(old)
-        positions = {id(n): i for i, n in enumerate(self.nodes)}
-        self.added[max(positions[id(n)] for n in old)].append(new)
+        self.added[max(self.position[id(n)] for n in old)].append(new)
         self.removed.update(id(n) for n in old)
         self.fused[kind] += 1
-
-    def add_initializer(self, array: np.ndarray, name: str) -> str:
-        tensor = numpy_helper.from_array(array, name)
-        self.model.graph.initializer.append(tensor)
-        self.initializers[name] = tensor
-        return name
 
     def cast_input(self, name: str, to: int, suffix: str) -> str:
         """A Cast of graph input `name`, emitted once before every node."""
@@ -153,7 +147,7 @@ def _dense_output(g: _Graph, name: str) -> tuple[onnx.NodeProto, onnx.NodeProto,
 def _raw_mask(g: _Graph, additive: str) -> tuple[str, float] | None:
     """The graph input behind the additive attention mask `additive` and the value it adds for
     a masked key, if `additive` is `builders.layers.attention_mask`'s chain of one 0/1 input."""
-    chain, frontier, sources, scale = [], [additive], set(), None
+    frontier, sources, scale = [additive], set(), None
     while frontier:
         name = frontier.pop()
         if name in g.inputs:
@@ -169,7 +163,6 @@ def _raw_mask(g: _Graph, additive: str) -> tuple[str, float] | None:
                 value = g.vector(operand)
                 if value is not None and value.size == 1:
                     scale = float(value.reshape(()))
-        chain.append(node)
         frontier.extend(node.input)
     if len(sources) != 1 or scale is None:
         return None

@@ -78,13 +78,18 @@ def _squad(reference: Path, candidate: Path, data: Path, threads: int | None) ->
                         scores[1], scores[0]["f1"] - scores[1]["f1"])
 
 
+def check_eval_task(task: str) -> None:
+    """UsageError (one line) unless exports of `task` can be scored."""
+    if task not in EVAL_TASKS:
+        raise UsageError(f"--eval: a {task} export has no task to score; --eval applies to "
+                         f"{' and '.join(EVAL_TASKS)} exports")
+
+
 def accuracy_cost(reference: Path, candidate: Path, task: str, data: Path,
                   threads: int | None = None) -> AccuracyCost:
     """Score `candidate` against the FP32 `reference` export of the same `task` on `data` (a
     classification file as `popbert predict classify` reads it, or a SQuAD JSON file)."""
-    if task not in EVAL_TASKS:
-        raise UsageError(f"--eval: a {task} export has no task to score; --eval applies to "
-                         f"{' and '.join(EVAL_TASKS)} exports")
+    check_eval_task(task)
     if task == "classification":
         return _classification(reference, candidate, data, threads)
     return _squad(reference, candidate, data, threads)
@@ -99,4 +104,5 @@ def check_drop(cost: AccuracyCost, max_drop: float | None, output: Path) -> None
                             f"{100 * cost.agreement:.2f}%")
 
 
-__all__ = ["EVAL_TASKS", "AccuracyCost", "AccuracyError", "accuracy_cost", "check_drop"]
+__all__ = ["EVAL_TASKS", "AccuracyCost", "AccuracyError", "accuracy_cost", "check_drop",
+           "check_eval_task"]

@@ -258,17 +258,19 @@ def ort_session(onnx_file: Path, threads: int):
     return ort.InferenceSession(str(onnx_file), options, providers=["CPUExecutionProvider"])
 
 
-def time_rotating(runners: dict[str, Callable[[], object]], rounds: int, blocks: int = 3
-                  ) -> dict[str, list[float]]:
+def time_rotating(runners: dict[str, Callable[[], object]], rounds: int, blocks: int = 3,
+                  pause_s: float = 0.0) -> dict[str, list[float]]:
     """Milliseconds per call of each runner, `rounds` calls each, in `blocks` blocks whose
     order rotates (block k starts with runner k): both runtimes keep their worker threads
     spinning for a while after a call, so strictly interleaved single calls would each steal
-    the CPU from the next. The first call of each block is discarded for the same reason."""
+    the CPU from the next. The first call of each block is discarded for the same reason, and
+    `pause_s` seconds of sleep before each block let the last runtime's threads go idle."""
     names = list(runners)
     per_block = max(1, -(-rounds // blocks))
     times: dict[str, list[float]] = {name: [] for name in names}
     for block in range(blocks):
         for name in names[block % len(names):] + names[:block % len(names)]:
+            time.sleep(pause_s)
             for call in range(per_block + 1):
                 start = time.perf_counter()
                 runners[name]()

@@ -1,0 +1,242 @@
+"""How fast could an export be on this machine? The ceiling ONNX Runtime's CPU GEMMs set on
+issue 21's speed goals (INT8 >= 5x / 4.5x transformers eager at batch 1 / 32, fused FP32 >= 2.5x
+eager at batch 1), measured in one run beside the exports themselves.
+
+A BERT encoder call is mostly its weight GEMMs: per layer x @ W_qkv, x @ W_out, x @ W_ffn_in,
+gelu(...) @ W_ffn_out. This script builds an ONNX graph that holds those GEMMs alone (the model's
+shapes and count, random weights, no attention, LayerNorm, GELU, residual or embedding) and times
+it as FP32 `MatMul`s and, through `popbert.io.quantize.quantize_int8` (the path `popbert export
+--quantize int8` takes), as INT8 `DynamicQuantizeMatMul`s; beside it, interleaved in blocks whose
+order rotates, `transformers` eager (the goals' reference) and popbert's FP32 and INT8 encoder
+exports. `eager / GEMMs alone` is then the speed-up an export would reach if everything but its
+GEMMs cost nothing: no graph rewrite, fusion or kernel choice for the other operators can do
+better with these GEMM kernels, so a goal above that ceiling is out of reach of ONNX Runtime's CPU
+provider on this machine. The attention products are left out, which makes the ceiling generous.
+
+`--openvino` (with `pip install openvino` in this environment; popbert does not depend on it)
+adds a probe of a different runtime: the FP32 export statically quantized to INT8 in QDQ form
+(ONNX Runtime's `quantize_static`, per-channel weights, activation ranges from a few random-id
+batches, so its accuracy is not measured here) and run by OpenVINO's CPU plugin, which fuses
+what ONNX Runtime keeps apart. A speed probe, not a popbert export.
+
+    python benchmarks/inference_ceiling.py                        # MiniLM and BERT-Base, 2 threads
+    python benchmarks/inference_ceiling.py --models minilm --json ceiling.json --openvino
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import inference  # noqa: E402  (benchmarks/inference.py: models, exports, sessions, timer)
+
+GOALS = {"int8": {1: 5.0, 32: 4.5}, "fp32": {1: 2.5}}
+
+
+def gemm_graph(layers: int, hidden: int, ffn: int, rows: int, seed: int = 0) -> onnx.ModelProto:
+    """The encoder's weight GEMMs alone, chained as a layer chains them: [rows, hidden] @ QKV,
+    its first `hidden` columns @ Out, @ FFN-in, @ FFN-out, into the next layer; one output, so
+    intermediate products live in ONNX Runtime's arena as they do in the model. Weight names
+    follow the builder's, so `quantize_int8` gives each its role."""
+    rng = np.random.default_rng(seed)
+    nodes, weights = [], []
+    axis = numpy_helper.from_array(np.array([1], np.int64), "axis")
+    starts, ends = (numpy_helper.from_array(np.array([v], np.int64), n)
+                    for v, n in ((0, "start"), (hidden, "end")))
+    source = "x"
+    for layer in range(layers):
+        for role, (k, n) in {"Attention/QKV": (hidden, 3 * hidden),
+                             "Attention/Out": (hidden, hidden), "FF/1": (hidden, ffn),
+                             "FF/2": (ffn, hidden)}.items():
+            name = f"Layer{layer}/{role}"
+            weights.append(numpy_helper.from_array(
+                (rng.standard_normal((k, n)) * 0.02).astype(np.float32), f"{name}/W"))
+            nodes.append(helper.make_node("MatMul", [source, f"{name}/W"], [f"{name}/Y"],
+                                          name=f"{name}/MatMul"))
+            source = f"{name}/Y"
+            if role == "Attention/QKV":  # the query's columns go on, as the context would
+                nodes.append(helper.make_node("Slice", [source, "start", "end", "axis"],
+                                              [f"{name}/Q"], name=f"{name}/Slice"))
+                source = f"{name}/Q"
+    graph = helper.make_graph(
+        nodes, "gemms", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, hidden])],
+        [helper.make_tensor_value_info(source, TensorProto.FLOAT, [rows, hidden])],
+        [*weights, starts, ends, axis])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
+def gemm_ops(layers: int, hidden: int, ffn: int, rows: int) -> float:
+    """Multiply-adds x 2 of the graph above."""
+    return 2.0 * layers * rows * hidden * (3 * hidden + hidden + 2 * ffn)
+
+
+def qdq_export(fp32_file: Path, output: Path, vocab: int, seed: int = 1) -> Path:
+    """The FP32 export statically quantized (QDQ, per-channel INT8 weights, UINT8 activations
+    with MinMax ranges of 8 random-id batches of 4 rows); the Attention nodes stay FP32."""
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+
+    model = onnx.load(str(fp32_file), load_external_data=False)
+    names = [i.name for i in model.graph.input]
+    batches = [inference.batch(4, 128, vocab, seed + i) for i in range(8)]
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.rows = iter([{n: b[inference.INPUT_ROLES[n]] for n in names} for b in batches])
+
+        def get_next(self):
+            return next(self.rows, None)
+
+    attention = [n.name for n in model.graph.node if n.op_type == "Attention"]
+    quantize_static(str(fp32_file), str(output), Reader(), quant_format=QuantFormat.QDQ,
+                    per_channel=True, activation_type=QuantType.QUInt8,
+                    weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
+                    nodes_to_exclude=attention, calibrate_method=CalibrationMethod.MinMax,
+                    extra_options={"MatMulConstBOnly": True})
+    return output
+
+
+def openvino_runner(onnx_file: Path, arrays: dict[str, np.ndarray], threads: int):
+    import openvino as ov
+
+    core = ov.Core()
+    model = core.read_model(str(onnx_file))
+    model.reshape({i.get_any_name(): list(arrays["ids"].shape) for i in model.inputs})
+    compiled = core.compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": threads,
+                                                 "NUM_STREAMS": 1,
+                                                 "PERFORMANCE_HINT": "LATENCY"})
+    request = compiled.create_infer_request()
+    feeds = {i.get_any_name(): arrays[inference.INPUT_ROLES[i.get_any_name()]]
+             for i in model.inputs}
+    return lambda: request.infer(feeds)
+
+
+def measure(key: str, work: Path, batch: int, threads: int, rounds: int,
+            openvino: bool) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    model, state, _ = inference.MODELS[key][1](work)
+    model.eval()
+    config = model.config
+    files, _ = inference.encoder_exports(model, state, work / key, 128,
+                                         ["popbert-fp32", "popbert-int8"])
+    rows = batch * 128
+    gemms = gemm_graph(config.num_hidden_layers, config.hidden_size, config.intermediate_size,
+                       rows)
+    from popbert.io.quantize import quantize_int8
+
+    gemms_int8, _ = quantize_int8(gemms)
+    for name, graph in (("gemms-fp32", gemms), ("gemms-int8", gemms_int8)):
+        files[name] = work / key / f"{name}-{batch}.onnx"
+        onnx.save(graph, str(files[name]))
+    arrays = inference.batch(batch, 128, config.vocab_size)
+    tensors = {"input_ids": torch.from_numpy(arrays["ids"]),
+               "token_type_ids": torch.from_numpy(arrays["segments"]),
+               "attention_mask": torch.from_numpy(arrays["mask"])}
+
+    def eager():
+        with torch.no_grad():
+            return model(**tensors).last_hidden_state
+
+    runners = {"hf": eager}
+    rng = np.random.default_rng(0)
+    gemm_feeds = {"x": rng.standard_normal((rows, config.hidden_size)).astype(np.float32)}
+    for name, path in files.items():
+        session = inference.ort_session(path, threads)
+        feeds = gemm_feeds if name.startswith("gemms") else inference.feeds_for(session, arrays)
+        runners[name] = (lambda s=session, f=feeds: s.run(None, f))
+    if openvino:
+        qdq = qdq_export(files["popbert-fp32"], work / key / "qdq-int8.onnx", config.vocab_size)
+        runners["openvino-qdq-int8"] = openvino_runner(qdq, arrays, threads)
+    for _ in range(2):
+        for run in runners.values():
+            run()
+    # Short blocks: this machine's speed drifts by 20% within seconds (a shared host), so the
+    # variants take turns often and each meets the same drift; a pause before each block, or a
+    # runtime whose threads still spin (OpenVINO's, PyTorch's) slows the next one's block.
+    times = inference.time_rotating(runners, rounds, blocks=max(3, rounds // 3), pause_s=0.25)
+    ms = {name: statistics.median(values) for name, values in times.items()}
+    ops = gemm_ops(config.num_hidden_layers, config.hidden_size, config.intermediate_size, rows)
+    return {"ms": ms, "gemm_gops": ops / 1e9,
+            "gemm_rate_gops": {k: ops / 1e6 / ms[f"gemms-{k}"] for k in ("fp32", "int8")}}
+
+
+def lines(results: list[dict]) -> list[str]:
+    out = ["| model | batch | HF eager (ms) | popbert FP32 | popbert INT8 | GEMMs alone FP32 "
+           "| GEMMs alone INT8 | ceiling FP32 | ceiling INT8 | goal | INT8 outside its GEMMs |"
+           + (" OpenVINO QDQ INT8 |" if any("openvino-qdq-int8" in r["ms"] for r in results)
+              else ""),
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"
+           + (" ---: |" if any("openvino-qdq-int8" in r["ms"] for r in results) else "")]
+    for r in results:
+        ms, hf, b = r["ms"], r["ms"]["hf"], r["batch"]
+        goal = ", ".join(f"{kind.upper()} {g[b]}x" for kind, g in GOALS.items() if b in g)
+        rate = r["gemm_rate_gops"]
+        line = (f"| {r['model']} | {b} | {hf:.1f} | {ms['popbert-fp32']:.1f} "
+                f"({hf / ms['popbert-fp32']:.2f}x) | {ms['popbert-int8']:.1f} "
+                f"({hf / ms['popbert-int8']:.2f}x) | {ms['gemms-fp32']:.1f} "
+                f"({rate['fp32']:.0f} GFLOP/s) | {ms['gemms-int8']:.1f} ({rate['int8']:.0f} "
+                f"GOP/s) | {hf / ms['gemms-fp32']:.2f}x | {hf / ms['gemms-int8']:.2f}x | {goal} "
+                f"| {1 - ms['gemms-int8'] / ms['popbert-int8']:.0%} |")
+        if "openvino-qdq-int8" in ms:
+            line += f" {ms['openvino-qdq-int8']:.1f} ({hf / ms['openvino-qdq-int8']:.2f}x) |"
+        out.append(line)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", choices=sorted(inference.MODELS),
+                        default=["minilm", "base"])
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32])
+    parser.add_argument("--threads", type=int, default=inference.GOAL_THREADS)
+    parser.add_argument("--rounds", type=int, default=45, help="timed calls per variant at "
+                        "batch 1 (a fifth of that, at least 6, at larger batches)")
+    parser.add_argument("--openvino", action="store_true",
+                        help="also time a static QDQ INT8 export in OpenVINO (pip install "
+                             "openvino)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(f"{started}; {platform.processor() or platform.machine()}, load average "
+          f"{os.getloadavg()[0]:.2f}, {args.threads} threads, sequence 128", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="popbert-ceiling-") as tmp:
+        for key in args.models:
+            for batch in args.batch_sizes:
+                rounds = args.rounds if batch == 1 else max(6, args.rounds // 5)
+                result = measure(key, Path(tmp), batch, args.threads, rounds, args.openvino)
+                result.update(model=inference.MODELS[key][0], batch=batch)
+                results.append(result)
+                print("\n".join(lines([result])[2:]), flush=True)
+    print(f"\nload average at the end {os.getloadavg()[0]:.2f}\n")
+    print("\n".join(lines(results)))
+    if args.json:
+        args.json.write_text(json.dumps({"started": started, "threads": args.threads,
+                                         "machine": inference.machine(), "results": results},
+                                        indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

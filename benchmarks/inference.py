@@ -99,6 +99,7 @@ INPUT_ROLES = {"input_ids": "ids", "segment_ids": "segments", "token_type_ids": 
 GOALS = {"int8_batch1": 5.0, "int8_batch32": 4.5, "fused_batch1": 2.5, "mix_over_optimum": 1.5,
          "accuracy_points": 1.0}
 GOAL_THREADS = 2
+PAUSE_S = 0.25  # before each block of calls: the last runtime's threads stop spinning
 
 
 # ------------------------------------------------------------------------------ the machine
@@ -325,7 +326,11 @@ def measure(model, compiled, files: dict[str, Path], batch_size: int, seq: int, 
     for _ in range(2):  # warm-up: allocators, ORT's first-run kernels
         for run in runners.values():
             run()
-    for name, values in time_rotating(runners, rounds).items():
+    # Short blocks with a pause before each: on a shared host whose speed drifts within
+    # seconds, three long blocks let drift and the previous runtime's spinning threads decide
+    # a 10% difference (the 2026-11-27 runs in RESULTS_inference.md).
+    for name, values in time_rotating(runners, rounds, blocks=max(3, rounds // 3),
+                                      pause_s=PAUSE_S).items():
         result[name].update({"ms": statistics.median(values),
                              "p90_ms": float(np.percentile(values, 90)), "calls": len(values)})
     return result

@@ -13,14 +13,11 @@ GEMMs cost nothing: no graph rewrite, fusion or kernel choice for the other oper
 better with these GEMM kernels, so a goal above that ceiling is out of reach of ONNX Runtime's CPU
 provider on this machine. The attention products are left out, which makes the ceiling generous.
 
-`--openvino` (with `pip install openvino` in this environment; popbert does not depend on it)
-adds a probe of a different runtime: the FP32 export statically quantized to INT8 in QDQ form
-(ONNX Runtime's `quantize_static`, per-channel weights, activation ranges from a few random-id
-batches, so its accuracy is not measured here) and run by OpenVINO's CPU plugin, which fuses
-what ONNX Runtime keeps apart. A speed probe, not a popbert export.
+A runtime other than ONNX Runtime has other kernels and another ceiling:
+`benchmarks/openvino_probe.py` measures one.
 
     python benchmarks/inference_ceiling.py                        # MiniLM and BERT-Base, 2 threads
-    python benchmarks/inference_ceiling.py --models minilm --json ceiling.json --openvino
+    python benchmarks/inference_ceiling.py --models minilm --json ceiling.json
 """
 
 from __future__ import annotations
@@ -84,54 +81,7 @@ def gemm_ops(layers: int, hidden: int, ffn: int, rows: int) -> float:
     return 2.0 * layers * rows * hidden * (3 * hidden + hidden + 2 * ffn)
 
 
-def qdq_export(fp32_file: Path, output: Path, vocab: int, seed: int = 1) -> Path:
-    """The FP32 export statically quantized (QDQ, per-channel INT8 weights, UINT8 activations
-    with MinMax ranges of 8 random-id batches of 4 rows); the Attention nodes stay FP32."""
-    from onnxruntime.quantization import (
-        CalibrationDataReader,
-        CalibrationMethod,
-        QuantFormat,
-        QuantType,
-        quantize_static,
-    )
-
-    model = onnx.load(str(fp32_file), load_external_data=False)
-    names = [i.name for i in model.graph.input]
-    batches = [inference.batch(4, 128, vocab, seed + i) for i in range(8)]
-
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            self.rows = iter([{n: b[inference.INPUT_ROLES[n]] for n in names} for b in batches])
-
-        def get_next(self):
-            return next(self.rows, None)
-
-    attention = [n.name for n in model.graph.node if n.op_type == "Attention"]
-    quantize_static(str(fp32_file), str(output), Reader(), quant_format=QuantFormat.QDQ,
-                    per_channel=True, activation_type=QuantType.QUInt8,
-                    weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
-                    nodes_to_exclude=attention, calibrate_method=CalibrationMethod.MinMax,
-                    extra_options={"MatMulConstBOnly": True})
-    return output
-
-
-def openvino_runner(onnx_file: Path, arrays: dict[str, np.ndarray], threads: int):
-    import openvino as ov
-
-    core = ov.Core()
-    model = core.read_model(str(onnx_file))
-    model.reshape({i.get_any_name(): list(arrays["ids"].shape) for i in model.inputs})
-    compiled = core.compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": threads,
-                                                 "NUM_STREAMS": 1,
-                                                 "PERFORMANCE_HINT": "LATENCY"})
-    request = compiled.create_infer_request()
-    feeds = {i.get_any_name(): arrays[inference.INPUT_ROLES[i.get_any_name()]]
-             for i in model.inputs}
-    return lambda: request.infer(feeds)
-
-
-def measure(key: str, work: Path, batch: int, threads: int, rounds: int,
-            openvino: bool) -> dict:
+def measure(key: str, work: Path, batch: int, threads: int, rounds: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
@@ -165,16 +115,13 @@ def measure(key: str, work: Path, batch: int, threads: int, rounds: int,
         session = inference.ort_session(path, threads)
         feeds = gemm_feeds if name.startswith("gemms") else inference.feeds_for(session, arrays)
         runners[name] = (lambda s=session, f=feeds: s.run(None, f))
-    if openvino:
-        qdq = qdq_export(files["popbert-fp32"], work / key / "qdq-int8.onnx", config.vocab_size)
-        runners["openvino-qdq-int8"] = openvino_runner(qdq, arrays, threads)
     for _ in range(2):
         for run in runners.values():
             run()
-    # Short blocks: this machine's speed drifts by 20% within seconds (a shared host), so the
-    # variants take turns often and each meets the same drift; a pause before each block, or a
-    # runtime whose threads still spin (OpenVINO's, PyTorch's) slows the next one's block.
-    times = inference.time_rotating(runners, rounds, blocks=max(3, rounds // 3), pause_s=0.25)
+    # Short blocks, as benchmarks/inference.py times them: this machine's speed drifts by 20%
+    # within seconds (a shared host), so the variants take turns often and meet the same drift.
+    times = inference.time_rotating(runners, rounds, blocks=max(3, rounds // 3),
+                                    pause_s=inference.PAUSE_S)
     ms = {name: statistics.median(values) for name, values in times.items()}
     ops = gemm_ops(config.num_hidden_layers, config.hidden_size, config.intermediate_size, rows)
     return {"ms": ms, "gemm_gops": ops / 1e9,
@@ -183,11 +130,8 @@ def measure(key: str, work: Path, batch: int, threads: int, rounds: int,
 
 def lines(results: list[dict]) -> list[str]:
     out = ["| model | batch | HF eager (ms) | popbert FP32 | popbert INT8 | GEMMs alone FP32 "
-           "| GEMMs alone INT8 | ceiling FP32 | ceiling INT8 | goal | INT8 outside its GEMMs |"
-           + (" OpenVINO QDQ INT8 |" if any("openvino-qdq-int8" in r["ms"] for r in results)
-              else ""),
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"
-           + (" ---: |" if any("openvino-qdq-int8" in r["ms"] for r in results) else "")]
+           "| GEMMs alone INT8 | ceiling FP32 | ceiling INT8 | goal | INT8 outside its GEMMs |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for r in results:
         ms, hf, b = r["ms"], r["ms"]["hf"], r["batch"]
         goal = ", ".join(f"{kind.upper()} {g[b]}x" for kind, g in GOALS.items() if b in g)
@@ -198,8 +142,6 @@ def lines(results: list[dict]) -> list[str]:
                 f"({rate['fp32']:.0f} GFLOP/s) | {ms['gemms-int8']:.1f} ({rate['int8']:.0f} "
                 f"GOP/s) | {hf / ms['gemms-fp32']:.2f}x | {hf / ms['gemms-int8']:.2f}x | {goal} "
                 f"| {1 - ms['gemms-int8'] / ms['popbert-int8']:.0%} |")
-        if "openvino-qdq-int8" in ms:
-            line += f" {ms['openvino-qdq-int8']:.1f} ({hf / ms['openvino-qdq-int8']:.2f}x) |"
         out.append(line)
     return out
 
@@ -212,9 +154,6 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=inference.GOAL_THREADS)
     parser.add_argument("--rounds", type=int, default=45, help="timed calls per variant at "
                         "batch 1 (a fifth of that, at least 6, at larger batches)")
-    parser.add_argument("--openvino", action="store_true",
-                        help="also time a static QDQ INT8 export in OpenVINO (pip install "
-                             "openvino)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -226,7 +165,7 @@ def main() -> None:
         for key in args.models:
             for batch in args.batch_sizes:
                 rounds = args.rounds if batch == 1 else max(6, args.rounds // 5)
-                result = measure(key, Path(tmp), batch, args.threads, rounds, args.openvino)
+                result = measure(key, Path(tmp), batch, args.threads, rounds)
                 result.update(model=inference.MODELS[key][0], batch=batch)
                 results.append(result)
                 print("\n".join(lines([result])[2:]), flush=True)

@@ -11,7 +11,9 @@ order rotates, `transformers` eager (the goals' reference) and popbert's FP32 an
 exports. `eager / GEMMs alone` is then the speed-up an export would reach if everything but its
 GEMMs cost nothing: no graph rewrite, fusion or kernel choice for the other operators can do
 better with these GEMM kernels, so a goal above that ceiling is out of reach of ONNX Runtime's CPU
-provider on this machine. The attention products are left out, which makes the ceiling generous.
+provider on this machine. The attention products are left out, which makes the ceiling generous;
+the one copy per layer that chains the GEMMs (a Slice of the query's columns) is the graph's
+only other work, 1-5% of its time.
 
 A runtime other than ONNX Runtime has other kernels and another ceiling:
 `benchmarks/openvino_probe.py` measures one.

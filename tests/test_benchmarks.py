@@ -96,3 +96,33 @@ def test_time_to_quality_reads_the_time_a_curve_reaches_a_loss() -> None:
     assert cfg.execution.compute_dtype == "bfloat16" and cfg.optimizer.name == "adamw"
     assert cfg.model.hidden_size == ttq.SHAPE["hidden_size"]
     assert cfg.execution.micro_batch_size == ttq.PEER_RECIPE["micro_batch_size"]
+
+
+def test_inference_ceiling_times_the_encoders_own_gemms() -> None:
+    """The ceiling's GEMM graph holds exactly the weight matrices of popbert's encoder (role
+    and shape, layer by layer), its operation count is theirs, and the export's quantizer
+    makes every one INT8; a graph with a GEMM too few fails the same comparison."""
+    from popbert.io.quantize import ROLES, quantize_int8, weight_role
+
+    ceiling = _load(BENCHMARKS / "inference_ceiling.py")
+    config = _small(next_sentence_prediction=False)
+    encoder = build_bert(config, task="encoder", with_loss=False).model()
+
+    def matrices(model: onnx.ModelProto) -> list[tuple[str, tuple[int, ...]]]:
+        return sorted((weight_role(t.name), tuple(t.dims)) for t in model.graph.initializer
+                      if len(t.dims) == 2 and weight_role(t.name) in ROLES)
+
+    rows = 8
+    gemms = ceiling.gemm_graph(config.num_layers, config.hidden_size, config.intermediate_size,
+                               rows)
+    assert len(matrices(encoder)) == 4 * config.num_layers
+    assert matrices(gemms) == matrices(encoder)
+    products = sum(2 * rows * shape[0] * shape[1] for _, shape in matrices(encoder))
+    assert ceiling.gemm_ops(config.num_layers, config.hidden_size, config.intermediate_size,
+                            rows) == products
+    _, counts = quantize_int8(gemms)
+    assert counts == {role: config.num_layers for role in ("attention-out", "ffn-in",
+                                                           "ffn-out", "qkv")}
+    fewer = ceiling.gemm_graph(config.num_layers - 1, config.hidden_size,
+                               config.intermediate_size, rows)
+    assert matrices(fewer) != matrices(encoder)

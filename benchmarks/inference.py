@@ -259,19 +259,21 @@ def ort_session(onnx_file: Path, threads: int):
     return ort.InferenceSession(str(onnx_file), options, providers=["CPUExecutionProvider"])
 
 
-def time_rotating(runners: dict[str, Callable[[], object]], rounds: int, blocks: int = 3,
-                  pause_s: float = 0.0) -> dict[str, list[float]]:
-    """Milliseconds per call of each runner, `rounds` calls each, in `blocks` blocks whose
-    order rotates (block k starts with runner k): both runtimes keep their worker threads
-    spinning for a while after a call, so strictly interleaved single calls would each steal
-    the CPU from the next. The first call of each block is discarded for the same reason, and
-    `pause_s` seconds of sleep before each block let the last runtime's threads go idle."""
+def time_rotating(runners: dict[str, Callable[[], object]], rounds: int
+                  ) -> dict[str, list[float]]:
+    """Milliseconds per call of each runner, `rounds` calls each, in short blocks (about three
+    calls) whose order rotates (block k starts with runner k). Short, because on a shared host
+    whose speed drifts within seconds three long blocks let the drift decide a 10% difference
+    (the 2026-11-27 runs in RESULTS_inference.md). Runtimes keep their worker threads spinning
+    for a while after a call, so strictly interleaved single calls would each steal the CPU
+    from the next: each block starts after `PAUSE_S` of sleep, and its first call is discarded."""
+    blocks = max(3, rounds // 3)
     names = list(runners)
     per_block = max(1, -(-rounds // blocks))
     times: dict[str, list[float]] = {name: [] for name in names}
     for block in range(blocks):
         for name in names[block % len(names):] + names[:block % len(names)]:
-            time.sleep(pause_s)
+            time.sleep(PAUSE_S)
             for call in range(per_block + 1):
                 start = time.perf_counter()
                 runners[name]()
@@ -326,11 +328,7 @@ def measure(model, compiled, files: dict[str, Path], batch_size: int, seq: int, 
     for _ in range(2):  # warm-up: allocators, ORT's first-run kernels
         for run in runners.values():
             run()
-    # Short blocks with a pause before each: on a shared host whose speed drifts within
-    # seconds, three long blocks let drift and the previous runtime's spinning threads decide
-    # a 10% difference (the 2026-11-27 runs in RESULTS_inference.md).
-    for name, values in time_rotating(runners, rounds, blocks=max(3, rounds // 3),
-                                      pause_s=PAUSE_S).items():
+    for name, values in time_rotating(runners, rounds).items():
         result[name].update({"ms": statistics.median(values),
                              "p90_ms": float(np.percentile(values, 90)), "calls": len(values)})
     return result

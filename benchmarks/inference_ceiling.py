@@ -83,23 +83,31 @@ def gemm_ops(layers: int, hidden: int, ffn: int, rows: int) -> float:
     return 2.0 * layers * rows * hidden * (3 * hidden + hidden + 2 * ffn)
 
 
-def measure(key: str, work: Path, batch: int, threads: int, rounds: int) -> dict:
-    import torch
-
-    torch.set_num_threads(threads)
+def prepare(key: str, work: Path) -> tuple[object, dict[str, Path]]:
+    """The `transformers` model of `key` and popbert's FP32 and INT8 encoder exports of it."""
     model, state, _ = inference.MODELS[key][1](work)
     model.eval()
-    config = model.config
     files, _ = inference.encoder_exports(model, state, work / key, 128,
                                          ["popbert-fp32", "popbert-int8"])
+    return model, files
+
+
+def measure(model, exports: dict[str, Path], work: Path, batch: int, threads: int,
+            rounds: int) -> dict:
+    """Milliseconds per call of eager, the exports and the GEMMs alone at `batch` rows of 128."""
+    import torch
+
+    from popbert.io.quantize import quantize_int8
+
+    torch.set_num_threads(threads)
+    config = model.config
     rows = batch * 128
     gemms = gemm_graph(config.num_hidden_layers, config.hidden_size, config.intermediate_size,
                        rows)
-    from popbert.io.quantize import quantize_int8
-
     gemms_int8, _ = quantize_int8(gemms)
+    files = dict(exports)
     for name, graph in (("gemms-fp32", gemms), ("gemms-int8", gemms_int8)):
-        files[name] = work / key / f"{name}-{batch}.onnx"
+        files[name] = work / f"{name}-{batch}.onnx"
         onnx.save(graph, str(files[name]))
     arrays = inference.batch(batch, 128, config.vocab_size)
     tensors = {"input_ids": torch.from_numpy(arrays["ids"]),
@@ -120,10 +128,7 @@ def measure(key: str, work: Path, batch: int, threads: int, rounds: int) -> dict
     for _ in range(2):
         for run in runners.values():
             run()
-    # Short blocks, as benchmarks/inference.py times them: this machine's speed drifts by 20%
-    # within seconds (a shared host), so the variants take turns often and meet the same drift.
-    times = inference.time_rotating(runners, rounds, blocks=max(3, rounds // 3),
-                                    pause_s=inference.PAUSE_S)
+    times = inference.time_rotating(runners, rounds)
     ms = {name: statistics.median(values) for name, values in times.items()}
     ops = gemm_ops(config.num_hidden_layers, config.hidden_size, config.intermediate_size, rows)
     return {"ms": ms, "gemm_gops": ops / 1e9,
@@ -165,9 +170,10 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="popbert-ceiling-") as tmp:
         for key in args.models:
+            model, exports = prepare(key, Path(tmp))
             for batch in args.batch_sizes:
                 rounds = args.rounds if batch == 1 else max(6, args.rounds // 5)
-                result = measure(key, Path(tmp), batch, args.threads, rounds)
+                result = measure(model, exports, Path(tmp) / key, batch, args.threads, rounds)
                 result.update(model=inference.MODELS[key][0], batch=batch)
                 results.append(result)
                 print("\n".join(lines([result])[2:]), flush=True)

@@ -153,10 +153,11 @@ def main() -> None:
         for name, runtime in (("popbert-fp32", "onnxruntime"), ("popbert-int8", "onnxruntime"),
                               ("static-int8", "onnxruntime"), ("static-int8", "openvino"),
                               ("popbert-fp32", "openvino")):
-            predictor = ClassifyPredictor(files[name], args.threads)
+            reused = name == "popbert-fp32" and runtime == "onnxruntime"
+            predictor = reference if reused else ClassifyPredictor(files[name], args.threads)
             if runtime == "openvino":
                 predictor.session = OpenVINOSession(files[name], args.threads)
-            got = predictor.probabilities(test, 32).argmax(axis=1)
+            got = expected if reused else predictor.probabilities(test, 32).argmax(axis=1)
             accuracy = np.mean([predictor.labels[i] == gold for i, gold in
                                 zip(got, test.labels)])
             print(f"| {name} | {runtime} | {100 * accuracy:.2f} | "
@@ -190,8 +191,7 @@ def main() -> None:
             for run_once in runners.values():
                 run_once()
             rounds = args.rounds if batch == 1 else max(6, args.rounds // 5)
-            times = inference.time_rotating(runners, rounds, blocks=max(3, rounds // 3),
-                                            pause_s=inference.PAUSE_S)
+            times = inference.time_rotating(runners, rounds)
             ms = {name: statistics.median(values) for name, values in times.items()}
             print(f"| {batch} | {ms['hf']:.1f} | " + " | ".join(
                 f"{ms[n]:.1f} ({ms['hf'] / ms[n]:.2f}x)"

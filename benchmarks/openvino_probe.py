@@ -13,10 +13,13 @@ on OpenVINO (`pip install openvino` in this environment to run it).
   format, per-channel INT8 weights, UINT8 activations with ranges from `--calibration-rows`
   training texts (`--calibration` method; Percentile keeps the 99.999th percentile, MinMax the
   extremes), the attention products and task heads left FP32; scored in ONNX Runtime (which
-  emulates the QDQ arithmetic) and in OpenVINO (which runs it in INT8);
+  emulates the QDQ arithmetic) and in OpenVINO (which runs it in INT8), at OpenVINO's default
+  precision (BF16 for what is not INT8, on a CPU with AVX512-BF16) and with FP32 forced;
 - **dynamic INT8**: `popbert export --quantize int8`, in ONNX Runtime;
 - latency: batch 1 and 32, sequence 128, random ids, `--threads` threads, interleaved in short
   blocks with a pause before each, medians; HF eager is `popbert export-hf` of the same run.
+  OpenVINO's file is compiled for the shape timed (both precisions) and for symbolic shapes
+  (what serving batches cut to their longest row would need).
 
     python benchmarks/openvino_probe.py --work-dir runs/inference   # the cached fine-tune
 """
@@ -37,21 +40,28 @@ import onnx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import inference  # noqa: E402  (the fine-tuned classifier, exports, timer)
 
+# The precision hint of each OpenVINO runtime row: the plugin's default (BF16 wherever the CPU
+# has AVX512-BF16 or AMX, FP32 elsewhere) and FP32 forced, the precision ONNX Runtime keeps.
+PRECISIONS = {"openvino": None, "openvino-f32": "f32"}
+
 
 class OpenVINOSession:
     """An OpenVINO compiled model behind ONNX Runtime's `run(None, feeds)`, so popbert's
     `ClassifyPredictor` can serve it unchanged."""
 
-    def __init__(self, path: Path, threads: int, shape: list[int] | None = None) -> None:
+    def __init__(self, path: Path, threads: int, shape: list[int] | None = None,
+                 precision: str | None = None) -> None:
         import openvino as ov
 
         core = ov.Core()
         model = core.read_model(str(path))
         if shape is not None:
             model.reshape({i.get_any_name(): shape for i in model.inputs})
-        self.compiled = core.compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": threads,
-                                                          "NUM_STREAMS": 1,
-                                                          "PERFORMANCE_HINT": "LATENCY"})
+        config = {"INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1,
+                  "PERFORMANCE_HINT": "LATENCY"}
+        if precision is not None:  # None: the plugin's default, BF16 on a CPU that has it
+            config["INFERENCE_PRECISION_HINT"] = precision
+        self.compiled = core.compile_model(model, "CPU", config)
         self.request = self.compiled.create_infer_request()
         self.names = [i.get_any_name() for i in model.inputs]
 
@@ -152,11 +162,13 @@ def main() -> None:
         expected = reference.probabilities(test, 32).argmax(axis=1)
         for name, runtime in (("popbert-fp32", "onnxruntime"), ("popbert-int8", "onnxruntime"),
                               ("static-int8", "onnxruntime"), ("static-int8", "openvino"),
-                              ("popbert-fp32", "openvino")):
+                              ("static-int8", "openvino-f32"), ("popbert-fp32", "openvino"),
+                              ("popbert-fp32", "openvino-f32")):
             reused = name == "popbert-fp32" and runtime == "onnxruntime"
             predictor = reference if reused else ClassifyPredictor(files[name], args.threads)
-            if runtime == "openvino":
-                predictor.session = OpenVINOSession(files[name], args.threads)
+            if runtime.startswith("openvino"):
+                predictor.session = OpenVINOSession(files[name], args.threads,
+                                                    precision=PRECISIONS[runtime])
             got = expected if reused else predictor.probabilities(test, 32).argmax(axis=1)
             accuracy = np.mean([predictor.labels[i] == gold for i, gold in
                                 zip(got, test.labels)])
@@ -168,8 +180,13 @@ def main() -> None:
             str(work / "hf"), attn_implementation="sdpa").eval()
         print(f"\nLatency, sequence 128, {args.threads} threads (ms per call, speed-up over "
               "HF eager):\n")
-        print("| batch | HF eager | popbert FP32 (ORT) | popbert dynamic INT8 (ORT) "
-              "| static INT8 (OpenVINO) |\n| ---: | ---: | ---: | ---: | ---: |")
+        columns = {"popbert-fp32": "popbert FP32 (ORT)",
+                   "popbert-int8": "popbert dynamic INT8 (ORT)",
+                   "ov-default": "static INT8 (OpenVINO, default precision)",
+                   "ov-f32": "static INT8 (OpenVINO, f32 precision)",
+                   "ov-dynamic": "static INT8 (OpenVINO, default, symbolic shapes)"}
+        print("| batch | HF eager | " + " | ".join(columns.values()) + " |\n| ---: |"
+              + " ---: |" * (len(columns) + 1))
         for batch in (1, 32):
             ids = inference.batch(batch, 128, model.config.vocab_size)
             feeds = {"input_ids": ids["ids"], "segment_ids": ids["segments"],
@@ -186,8 +203,14 @@ def main() -> None:
             for name in ("popbert-fp32", "popbert-int8"):
                 session = inference.ort_session(files[name], args.threads)
                 runners[name] = (lambda s=session, f=feeds: s.run(None, f))
-            openvino = OpenVINOSession(files["static-int8"], args.threads, [batch, 128])
-            runners["static-int8"] = lambda s=openvino, f=feeds: s.run(None, f)
+            # Compiled for this shape (what OpenVINO's latency mode is built for) and, as
+            # `popbert predict` would need to cut batches to their longest row, for any shape.
+            for name, shape, runtime in (("ov-default", [batch, 128], "openvino"),
+                                         ("ov-f32", [batch, 128], "openvino-f32"),
+                                         ("ov-dynamic", None, "openvino")):
+                openvino = OpenVINOSession(files["static-int8"], args.threads, shape,
+                                           PRECISIONS[runtime])
+                runners[name] = lambda s=openvino, f=feeds: s.run(None, f)
             for run_once in runners.values():
                 run_once()
             rounds = args.rounds if batch == 1 else max(6, args.rounds // 5)
@@ -195,7 +218,7 @@ def main() -> None:
             ms = {name: statistics.median(values) for name, values in times.items()}
             print(f"| {batch} | {ms['hf']:.1f} | " + " | ".join(
                 f"{ms[n]:.1f} ({ms['hf'] / ms[n]:.2f}x)"
-                for n in ("popbert-fp32", "popbert-int8", "static-int8")) + " |", flush=True)
+                for n in columns) + " |", flush=True)
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
 
 

@@ -103,19 +103,24 @@ def torch_predictions(weights, n_best_size: int = 20):
                           logits["end_logits"].numpy(), n_best_size, 30)
 
 
-def test_predict_imports_no_torch(exported: Path, tmp_path: Path) -> None:
-    output = tmp_path / "predictions.json"
-    code = (
-        "import sys\n"
-        "from popbert.cli.main import main\n"
-        f"rc = main(['predict', 'squad', '--model', {str(exported)!r}, '--data', "
-        f"{str(FIXTURE)!r}, '--output', {str(output)!r}])\n"
-        "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
-        "assert not loaded, loaded\n"
-        "sys.exit(rc)\n")
+
+def run_cli_without_torch(args: list[str]) -> None:
+    """Run `popbert <args>` in a fresh interpreter and fail if it exits non-zero or imports
+    torch: serving must work where only ONNX Runtime is installed."""
+    code = ("import sys\n"
+            "from popbert.cli.main import main\n"
+            f"rc = main({args!r})\n"
+            "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+            "assert not loaded, loaded\n"
+            "sys.exit(rc)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr
+
+def test_predict_imports_no_torch(exported: Path, tmp_path: Path) -> None:
+    output = tmp_path / "predictions.json"
+    run_cli_without_torch(["predict", "squad", "--model", str(exported), "--data", str(FIXTURE),
+                           "--output", str(output)])
     predictions = json.loads(output.read_text())
     questions, _ = read_squad(FIXTURE)
     assert list(predictions) == [q.id for q in questions]
@@ -250,17 +255,8 @@ def test_classify_a_text_file_without_torch(classify_run, classify_files,
     texts = tmp_path / "texts.txt"
     texts.write_text("\n".join(TEXTS[:3]) + "\n\n", encoding="utf-8")
     output = tmp_path / "out.jsonl"
-    code = (
-        "import sys\n"
-        "from popbert.cli.main import main\n"
-        f"rc = main(['predict', 'classify', '--model', {str(classify_files['dynamic'])!r}, "
-        f"'--data', {str(texts)!r}, '--output', {str(output)!r}])\n"
-        "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
-        "assert not loaded, loaded\n"
-        "sys.exit(rc)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr
+    run_cli_without_torch(["predict", "classify", "--model", str(classify_files["dynamic"]),
+                           "--data", str(texts), "--output", str(output)])
     records = [json.loads(line) for line in output.read_text().splitlines()]
     expected = torch_probabilities(classify_run[1], classify_files["tsv"])[:3]
     assert [r["line"] for r in records] == [1, 2, 3] and "gold" not in records[0]

@@ -154,7 +154,7 @@ def lines(results: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=sorted(inference.MODELS),
                         default=["minilm", "base"])
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32])

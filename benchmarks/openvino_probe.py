@@ -111,7 +111,7 @@ def static_int8(fp32_file: Path, output: Path, arrays: dict[str, np.ndarray], ro
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", type=Path, required=True,
                         help="benchmarks/inference.py's work directory (the fine-tune is "
                              "cached there, or made)")

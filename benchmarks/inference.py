@@ -244,6 +244,15 @@ def batch(batch_size: int, seq: int, vocab: int, seed: int = 0) -> dict[str, np.
             "mask": np.ones((batch_size, seq), np.int64)}
 
 
+def hf_inputs(arrays: dict[str, np.ndarray]) -> dict:
+    """`arrays` (by role) as the torch tensors a `transformers` BERT model takes."""
+    import torch
+
+    return {"input_ids": torch.from_numpy(arrays["ids"]),
+            "token_type_ids": torch.from_numpy(arrays["segments"]),
+            "attention_mask": torch.from_numpy(arrays["mask"])}
+
+
 def feeds_for(session, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """`arrays` (by role) under the names `session`'s inputs have (popbert's or transformers')."""
     return {i.name: arrays[INPUT_ROLES[i.name]] for i in session.get_inputs()}
@@ -297,9 +306,7 @@ def measure(model, compiled, files: dict[str, Path], batch_size: int, seq: int, 
 
     sessions = {name: ort_session(path, threads) for name, path in files.items()}
     arrays = batch(batch_size, seq, model.config.vocab_size)
-    inputs = {"input_ids": torch.from_numpy(arrays["ids"]),
-              "token_type_ids": torch.from_numpy(arrays["segments"]),
-              "attention_mask": torch.from_numpy(arrays["mask"])}
+    inputs = hf_inputs(arrays)
 
     def torch_runner(module):
         def run():

@@ -110,9 +110,7 @@ def measure(model, exports: dict[str, Path], work: Path, batch: int, threads: in
         files[name] = work / f"{name}-{batch}.onnx"
         onnx.save(graph, str(files[name]))
     arrays = inference.batch(batch, 128, config.vocab_size)
-    tensors = {"input_ids": torch.from_numpy(arrays["ids"]),
-               "token_type_ids": torch.from_numpy(arrays["segments"]),
-               "attention_mask": torch.from_numpy(arrays["mask"])}
+    tensors = inference.hf_inputs(arrays)
 
     def eager():
         with torch.no_grad():

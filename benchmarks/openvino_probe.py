@@ -191,9 +191,7 @@ def main() -> None:
             ids = inference.batch(batch, 128, model.config.vocab_size)
             feeds = {"input_ids": ids["ids"], "segment_ids": ids["segments"],
                      "input_mask": ids["mask"]}
-            tensors = {"input_ids": torch.from_numpy(ids["ids"]),
-                       "token_type_ids": torch.from_numpy(ids["segments"]),
-                       "attention_mask": torch.from_numpy(ids["mask"])}
+            tensors = inference.hf_inputs(ids)
 
             def eager(tensors=tensors):
                 with torch.no_grad():

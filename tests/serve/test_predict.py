@@ -103,7 +103,6 @@ def torch_predictions(weights, n_best_size: int = 20):
                           logits["end_logits"].numpy(), n_best_size, 30)
 
 
-
 def run_cli_without_torch(args: list[str]) -> None:
     """Run `popbert <args>` in a fresh interpreter and fail if it exits non-zero or imports
     torch: serving must work where only ONNX Runtime is installed."""
@@ -116,6 +115,7 @@ def run_cli_without_torch(args: list[str]) -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr
+
 
 def test_predict_imports_no_torch(exported: Path, tmp_path: Path) -> None:
     output = tmp_path / "predictions.json"

@@ -1,10 +1,11 @@
-"""BERT (post-norm, Google's shapes and names) emitted op by op through the Builder.
+"""The BERT-family model builder: one graph op by op through the Builder, for any family.
 
-One function per block; the data path reads top to bottom: embeddings → encoder layers →
-MLM head on the masked positions only + NSP head → losses and accuracies. Weights are created
-under name scopes that map one-to-one to Hugging Face names (see `popbert.io.hf_mapping`).
-GroupBERT's encoder, packed rows and the two dialects: docs/design.md, section
-"popbert.builders.bert".
+`build_bert` reads top to bottom: inputs → the family's embeddings → its encoder layers, each
+in its placement and pipeline stage, with recomputation checkpoints → the task head (MLM on the
+masked positions only + NSP for pre-training, or a registered fine-tuning head) → losses and
+accuracies. What differs between BERT, GroupBERT and ModernBERT is the family's
+(`popbert.builders.families`); placement, stages, recomputation, heads and losses are shared
+here. Packed rows and the two dialects: docs/design.md, section "popbert.builders.bert".
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from popbert.builders import groupbert, layers
+from popbert.builders import layers
 from popbert.builders.bert_config import BertConfig
+from popbert.builders.families import Inputs, family_of
 from popbert.builders.placement import PlacementPlan
 from popbert.graph.builder import Builder, TensorInfo
 
@@ -64,6 +66,7 @@ class Encoded:
     hidden: str
     pooled: str | None  # None: an MLM-only model has no pooler
     word_table: str
+    inputs: Inputs | None = None  # the graph inputs the encoder read (masks for pooling)
 
 
 # A task head adds its own inputs (labels, positions), computes its outputs into
@@ -115,56 +118,32 @@ def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = 
                          "popart dialect and packed rows need model.sequence_length fixed")
     seq: int | str = SEQUENCE if dynamic_sequence else config.sequence_length
     graph.sequence_length = seq
-    input_ids = graph.add_input("input_ids", [batch_size, seq])
-    segment_ids = graph.add_input("segment_ids", [batch_size, seq])
+    family = family_of(config)
+    inputs = Inputs(graph.add_input("input_ids", [batch_size, seq]))
+    if family.segments:
+        inputs.segment_ids = graph.add_input("segment_ids", [batch_size, seq])
     if config.packed:
         # Packed rows: positions restart per sequence and attention stays within a sequence.
-        position_ids = graph.add_input("position_ids", [batch_size, seq])
-        sequence_index = graph.add_input("sequence_index", [batch_size, seq])
+        inputs.position_ids = graph.add_input("position_ids", [batch_size, seq])
+        inputs.sequence_index = graph.add_input("sequence_index", [batch_size, seq])
     else:
-        input_mask = graph.add_input("input_mask", [batch_size, seq])
+        inputs.input_mask = graph.add_input("input_mask", [batch_size, seq])
 
     with plan.scope(b, plan.embeddings):
-        if config.packed:
-            hidden, word_table = embeddings(b, config, init, input_ids, segment_ids,
-                                            position_ids)
-            mask = layers.packed_attention_mask(b, sequence_index, seq)
-        else:
-            hidden, word_table = embeddings(b, config, init, input_ids, segment_ids,
-                                            dynamic_sequence=dynamic_sequence)
-            mask = layers.attention_mask(b, input_mask, seq)
-
-    # The one place the architecture is chosen: only the encoder layers differ.
-    groupbert_keep = conv_keep = None
-    if config.architecture == "groupbert":
-        with plan.scope(b, plan.embeddings):
-            if config.packed:
-                groupbert_keep = layers.padding_keep(b, layers.real_tokens(b, sequence_index))
-                conv_keep = layers.packed_conv_keep(b, sequence_index, config.conv_kernel_size)
-            else:
-                groupbert_keep = layers.padding_keep(b, input_mask)
+        embedded = family.embed(b, config, init, inputs, seq, dynamic_sequence)
+    hidden = embedded.hidden
     for index, where in enumerate(plan.layers):
         with plan.scope(b, where):
-            if groupbert_keep is not None:
-                hidden = groupbert.groupbert_layer(b, config, init, hidden, mask, groupbert_keep,
-                                                   index, conv_keep, seq)
-                if index == config.num_layers - 1:
-                    hidden = groupbert.final_norm(b, config, init, hidden)
-            else:
-                hidden = encoder_layer(b, config, init, hidden, mask, index, seq)
+            hidden = family.layer(b, config, init, hidden, embedded.context, index, seq)
+            if family.final is not None and index == config.num_layers - 1:
+                hidden = family.final(b, config, init, hidden)
             if config.recompute and plan.enabled and plan.checkpoint_layer(index):
                 hidden = b.checkpointOutput([hidden])[0]
 
     with plan.scope(b, plan.heads):
-        if task in ("pretraining", "encoder") and not config.next_sentence_prediction:
-            pooled = None  # MLM only: no pooler was trained (task heads start their own)
-        elif config.packed:
-            cls_positions = graph.add_input("cls_positions",
-                                            [batch_size, config.max_sequences_per_pack])
-            pooled = packed_pooler(b, config, init, hidden, cls_positions)
-        else:
-            pooled = pooler(b, config, init, hidden)
-        TASK_HEADS[task](b, config, init, graph, Encoded(hidden, pooled, word_table), with_loss)
+        pooled = family.pool(b, config, init, graph, hidden, embedded.context, task)
+        encoded = Encoded(hidden, pooled, embedded.word_table, inputs)
+        TASK_HEADS[task](b, config, init, graph, encoded, with_loss)
         # Outputs get plain names ("loss", "mlm_accuracy", ...) users can ask for.
         for role, tensor in graph.outputs.items():
             graph.outputs[role] = b.aiOnnx.identity([tensor], role)
@@ -213,104 +192,25 @@ def pretraining_head(b: Builder, config: BertConfig, init: layers.WeightInit, gr
         graph.outputs.update(losses(b, config, mlm_logits, nsp_logits, mlm_labels, nsp_labels))
 
 
-def embeddings(b: Builder, config: BertConfig, init: layers.WeightInit, input_ids: str,
-               segment_ids: str, position_ids: str | None = None,
-               dynamic_sequence: bool = False) -> tuple[str, str]:
-    """Word + position + segment embeddings, LayerNorm, dropout. Returns (hidden, word table).
-
-    Positions are 0..S-1 unless `position_ids` [B, S] come from the data (packed rows); with
-    `dynamic_sequence` the first S rows of the position table, S read from `input_ids`.
-    """
-    h = config.hidden_size
-    with b.nameScope("Embedding"):
-        word_table = b.addInitializedInputTensor(init.normal([config.vocab_size, h]),
-                                                 "Embedding_Dict")
-        position_table = b.addInitializedInputTensor(
-            init.normal([config.max_position_embeddings, h]), "Positional_Dict")
-        segment_table = b.addInitializedInputTensor(init.normal([config.type_vocab_size, h]),
-                                                    "Segment_Dict")
-        words = b.aiOnnx.gather([word_table, layers.as_index(b, input_ids, "WordIndex")],
-                                "Words", axis=0)
-        if position_ids is None and dynamic_sequence:
-            length = b.aiOnnx.shape([input_ids], "Length", start=1, end=2)
-            zero = b.addConstant(np.array([0], np.int64), "first_position")
-            positions = b.aiOnnx.slice([position_table, zero, length, zero], "Positions")
-        else:
-            if position_ids is None:
-                position_ids = b.addConstant(np.arange(config.sequence_length, dtype=np.int64),
-                                             "position_ids")
-            positions = b.aiOnnx.gather(
-                [position_table, layers.as_index(b, position_ids, "PositionIndex")],
-                "Positions", axis=0)
-        segments = b.aiOnnx.gather(
-            [segment_table, layers.as_index(b, segment_ids, "SegmentIndex")], "Segments", axis=0)
-        x = b.aiOnnx.add([b.aiOnnx.add([words, positions], "AddPositions"), segments],
-                         "AddSegments")
-        x = layers.layer_norm(b, x, h, config.layer_norm_eps, init)
-        x = layers.dropout(b, x, config.hidden_dropout)
-    return x, word_table
-
-
-def encoder_layer(b: Builder, config: BertConfig, init: layers.WeightInit, x: str, mask: str,
-                  index: int, seq_len: int | str | None = None) -> str:
-    """Post-norm transformer layer: attention → add & norm → FFN → add & norm.
-
-    `seq_len`: the graph's sequence axis (symbolic in dynamic exports); the config's if None."""
-    h, heads = config.hidden_size, config.num_heads
-    with b.nameScope(f"Layer{index}"):
-        with b.nameScope("Attention"):
-            qkv = layers.dense(b, x, h, 3 * h, init, "QKV")
-            q, k, v = layers.split(b, qkv, 3, -1, "Split")
-            context = layers.multi_head_attention(
-                b, q, k, v, mask, h, heads,
-                config.sequence_length if seq_len is None else seq_len,
-                config.attention_dropout)
-            out = layers.dense(b, context, h, h, init, "Out")
-            out = layers.dropout(b, out, config.hidden_dropout)
-            x = layers.layer_norm(b, b.aiOnnx.add([x, out], "Residual"), h,
-                                  config.layer_norm_eps, init)
-        with b.nameScope("FF"):
-            inner = layers.gelu(b, layers.dense(b, x, h, config.intermediate_size, init, "1"))
-            out = layers.dense(b, inner, config.intermediate_size, h, init, "2")
-            out = layers.dropout(b, out, config.hidden_dropout)
-            x = layers.layer_norm(b, b.aiOnnx.add([x, out], "Residual"), h,
-                                  config.layer_norm_eps, init)
-    return x
-
-
-def pooler(b: Builder, config: BertConfig, init: layers.WeightInit, hidden: str) -> str:
-    """tanh(W · h[CLS] + B): the pooled output NSP and classification heads use."""
-    with b.nameScope("NSP"):
-        cls = b.aiOnnx.gather([hidden, b.addConstant(np.array(0, np.int64), "cls_index")],
-                              "CLS", axis=1)
-        return b.aiOnnx.tanh([layers.dense(b, cls, config.hidden_size, config.hidden_size,
-                                           init, "Pool")], "Pooled")
-
-
-def packed_pooler(b: Builder, config: BertConfig, init: layers.WeightInit, hidden: str,
-                  cls_positions: str) -> str:
-    """tanh(W · h[CLS] + B) at each packed sequence's [CLS]: [B, K, H], same weights as `pooler`."""
-    with b.nameScope("NSP"):
-        cls = layers.gather_positions(b, hidden, cls_positions, "CLS",
-                                      index_name="CLSIndex")  # [B, K, H]
-        return b.aiOnnx.tanh([layers.dense(b, cls, config.hidden_size, config.hidden_size,
-                                           init, "Pool")], "Pooled")
-
-
 def mlm_head(b: Builder, config: BertConfig, init: layers.WeightInit, hidden: str,
              positions: str, word_table: str) -> str:
-    """Logits [B, P, V] at the masked positions only; projection tied to the word embedding
-    (serialised over the vocabulary for PopART, `layers.tied_projection`)."""
+    """Logits [B, P, V] at the masked positions only: dense, GELU, LayerNorm, then the
+    projection tied to the word embedding (serialised over the vocabulary for PopART,
+    `layers.tied_projection`) plus a bias; which of them carry biases is the family's."""
     h = config.hidden_size
+    bias = family_of(config).head_bias(config)
     with b.nameScope("CLS"):
         masked = layers.gather_positions(b, hidden, positions, "Gather")  # [B, P, H]
         with b.nameScope("LMPrediction"):
-            x = layers.gelu(b, layers.dense(b, masked, h, h, init, "Dense"))
-            x = layers.layer_norm(b, x, h, config.layer_norm_eps, init)
+            x = layers.gelu(b, layers.dense(b, masked, h, h, init, "Dense", bias=bias.dense))
+            x = layers.layer_norm(b, x, h, config.layer_norm_eps, init, bias=bias.norm)
         logits = layers.tied_projection(b, x, word_table, "MLM/MatMul")
+        if not bias.decoder:
+            return b.aiOnnx.identity([logits], "mlm_logits")
         with b.nameScope("MLM"):
-            bias = b.addInitializedInputTensor(init.constant([config.vocab_size], 0.0), "Bias")
-        return b.aiOnnx.add([logits, bias], "mlm_logits")
+            decoder_bias = b.addInitializedInputTensor(init.constant([config.vocab_size], 0.0),
+                                                       "Bias")
+        return b.aiOnnx.add([logits, decoder_bias], "mlm_logits")
 
 
 def nsp_head(b: Builder, config: BertConfig, init: layers.WeightInit, pooled: str) -> str:

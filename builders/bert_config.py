@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from popbert.builders.modernbert_config import ModernBertOptions
 from popbert.rules import (
     POSITIVE_INT,
     Invalid,
@@ -23,7 +24,7 @@ from popbert.rules import (
 # The fine-tuning tasks a checkpoint can be for (`model.task.name`); None = none (pre-training).
 TASK_NAMES = ("squad", "classification")
 # The encoders the builder emits (`model.architecture`).
-ARCHITECTURES = ("bert", "groupbert")
+ARCHITECTURES = ("bert", "groupbert", "modernbert")
 # The ONNX dialects the builder writes (`model.dialect`): standard ONNX, or PopART's.
 DIALECTS = ("onnx", "popart")
 
@@ -97,8 +98,11 @@ class BertConfig:
     # al. 2019): no NSP head or pooler, and text becomes full rows of contiguous sentences.
     next_sentence_prediction: bool = True
     max_sequences_per_pack: int = setting(3, at_least(1))
-    # "bert" (Google's post-norm BERT, `builders/bert.py`) or "groupbert" (Chelombiev et al.
-    # 2021: PreNorm layers of convolution, FFN, attention, FFN; `builders/groupbert.py`).
+    # The encoder family (`builders/families.py`): "bert" (Google's post-norm BERT,
+    # `builders/bert_encoder.py`), "groupbert" (Chelombiev et al. 2021: PreNorm layers of
+    # convolution, FFN, attention, FFN; `builders/groupbert.py`) or "modernbert" (Warner et al.
+    # 2024: rotary positions, GeGLU, alternating sliding-window attention; its own settings in
+    # `model.modernbert`, `builders/modernbert.py`).
     architecture: str = setting("bert", one_of(ARCHITECTURES))
     # GroupBERT only: groups of the grouped (block-diagonal) FFN down-projection, which must
     # divide intermediate_size and hidden_size; the convolution module's kernel (odd, so "same"
@@ -106,6 +110,7 @@ class BertConfig:
     ffn_groups: int = setting(4, POSITIVE_INT)
     conv_kernel_size: int = setting(7, POSITIVE_INT)
     conv_group_size: int = setting(16, POSITIVE_INT)
+    modernbert: ModernBertOptions = field(default_factory=ModernBertOptions)
     task: TaskConfig = field(default_factory=TaskConfig)
 
     def validate(self) -> None:
@@ -138,21 +143,7 @@ class BertConfig:
             raise Invalid(f"model.layers_per_ipu {self.layers_per_ipu} places "
                           f"{sum(self.layers_per_ipu)} layers but model.num_layers is "
                           f"{self.num_layers}", "model.layers_per_ipu", "model.num_layers")
-        if self.architecture == "groupbert":
-            self._validate_groupbert()
-        self.task.validate()
+        from popbert.builders.families import family_of  # the families import this module
 
-    def _validate_groupbert(self) -> None:
-        """The GroupBERT keys divide the sizes they group."""
-        for size in ("intermediate_size", "hidden_size"):
-            if getattr(self, size) % self.ffn_groups:
-                raise Invalid(f"model.ffn_groups ({self.ffn_groups}) must divide "
-                              f"model.{size} ({getattr(self, size)})",
-                              "model.ffn_groups", f"model.{size}")
-        if self.hidden_size % self.conv_group_size:
-            raise Invalid(f"model.conv_group_size ({self.conv_group_size}) must divide "
-                          f"model.hidden_size ({self.hidden_size})",
-                          "model.conv_group_size", "model.hidden_size")
-        if self.conv_kernel_size % 2 == 0:
-            raise Invalid(f"model.conv_kernel_size must be odd (\"same\" padding of k//2 "
-                          f"each side), got {self.conv_kernel_size}", "model.conv_kernel_size")
+        family_of(self).validate(self)
+        self.task.validate()

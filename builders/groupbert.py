@@ -1,15 +1,19 @@
 """GroupBERT's encoder (Chelombiev et al. 2021, arXiv 2106.05822) emitted through the Builder.
 
-Only the encoder differs from BERT (`build_bert` picks it when `config.architecture` is
-"groupbert"): each layer is four PreNorm residual modules, convolution → FFN → attention → FFN.
+Registered as the `groupbert` family: BERT's embeddings and pooler, and each layer four PreNorm
+residual modules, convolution → FFN → attention → FFN, then a final LayerNorm.
 The modules, and why a final LayerNorm: docs/design.md, section "popbert.builders.groupbert".
 """
 
 from __future__ import annotations
 
-from popbert.builders import layers
+from dataclasses import dataclass
+
+from popbert.builders import bert_encoder, layers
 from popbert.builders.bert_config import BertConfig
+from popbert.builders.families import Embedded, Family, Inputs, register_family
 from popbert.graph.builder import Builder
+from popbert.rules import Invalid
 
 
 def _residual(b: Builder, config: BertConfig, init: layers.WeightInit, x: str,
@@ -90,3 +94,53 @@ def groupbert_layer(b: Builder, config: BertConfig, init: layers.WeightInit, x: 
 def final_norm(b: Builder, config: BertConfig, init: layers.WeightInit, x: str) -> str:
     """The LayerNorm after the last PreNorm layer (weights `FinalNorm/Gamma`, `FinalNorm/Beta`)."""
     return _norm(b, config, init, x, "FinalNorm")
+
+
+@dataclass
+class GroupBertContext:
+    """What GroupBERT's layers read: the additive attention mask, the float [B, S, 1] padding
+    keep, and (packed rows) the convolution's per-offset same-sequence keep."""
+
+    mask: str
+    keep: str
+    conv_keep: str | None = None
+
+
+def embed(b: Builder, config: BertConfig, init: layers.WeightInit, inputs: Inputs,
+          seq: int | str, dynamic_sequence: bool) -> Embedded:
+    """BERT's embeddings and mask, plus the padding keeps the convolution module needs."""
+    embedded = bert_encoder.embed(b, config, init, inputs, seq, dynamic_sequence)
+    if config.packed:
+        keep = layers.padding_keep(b, layers.real_tokens(b, inputs.sequence_index))
+        conv_keep = layers.packed_conv_keep(b, inputs.sequence_index, config.conv_kernel_size)
+    else:
+        keep, conv_keep = layers.padding_keep(b, inputs.input_mask), None
+    embedded.context = GroupBertContext(embedded.context.mask, keep, conv_keep)
+    return embedded
+
+
+def layer(b: Builder, config: BertConfig, init: layers.WeightInit, x: str,
+          context: GroupBertContext, index: int, seq: int | str) -> str:
+    return groupbert_layer(b, config, init, x, context.mask, context.keep, index,
+                           context.conv_keep, seq)
+
+
+def validate(config: BertConfig) -> None:
+    """The GroupBERT keys divide the sizes they group."""
+    for size in ("intermediate_size", "hidden_size"):
+        if getattr(config, size) % config.ffn_groups:
+            raise Invalid(f"model.ffn_groups ({config.ffn_groups}) must divide "
+                          f"model.{size} ({getattr(config, size)})",
+                          "model.ffn_groups", f"model.{size}")
+    if config.hidden_size % config.conv_group_size:
+        raise Invalid(f"model.conv_group_size ({config.conv_group_size}) must divide "
+                      f"model.hidden_size ({config.hidden_size})",
+                      "model.conv_group_size", "model.hidden_size")
+    if config.conv_kernel_size % 2 == 0:
+        raise Invalid(f"model.conv_kernel_size must be odd (\"same\" padding of k//2 "
+                      f"each side), got {config.conv_kernel_size}", "model.conv_kernel_size")
+
+
+GROUPBERT = register_family(Family(name="groupbert", hf_model_type="groupbert", segments=True,
+                                   embed=embed, layer=layer, validate=validate,
+                                   pool=bert_encoder.pool, final=final_norm))

@@ -40,6 +40,18 @@ class WeightInit:
             return np.zeros(shape, self.dtype)
         return (self.rng.standard_normal(shape) * self.std).astype(self.dtype)
 
+    def truncated(self, shape: Sequence[int], std: float, cutoff: float) -> np.ndarray:
+        """N(0, std) truncated to ±cutoff·std (draws outside are redrawn), as `torch.nn.init.
+        trunc_normal_` initialises ModernBERT."""
+        if self.zeros:
+            return np.zeros(shape, self.dtype)
+        z = self.rng.standard_normal(shape)
+        outside = np.abs(z) > cutoff
+        while outside.any():
+            z[outside] = self.rng.standard_normal(int(outside.sum()))
+            outside = np.abs(z) > cutoff
+        return (z * std).astype(self.dtype)
+
     def constant(self, shape: Sequence[int], value: float) -> np.ndarray:
         return np.full(shape, value, self.dtype)
 
@@ -98,10 +110,13 @@ def _add_bias(b: Builder, y: str, features: int, init: WeightInit) -> str:
 
 
 def dense(b: Builder, x: str, in_features: int, out_features: int, init: WeightInit,
-          name: str, bias: bool = True) -> str:
-    """x @ W + B with W stored [in, out] (Google BERT's layout)."""
+          name: str, bias: bool = True, initial: np.ndarray | None = None) -> str:
+    """x @ W + B with W stored [in, out] (Google BERT's layout); `initial` overrides the
+    default N(0, std) draw of W (families with their own initialisation)."""
     with b.nameScope(name):
-        weight = b.addInitializedInputTensor(init.normal([in_features, out_features]), "W")
+        if initial is None:
+            initial = init.normal([in_features, out_features])
+        weight = b.addInitializedInputTensor(initial, "W")
         y = b.aiOnnx.matmul([x, weight], "MatMul")
         if bias:
             y = _add_bias(b, y, out_features, init)
@@ -109,15 +124,20 @@ def dense(b: Builder, x: str, in_features: int, out_features: int, init: WeightI
 
 
 def layer_norm(b: Builder, x: str, hidden: int, eps: float, init: WeightInit,
-               name: str = "Norm") -> str:
-    """LayerNorm over the last axis with `Gamma`/`Beta` weights."""
+               name: str = "Norm", bias: bool = True) -> str:
+    """LayerNorm over the last axis with `Gamma` (and, with `bias`, `Beta`) weights."""
     with b.nameScope(name):
         gamma = b.addInitializedInputTensor(init.constant([hidden], 1.0), "Gamma")
-        beta = b.addInitializedInputTensor(init.constant([hidden], 0.0), "Beta")
+        beta = (b.addInitializedInputTensor(init.constant([hidden], 0.0), "Beta") if bias
+                else None)
         if b.dialect == "onnx":
-            return b.aiOnnx.layernormalization([x, gamma, beta], "LayerNorm", axis=-1,
+            operands = [x, gamma] if beta is None else [x, gamma, beta]
+            return b.aiOnnx.layernormalization(operands, "LayerNorm", axis=-1,
                                                epsilon=float(eps))
-        # PopART: GroupNormalization with one group on a [N, H] tensor, reshaped back.
+        # PopART: GroupNormalization with one group on a [N, H] tensor, reshaped back; it
+        # needs a beta, so a bias-free norm passes constant zeros.
+        if beta is None:
+            beta = b.addConstant(np.zeros([hidden], np.float32), "NoBeta")
         shape = b.getTensorShape(x)
         flat = b.aiOnnx.reshape([x, b.addConstant(np.array([-1, hidden], np.int64), "flat")])
         normed = b.aiGraphcore.groupnormalization([flat, gamma, beta], "GroupNorm", num_groups=1,

@@ -17,6 +17,7 @@ import numpy as np
 from popbert.builders import layers
 from popbert.builders.bert import BertGraph, Encoded, register_task
 from popbert.builders.bert_config import BertConfig
+from popbert.builders.families import family_of
 from popbert.graph.builder import Builder
 
 SQUAD = "squad"
@@ -42,8 +43,11 @@ def span_head(b: Builder, config: BertConfig, init: layers.WeightInit, graph: Be
     cross-entropies.
     """
     h = config.hidden_size
+    features = family_of(config).span_features
     with b.nameScope("Squad"):
-        logits = layers.dense(b, encoded.hidden, h, 2, init, "Logits")  # [B, S, 2]
+        tokens = encoded.hidden if features is None else features(b, config, init,
+                                                                  encoded.hidden)
+        logits = layers.dense(b, tokens, h, 2, init, "Logits")  # [B, S, 2]
         start, end = layers.split(b, logits, 2, -1, "Split")
         start_logits = layers.squeeze(b, start, [-1], "StartLogits", "last_axis")
         end_logits = layers.squeeze(b, end, [-1], "EndLogits", "last_axis")
@@ -69,9 +73,10 @@ def span_head(b: Builder, config: BertConfig, init: layers.WeightInit, graph: Be
 @register_task(CLASSIFICATION)
 def classification_head(b: Builder, config: BertConfig, init: layers.WeightInit,
                         graph: BertGraph, encoded: Encoded, with_loss: bool) -> None:
-    """Logits [B, num_labels] from the pooled [CLS] output, like
-    `BertForSequenceClassification` (dropout, then one dense layer); with `labels` [B], the mean
-    cross-entropy and the accuracy."""
+    """Logits [B, num_labels] from the family's pooled output (BERT's tanh pooler on [CLS],
+    ModernBERT's prediction head on [CLS] or the mean), then dropout and one dense layer, like
+    `BertForSequenceClassification` / `ModernBertForSequenceClassification`; with `labels` [B],
+    the mean cross-entropy and the accuracy."""
     classes = num_labels(config)
     pooled = layers.dropout(b, encoded.pooled, config.hidden_dropout, "Classifier/Dropout")
     logits = layers.dense(b, pooled, config.hidden_size, classes, init, "Classifier")

@@ -1,0 +1,42 @@
+"""ModernBERT's own settings: the `model.modernbert` section (names as `transformers`' config).
+
+Shared shape keys (`hidden_size`, `num_layers`, `num_heads`, `intermediate_size`,
+`layer_norm_eps`, `hidden_dropout`, `attention_dropout`, ...) stay in `model`; what only
+ModernBERT has lives here so the other families' sections stay as they were.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from popbert.rules import POSITIVE_INT, Rule, one_of, setting
+
+# How a sentence-level head pools the last hidden state (`classifier_pooling`).
+POOLINGS = ("cls", "mean")
+POSITIVE_FLOAT = Rule(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+                      "a number > 0")
+
+
+@dataclass
+class ModernBertOptions:
+    """Rotary theta per attention kind, the sliding window, which layers are global, and
+    which weights carry biases (ModernBERT-base's values by default)."""
+
+    # Rotary base of the full-attention layers and of the sliding-window layers.
+    global_rope_theta: float = setting(160000.0, POSITIVE_FLOAT)
+    local_rope_theta: float = setting(10000.0, POSITIVE_FLOAT)
+    # Tokens a sliding-window layer sees: half on each side (|i - j| <= local_attention // 2).
+    local_attention: int = setting(128, POSITIVE_INT)
+    # Layer i attends globally when i % global_attn_every_n_layers == 0, else in the window.
+    global_attn_every_n_layers: int = setting(3, POSITIVE_INT)
+    attention_bias: bool = False  # Wqkv and Wo
+    mlp_bias: bool = False  # Wi and Wo of the GeGLU MLP
+    norm_bias: bool = False  # every LayerNorm's beta
+    classifier_bias: bool = False  # the prediction heads' dense layer
+    decoder_bias: bool = True  # the MLM decoder's output bias
+    classifier_pooling: str = setting("cls", one_of(POOLINGS))
+    # Truncation of the initial weights' normal at this many standard deviations (theirs: 2).
+    initializer_cutoff_factor: float = setting(2.0, POSITIVE_FLOAT)
+
+
+__all__ = ["POOLINGS", "ModernBertOptions"]

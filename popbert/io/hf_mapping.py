@@ -130,43 +130,134 @@ TIED_HF_KEYS = {
 
 @dataclass(frozen=True)
 class Architecture:
-    """One `transformers` class: its key prefix, whether it has a pooler, and its heads."""
+    """One `transformers` class: its family, key prefix, whether it has a pooler, and its
+    heads. `rules(config)` lists every tensor the class holds."""
 
     name: str
     prefix: str
     pooler: bool
-    heads: Callable[[], list[Rule]]
+    heads: Callable[[BertConfig], list[Rule]]
     tied: tuple[tuple[str, str], ...] = ()
+    family: str = "bert"
 
     def rules(self, config: BertConfig) -> list[Rule]:
-        return encoder_rules(config, self.prefix, self.pooler) + self.heads()
+        if self.family == "modernbert":
+            return modernbert_encoder_rules(config, self.prefix) + self.heads(config)
+        return encoder_rules(config, self.prefix, self.pooler) + self.heads(config)
 
+
+# ----------------------------------------------------------------------------------------------
+# ModernBERT (`transformers.ModernBertModel` and its task classes; `model.architecture:
+# modernbert`). Its linear layers are bias-free and its norms beta-free unless the config says
+# otherwise, so each rule is listed only where the tensor exists.
+
+
+def _modern_dense(ours: str, theirs: str, bias: bool) -> list[Rule]:
+    rules = [_linear(f"{ours}/W", f"{theirs}.weight")]
+    if bias:
+        rules.append(_same(f"{ours}/B", f"{theirs}.bias"))
+    return rules
+
+
+def _modern_norm(config: BertConfig, ours: str, theirs: str) -> list[Rule]:
+    rules = [_same(f"{ours}/Gamma", f"{theirs}.weight")]
+    if config.modernbert.norm_bias:
+        rules.append(_same(f"{ours}/Beta", f"{theirs}.bias"))
+    return rules
+
+
+def modernbert_encoder_rules(config: BertConfig, prefix: str = "model.") -> list[Rule]:
+    """`ModernBertModel` under `prefix`: embeddings, layers (layer 0 has no attention norm),
+    final norm. Wqkv is [Q; K; V] by output rows, exactly popbert's fused QKV transposed."""
+    m = config.modernbert
+    rules = [_same("Embedding/Embedding_Dict", f"{prefix}embeddings.tok_embeddings.weight"),
+             *_modern_norm(config, "Embedding/Norm", f"{prefix}embeddings.norm")]
+    for i in range(config.num_layers):
+        ours, theirs = f"Layer{i}", f"{prefix}layers.{i}"
+        if i > 0:
+            rules += _modern_norm(config, f"{ours}/Attention/Norm", f"{theirs}.attn_norm")
+        rules += [
+            *_modern_dense(f"{ours}/Attention/QKV", f"{theirs}.attn.Wqkv", m.attention_bias),
+            *_modern_dense(f"{ours}/Attention/Out", f"{theirs}.attn.Wo", m.attention_bias),
+            *_modern_norm(config, f"{ours}/MLP/Norm", f"{theirs}.mlp_norm"),
+            *_modern_dense(f"{ours}/MLP/Wi", f"{theirs}.mlp.Wi", m.mlp_bias),
+            *_modern_dense(f"{ours}/MLP/Wo", f"{theirs}.mlp.Wo", m.mlp_bias),
+        ]
+    return rules + _modern_norm(config, "FinalNorm", f"{prefix}final_norm")
+
+
+def _modern_head(config: BertConfig, ours: str) -> list[Rule]:
+    """`ModernBertPredictionHead` (`head.*`): dense, GELU, norm."""
+    return [*_modern_dense(f"{ours}/Dense", "head.dense", config.modernbert.classifier_bias),
+            *_modern_norm(config, f"{ours}/Norm", "head.norm")]
+
+
+def modernbert_mlm_rules(config: BertConfig) -> list[Rule]:
+    rules = _modern_head(config, "CLS/LMPrediction")
+    if config.modernbert.decoder_bias:
+        rules.append(_same("CLS/MLM/Bias", "decoder.bias"))
+    return rules
+
+
+def modernbert_classification_rules(config: BertConfig) -> list[Rule]:
+    return _modern_head(config, "Pooler/Head") + _dense("Classifier", "classifier")
+
+
+def modernbert_squad_rules(config: BertConfig) -> list[Rule]:
+    return _modern_head(config, "Squad/Head") + _dense("Squad/Logits", "classifier")
+
+
+MODERNBERT_TIED = (("decoder.weight", "model.embeddings.tok_embeddings.weight"),)
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "BertModel": Architecture("BertModel", "", True, lambda: []),
-    "BertForPreTraining": Architecture("BertForPreTraining", "bert.", True, head_rules,
+    "BertModel": Architecture("BertModel", "", True, lambda config: []),
+    "BertForPreTraining": Architecture("BertForPreTraining", "bert.", True,
+                                       lambda config: head_rules(),
                                        tied=tuple(TIED_HF_KEYS.items())),
     # MLM-only pre-training (model.next_sentence_prediction: false): no pooler, no NSP head.
-    "BertForMaskedLM": Architecture("BertForMaskedLM", "bert.", False, mlm_head_rules,
+    "BertForMaskedLM": Architecture("BertForMaskedLM", "bert.", False,
+                                    lambda config: mlm_head_rules(),
                                     tied=tuple(TIED_HF_KEYS.items())),
     "BertForQuestionAnswering": Architecture("BertForQuestionAnswering", "bert.", False,
-                                             squad_rules),
+                                             lambda config: squad_rules()),
     "BertForSequenceClassification": Architecture("BertForSequenceClassification", "bert.",
-                                                  True, classification_rules),
+                                                  True, lambda config: classification_rules()),
+    "ModernBertModel": Architecture("ModernBertModel", "", False, lambda config: [],
+                                    family="modernbert"),
+    "ModernBertForMaskedLM": Architecture("ModernBertForMaskedLM", "model.", False,
+                                          modernbert_mlm_rules, tied=MODERNBERT_TIED,
+                                          family="modernbert"),
+    "ModernBertForSequenceClassification": Architecture(
+        "ModernBertForSequenceClassification", "model.", False,
+        modernbert_classification_rules, family="modernbert"),
+    "ModernBertForQuestionAnswering": Architecture(
+        "ModernBertForQuestionAnswering", "model.", False, modernbert_squad_rules,
+        family="modernbert"),
 }
+# The class each family's task heads are written as (`architecture_for`), most specific first.
+_BY_HEADS = {
+    "bert": ("BertForQuestionAnswering", "BertForSequenceClassification", "BertForPreTraining",
+             "BertForMaskedLM"),
+    "modernbert": ("ModernBertForQuestionAnswering", "ModernBertForSequenceClassification",
+                   "ModernBertForMaskedLM"),
+}
+_BASE = {"bert": "BertModel", "modernbert": "ModernBertModel"}
 
 
-def architecture_for(weights: Mapping[str, object]) -> str:
-    """The `transformers` class that holds exactly the heads present in `weights`."""
-    if all(rule.ours in weights for rule in squad_rules()):
-        return "BertForQuestionAnswering"
-    if all(rule.ours in weights for rule in classification_rules()):
-        return "BertForSequenceClassification"
-    if all(rule.ours in weights for rule in head_rules()):
-        return "BertForPreTraining"
-    if all(rule.ours in weights for rule in mlm_head_rules()):
-        return "BertForMaskedLM"
-    return "BertModel"
+def architectures_of(family: str) -> list[str]:
+    """The `transformers` classes a checkpoint of `family` can be written as."""
+    return [name for name, spec in ARCHITECTURES.items() if spec.family == family]
+
+
+def architecture_for(weights: Mapping[str, object], config: BertConfig | None = None) -> str:
+    """The `transformers` class that holds exactly the heads present in `weights`, of the
+    family `config.architecture` (BERT's without a config)."""
+    family = "bert" if config is None else config.architecture
+    for name in _BY_HEADS[family]:
+        heads = ARCHITECTURES[name].heads(config or BertConfig())
+        if all(rule.ours in weights for rule in heads):
+            return name
+    return _BASE[family]
 
 
 def to_hf_architecture(weights: Mapping[str, Array], config: BertConfig, architecture: str,
@@ -191,6 +282,25 @@ def to_hf_architecture(weights: Mapping[str, Array], config: BertConfig, archite
         for alias, source in spec.tied:
             out[alias] = out[source]
     return out
+
+
+def from_hf_architecture(state: Mapping[str, Array], config: BertConfig, architecture: str
+                         ) -> tuple[dict[str, Array], list[str]]:
+    """The state dict of `architecture` → (popbert weights, names of popbert weights whose
+    HF tensors are absent). A tied alias stands in for its source when only it is stored."""
+    spec = ARCHITECTURES[architecture]
+    state = dict(state)
+    for alias, source in spec.tied:
+        if source not in state and alias in state:
+            state[source] = state[alias]
+    weights: dict[str, Array] = {}
+    missing: list[str] = []
+    for rule in spec.rules(config):
+        if all(name in state for name in rule.theirs):
+            weights[rule.ours] = rule.from_hf(*(np.asarray(state[n]) for n in rule.theirs))
+        else:
+            missing.append(rule.ours)
+    return weights, missing
 
 
 def to_hf(weights: Mapping[str, Array], config: BertConfig,

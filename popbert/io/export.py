@@ -25,6 +25,7 @@ import popbert.builders.tasks  # noqa: F401  (registers the squad and classifica
 from popbert.atomic import atomic_write_bytes, reported
 from popbert.builders.bert import BATCH, SEQUENCE, build_bert
 from popbert.builders.bert_config import TASK_NAMES, BertConfig
+from popbert.builders.families import family_of
 from popbert.errors import CheckpointError, UsageError
 from popbert.graph.annotations import METADATA_PREFIX, strip_annotations, trainable_initializers
 from popbert.io.fused import CPU_FUSIONS, fuse_for_ort
@@ -106,10 +107,11 @@ def sample_batch(config: BertConfig, task: str, batch_size: int = 2,
     mask = np.ones((batch_size, seq), np.int64)
     mask[1:, seq // 2:] = 0
     batch = {"input_ids": rng.integers(1, config.vocab_size, (batch_size, seq)) * mask,
-             "segment_ids": np.zeros((batch_size, seq), np.int64),
              "input_mask": mask}
-    batch["segment_ids"][:, seq // 4:] = 1
-    batch["segment_ids"] *= mask
+    if family_of(config).segments:
+        batch["segment_ids"] = np.zeros((batch_size, seq), np.int64)
+        batch["segment_ids"][:, seq // 4:] = 1
+        batch["segment_ids"] *= mask
     if task == "pretraining":
         batch["masked_lm_positions"] = np.sort(
             rng.integers(1, seq // 2, (batch_size, config.max_predictions_per_seq)), axis=1)

@@ -24,13 +24,14 @@ import onnx
 log = logging.getLogger(__name__)
 
 QUANTIZE_MODES = ("int8",)
-# A weight's role, from the name the builder gives it (BERT and GroupBERT layers); a MatMul
-# whose weight matches none is part of a task head.
+# A weight's role, from the name the builder gives it (BERT, GroupBERT and ModernBERT layers:
+# ModernBERT's GeGLU MLP is `MLP/Wi`, `MLP/Wo`); a MatMul whose weight matches none is part of
+# a task head (tests/io check every encoder weight of every family has a role).
 ROLES = {
     "qkv": re.compile(r"/Attention/QKV/W$"),
     "attention-out": re.compile(r"/Attention/Out/W$"),
-    "ffn-in": re.compile(r"/(FF|FFN\d+)/(1|Grouped)/W$"),
-    "ffn-out": re.compile(r"/(FF/2|FFN\d+/Out)/W$"),
+    "ffn-in": re.compile(r"/((FF|FFN\d+)/(1|Grouped)|MLP/Wi)/W$"),
+    "ffn-out": re.compile(r"/(FF/2|FFN\d+/Out|MLP/Wo)/W$"),
     "conv": re.compile(r"/Conv/(GLU|Out)/W$"),
 }
 HEAD = "head"

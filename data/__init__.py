@@ -37,10 +37,13 @@ from popbert.data.packing import (
     pack_instance_arrays,
 )
 from popbert.data.tokenization import (
+    JsonTokenizer,
+    TextTokenizer,
     WordPieceTokenizer,
     bundled_corpus_path,
     bundled_vocab_path,
     file_sha256,
+    load_tokenizer,
 )
 
 __all__ = [
@@ -56,6 +59,9 @@ __all__ = [
     "ShardInfo",
     "TrainingInstance",
     "WordPieceTokenizer",
+    "JsonTokenizer",
+    "TextTokenizer",
+    "load_tokenizer",
     "bundled_corpus_path",
     "bundled_vocab_path",
     "check_shard_info",

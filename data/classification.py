@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from popbert.data.errors import DataError
-from popbert.data.tokenization import WordPieceTokenizer
+from popbert.data.tokenization import TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -182,13 +182,13 @@ def _truncate_pair(a: list[int], b: list[int], max_tokens: int) -> None:
         (a if len(a) > len(b) else b).pop()
 
 
-def encode_classification(data: ClassificationData, tokenizer: WordPieceTokenizer,
+def encode_classification(data: ClassificationData, tokenizer: TextTokenizer,
                           max_seq_length: int) -> dict[str, np.ndarray]:
     """[CLS] a [SEP] (b [SEP]) padded to `max_seq_length`: input_ids, segment_ids, input_mask."""
     return encode_classification_counted(data, tokenizer, max_seq_length)[0]
 
 
-def encode_classification_counted(data: ClassificationData, tokenizer: WordPieceTokenizer,
+def encode_classification_counted(data: ClassificationData, tokenizer: TextTokenizer,
                                   max_seq_length: int) -> tuple[dict[str, np.ndarray], int]:
     """`encode_classification`'s arrays and how many rows were truncated to fit: rows whose
     text (with its pair) had more word pieces than `max_seq_length` leaves beside the special

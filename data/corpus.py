@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from popbert.data.errors import DataError
-from popbert.data.tokenization import WordPieceTokenizer
+from popbert.data.tokenization import TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def read_text_documents(input_files: PathsLike) -> list[list[str]]:
     return documents
 
 
-def tokenize_documents(documents: Iterable[Sequence[str]], tokenizer: WordPieceTokenizer,
+def tokenize_documents(documents: Iterable[Sequence[str]], tokenizer: TextTokenizer,
                        chunk_size: int = ENCODE_CHUNK) -> list[list[list[int]]]:
     """Tokenize documents of sentences in large batches; sentences with no tokens are dropped."""
     documents = [list(d) for d in documents]
@@ -117,7 +117,7 @@ def tokenize_documents(documents: Iterable[Sequence[str]], tokenizer: WordPieceT
 
 
 def read_documents(input_files: PathsLike,
-                   tokenizer: WordPieceTokenizer) -> list[list[list[int]]]:
+                   tokenizer: TextTokenizer) -> list[list[list[int]]]:
     """Google-format files -> documents -> sentences -> token ids (no special tokens).
 
     An empty corpus is a DataError naming the file(s): pointing a run at an empty or wrong file

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from popbert.data.errors import DataError
-from popbert.data.tokenization import WordPieceTokenizer
+from popbert.data.tokenization import TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class InstanceCreator:
     `create_masked_lm_predictions`) so variants (packing, other masking) reuse the rest.
     """
 
-    def __init__(self, tokenizer: WordPieceTokenizer, options: InstanceOptions):
+    def __init__(self, tokenizer: TextTokenizer, options: InstanceOptions):
         options.validate()
         self.options = options
         self.tokenizer = tokenizer
@@ -304,7 +304,7 @@ def instances_to_arrays(instances: Sequence[TrainingInstance], sequence_length: 
     return arrays
 
 
-def create_pretraining_arrays(documents: Sequence[Document], tokenizer: WordPieceTokenizer,
+def create_pretraining_arrays(documents: Sequence[Document], tokenizer: TextTokenizer,
                               options: InstanceOptions) -> dict[str, np.ndarray]:
     """Tokenized documents -> instances -> NVIDIA-layout arrays, in one seeded call."""
     if not options.next_sentence:
@@ -345,7 +345,7 @@ def _pairs_to_arrays(flat: list[int], lengths_a: list[int], lengths_b: list[int]
     }
 
 
-def mask_arrays(arrays: dict[str, np.ndarray], tokenizer: WordPieceTokenizer,
+def mask_arrays(arrays: dict[str, np.ndarray], tokenizer: TextTokenizer,
                 options: InstanceOptions, rng: np.random.Generator) -> None:
     """Google's MLM masking applied to all rows at once (in place), with numpy.
 
@@ -420,7 +420,7 @@ def mask_arrays(arrays: dict[str, np.ndarray], tokenizer: WordPieceTokenizer,
     arrays["masked_lm_ids"][rows, slot] = original
 
 
-def create_instance_arrays(documents: Sequence[Document], tokenizer: WordPieceTokenizer,
+def create_instance_arrays(documents: Sequence[Document], tokenizer: TextTokenizer,
                            options: InstanceOptions) -> dict[str, np.ndarray]:
     """The pipeline's fast path: Google's pairing per document, then `mask_arrays` in bulk.
 
@@ -470,7 +470,7 @@ def create_instance_arrays(documents: Sequence[Document], tokenizer: WordPieceTo
     return arrays
 
 
-def create_chunk_arrays(documents: Sequence[Document], tokenizer: WordPieceTokenizer,
+def create_chunk_arrays(documents: Sequence[Document], tokenizer: TextTokenizer,
                         options: InstanceOptions) -> dict[str, np.ndarray]:
     """MLM-only rows (`options.next_sentence` false), seeded: each pass shuffles the
     documents, lays their tokens back to back with a [SEP] after each document, and cuts the

@@ -44,10 +44,10 @@ from popbert.data.instances import (
 )
 from popbert.data.packing import PACKED_FEATURE_NAMES
 from popbert.data.tokenization import (
-    WordPieceTokenizer,
     bundled_corpus_path,
     bundled_vocab_path,
     file_sha256,
+    load_tokenizer,
 )
 
 log = logging.getLogger(__name__)
@@ -383,7 +383,7 @@ def load_or_create_instances(input_files: PathsLike | None, vocab_path: str | os
                               dupe_factor=dupe_factor, whole_word_mask=whole_word_mask, seed=seed,
                               next_sentence=next_sentence)
     options.validate()
-    tokenizer = WordPieceTokenizer(vocab)
+    tokenizer = load_tokenizer(vocab)
     material = {"algorithm": INSTANCES_ALGORITHM_VERSION, "schema": SCHEMA_VERSION,
                 "inputs": [file_sha256(f) for f in files], "vocab": tokenizer.vocab_sha256,
                 "options": options.as_dict()}

@@ -27,7 +27,7 @@ from popbert.data.packing import (
 )
 from popbert.data.sentences import DEFAULT_MIN_SENTENCES, split_sentences
 from popbert.data.stages import StageDir, default_workers, derive_seed, run_units
-from popbert.data.tokenization import WordPieceTokenizer
+from popbert.data.tokenization import load_tokenizer
 from popbert.data.vocab import DEFAULT_VOCAB_SIZE, train_vocab
 from popbert.data.wikipedia import DEFAULT_PART_BYTES, EXTRACT_SUFFIX, extract_dump
 
@@ -47,7 +47,7 @@ def packed_dir_name(options: InstanceOptions) -> str:
 def instances_part(in_path: str, out_path: str, vocab_path: str, options: dict,
                    run_seed: int, index: int) -> dict:
     """One sentence part → one HDF5 shard of masked instances; returns counts."""
-    tokenizer = WordPieceTokenizer(vocab_path)
+    tokenizer = load_tokenizer(vocab_path)
     opts = InstanceOptions(**options)
     text = read_text_documents([in_path])
     documents = tokenize_documents(text, tokenizer)
@@ -79,7 +79,7 @@ def create_instances(sentence_parts: list[Path], vocab: str | os.PathLike,
     options.validate()
     if not sentence_parts:
         raise DataError("no sentence parts to create instances from")
-    tokenizer = WordPieceTokenizer(vocab)
+    tokenizer = load_tokenizer(vocab)
     params = {**options.as_dict(), "vocab_sha256": tokenizer.vocab_sha256,
               "inputs": [p.name for p in sentence_parts]}
     stage = StageDir(output_dir, "instances", params).open()
@@ -195,7 +195,7 @@ def prepare_wikipedia(dump: str | os.PathLike, output_dir: str | os.PathLike,
     out = Path(output_dir)
     options.validate()
     if vocab is not None:
-        WordPieceTokenizer(vocab)  # a missing or unreadable vocabulary fails before extraction
+        load_tokenizer(vocab)  # a missing or unreadable vocabulary fails before extraction
     records: dict = {}
     records["extract"] = extract_dump(dump, out / "extracted", workers, part_bytes)
     extracted = sorted((out / "extracted").glob(f"part-*.{EXTRACT_SUFFIX}"))

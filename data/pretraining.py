@@ -26,7 +26,7 @@ from popbert.data.errors import DataError
 from popbert.data.hdf5 import check_shard_info, read_shard_info
 from popbert.data.instances import InstanceOptions, mask_arrays
 from popbert.data.loader import PretrainingLoader, load_or_create_instances
-from popbert.data.tokenization import WordPieceTokenizer, bundled_vocab_path
+from popbert.data.tokenization import TextTokenizer, bundled_vocab_path, load_tokenizer
 from popbert.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ def load_training_data(cfg: RunConfig) -> dict[str, np.ndarray] | ShardSet:
     if not vocab_path.is_file():
         raise ConfigError(f"data.vocab_file: {vocab_path} does not exist")
     try:
-        tokenizer = WordPieceTokenizer(vocab_path)
+        tokenizer = load_tokenizer(vocab_path)
     except DataError as error:  # not UTF-8, no special tokens: name the key that chose it
         raise ConfigError(f"data.vocab_file: {error}") from None
     if tokenizer.vocab_size != cfg.model.vocab_size:
@@ -107,10 +107,10 @@ def load_validation_data(cfg: RunConfig) -> dict[str, np.ndarray] | ShardSet | N
         if cfg.model.packed:
             raise ConfigError("model.packed needs packed HDF5 shards in data.validation_files")
         return _instances(cfg, files, vocab_path, 0.0, "train")
-    return _shard_set(cfg, WordPieceTokenizer(vocab_path), shards)
+    return _shard_set(cfg, load_tokenizer(vocab_path), shards)
 
 
-def _shard_set(cfg: RunConfig, tokenizer: WordPieceTokenizer, patterns: list[str]) -> ShardSet:
+def _shard_set(cfg: RunConfig, tokenizer: TextTokenizer, patterns: list[str]) -> ShardSet:
     """Shards whose every metadata fits the run (checked now; the loader repeats the checks)."""
     checks = {"sequence_length": cfg.model.sequence_length,
               "max_predictions_per_seq": cfg.model.max_predictions_per_seq,
@@ -171,9 +171,9 @@ def run_vocab_path(cfg: RunConfig) -> Path:
     return Path(cfg.data.vocab_file) if cfg.data.vocab_file else bundled_vocab_path()
 
 
-def run_tokenizer(cfg: RunConfig) -> WordPieceTokenizer:
+def run_tokenizer(cfg: RunConfig) -> TextTokenizer:
     """The WordPiece tokenizer of the run's vocabulary (`run_vocab_path`)."""
-    return WordPieceTokenizer(run_vocab_path(cfg))
+    return load_tokenizer(run_vocab_path(cfg))
 
 
 def dynamic_masking(cfg: RunConfig) -> Callable[[dict[str, np.ndarray], np.random.Generator],

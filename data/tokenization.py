@@ -1,17 +1,21 @@
-"""WordPiece tokenization over a BERT `vocab.txt`, backed by Hugging Face `tokenizers`.
+"""Tokenizers: a BERT `vocab.txt` (WordPiece) or any Hugging Face `tokenizer.json`, one interface.
 
-One place for how popbert reads a vocabulary and configures WordPiece, so every part of it
-(pre-training data, SQuAD windows, serving an exported model from the vocabulary in its
-metadata) agrees on special token ids, lowercasing and token offsets. `WordPieceTokenizer` wraps
-a `vocab.txt` file and adds what pre-training needs (vocabulary size, its sha256 recorded in
-every shard); `parse_vocab` + `make_tokenizer` + `encode_texts` are the lighter path SQuAD and
-serving use. The WordPiece algorithm itself is HF's Rust implementation, never re-implemented.
-This module imports no torch: `popbert.serve` depends on it.
+One place for how popbert reads a vocabulary, so every part of it (pre-training data, SQuAD
+windows, fine-tuning, serving an exported model from the vocabulary in its metadata) agrees on
+special token ids, lowercasing and token offsets. `load_tokenizer(path)` is the door: a
+`.json` file is a `JsonTokenizer` (BPE, WordPiece or Unigram, as `transformers.AutoTokenizer`
+loads it; its special tokens read from it), anything else a `vocab.txt` read by
+`WordPieceTokenizer`. Both give the same attributes: the special ids, `vocab_size`, the file's
+sha256 recorded in every shard, `is_continuation` for whole-word masking, `roles` (special
+token → id, what SQuAD windows need) and `backend`, the `tokenizers.Tokenizer` that encodes
+with offsets. The algorithms are HF's Rust implementations, never re-implemented. This module
+imports no torch: `popbert.serve` depends on it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -33,6 +37,14 @@ SEP_TOKEN = "[SEP]"
 MASK_TOKEN = "[MASK]"
 SPECIAL_TOKENS = (PAD_TOKEN, UNK_TOKEN, CLS_TOKEN, SEP_TOKEN, MASK_TOKEN)
 WORDPIECE_PREFIX = "##"
+# The spellings a `tokenizer.json` may give each special token's role: BERT's, or RoBERTa's
+# (the first one present is used).
+ROLE_SPELLINGS = {PAD_TOKEN: ("[PAD]", "<pad>"), UNK_TOKEN: ("[UNK]", "<unk>"),
+                  CLS_TOKEN: ("[CLS]", "<s>"), SEP_TOKEN: ("[SEP]", "</s>"),
+                  MASK_TOKEN: ("[MASK]", "<mask>")}
+# What a token starts with when it begins a word, by pre-tokenizer (byte-level BPE, SentencePiece).
+WORD_START_MARKERS = {"ByteLevel": "\u0120", "Metaspace": "\u2581"}
+TOKENIZER_JSON = "tokenizer.json"
 
 
 def _resource(name: str) -> Path:
@@ -143,42 +155,29 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-class WordPieceTokenizer:
-    """A BERT WordPiece tokenizer loaded from a `vocab.txt` (one token per line, id = line).
+class TextTokenizer:
+    """What every tokenizer gives the rest of popbert (set by the subclasses): the special ids,
+    `special_ids`, `is_continuation`, `vocab_sha256`, `vocab_path`, `backend`, and encoding."""
 
-    `lowercase=True` also strips accents (BERT "uncased"). Special tokens `[PAD] [UNK] [CLS]
-    [SEP] [MASK]` must be in the vocabulary; their ids are read from it, not assumed.
-    """
+    vocab_path: Path
+    vocab_sha256: str
+    backend: Tokenizer
+    _tokens: list[str]
+    pad_id: int
+    unk_id: int
+    cls_id: int
+    sep_id: int
+    mask_id: int
 
-    def __init__(self, vocab_path: str | os.PathLike | None = None, lowercase: bool = True):
-        path = Path(vocab_path) if vocab_path is not None else bundled_vocab_path()
-        if not path.is_file():
-            raise DataError(f"{path}: vocabulary file not found")
-        tokens = vocab_tokens(read_vocab_text(path))
-        index = vocab_index(tokens, str(path))
-        if len(index) != len(tokens):
-            log.warning("%s: %d duplicate vocabulary entries; the first id of each is used",
-                        path, len(tokens) - len(index))
-
-        self.vocab_path = path
-        self.lowercase = lowercase
-        self._tokens = tokens
-        self.vocab_sha256 = file_sha256(path)
-        self.pad_id = index[PAD_TOKEN]
-        self.unk_id = index[UNK_TOKEN]
-        self.cls_id = index[CLS_TOKEN]
-        self.sep_id = index[SEP_TOKEN]
-        self.mask_id = index[MASK_TOKEN]
-        self.special_ids = frozenset(index[t] for t in SPECIAL_TOKENS)
-        # True for "##xx" pieces: lets whole-word masking group a word's pieces by id alone.
-        self.is_continuation = np.fromiter(
-            (t.startswith(WORDPIECE_PREFIX) and len(t) > len(WORDPIECE_PREFIX) for t in tokens),
-            dtype=bool, count=len(tokens))
-        self.backend = make_tokenizer(index, lowercase)
+    @property
+    def roles(self) -> dict[str, int]:
+        """Special token → id, under BERT's names (what SQuAD windows read)."""
+        return {PAD_TOKEN: self.pad_id, UNK_TOKEN: self.unk_id, CLS_TOKEN: self.cls_id,
+                SEP_TOKEN: self.sep_id, MASK_TOKEN: self.mask_id}
 
     @property
     def vocab_size(self) -> int:
-        """Number of lines in vocab.txt: the model's embedding rows."""
+        """Rows of the embedding the ids address."""
         return len(self._tokens)
 
     def encode_batch(self, sentences: Sequence[str]) -> list[list[int]]:
@@ -193,9 +192,159 @@ class WordPieceTokenizer:
         return self.backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        """Readable text from ids (WordPiece pieces joined, specials dropped by default)."""
+        """Readable text from ids (pieces joined, specials dropped by default)."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+
+class WordPieceTokenizer(TextTokenizer):
+    """A BERT WordPiece tokenizer loaded from a `vocab.txt` (one token per line, id = line).
+
+    `lowercase=True` also strips accents (BERT "uncased"). Special tokens `[PAD] [UNK] [CLS]
+    [SEP] [MASK]` must be in the vocabulary; their ids are read from it, not assumed. `text`
+    gives the file's content instead of a path (an export's metadata); `vocab_path` then only
+    names it in messages.
+    """
+
+    def __init__(self, vocab_path: str | os.PathLike | None = None, lowercase: bool = True,
+                 *, text: str | None = None):
+        path = Path(vocab_path) if vocab_path is not None else bundled_vocab_path()
+        if text is None:
+            if not path.is_file():
+                raise DataError(f"{path}: vocabulary file not found")
+            text = read_vocab_text(path)
+            self.vocab_sha256 = file_sha256(path)
+        else:
+            self.vocab_sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        tokens = vocab_tokens(text)
+        index = vocab_index(tokens, str(path))
+        if len(index) != len(tokens):
+            log.warning("%s: %d duplicate vocabulary entries; the first id of each is used",
+                        path, len(tokens) - len(index))
+
+        self.vocab_path = path
+        self.lowercase = lowercase
+        self._tokens = tokens
+        self.pad_id = index[PAD_TOKEN]
+        self.unk_id = index[UNK_TOKEN]
+        self.cls_id = index[CLS_TOKEN]
+        self.sep_id = index[SEP_TOKEN]
+        self.mask_id = index[MASK_TOKEN]
+        self.special_ids = frozenset(index[t] for t in SPECIAL_TOKENS)
+        # True for "##xx" pieces: lets whole-word masking group a word's pieces by id alone.
+        self.is_continuation = np.fromiter(
+            (t.startswith(WORDPIECE_PREFIX) and len(t) > len(WORDPIECE_PREFIX) for t in tokens),
+            dtype=bool, count=len(tokens))
+        self.backend = make_tokenizer(index, lowercase)
 
     def __repr__(self) -> str:
         return (f"WordPieceTokenizer({str(self.vocab_path)!r}, vocab_size={self.vocab_size}, "
                 f"lowercase={self.lowercase})")
+
+
+class JsonTokenizer(TextTokenizer):
+    """Any Hugging Face `tokenizer.json` (BPE, WordPiece or Unigram), with the attributes of
+    `WordPieceTokenizer`: the five special roles are read from its vocabulary (BERT's or
+    RoBERTa's spellings, `ROLE_SPELLINGS`), its normaliser and pre-tokenizer are its own (so
+    `lowercase` is whatever the file says). Ids equal `transformers.AutoTokenizer`'s."""
+
+    def __init__(self, path: str | os.PathLike, *, text: str | None = None):
+        path = Path(path)
+        if text is None:
+            if not path.is_file():
+                raise DataError(f"{path}: tokenizer file not found")
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(f"{path}: not a tokenizer.json: expected UTF-8 JSON (byte at "
+                                f"offset {error.start} is not UTF-8)") from None
+        try:
+            spec = json.loads(text)
+            backend = Tokenizer.from_str(text)
+        except Exception as error:  # JSON or tokenizers' own parse error: one line naming it
+            message = " ".join(str(error).split())[:200]
+            raise DataError(f"{path}: not a Hugging Face tokenizer.json ({message})") from None
+        vocab = backend.get_vocab(with_added_tokens=True)
+        roles: dict[str, int] = {}
+        for role, spellings in ROLE_SPELLINGS.items():
+            found = next((vocab[t] for t in spellings if t in vocab), None)
+            if found is not None:
+                roles[role] = found
+        missing = [" or ".join(ROLE_SPELLINGS[r]) for r in ROLE_SPELLINGS if r not in roles]
+        if missing:
+            raise DataError(f"{path}: tokenizer lacks special tokens {', '.join(missing)}")
+        self.vocab_path = path
+        self.lowercase = None  # the file's normaliser decides
+        self.vocab_sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        self._tokens = [""] * (max(vocab.values()) + 1)
+        for token, index in vocab.items():
+            self._tokens[index] = token
+        self.pad_id, self.unk_id = roles[PAD_TOKEN], roles[UNK_TOKEN]
+        self.cls_id, self.sep_id = roles[CLS_TOKEN], roles[SEP_TOKEN]
+        self.mask_id = roles[MASK_TOKEN]
+        added = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        self.special_ids = frozenset(added | set(roles.values()))
+        self.is_continuation = _continuations(spec, self._tokens, self.special_ids)
+        # Text is data: a literal "[SEP]" in a sentence is characters, never a control token.
+        backend.encode_special_tokens = True
+        self.backend = backend
+
+    def __repr__(self) -> str:
+        model = json.loads(self.backend.to_str())["model"]["type"]
+        return f"JsonTokenizer({str(self.vocab_path)!r}, {model}, vocab_size={self.vocab_size})"
+
+
+def _continuations(spec: dict, tokens: Sequence[str], special: frozenset[int]) -> np.ndarray:
+    """Which ids continue a word (for whole-word masking): pieces with the model's
+    continuing-subword prefix ("##"), or, for byte-level BPE and SentencePiece-style
+    pre-tokenizers, pieces that do not start with the word-start marker."""
+    model = spec.get("model") or {}
+    prefix = model.get("continuing_subword_prefix")
+    if prefix:
+        flags = (t.startswith(prefix) and len(t) > len(prefix) for t in tokens)
+    else:
+        marker = _word_start_marker(spec.get("pre_tokenizer"))
+        if marker is None:
+            log.info("tokenizer has no word-boundary marker: whole-word masking masks pieces")
+            flags = (False for _ in tokens)
+        else:
+            flags = (bool(t) and not t.startswith(marker) for t in tokens)
+    out = np.fromiter(flags, dtype=bool, count=len(tokens))
+    out[list(special)] = False
+    return out
+
+
+def _word_start_marker(pre_tokenizer: dict | None) -> str | None:
+    if not pre_tokenizer:
+        return None
+    if pre_tokenizer.get("type") == "Sequence":
+        found = (_word_start_marker(p) for p in pre_tokenizer.get("pretokenizers", []))
+        return next((m for m in found if m), None)
+    return WORD_START_MARKERS.get(pre_tokenizer.get("type", ""))
+
+
+def is_tokenizer_json(path: str | os.PathLike) -> bool:
+    """A path names a `tokenizer.json` (by its suffix), not a `vocab.txt`."""
+    return Path(path).suffix.lower() == ".json"
+
+
+def load_tokenizer(path: str | os.PathLike | None = None,
+                   lowercase: bool = True) -> TextTokenizer:
+    """The tokenizer a file holds: a `tokenizer.json` (any model) or a `vocab.txt` (WordPiece,
+    `lowercase` applying); None is the bundled vocabulary."""
+    if path is not None and is_tokenizer_json(path):
+        return JsonTokenizer(path)
+    return WordPieceTokenizer(path, lowercase)
+
+
+def tokenizer_from_text(text: str, lowercase: bool = True,
+                        source: str = "vocabulary") -> TextTokenizer:
+    """The tokenizer whose file content is `text` (an export's metadata): JSON is a
+    `tokenizer.json`, anything else a `vocab.txt`; `source` names it in errors."""
+    if text.lstrip().startswith("{"):
+        return JsonTokenizer(source, text=text)
+    return WordPieceTokenizer(source, lowercase, text=text)
+
+
+def tokenizer_file_name(path: str | os.PathLike) -> str:
+    """The name a run directory stores a tokenizer under: `tokenizer.json` or `vocab.txt`."""
+    return TOKENIZER_JSON if is_tokenizer_json(path) else "vocab.txt"

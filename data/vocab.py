@@ -1,4 +1,6 @@
-"""Stage `vocab`: train an uncased WordPiece vocabulary (`vocab.txt`) with HF `tokenizers`.
+"""Stage `vocab`: train an uncased WordPiece vocabulary (`vocab.txt`) with HF `tokenizers`, or a
+byte-level BPE `tokenizer.json` (`train_bpe`, ModernBERT's kind of tokenizer) with BERT's special
+tokens.
 
 The trainer (Rust, multi-threaded, streaming over the files) learns the token set; ids are then
 fixed deterministically: the five special tokens first (`[PAD]`=0 ... `[MASK]`=4, what BERT
@@ -24,11 +26,32 @@ from pathlib import Path
 from popbert.atomic import atomic_write_text
 from popbert.data.corpus import has_text, name_files
 from popbert.data.errors import DataError
-from popbert.data.tokenization import SPECIAL_TOKENS, WordPieceTokenizer
+from popbert.data.tokenization import (
+    CLS_TOKEN,
+    SEP_TOKEN,
+    SPECIAL_TOKENS,
+    JsonTokenizer,
+    WordPieceTokenizer,
+)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_VOCAB_SIZE = 30522
+
+
+def _training_files(files: Sequence[str | os.PathLike], vocab_size: int) -> list[str]:
+    """The corpus files, checked: they exist, hold text, and the size leaves room for text."""
+    if vocab_size <= len(SPECIAL_TOKENS):
+        raise DataError(f"vocab_size must be > {len(SPECIAL_TOKENS)}, got {vocab_size}")
+    paths = [str(f) for f in files]
+    missing = [p for p in paths if not Path(p).is_file()]
+    if missing:
+        raise DataError(f"{missing[0]}: vocabulary training input not found")
+    if not paths:
+        raise DataError("no text files to train a vocabulary on")
+    if not any(has_text(p) for p in paths):  # the trainer would write the 5 specials alone
+        raise DataError(f"{name_files(paths)}: empty corpus: no text to train a vocabulary on")
+    return paths
 
 
 def train_vocab(files: Sequence[str | os.PathLike], output: str | os.PathLike,
@@ -41,16 +64,7 @@ def train_vocab(files: Sequence[str | os.PathLike], output: str | os.PathLike,
     """
     from tokenizers import BertWordPieceTokenizer
 
-    if vocab_size <= len(SPECIAL_TOKENS):
-        raise DataError(f"vocab_size must be > {len(SPECIAL_TOKENS)}, got {vocab_size}")
-    paths = [str(f) for f in files]
-    missing = [p for p in paths if not Path(p).is_file()]
-    if missing:
-        raise DataError(f"{missing[0]}: vocabulary training input not found")
-    if not paths:
-        raise DataError("no text files to train a vocabulary on")
-    if not any(has_text(p) for p in paths):  # the trainer would write the 5 specials alone
-        raise DataError(f"{name_files(paths)}: empty corpus: no text to train a vocabulary on")
+    paths = _training_files(files, vocab_size)
     trainer = BertWordPieceTokenizer(clean_text=True, handle_chinese_chars=True,
                                      strip_accents=True, lowercase=True)
     log.info("training a %d-entry WordPiece vocabulary on %d file(s)", vocab_size, len(paths))
@@ -71,3 +85,41 @@ def train_vocab(files: Sequence[str | os.PathLike], output: str | os.PathLike,
     atomic_write_text(output, "\n".join(lines) + "\n")
     log.info("wrote %s (%d entries)", output, len(lines))
     return WordPieceTokenizer(output)
+
+
+def train_bpe(files: Sequence[str | os.PathLike], output: str | os.PathLike,
+              vocab_size: int = DEFAULT_VOCAB_SIZE, min_frequency: int = 2) -> JsonTokenizer:
+    """Train a byte-level BPE `tokenizer.json` (cased, no normaliser: the kind ModernBERT uses)
+    on text files and write `output` atomically; returns its tokenizer.
+
+    BERT's five special tokens take ids 0-4 (`[PAD]` first, as the shards' padding assumes) and
+    a `[CLS] A [SEP] (B [SEP])` post-processor makes `transformers`' `AutoTokenizer` add them as
+    popbert's data does. Byte-level: no text is ever `[UNK]`.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    paths = _training_files(files, vocab_size)
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                  special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=sys.stderr.isatty())
+    log.info("training a %d-entry byte-level BPE tokenizer on %d file(s)", vocab_size,
+             len(paths))
+    tokenizer.train(paths, trainer)
+    cls, sep = tokenizer.token_to_id(CLS_TOKEN), tokenizer.token_to_id(SEP_TOKEN)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{CLS_TOKEN} $A {SEP_TOKEN}", pair=f"{CLS_TOKEN} $A {SEP_TOKEN} $B:1 {SEP_TOKEN}:1",
+        special_tokens=[(CLS_TOKEN, cls), (SEP_TOKEN, sep)])
+    ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
+    if ids != list(range(len(SPECIAL_TOKENS))):
+        raise DataError(f"trained tokenizer's special ids are {ids}, expected 0-4")
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size < vocab_size:
+        log.warning("corpus yields only %d tokens (asked for %d)", size, vocab_size)
+    output = Path(output)
+    atomic_write_text(output, tokenizer.to_str(pretty=True))
+    log.info("wrote %s (%d tokens, byte-level BPE)", output, size)
+    return JsonTokenizer(output)

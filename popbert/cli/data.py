@@ -64,14 +64,14 @@ def _options(args: argparse.Namespace):
 
 
 def _check_vocab(vocab: str) -> None:
-    """--vocab readable as a WordPiece vocabulary, checked before any stage starts."""
+    """--vocab readable as a vocabulary or tokenizer, checked before any stage starts."""
     from popbert.data.errors import DataError
-    from popbert.data.tokenization import WordPieceTokenizer
+    from popbert.data.tokenization import load_tokenizer
 
     if not Path(vocab).is_file():
         raise UsageError(f"--vocab: {vocab} not found")
     try:
-        WordPieceTokenizer(vocab)
+        load_tokenizer(vocab)
     except DataError as exc:
         raise UsageError(f"--vocab: {exc}") from None
 
@@ -121,13 +121,18 @@ def _cmd_sentences(args: argparse.Namespace) -> int:
 
 def _cmd_vocab(args: argparse.Namespace) -> int:
     from popbert.cli.paths import check_output_file
-    from popbert.data.vocab import train_vocab
+    from popbert.data.tokenization import is_tokenizer_json
+    from popbert.data.vocab import train_bpe, train_vocab
 
     if args.vocab_size <= 5:
         raise UsageError(f"--vocab-size must be > 5, got {args.vocab_size}")
+    if (args.model == "bpe") != is_tokenizer_json(args.output):
+        expected = "a tokenizer.json (.json)" if args.model == "bpe" else "a vocab.txt (not .json)"
+        raise UsageError(f"--output: --model {args.model} writes {expected}, got {args.output}")
     check_output_file(args.output, "--output")
-    tokenizer = train_vocab(_parts(args.input, "txt"), args.output, args.vocab_size,
-                            args.min_frequency)
+    train = train_bpe if args.model == "bpe" else train_vocab
+    tokenizer = train(_parts(args.input, "txt"), args.output, args.vocab_size,
+                      args.min_frequency)
     logger.info("vocabulary %s: %d entries, sha256 %s", args.output, tokenizer.vocab_size,
                 tokenizer.vocab_sha256)
     return 0
@@ -167,7 +172,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 def training_overrides(shard_dir: Path, vocab: Path) -> list[str]:
     """The `popbert pretrain` --set flags that point a run at a stage's shards."""
     from popbert.data.hdf5 import read_shard_info
-    from popbert.data.tokenization import WordPieceTokenizer
+    from popbert.data.tokenization import load_tokenizer
 
     shards = sorted(Path(shard_dir).glob("part-*.h5"))
     if not shards:
@@ -175,7 +180,7 @@ def training_overrides(shard_dir: Path, vocab: Path) -> list[str]:
     info = read_shard_info(shards[0])
     flags = [f"--set 'data.input_files=[\"{Path(shard_dir) / 'part-*.h5'}\"]'",
              f"--set data.vocab_file={vocab}",
-             f"--set model.vocab_size={WordPieceTokenizer(vocab).vocab_size}",
+             f"--set model.vocab_size={load_tokenizer(vocab).vocab_size}",
              f"--set model.sequence_length={info.sequence_length}",
              f"--set model.max_predictions_per_seq={info.max_predictions_per_seq}"]
     if info.packed:
@@ -254,7 +259,8 @@ def add_commands(subparsers: argparse._SubParsersAction,
     p.add_argument("--input", required=True, metavar="DUMP.xml.bz2",
                    help="a MediaWiki XML dump, e.g. enwiki-latest-pages-articles.xml.bz2")
     p.add_argument("--vocab", default=None, metavar="VOCAB.txt",
-                   help="an existing WordPiece vocab.txt; default: train one (--vocab-size)")
+                   help="an existing WordPiece vocab.txt or tokenizer.json; default: train a "
+                        "vocab.txt (--vocab-size)")
     p.add_argument("--vocab-size", type=int, default=30522, metavar="N")
     _add_common(p, "root directory for every stage's output")
     _add_split_args(p)
@@ -283,10 +289,16 @@ def add_commands(subparsers: argparse._SubParsersAction,
     p.set_defaults(handler=_cmd_sentences)
 
     p = stages.add_parser("vocab", parents=[common_parent],
-                          help="train an uncased WordPiece vocab.txt with HF tokenizers")
+                          help="train an uncased WordPiece vocab.txt, or a byte-level BPE "
+                               "tokenizer.json (--model bpe), with HF tokenizers")
     p.add_argument("--input", required=True, metavar="DIR_OR_GLOB",
                    help="the sentences stage's directory, or text files")
-    p.add_argument("--output", "-o", type=Path, required=True, metavar="VOCAB.txt")
+    p.add_argument("--output", "-o", type=Path, required=True,
+                   metavar="VOCAB.txt|TOKENIZER.json")
+    p.add_argument("--model", choices=("wordpiece", "bpe"), default="wordpiece",
+                   help="wordpiece: BERT's uncased vocab.txt (default); bpe: a cased "
+                        "byte-level BPE tokenizer.json with BERT's special tokens, "
+                        "ModernBERT's kind")
     p.add_argument("--vocab-size", type=int, default=30522, metavar="N")
     p.add_argument("--min-frequency", type=int, default=2, metavar="N")
     p.set_defaults(handler=_cmd_vocab)
@@ -295,7 +307,8 @@ def add_commands(subparsers: argparse._SubParsersAction,
                           help="sentences -> masked MLM/NSP instances in HDF5 shards")
     p.add_argument("--input", required=True, metavar="DIR_OR_GLOB",
                    help="the sentences stage's directory, or Google-format text files")
-    p.add_argument("--vocab", required=True, metavar="VOCAB.txt")
+    p.add_argument("--vocab", required=True, metavar="VOCAB.txt",
+                   help="a WordPiece vocab.txt or any Hugging Face tokenizer.json")
     _add_common(p, "directory for part-*.h5")
     _add_instance_args(p)
     p.set_defaults(handler=_cmd_instances)

@@ -1,16 +1,18 @@
 """Hugging Face model directories ↔ popbert checkpoints (`popbert import-hf` / `export-hf`).
 
-A Hugging Face BERT directory is `config.json` + `model.safetensors` (or `pytorch_model.bin`,
-or a sharded index of either) + `vocab.txt`. Import builds the matching popbert run config
-(`model.*` from `config.json`, `data.vocab_file` = the copied `vocab.txt`) and a checkpoint that
-has every weight of the pre-training graph: those the directory holds, converted exactly by
-`popbert.io.hf_mapping`, and the rest (e.g. the MLM/NSP heads a `BertModel` lacks) initialised
-fresh and reported. Export writes the reverse, as the `transformers` class that holds exactly the
-checkpoint's heads, so `from_pretrained` reports no missing or unexpected keys.
+A Hugging Face BERT or ModernBERT directory is `config.json` (its `model_type` picks the family)
++ `model.safetensors` (or `pytorch_model.bin`, or a sharded index of either) + its tokenizer:
+`vocab.txt` (WordPiece) or `tokenizer.json` (any model; ModernBERT ships a BPE one). Import
+builds the matching popbert run config (`model.*` from `config.json`, `data.vocab_file` = the
+copied tokenizer file) and a checkpoint that has every weight of the pre-training graph: those
+the directory holds, converted exactly by `popbert.io.hf_mapping`, and the rest (e.g. the
+MLM/NSP heads a `BertModel` lacks) initialised fresh and reported. Export writes the reverse, as
+the `transformers` class that holds exactly the checkpoint's heads, so `from_pretrained`
+reports no missing or unexpected keys.
 
 Layout of an imported directory (a run directory, so every `--checkpoint` option accepts it):
-`config.yaml`, `vocab.txt`, `import.json` (what was read, initialised fresh, ignored) and
-`checkpoints/step-000000/`.
+`config.yaml`, `vocab.txt` or `tokenizer.json`, `import.json` (what was read, initialised
+fresh, ignored) and `checkpoints/step-000000/`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from popbert.atomic import atomic_directory
 from popbert.builders.bert_config import BertConfig, TaskConfig
 from popbert.errors import CheckpointError, UsageError, one_line
 from popbert.io import hf_mapping as hf
+from popbert.io.hf_modernbert import hf_config_from_modernbert, modernbert_config_from_hf
 from popbert.io.run_dir import step_dir
 
 log = logging.getLogger(__name__)
@@ -36,6 +39,9 @@ SAFETENSORS = "model.safetensors"
 PYTORCH_BIN = "pytorch_model.bin"
 IMPORT_REPORT = "import.json"
 VOCAB = "vocab.txt"
+TOKENIZER_JSON = "tokenizer.json"
+# The `model_type`s import reads, and the popbert family each is.
+MODEL_TYPES = {"bert": "bert", "modernbert": "modernbert"}
 # Hidden activations whose math is ONNX `Gelu` (exact, erf-based).
 EXACT_GELU = ("gelu",)
 # config.json key → BertConfig field.
@@ -91,8 +97,8 @@ def bert_config_from_hf(hf_config: dict[str, Any], source: str,
     """
     model_type = hf_config.get("model_type", "bert")
     if model_type != "bert":
-        raise UsageError(f"{source}: model_type is {model_type!r}; popbert reads BERT "
-                         "checkpoints (model_type 'bert')")
+        raise UsageError(f"{source}: model_type is {model_type!r}; expected one of "
+                         f"{', '.join(MODEL_TYPES)}")
     act = hf_config.get("hidden_act", "gelu")
     if act not in EXACT_GELU:
         raise UsageError(f"{source}: hidden_act is {act!r}; popbert's graph uses the exact "
@@ -127,18 +133,13 @@ def bert_config_from_hf(hf_config: dict[str, Any], source: str,
 
 def hf_config_from_bert(config: BertConfig, architecture: str, pad_token_id: int = 0
                         ) -> dict[str, Any]:
-    """The `config.json` `transformers.BertConfig.from_pretrained` reads back into `config`."""
+    """The `config.json` `transformers.BertConfig.from_pretrained` reads back into `config`
+    (`export_hf` adds a classifier's label names)."""
     out: dict[str, Any] = {"architectures": [architecture], "model_type": "bert",
                            "hidden_act": "gelu", "position_embedding_type": "absolute",
                            "pad_token_id": pad_token_id, "torch_dtype": "float32"}
     for theirs, ours in CONFIG_FIELDS.items():
         out[theirs] = getattr(config, ours)
-    labels = config.task.labels
-    if architecture == "BertForSequenceClassification":
-        names = [str(x) for x in labels] if labels else [
-            f"LABEL_{i}" for i in range(config.task.num_labels or 2)]
-        out["id2label"] = {str(i): name for i, name in enumerate(names)}
-        out["label2id"] = {name: i for i, name in enumerate(names)}
     return out
 
 
@@ -202,12 +203,37 @@ def read_lowercase(model_dir: Path) -> bool:
     return bool(value) if value is not None else True
 
 
-def _count_lines(path: Path) -> int:
-    """Entries of a `vocab.txt`, read as `WordPieceTokenizer` reads it (a file that is not
-    UTF-8 text is a one-line error naming it)."""
-    from popbert.data.tokenization import read_vocab_text, vocab_tokens
+def _tokenizer_file(model_dir: Path, family: str) -> Path:
+    """The directory's tokenizer: `tokenizer.json` for ModernBERT (what it ships), `vocab.txt`
+    for BERT, the other where the preferred one is absent."""
+    order = (TOKENIZER_JSON, VOCAB) if family == "modernbert" else (VOCAB, TOKENIZER_JSON)
+    for name in order:
+        if (model_dir / name).is_file():
+            return model_dir / name
+    raise UsageError(f"{model_dir}: no {VOCAB} or {TOKENIZER_JSON} (popbert tokenizes with the "
+                     "checkpoint's own tokenizer)")
 
-    return len(vocab_tokens(read_vocab_text(path)))
+
+def config_from_hf(hf_config: dict[str, Any], source: str,
+                   sequence_length: int | None = None) -> BertConfig:
+    """popbert's `model` section from any `config.json` import reads (by its `model_type`)."""
+    if hf_config.get("model_type") == "modernbert":
+        return modernbert_config_from_hf(hf_config, source, sequence_length)
+    return bert_config_from_hf(hf_config, source, sequence_length)
+
+
+def _architecture_of(hf_config: dict[str, Any], state: dict[str, np.ndarray],
+                     config: BertConfig) -> str:
+    """The `transformers` class a ModernBERT directory holds: `architectures` in config.json
+    when it names one, else what its keys say."""
+    named = (hf_config.get("architectures") or [None])[0]
+    if named in hf.architectures_of(config.architecture):
+        return named
+    if not any(k.startswith("model.") for k in state):
+        return "ModernBertModel"
+    if any(k.startswith("classifier.") for k in state):
+        return "ModernBertForSequenceClassification"
+    return "ModernBertForMaskedLM"
 
 
 def _prepare_output(path: Path, marker: str, flag: str) -> None:
@@ -224,12 +250,15 @@ def _prepare_output(path: Path, marker: str, flag: str) -> None:
 
 def import_hf(model_dir: Path, output_dir: Path, sequence_length: int | None = None,
               seed: int = 0) -> ImportReport:
-    """Convert a Hugging Face BERT directory into a popbert run directory with one checkpoint."""
+    """Convert a Hugging Face BERT or ModernBERT directory into a popbert run directory with
+    one checkpoint."""
     import torch
     from onnx import numpy_helper
 
     from popbert.builders.bert import build_bert
     from popbert.config import RunConfig, config_from_dict, dump_config
+    from popbert.data.errors import DataError
+    from popbert.data.tokenization import load_tokenizer
     from popbert.graph.annotations import trainable_initializers
     from popbert.io import checkpoint as ckpt
 
@@ -239,30 +268,42 @@ def import_hf(model_dir: Path, output_dir: Path, sequence_length: int | None = N
     _prepare_output(output_dir, IMPORT_REPORT, "--output-dir")
     config_path = model_dir / "config.json"
     hf_config = _read_json(config_path, "model config")
-    bert = bert_config_from_hf(hf_config, str(config_path), sequence_length)
-    vocab = model_dir / VOCAB
-    if not vocab.is_file():
-        raise UsageError(f"{model_dir}: no {VOCAB} (popbert tokenizes with the checkpoint's "
-                         "WordPiece vocabulary)")
-    vocab_lines = _count_lines(vocab)
-    if vocab_lines > bert.vocab_size:
-        raise UsageError(f"{vocab}: {vocab_lines} entries but config.json vocab_size is "
+    bert = config_from_hf(hf_config, str(config_path), sequence_length)
+    vocab = _tokenizer_file(model_dir, bert.architecture)
+    try:
+        vocab_entries = load_tokenizer(vocab).vocab_size
+    except DataError as error:
+        raise UsageError(str(error)) from None
+    if vocab_entries > bert.vocab_size:
+        raise UsageError(f"{vocab}: {vocab_entries} entries but config.json vocab_size is "
                          f"{bert.vocab_size}")
     state, weights_file = load_hf_state(model_dir)
-    weights, missing = hf.from_hf(state, bert)
-    # Heads, and the pooler (BertForQuestionAnswering has none), may be initialised fresh; a
-    # missing encoder tensor means the file is not this config's model.
-    optional = {r.ours for r in hf.head_rules()} | {"NSP/Pool/W", "NSP/Pool/B"}
+    if bert.architecture == "modernbert":
+        architecture = _architecture_of(hf_config, state, bert)
+        weights, missing = hf.from_hf_architecture(state, bert, architecture)
+        rules = hf.ARCHITECTURES[architecture].rules(bert)
+        optional: set[str] = set()
+        ignored = sorted(set(state) - {n for r in rules for n in r.theirs}
+                         - {alias for alias, _ in hf.ARCHITECTURES[architecture].tied})
+    else:
+        weights, missing = hf.from_hf(state, bert)
+        rules = hf.pretraining_rules(bert) + hf.task_head_rules()
+        # Heads, and the pooler (BertForQuestionAnswering has none), may be initialised fresh.
+        optional = {r.ours for r in hf.head_rules()} | {"NSP/Pool/W", "NSP/Pool/B"}
+        ignored = hf.unused_hf_keys(state, bert)
+        architecture = hf.architecture_for(weights)
+    # A missing encoder tensor means the file is not this config's model.
     absent = [n for n in missing if n not in optional]
     if absent:
-        raise UsageError(f"{weights_file}: no tensor {_hf_names(absent[0], bert)} "
-                         f"({len(absent)} encoder tensors missing); is this a BERT checkpoint "
-                         "matching its config.json?")
-    ignored = hf.unused_hf_keys(state, bert)
+        raise UsageError(f"{weights_file}: no tensor {_hf_names(absent[0], rules)} "
+                         f"({len(absent)} tensors missing); is this a "
+                         f"{hf_config.get('model_type', 'bert')} checkpoint matching its "
+                         "config.json?")
 
-    bert.task = TaskConfig(hf_architecture=hf.architecture_for(weights),
-                           lowercase=read_lowercase(model_dir))
-    if all(rule.ours in weights for rule in hf.classification_rules()):
+    # A tokenizer.json carries its own normaliser; only a vocab.txt needs the lowercase flag.
+    lowercase = read_lowercase(model_dir) if vocab.name == VOCAB else True
+    bert.task = TaskConfig(hf_architecture=architecture, lowercase=lowercase)
+    if "Classifier/B" in weights:
         labels = hf_config.get("id2label") or {}
         bert.task.num_labels = int(weights["Classifier/B"].shape[0])
         names = [labels.get(str(i)) for i in range(bert.task.num_labels)]
@@ -277,7 +318,7 @@ def import_hf(model_dir: Path, output_dir: Path, sequence_length: int | None = N
         expected = tuple(initial[name].dims)
         if name in weights:
             if tuple(weights[name].shape) != expected:
-                raise UsageError(f"{weights_file}: {name} ({_hf_names(name, bert)}) has shape "
+                raise UsageError(f"{weights_file}: {name} ({_hf_names(name, rules)}) has shape "
                                  f"{tuple(weights[name].shape)}, config.json implies {expected}")
             checkpoint_weights[name] = torch.from_numpy(np.ascontiguousarray(weights[name]))
         else:
@@ -288,14 +329,13 @@ def import_hf(model_dir: Path, output_dir: Path, sequence_length: int | None = N
     fresh = [n for n in trainable_initializers(model) if n not in weights]
 
     cfg = RunConfig(model=bert)
-    final_vocab = output_dir.resolve() / VOCAB
-    cfg.data.vocab_file = str(final_vocab)
+    cfg.data.vocab_file = str(output_dir.resolve() / vocab.name)
     cfg = config_from_dict(cfg.to_dict(), source=str(config_path))
     config_yaml = dump_config(cfg)
     report = ImportReport(output_dir, step_dir(output_dir, 0), bert.task.hf_architecture,
                           loaded=sorted(weights), fresh=fresh, ignored=ignored)
     with atomic_directory(output_dir) as tmp:
-        shutil.copyfile(vocab, tmp / VOCAB)
+        shutil.copyfile(vocab, tmp / vocab.name)
         (tmp / "config.yaml").write_text(config_yaml)
         (tmp / IMPORT_REPORT).write_text(json.dumps({
             "source": str(model_dir.resolve()), "weights_file": weights_file.name,
@@ -312,8 +352,8 @@ def import_hf(model_dir: Path, output_dir: Path, sequence_length: int | None = N
     return report
 
 
-def _hf_names(ours: str, config: BertConfig) -> str:
-    for rule in hf.pretraining_rules(config) + hf.task_head_rules():
+def _hf_names(ours: str, rules: list[hf.Rule]) -> str:
+    for rule in rules:
         if rule.ours == ours:
             return "/".join(rule.theirs)
     return ours
@@ -325,7 +365,8 @@ def _hf_names(ours: str, config: BertConfig) -> str:
 
 def checkpoint_vocab(checkpoint: Path, vocab_file: str | None) -> Path | None:
     """The vocabulary of a checkpoint: the config's `data.vocab_file` if it exists, else the
-    `vocab.txt` of the run directory (import-hf and fine-tuning put one there), else, when the
+    `vocab.txt` or `tokenizer.json` of the run directory (import-hf and fine-tuning put one
+    there), else, when the
     config names none, the bundled one (what pre-training with no `data.vocab_file` used).
     None: the config names a vocabulary that is gone."""
     from popbert.io.checkpoint import find_checkpoint
@@ -335,8 +376,9 @@ def checkpoint_vocab(checkpoint: Path, vocab_file: str | None) -> Path | None:
     checkpoint = Path(checkpoint)
     step = find_checkpoint(checkpoint)
     for directory in (checkpoint, step, step.parent.parent):
-        if (directory / VOCAB).is_file():
-            return directory / VOCAB
+        for name in (VOCAB, TOKENIZER_JSON):
+            if (directory / name).is_file():
+                return directory / name
     if not vocab_file:
         from popbert.data.tokenization import bundled_vocab_path
 
@@ -346,25 +388,30 @@ def checkpoint_vocab(checkpoint: Path, vocab_file: str | None) -> Path | None:
 
 def export_hf(checkpoint: Path, output_dir: Path, architecture: str | None = None) -> Path:
     """Write a checkpoint as a Hugging Face directory `transformers` loads with no missing or
-    unexpected keys: config.json, model.safetensors, vocab.txt and tokenizer_config.json."""
+    unexpected keys: config.json, model.safetensors and its tokenizer (vocab.txt or
+    tokenizer.json, with tokenizer_config.json)."""
     import safetensors.numpy
 
     from popbert.config import config_from_dict
+    from popbert.data.tokenization import SPECIAL_TOKENS, is_tokenizer_json, load_tokenizer
     from popbert.io.checkpoint import load_checkpoint
 
     restored = load_checkpoint(checkpoint, weights_only=True)
     cfg = config_from_dict(restored.config, source=f"{checkpoint}/config.yaml")
-    if cfg.model.architecture != "bert":
+    family = cfg.model.architecture
+    choices = hf.architectures_of(family)
+    if not choices:
         # transformers has no GroupBERT class: its weights would load into nothing.
-        raise UsageError(f"{checkpoint}: model.architecture is {cfg.model.architecture!r}; "
-                         f"Hugging Face has no such model, export-hf writes BERT only")
+        raise UsageError(f"{checkpoint}: model.architecture is {family!r}; Hugging Face has "
+                         f"no such model, export-hf writes {', '.join(MODEL_TYPES)} only")
     weights = {k: v.numpy() for k, v in restored.weights.items()}
     if architecture is None:
         recorded = cfg.model.task.hf_architecture
-        architecture = recorded if recorded in hf.ARCHITECTURES else hf.architecture_for(weights)
-    if architecture not in hf.ARCHITECTURES:
-        raise UsageError(f"--architecture: expected one of {', '.join(hf.ARCHITECTURES)}, "
-                         f"got {architecture!r}")
+        architecture = (recorded if recorded in choices
+                        else hf.architecture_for(weights, cfg.model))
+    if architecture not in choices:
+        raise UsageError(f"--architecture: expected one of {', '.join(choices)} for this "
+                         f"{family} checkpoint, got {architecture!r}")
     try:
         state = hf.to_hf_architecture(weights, cfg.model, architecture)
     except KeyError as error:
@@ -373,31 +420,41 @@ def export_hf(checkpoint: Path, output_dir: Path, architecture: str | None = Non
     vocab = checkpoint_vocab(checkpoint, cfg.data.vocab_file)
     output_dir = Path(output_dir)
     _prepare_output(output_dir, "config.json", "--output-dir")
-    pad_id = 0
-    if vocab is not None:
-        from popbert.data.tokenization import WordPieceTokenizer
-
-        pad_id = WordPieceTokenizer(vocab).pad_id
-    lowercase = cfg.model.task.lowercase
+    roles = (load_tokenizer(vocab).roles if vocab is not None
+             else {token: index for index, token in enumerate(SPECIAL_TOKENS)})
+    if family == "modernbert":
+        hf_config = hf_config_from_modernbert(cfg.model, architecture, roles)
+    else:
+        hf_config = hf_config_from_bert(cfg.model, architecture, roles["[PAD]"])
+    if architecture.endswith("SequenceClassification"):
+        labels = cfg.model.task.labels
+        names = [str(x) for x in labels] if labels else [
+            f"LABEL_{i}" for i in range(cfg.model.task.num_labels or 2)]
+        hf_config["id2label"] = {str(i): name for i, name in enumerate(names)}
+        hf_config["label2id"] = {name: i for i, name in enumerate(names)}
+    special = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]",
+               "cls_token": "[CLS]", "mask_token": "[MASK]",
+               "model_max_length": cfg.model.max_position_embeddings}
     with atomic_directory(output_dir) as tmp:
-        (tmp / "config.json").write_text(json.dumps(
-            hf_config_from_bert(cfg.model, architecture, pad_id), indent=2, sort_keys=True))
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
         safetensors.numpy.save_file({k: np.ascontiguousarray(v) for k, v in state.items()},
                                     str(tmp / SAFETENSORS), metadata={"format": "pt"})
-        if vocab is not None:
-            shutil.copyfile(vocab, tmp / VOCAB)
-            (tmp / "tokenizer_config.json").write_text(json.dumps({
-                "tokenizer_class": "BertTokenizer", "do_lower_case": lowercase,
-                "unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]",
-                "cls_token": "[CLS]", "mask_token": "[MASK]",
-                "model_max_length": cfg.model.max_position_embeddings}, indent=2))
-        else:
+        if vocab is None:
             log.warning("%s: its vocabulary %s is gone and there is no %s in the run "
                         "directory: wrote the model without a tokenizer", checkpoint,
                         cfg.data.vocab_file, VOCAB)
+        elif is_tokenizer_json(vocab):
+            shutil.copyfile(vocab, tmp / TOKENIZER_JSON)
+            (tmp / "tokenizer_config.json").write_text(json.dumps(
+                {"tokenizer_class": "PreTrainedTokenizerFast", **special}, indent=2))
+        else:
+            shutil.copyfile(vocab, tmp / VOCAB)
+            (tmp / "tokenizer_config.json").write_text(json.dumps({
+                "tokenizer_class": "BertTokenizer", "do_lower_case": cfg.model.task.lowercase,
+                **special}, indent=2))
     log.info("wrote %s (%s, %d tensors)", output_dir, architecture, len(state))
     return output_dir
 
 
-__all__ = ["ImportReport", "bert_config_from_hf", "checkpoint_vocab", "export_hf",
+__all__ = ["ImportReport", "bert_config_from_hf", "checkpoint_vocab", "config_from_hf", "export_hf",
            "hf_config_from_bert", "import_hf", "load_hf_state", "read_lowercase"]

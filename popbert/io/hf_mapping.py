@@ -244,6 +244,20 @@ _BY_HEADS = {
 _BASE = {"bert": "BertModel", "modernbert": "ModernBertModel"}
 
 
+# The `transformers` class a fine-tuned model of each family is (GroupBERT has none).
+TASK_ARCHITECTURES = {
+    ("bert", "squad"): "BertForQuestionAnswering",
+    ("bert", "classification"): "BertForSequenceClassification",
+    ("modernbert", "squad"): "ModernBertForQuestionAnswering",
+    ("modernbert", "classification"): "ModernBertForSequenceClassification",
+}
+
+
+def task_architecture(family: str, task: str) -> str | None:
+    """The `transformers` class of a `family` model fine-tuned for `task`, if there is one."""
+    return TASK_ARCHITECTURES.get((family, task))
+
+
 def architectures_of(family: str) -> list[str]:
     """The `transformers` classes a checkpoint of `family` can be written as."""
     return [name for name, spec in ARCHITECTURES.items() if spec.family == family]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -39,7 +38,7 @@ from popbert.data.squad import (
     window_arrays,
     write_predictions,
 )
-from popbert.data.tokenization import WordPieceTokenizer, make_tokenizer, parse_vocab
+from popbert.data.tokenization import tokenizer_from_text
 from popbert.errors import UsageError, one_line
 from popbert.graph.annotations import METADATA_PREFIX
 
@@ -148,9 +147,12 @@ class ExportedModel:
         if self.meta.get(f"{METADATA_PREFIX}task") != task:
             raise UsageError(f"--model: {model} is not a popbert {task} export (export it with "
                              f"`popbert export --task {task}` from a fine-tuned checkpoint)")
-        self.vocab = parse_vocab(self.text("vocab"),
-                                 f"--model: {model}: metadata {METADATA_PREFIX}vocab")
         self.lowercase = bool(json.loads(self.meta.get(f"{METADATA_PREFIX}lowercase", "true")))
+        # The vocab.txt or tokenizer.json the model was trained with, stored in its metadata.
+        self.text_tokenizer = tokenizer_from_text(
+            self.text("vocab"), self.lowercase,
+            f"--model: {model}: metadata {METADATA_PREFIX}vocab")
+        self.vocab = self.text_tokenizer.roles
         shape = self.session.get_inputs()[0].shape
         self.batch_size = shape[0] if isinstance(shape[0], int) else None
         self.dynamic_sequence = not isinstance(shape[1], int)
@@ -241,7 +243,7 @@ class SquadPredictor(ExportedModel):
 
     def __init__(self, model: Path, threads: int | None = None) -> None:
         super().__init__(model, "squad", threads)
-        self.tokenizer = make_tokenizer(self.vocab, self.lowercase)
+        self.tokenizer = self.text_tokenizer.backend
         self.options = WindowOptions(self.sequence_length,
                                      int(json.loads(self.text("doc_stride"))),
                                      int(json.loads(self.text("max_query_length"))))
@@ -305,11 +307,7 @@ class ClassifyPredictor(ExportedModel):
     def __init__(self, model: Path, threads: int | None = None) -> None:
         super().__init__(model, "classification", threads)
         self.labels = [str(x) for x in json.loads(self.text("labels"))]
-        # The training encoder (`encode_classification`) reads its vocabulary from a file.
-        with tempfile.TemporaryDirectory(prefix="popbert-vocab-") as tmp:
-            vocab = Path(tmp) / "vocab.txt"
-            vocab.write_text(self.text("vocab"), encoding="utf-8")
-            self.tokenizer = WordPieceTokenizer(vocab, lowercase=self.lowercase)
+        self.tokenizer = self.text_tokenizer
 
     def probabilities(self, data: ClassificationData, batch_size: int = 16,
                       stats: PredictStats | None = None, bucket: bool = True) -> np.ndarray:

@@ -50,14 +50,10 @@ from popbert.data.squad import (
     write_predictions,
 )
 from popbert.data.squad_metric import evaluate as squad_evaluate
-from popbert.data.tokenization import (
-    WordPieceTokenizer,
-    make_tokenizer,
-    parse_vocab,
-    read_vocab_text,
-)
+from popbert.data.tokenization import load_tokenizer, tokenizer_file_name
 from popbert.errors import CheckpointError, ConfigError, UsageError
 from popbert.io import checkpoint as ckpt
+from popbert.io import hf_mapping as hf
 from popbert.io.hf_checkpoint import VOCAB, checkpoint_vocab
 from popbert.runtime.options import SessionOptions
 from popbert.runtime.protocol import Session
@@ -132,7 +128,7 @@ def load_pretrained(checkpoint: Path) -> Pretrained:
     if vocab is None:
         raise CheckpointError(f"{checkpoint}: its vocabulary {cfg.data.vocab_file} is gone "
                               f"and there is no {VOCAB} in the run directory")
-    entries = sum(1 for line in read_vocab_text(vocab).splitlines() if line)
+    entries = load_tokenizer(vocab, cfg.model.task.lowercase).vocab_size
     if entries > cfg.model.vocab_size:
         raise CheckpointError(f"{vocab}: {entries} vocabulary entries but the checkpoint's "
                               f"model.vocab_size is {cfg.model.vocab_size}")
@@ -240,7 +236,8 @@ class FinetuneJob(Job):
         values = cfg.to_dict()
         values["model"] = dataclasses.asdict(model)
         values["data"] = {**dataclasses.asdict(base.data),
-                          "vocab_file": str(self.output_dir.resolve() / VOCAB)}
+                          "vocab_file": str(self.output_dir.resolve() /
+                                            tokenizer_file_name(self.pretrained.vocab))}
         if cfg.tracking.backend == "none":
             values["tracking"] = dataclasses.asdict(base.tracking)
         values["training"] = {**values["training"], "steps": steps}
@@ -292,8 +289,9 @@ class FinetuneJob(Job):
 
     def write_inputs(self, output_dir: Path) -> None:
         vocab = self.pretrained.vocab
-        if vocab.resolve() != (output_dir / VOCAB).resolve():
-            atomic_write_bytes(output_dir / VOCAB, vocab.read_bytes())
+        stored = output_dir / tokenizer_file_name(vocab)
+        if vocab.resolve() != stored.resolve():
+            atomic_write_bytes(stored, vocab.read_bytes())
 
     def graph_to_save(self) -> None:
         return None  # rebuilt from config.yaml (export, export-hf): a copy would double the size
@@ -322,8 +320,9 @@ class SquadJob(FinetuneJob):
         f = cfg.finetune
         self.windows = WindowOptions(self.max_seq_length, f.doc_stride, f.max_query_length)
         self.windows.validate()
-        self.vocab = parse_vocab(read_vocab_text(self.pretrained.vocab))
-        self.tokenizer = make_tokenizer(self.vocab, self.pretrained.lowercase)
+        text_tokenizer = load_tokenizer(self.pretrained.vocab, self.pretrained.lowercase)
+        self.vocab = text_tokenizer.roles
+        self.tokenizer = text_tokenizer.backend
         questions, _ = read_squad(Path(f.train_file))
         self.to_predict = read_squad(Path(f.eval_file)) if f.eval_file else None
         features = squad_features(questions, self.tokenizer, self.vocab, self.windows,
@@ -334,7 +333,8 @@ class SquadJob(FinetuneJob):
 
     def task_config(self, cfg: RunConfig) -> TaskConfig:
         f = cfg.finetune
-        return TaskConfig(name="squad", hf_architecture=SQUAD_ARCHITECTURE,
+        return TaskConfig(name="squad", hf_architecture=hf.task_architecture(
+                              self.pretrained.config.model.architecture, "squad"),
                           lowercase=self.pretrained.lowercase, doc_stride=f.doc_stride,
                           max_query_length=f.max_query_length)
 
@@ -372,7 +372,7 @@ class ClassificationJob(FinetuneJob):
 
     def read(self, cfg: RunConfig) -> dict[str, np.ndarray]:
         f = cfg.finetune
-        tokenizer = WordPieceTokenizer(self.pretrained.vocab, lowercase=self.pretrained.lowercase)
+        tokenizer = load_tokenizer(self.pretrained.vocab, self.pretrained.lowercase)
         columns = (f.text_column, f.pair_column, f.label_column)
         train = read_classification_file(Path(f.train_file), *columns)
         self.labels = list(f.labels) if f.labels else label_list(train)
@@ -392,7 +392,8 @@ class ClassificationJob(FinetuneJob):
         return arrays
 
     def task_config(self, cfg: RunConfig) -> TaskConfig:
-        return TaskConfig(name="classification", hf_architecture=CLASSIFICATION_ARCHITECTURE,
+        return TaskConfig(name="classification", hf_architecture=hf.task_architecture(
+                              self.pretrained.config.model.architecture, "classification"),
                           lowercase=self.pretrained.lowercase, num_labels=len(self.labels),
                           labels=self.labels)
 

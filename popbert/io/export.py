@@ -133,7 +133,8 @@ def ort_outputs(source: bytes | Path, batch: Mapping[str, np.ndarray]) -> dict[s
     session = ort.InferenceSession(source if isinstance(source, bytes) else str(source),
                                    providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
-    return {n: np.asarray(v, np.float32) for n, v in zip(names, session.run(None, dict(batch)))}
+    feeds = {i.name: batch[i.name] for i in session.get_inputs()}
+    return {n: np.asarray(v, np.float32) for n, v in zip(names, session.run(None, feeds))}
 
 
 def compare(reference: Mapping[str, np.ndarray], theirs: Mapping[str, np.ndarray],

@@ -153,6 +153,9 @@ class ExportedModel:
             self.text("vocab"), self.lowercase,
             f"--model: {model}: metadata {METADATA_PREFIX}vocab")
         self.vocab = self.text_tokenizer.roles
+        # The inputs the model reads: a family without segments (ModernBERT) has no
+        # segment_ids, which the encoders still produce for BERT.
+        self.input_names = {i.name for i in self.session.get_inputs()}
         shape = self.session.get_inputs()[0].shape
         self.batch_size = shape[0] if isinstance(shape[0], int) else None
         self.dynamic_sequence = not isinstance(shape[1], int)
@@ -207,7 +210,7 @@ class ExportedModel:
                 chosen = np.concatenate([chosen, np.repeat(chosen[-1:], self.batch_size - real)])
             width = max(1, int(lengths[chosen].max())) if self.dynamic_sequence else full
             feeds = {name: np.ascontiguousarray(np.asarray(value)[chosen, :width])
-                     for name, value in arrays.items()}
+                     for name, value in arrays.items() if name in self.input_names}
             started = time.perf_counter()
             outputs = self.session.run(None, feeds)
             seconds += time.perf_counter() - started

@@ -27,15 +27,19 @@ __all__ = ["ActivationModel", "PeakActivations", "Precision", "RegionMemory", "S
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE)
 
-# Ops whose outputs are views of their first input (torch returns views for them).
+# Ops whose outputs are views of their first input (torch returns views for them; the lowering
+# turns a Slice with constant bounds, as ModernBERT's rotary halves, into basic indexing).
 VIEW_OPS = frozenset({"Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten",
-                      "Split", "Expand", "Detach"})
+                      "Split", "Slice", "Expand", "Detach"})
 # Ops that keep nothing for the backward pass, or whose outputs carry no gradient.
 KEEPS_NOTHING = frozenset({"Add", "Sub", "Neg", "Concat", "Cast", "ReduceSum", "ReduceMean",
                            "Gather", "GatherND", "Where", "Equal", "Not", "And", "Or", "Greater",
                            "Less", "ArgMax", "ArgMin", "Shape", "Max", "Min", "Scale"})
 NO_GRADIENT = frozenset({"Equal", "Not", "And", "Or", "Greater", "Less", "ArgMax", "ArgMin",
                          "Shape", "Detach"})
+
+# Suffix of the storage name of the contiguous copy torch.matmul makes of a permuted operand.
+CONTIGUOUS_COPY = "#contiguous"
 
 # What an op keeps: a function of (node, needs_grad of its inputs) -> [("in"|"out", index)] and
 # extra bytes-per-output-element (statistics) handled below. Only activations are charged.
@@ -181,6 +185,11 @@ def activation_model(model: onnx.ModelProto, shapes: dict[str, TensorShape],
         s = shapes.get(name)
         return s is not None and s.elem_type in FLOAT_TYPES
 
+    def batched(node: onnx.NodeProto) -> bool:
+        """Both operands of a MatMul have batch dimensions (rank >= 3)."""
+        ranks = [shapes.get(i) for i in node.input[:2]]
+        return all(s is not None and s.shape is not None and len(s.shape) >= 3 for s in ranks)
+
     def weight_like(name: str) -> bool:
         """An FP32 weight (or its view) of rank >= 1: promotes elementwise ops under autocast."""
         s = shapes.get(name)
@@ -272,6 +281,14 @@ def activation_model(model: onnx.ModelProto, shapes: dict[str, TensorShape],
             if (where == "in" and precision.autocast is not None
                     and node.op_type in LOWER_PRECISION_OPS and width.get(name, half) > half):
                 region.extra_bytes += numel(name) * half  # autocast keeps its half copy
+            elif (where == "in" and node.op_type == "MatMul"
+                  and producer_op.get(name) == "Transpose" and batched(node)):
+                # torch.matmul flattens a batched operand's leading dims by reshape: a permuted
+                # view (attention's heads-first Q, K, V) becomes a contiguous copy, and that
+                # copy, not the view's base, is what bmm keeps for the backward pass.
+                copy = f"{name}{CONTIGUOUS_COPY}"
+                nbytes[copy] = numel(name) * width.get(name, half)
+                region.kept.add(copy)
             else:
                 region.kept.add(name)
 

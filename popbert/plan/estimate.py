@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,10 +34,12 @@ from popbert.plan.flops import BACKWARD_FACTOR, forward_flops_by_node
 from popbert.plan.shapes import infer_tensor_shapes
 
 if TYPE_CHECKING:
+    from popbert.builders.bert_config import BertConfig
     from popbert.config import RunConfig
 
-__all__ = ["CPU_TILE_NUMEL", "DevicePlan", "Plan", "StagePlan", "WORKSPACE_BYTES_PER_PARAM",
-           "build_training_graph", "plan_run", "state_bytes_per_param"]
+__all__ = ["CPU_TILE_NUMEL", "FAMILY_NOTES", "DevicePlan", "Plan", "StagePlan",
+           "WORKSPACE_BYTES_PER_PARAM", "build_training_graph", "family_notes", "plan_run",
+           "state_bytes_per_param"]
 
 # popbert.optimizers.tiling.CPU_TILE_NUMEL (kept in step by tests/plan/test_plan.py; importing it
 # here would make `popbert plan` pay for importing torch).
@@ -268,6 +271,7 @@ def plan_run(cfg: RunConfig, target: Device | None = None,
         notes.append(f"{e.compute_dtype} compute runs under torch's CUDA autocast: its FP32 ops "
                      "(LayerNorm, softmax, the loss) are modelled from torch's op lists; the "
                      "CPU model was measured (benchmarks/plan_accuracy.py), the CUDA one not yet")
+    notes += family_notes(cfg.model)
     model_info = {"architecture": cfg.model.architecture, "layers": cfg.model.num_layers,
                   "hidden": cfg.model.hidden_size,
                   "heads": cfg.model.num_heads, "intermediate": cfg.model.intermediate_size,
@@ -281,6 +285,40 @@ def plan_run(cfg: RunConfig, target: Device | None = None,
                  "recompute": e.recompute, "weight_dtype": e.weight_dtype,
                  "compute_dtype": e.compute_dtype}
     return Plan(config_name, model_info, execution, stages, totals, devices, kind, target, notes)
+
+
+def _modernbert_notes(m: BertConfig) -> list[str]:
+    """The sliding window: popbert computes it as full attention under a band mask."""
+    from popbert.builders.modernbert import is_global
+
+    local = sum(1 for i in range(m.num_layers) if not is_global(m, i))
+    if not local:
+        return []
+    s, half = m.sequence_length, m.modernbert.local_attention // 2
+    # Keys a query sees, summed over the queries: |i - j| <= half, clipped to the row.
+    seen = sum(min(i + half, s - 1) - max(i - half, 0) + 1 for i in range(s))
+    attention = BACKWARD_FACTOR * 2 * s * s * 2 * m.hidden_size * local  # score + context
+    return [f"sliding-window attention: {local} of {m.num_layers} layers attend within "
+            f"{half} tokens each side, but the graph computes their full {s} x {s} scores under "
+            f"a band mask, so their FLOPs and activations are counted as full attention's "
+            f"({_flop_text(attention)}/seq of score and context matmuls; a kernel that "
+            f"skipped masked keys would do {seen / (s * s):.0%} of them)"]
+
+
+def _flop_text(flops: int) -> str:
+    return f"{flops / 1e9:.2f} GFLOP" if flops >= 10**8 else f"{flops / 1e6:.2f} MFLOP"
+
+
+# What a plan says about how a family is counted, by `model.architecture` (none for the rest).
+FAMILY_NOTES: dict[str, Callable[[BertConfig], list[str]]] = {
+    "modernbert": _modernbert_notes,
+}
+
+
+def family_notes(model: BertConfig) -> list[str]:
+    """The notes of ``model.architecture``'s family (:data:`FAMILY_NOTES`)."""
+    notes = FAMILY_NOTES.get(model.architecture)
+    return [] if notes is None else notes(model)
 
 
 def _bytes(numel: int, per_param: float) -> int:

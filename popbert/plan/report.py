@@ -12,11 +12,15 @@ from typing import Any
 
 from popbert.plan.estimate import DevicePlan, Plan, StagePlan
 
-__all__ = ["format_bytes", "plan_dict", "plan_table"]
+__all__ = ["FAMILY_NAMES", "format_bytes", "plan_dict", "plan_table"]
+
+# How the header names each `model.architecture` (an unknown one is printed as it is spelled).
+FAMILY_NAMES = {"bert": "BERT", "groupbert": "GroupBERT", "modernbert": "ModernBERT"}
 
 CONVENTIONS = {
     "flops": "training FLOPs per sequence = 3 x forward matmul FLOPs; a matmul is 2*M*N*K, "
-             "attention score and context matmuls included, other ops not counted",
+             "attention score and context matmuls included (at the full S x S the graph "
+             "computes, a sliding window's mask included), other ops not counted",
     "bytes": "decimal units; per replica; weights/gradients in the weight dtype, optimizer "
              "state FP32 m and v (8 bytes/parameter, 8/N with RTS over N replicas)",
     "activations": "peak of one micro-batch's forward and backward pass: tensors autograd "
@@ -39,7 +43,8 @@ def _count(n: int) -> str:
 def _header(plan: Plan) -> list[str]:
     m, e = plan.model, plan.execution
     name = f"{plan.config_name}: " if plan.config_name else ""
-    family = "GroupBERT" if m.get("architecture") == "groupbert" else "BERT"
+    architecture = str(m.get("architecture", "bert"))
+    family = FAMILY_NAMES.get(architecture, architecture)
     rts = f"RTS over {e['replicas']}" if e["replicated_tensor_sharding"] else "RTS off"
     pipeline = f"pipeline {e['pipeline_schedule']}" if e["pipeline"] else "pipeline off"
     return [

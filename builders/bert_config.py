@@ -134,7 +134,10 @@ class BertConfig:
                           f"exceeds what model.sequence_length ({self.sequence_length}) can "
                           "hold (2 tokens each)", "model.max_sequences_per_pack",
                           "model.sequence_length", "model.packed")
-        if self.packed and not self.next_sentence_prediction:
+        from popbert.builders.families import family_of  # the families import this module
+
+        family = family_of(self)
+        if self.packed and not self.next_sentence_prediction and not family.packs_documents:
             raise Invalid("model.packed packs sentence pairs for next-sentence prediction; "
                           "with model.next_sentence_prediction false rows are full chunks of "
                           "text with no padding to pack away", "model.packed",
@@ -143,7 +146,5 @@ class BertConfig:
             raise Invalid(f"model.layers_per_ipu {self.layers_per_ipu} places "
                           f"{sum(self.layers_per_ipu)} layers but model.num_layers is "
                           f"{self.num_layers}", "model.layers_per_ipu", "model.num_layers")
-        from popbert.builders.families import family_of  # the families import this module
-
-        family_of(self).validate(self)
+        family.validate(self)
         self.task.validate()

@@ -74,6 +74,9 @@ class Family:
     final: Final | None = None  # after the last layer (pre-norm families' final LayerNorm)
     head_bias: Callable[[BertConfig], HeadBias] = lambda config: HeadBias()
     span_features: Features | None = None  # per-token transform before the SQuAD logits
+    # Packs MLM-only rows (one document chunk per packed sequence, attention within it), not
+    # only NSP sentence pairs.
+    packs_documents: bool = False
 
 
 FAMILIES: dict[str, Family] = {}

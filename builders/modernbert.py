@@ -67,20 +67,24 @@ def rotary_tables(theta: float, head_dim: int, positions: int) -> tuple[np.ndarr
 
 
 def _rotary(b: Builder, config: BertConfig, theta: float, seq: int | str, length: str | None,
-            name: str) -> Rotary:
-    """The constant tables for positions 0..S-1 as [S, 1, d], broadcasting over the heads.
+            positions: str | None, name: str) -> Rotary:
+    """The constant tables for positions 0..S-1 as [S, 1, d], broadcasting over the heads; for
+    packed rows (`positions` [B, S], restarting per sequence) the rows they pick, [B, S, 1, d].
 
     The sine is stored sign-folded, [-sin, sin] over the two halves, so that
     rotate_half(x)·sin = concat(x2, x1)·folded exactly (a negation is exact in float)."""
     head_dim = config.hidden_size // config.num_heads
-    rows = config.max_position_embeddings if length is not None else seq
+    whole = length is not None or positions is not None
+    rows = config.max_position_embeddings if whole else seq
     cos, sin = rotary_tables(theta, head_dim, int(rows))
     half = head_dim // 2
     folded = np.concatenate([-sin[:, :half], sin[:, half:]], axis=-1)
     tables = []
     for table, part in ((cos, "Cos"), (folded, "Sin")):
         tensor = b.addConstant(np.ascontiguousarray(table[:, None, :]), f"{name}/{part}")
-        if length is not None:  # symbolic sequence: the first S rows
+        if positions is not None:  # packed rows: each token's own position
+            tensor = b.aiOnnx.gather([tensor, positions], f"{name}/{part}/AtPositions", axis=0)
+        elif length is not None:  # symbolic sequence: the first S rows
             zero = b.addConstant(np.array([0], np.int64), f"{name}/{part}/first")
             tensor = b.aiOnnx.slice([tensor, zero, length, zero], f"{name}/{part}/Rows")
         tables.append(tensor)
@@ -113,26 +117,37 @@ def rotate(b: Builder, config: BertConfig, x: str, rotary: Rotary, seq: int | st
 
 
 def window_mask(b: Builder, config: BertConfig, global_mask: str, seq: int | str,
-                length: str | None) -> str:
+                length: str | None, positions: str | None = None) -> str:
     """The padding mask plus -10000 wherever |i - j| > local_attention // 2: the band
-    `transformers`' bidirectional sliding window keeps (inclusive of the half-window)."""
+    `transformers`' bidirectional sliding window keeps (inclusive of the half-window).
+
+    Packed rows measure the distance by their `positions` [B, S]: within a sequence it is the
+    distance in the row, and across sequences the packed mask already drops the pair."""
     half = config.modernbert.local_attention // 2
     with b.nameScope("WindowMask"):
-        if length is None:
-            index = b.addConstant(np.arange(int(seq), dtype=np.int32), "positions")
+        if positions is not None:
+            index = positions  # [B, S]
+            rows = layers.unsqueeze(b, index, [2], "Rows", "row_axis")  # [B, S, 1]
+            cols = layers.unsqueeze(b, index, [1], "Cols", "col_axis")  # [B, 1, S]
         else:
-            index = b.aiOnnx.slice(
-                [b.addConstant(np.arange(config.max_position_embeddings, dtype=np.int32),
-                               "positions"),
-                 b.addConstant(np.array([0], np.int64), "first"), length,
-                 b.addConstant(np.array([0], np.int64), "axis")], "Positions")
-        rows = layers.unsqueeze(b, index, [1], "Rows", "row_axis")
-        cols = layers.unsqueeze(b, index, [0], "Cols", "col_axis")
+            if length is None:
+                index = b.addConstant(np.arange(int(seq), dtype=np.int32), "positions")
+            else:
+                index = b.aiOnnx.slice(
+                    [b.addConstant(np.arange(config.max_position_embeddings, dtype=np.int32),
+                                   "positions"),
+                     b.addConstant(np.array([0], np.int64), "first"), length,
+                     b.addConstant(np.array([0], np.int64), "axis")], "Positions")
+            rows = layers.unsqueeze(b, index, [1], "Rows", "row_axis")  # [S, 1]
+            cols = layers.unsqueeze(b, index, [0], "Cols", "col_axis")  # [1, S]
         distance = b.aiOnnx.abs([b.aiOnnx.sub([rows, cols], "Offset")], "Distance")
-        outside = b.aiOnnx.greater([distance, b.addConstant(np.array(half, np.int32),
-                                                            "half_window")], "Outside")
+        limit = b.addConstant(np.array(half, np.dtype(b.getTensorDtypeString(index))),
+                              "half_window")
+        outside = b.aiOnnx.greater([distance, limit], "Outside")
         band = b.aiOnnx.mul([b.aiOnnx.cast([outside], "Cast", to=1),
                              layers.scalar(b, layers.MASK_VALUE, np.float32, "big")], "Band")
+        if positions is not None:
+            band = layers.unsqueeze(b, band, [1], "Heads", "head_axis")  # [B, 1, S, S]
         return b.aiOnnx.add([global_mask, band], "Add")
 
 
@@ -151,10 +166,16 @@ def embed(b: Builder, config: BertConfig, init: layers.WeightInit, inputs: Input
         x = layers.dropout(b, x, config.hidden_dropout)
     length = (b.aiOnnx.shape([inputs.input_ids], "Length", start=1, end=2)
               if dynamic_sequence else None)
-    global_mask = layers.attention_mask(b, inputs.input_mask, seq)
-    local_mask = window_mask(b, config, global_mask, seq, length)
-    rotary = {GLOBAL: _rotary(b, config, m.global_rope_theta, seq, length, "Rotary/Global"),
-              LOCAL: _rotary(b, config, m.local_rope_theta, seq, length, "Rotary/Local")}
+    positions = None
+    if config.packed:
+        # Packed rows: attention within each sequence, positions restarting at each one.
+        positions = layers.as_index(b, inputs.position_ids, "PositionIndex")
+        global_mask = layers.packed_attention_mask(b, inputs.sequence_index, seq)
+    else:
+        global_mask = layers.attention_mask(b, inputs.input_mask, seq)
+    local_mask = window_mask(b, config, global_mask, seq, length, positions)
+    rotary = {kind: _rotary(b, config, theta, seq, length, positions, f"Rotary/{kind.title()}")
+              for kind, theta in ((GLOBAL, m.global_rope_theta), (LOCAL, m.local_rope_theta))}
     return Embedded(x, table, ModernBertContext(global_mask, local_mask, rotary,
                                                 inputs.input_mask))
 
@@ -272,4 +293,4 @@ MODERNBERT = register_family(Family(
     head_bias=lambda config: HeadBias(dense=config.modernbert.classifier_bias,
                                       norm=config.modernbert.norm_bias,
                                       decoder=config.modernbert.decoder_bias),
-    span_features=span_features))
+    span_features=span_features, packs_documents=True))

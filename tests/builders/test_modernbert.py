@@ -259,3 +259,79 @@ def test_weights_round_trip_through_transformers_names_bit_exactly(architecture:
     for key, value in state.items():
         assert np.array_equal(back[key], value), key
     assert hf.architecture_for(weights, config) == architecture
+
+
+# ----------------------------------------------------------------------------- unpadded rows
+
+
+def _loss_and_grads(session: TrainingSession, batch) -> tuple[float, dict[str, torch.Tensor]]:
+    session.optimizer.zero_grad(set_to_none=True)
+    outputs = session.forward(batch)
+    outputs["loss"].backward()
+    return float(outputs["loss"]), {n: p.grad.detach().clone()
+                                    for n, p in session.named_parameters}
+
+
+def _sgd(params):
+    return torch.optim.SGD([p for _, p in params], lr=0.0)
+
+
+def _assert_same_training_signal(ours, theirs) -> None:
+    """Losses within 1e-6, each gradient within 1e-5 of its tensor's largest."""
+    (loss, grads), (expected_loss, expected_grads) = ours, theirs
+    assert abs(loss - expected_loss) <= 1e-6
+    assert grads.keys() == expected_grads.keys()
+    for name, expected in expected_grads.items():
+        error = float((grads[name] - expected).abs().max())
+        assert error <= 1e-5 * float(expected.abs().max()), (name, error)
+
+
+def test_packed_rows_equal_the_same_sequences_padded() -> None:
+    """Sequences packed several to a row (attention within each, rotary positions restarting,
+    the window measured inside each) give the padded rows' loss and gradients."""
+    from packing_helpers import K, sequences
+
+    from popbert.data.packing import pack_instance_arrays
+
+    config = popbert_config(max_predictions_per_seq=4)
+    padded = sequences(config, 7, seed=3)  # real lengths 5-15, the window 4 each side
+    packed, stats = pack_instance_arrays(padded, max_sequences_per_pack=K,
+                                         max_predictions_per_pack=K * 4, seed=1)
+    packed = {k: v.astype(np.int64) for k, v in packed.items()}
+    assert stats.packs < stats.sequences
+    packed_config = popbert_config(max_predictions_per_seq=K * 4, packed=True,
+                                   max_sequences_per_pack=K)
+    model = hf_model("ModernBertForMaskedLM")  # peaked attention: a leak would show
+    weights = popbert_weights(model, config, "ModernBertForMaskedLM")
+    sessions = []
+    for cfg in (config, packed_config):
+        session = TrainingSession(build_bert(cfg).model(), "loss", _sgd)
+        session.load_weights(weights, strict=True)
+        sessions.append(session)
+    _assert_same_training_signal(_loss_and_grads(sessions[1], packed),
+                                 _loss_and_grads(sessions[0], padded))
+    names = [i.name for i in build_bert(packed_config, zeros=True).model().graph.input]
+    assert {"position_ids", "sequence_index"} <= set(names) and "segment_ids" not in names
+
+
+def test_trimmed_rows_equal_the_same_rows_padded() -> None:
+    """`execution.trim_padding`: the batch cut to its longest row through the graph with a
+    symbolic sequence axis gives the padded batch's loss and gradients."""
+    config = popbert_config()
+    model = hf_model("ModernBertForMaskedLM")
+    weights = popbert_weights(model, config, "ModernBertForMaskedLM")
+    batch = padded_rows(batch=4, seed=5)
+    batch["input_mask"][0, 20:] = 0  # no full row: the longest is shorter than the graph
+    batch["input_ids"] *= batch["input_mask"]
+    batch["masked_lm_positions"][0] = np.sort(np.random.default_rng(1).choice(
+        np.arange(1, 20), 6, replace=False))
+    longest = int(batch["input_mask"].sum(axis=1).max())
+    assert longest < SEQ
+    trimmed = {k: (v[:, :longest] if k in ("input_ids", "input_mask") else v)
+               for k, v in batch.items()}
+    static = TrainingSession(build_bert(config).model(), "loss", _sgd)
+    dynamic = TrainingSession(build_bert(config, dynamic_sequence=True).model(), "loss", _sgd)
+    for session in (static, dynamic):
+        session.load_weights(weights, strict=True)
+    _assert_same_training_signal(_loss_and_grads(dynamic, trimmed),
+                                 _loss_and_grads(static, batch))

@@ -8,7 +8,7 @@ and :class:`AdamW` are ``torch.optim.Optimizer`` subclasses built on them.
 
 from popbert.optimizers import functional
 from popbert.optimizers.loss_scaling import LossScaler, grads_have_overflow, unscale_grads_
-from popbert.optimizers.optimizer import AdamFamilyOptimizer, AdamW, Lamb
+from popbert.optimizers.optimizer import AdamFamilyOptimizer, AdamW, Lamb, StableAdamW
 from popbert.optimizers.param_groups import (
     DEFAULT_NO_DECAY,
     DEFAULT_NO_TRUST,
@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_NO_DECAY",
     "DEFAULT_NO_TRUST",
     "Lamb",
+    "StableAdamW",
     "LossScaler",
     "ROUNDING_SCHEME",
     "Schedule",

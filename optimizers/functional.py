@@ -33,6 +33,7 @@ __all__ = [
     "lamb_trust_ratios",
     "apply_updates_",
     "clip_coefficient",
+    "update_clipping_scales",
 ]
 
 
@@ -101,14 +102,48 @@ def adamw_apply_(
     beta2: float,
     weight_decay: float,
     bias_correction: bool,
+    lr_scales: Sequence[float] | None = None,
 ) -> None:
-    """AdamW weight update in place: ``w = w (1 - lr wd) - lr r``."""
+    """AdamW weight update in place: ``w = w (1 - lr wd) - lr r``; with ``lr_scales``, each
+    tensor's ``lr`` times its scale (StableAdamW's update clipping)."""
     if not params:
         return
+    lrs = [lr] * len(params) if lr_scales is None else [lr * s for s in lr_scales]
     if weight_decay != 0.0:
-        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+        if lr_scales is None:
+            torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+        else:
+            torch._foreach_mul_(params, [1.0 - x * weight_decay for x in lrs])
     scales = adam_direction_scales(steps, beta1, beta2, bias_correction)
-    torch._foreach_addcdiv_(params, exp_avgs, denoms, [-lr * c for c in scales])
+    torch._foreach_addcdiv_(params, exp_avgs, denoms, [-x * c for x, c in zip(lrs, scales)])
+
+
+def update_clipping_scales(
+    grads: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: Sequence[int],
+    *,
+    beta2: float,
+    eps: float,
+    bias_correction: bool,
+    grad_factor: float = 1.0,
+) -> list[float]:
+    """StableAdamW's per-tensor learning-rate factors, ``1 / max(1, RMS_t)`` with
+    ``RMS_t = sqrt(mean(g^2 / max(v_hat, eps^2)))`` over the whole tensor (Wortsman et al.
+    2023, "AdamW-AdaFactor update clipping"; ModernBERT trains with it). ``v_hat`` is the
+    second moment this step will have, computed aside (the moments are not modified): where a
+    gradient is far above its running scale — a loss spike — the whole tensor's step shrinks.
+    """
+    bc2 = bias_corrections(beta2, steps, bias_correction)
+    floor = eps * eps
+    out = []
+    for grad, v, correction in zip(grads, exp_avg_sqs, bc2, strict=True):
+        g = grad.float() * grad_factor
+        square = g * g
+        v_hat = (v * beta2).add_(square, alpha=1.0 - beta2).div_(correction).clamp_(min=floor)
+        rms = math.sqrt(float(square.div_(v_hat).mean()))
+        out.append(1.0 / max(1.0, rms))
+    return out
 
 
 def lamb_updates(

@@ -275,7 +275,8 @@ class AdamFamilyOptimizer(Optimizer):
                 **common,
             )
         else:
-            adamw_step_(params, grads, exp_avgs, exp_avg_sqs, steps, **common)
+            adamw_step_(params, grads, exp_avgs, exp_avg_sqs, steps,
+                        update_clipping=group.get("update_clipping", False), **common)
 
 
 class Lamb(AdamFamilyOptimizer):
@@ -358,6 +359,21 @@ class AdamW(AdamFamilyOptimizer):
             generator=generator,
             seed=seed,
         )
+
+
+class StableAdamW(AdamW):
+    """StableAdamW (Wortsman et al. 2023; ModernBERT's optimizer): AdamW whose learning rate,
+    per tensor and step, is divided by max(1, RMS_t), RMS_t = sqrt(mean(g^2 / v_hat)) — the
+    AdaFactor-style update clipping that replaces global gradient clipping against loss
+    spikes. Everything else (FP32 math, half weights, stochastic rounding) is :class:`AdamW`'s.
+    Not for replicated tensor sharding: RMS_t needs the whole tensor.
+    """
+
+    def __init__(self, params: ParamsT, lr: float, *args: Any, **kwargs: Any) -> None:
+        super().__init__(params, lr, *args, **kwargs)
+        for group in self.param_groups:
+            group["update_clipping"] = True
+        self.defaults["update_clipping"] = True
 
 
 def note_old_rounding_state(rng: dict[str, Any]) -> None:

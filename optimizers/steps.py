@@ -25,6 +25,7 @@ from popbert.optimizers.functional import (
     lamb_trust_ratios,
     lamb_updates,
     per_tensor_sq_norms,
+    update_clipping_scales,
 )
 from popbert.optimizers.fused import (
     FusedPiece,
@@ -60,8 +61,14 @@ def adamw_step_(
     grad_factor: float = 1.0,
     tile_numel: int | None = None,
     round_fn: RoundFn | None = None,
+    update_clipping: bool = False,
 ) -> None:
     """One AdamW step in place (torch.optim.AdamW's update, computed in FP32).
+
+    ``update_clipping``: StableAdamW — each tensor's learning rate (and so its decoupled
+    weight decay) divided by max(1, RMS of g / sqrt(v_hat)) over the whole tensor
+    (:func:`~popbert.optimizers.functional.update_clipping_scales`); the step then never takes
+    the compiled kernels, whose learning rate is one scalar.
 
     ``params`` share one dtype: FP32 is updated in place; FP16/BF16 is widened to FP32 per
     tile and written back with ``round_fn`` (see
@@ -75,6 +82,12 @@ def adamw_step_(
              "weight_decay": weight_decay, "bias_correction": bias_correction,
              "grad_factor": grad_factor}
     plan = step_tiles(params, grads, exp_avgs, exp_avg_sqs, tile_numel)
+    if update_clipping:
+        scales = update_clipping_scales(grads, exp_avg_sqs, steps, beta2=beta2, eps=eps,
+                                        bias_correction=bias_correction,
+                                        grad_factor=grad_factor)
+        _adamw(lists, steps, plan, round_fn, None, lr_scales=scales, **hyper)
+        return
     fuse = fusable(round_fn, lists, plan,
                    ("adamw", abs(f32(1.0 - beta1)) >= 0.5, weight_decay != 0.0),
                    partial(_probe_run, _adamw, hyper))
@@ -93,8 +106,10 @@ def _probe_run(run: Callable[..., None], hyper: dict[str, object], params: list[
 
 def _adamw(lists: Lists, steps: Sequence[int], plan: TilePlan, round_fn: RoundFn | None,
            fuse: HashedRounding | None, *, lr: float, beta1: float, beta2: float, eps: float,
-           weight_decay: float, bias_correction: bool, grad_factor: float) -> None:
-    """:func:`adamw_step_` over ``plan``, large pieces fused with ``fuse`` (None: none)."""
+           weight_decay: float, bias_correction: bool, grad_factor: float,
+           lr_scales: Sequence[float] | None = None) -> None:
+    """:func:`adamw_step_` over ``plan``, large pieces fused with ``fuse`` (None: none);
+    ``lr_scales``: per-tensor factors of ``lr`` (update clipping; never fused)."""
     params, grads, exp_avgs, exp_avg_sqs = lists
     hyper = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps,
              "weight_decay": weight_decay, "bias_correction": bias_correction,
@@ -121,6 +136,7 @@ def _adamw(lists: Lists, steps: Sequence[int], plan: TilePlan, round_fn: RoundFn
             beta2=beta2,
             weight_decay=weight_decay,
             bias_correction=bias_correction,
+            lr_scales=None if lr_scales is None else [lr_scales[i] for i in t.index],
         )
         t.store(round_fn)
 

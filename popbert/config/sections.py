@@ -36,7 +36,7 @@ from popbert.rules import (
 logger = logging.getLogger(__name__)
 
 # The names each choice may take; the modules that act on them import them from here.
-OPTIMIZERS = ("lamb", "adamw")
+OPTIMIZERS = ("lamb", "adamw", "stableadamw")
 DECAYS = ("linear", "polynomial", "none", "cosine", "wsd")
 LOSS_SCALINGS = ("none", "static", "dynamic")
 BACKENDS = ("torch", "popart")
@@ -444,6 +444,11 @@ class Origins:
 def _check_across(cfg: RunConfig) -> None:
     """The rules that span sections (each section checks its own keys)."""
     m, d, e, t = cfg.model, cfg.data, cfg.execution, cfg.training
+    if cfg.optimizer.name == "stableadamw" and e.replicated_tensor_sharding:
+        raise Invalid("optimizer.name 'stableadamw' clips each tensor's update by its RMS over "
+                      "the whole tensor, which a replica's shard does not hold; use adamw or "
+                      "lamb with execution.replicated_tensor_sharding",
+                      "optimizer.name", "execution.replicated_tensor_sharding")
     if e.pipeline and m.layers_per_ipu is None:
         raise Invalid("execution.pipeline needs model.layers_per_ipu (the layers of each "
                       "pipeline stage)", "execution.pipeline", "model.layers_per_ipu")

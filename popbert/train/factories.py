@@ -14,7 +14,14 @@ import torch
 
 from popbert.builders.bert import BATCH
 from popbert.config import RunConfig
-from popbert.optimizers import AdamW, Lamb, LossScaler, make_schedule, param_groups_by_name
+from popbert.optimizers import (
+    AdamW,
+    Lamb,
+    LossScaler,
+    StableAdamW,
+    make_schedule,
+    param_groups_by_name,
+)
 
 NamedParameters = list[tuple[str, torch.nn.Parameter]]
 
@@ -32,7 +39,8 @@ def rows_change_length(cfg: RunConfig) -> bool:
 
 
 def optimizer_factory(cfg: RunConfig) -> Callable[[NamedParameters], torch.optim.Optimizer]:
-    """Our LAMB / AdamW with Graphcore's per-tensor exclusions (no decay on biases and norms).
+    """Our LAMB / AdamW / StableAdamW with Graphcore's per-tensor exclusions (no decay on biases
+    and norms).
 
     A factory rather than an optimizer: the session creates the parameters (from the graph's
     initializers) and hands them over by ONNX name.
@@ -47,6 +55,8 @@ def optimizer_factory(cfg: RunConfig) -> Callable[[NamedParameters], torch.optim
                       stochastic_rounding=stochastic, seed=cfg.training.seed)
         if o.name == "lamb":
             return Lamb(groups, max_trust_ratio=o.max_trust_ratio, **common)
+        if o.name == "stableadamw":
+            return StableAdamW(groups, **common)
         return AdamW(groups, **common)
 
     return make

@@ -27,7 +27,7 @@ from popbert.errors import ConfigError, PopbertError
 
 PRESETS = ["tiny", "base-128", "base-384", "large-128", "large-384", "groupbert-mini",
            "groupbert-medium", "groupbert-base-128", "groupbert-base-384", "finetune-squad",
-           "finetune-classification", "fast"]
+           "finetune-classification", "fast", "modernbert-tiny", "modernbert-base"]
 
 
 def write(tmp_path: Path, text: str, name: str = "config.yaml") -> Path:
@@ -254,7 +254,7 @@ def test_wrong_type(tmp_path: Path, text: str, expected: str) -> None:
 @pytest.mark.parametrize(
     "key,value,allowed",
     [
-        ("optimizer.name", "sgd", "lamb, adamw"),
+        ("optimizer.name", "sgd", "lamb, adamw, stableadamw"),
         ("optimizer.decay", "exponential", "linear, polynomial, none, cosine, wsd"),
         ("optimizer.loss_scaling", "auto", "none, static, dynamic"),
         ("execution.backend", "jax", "torch, popart"),

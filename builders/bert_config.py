@@ -7,9 +7,10 @@ export and serve it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from popbert.builders.modernbert_config import ModernBertOptions
+from popbert.builders.modernbert_config import ModernBertOptions, check_modernbert
 from popbert.rules import (
     POSITIVE_INT,
     Invalid,
@@ -134,17 +135,44 @@ class BertConfig:
                           f"exceeds what model.sequence_length ({self.sequence_length}) can "
                           "hold (2 tokens each)", "model.max_sequences_per_pack",
                           "model.sequence_length", "model.packed")
-        from popbert.builders.families import family_of  # the families import this module
-
-        family = family_of(self)
-        if self.packed and not self.next_sentence_prediction and not family.packs_documents:
-            raise Invalid("model.packed packs sentence pairs for next-sentence prediction; "
-                          "with model.next_sentence_prediction false rows are full chunks of "
-                          "text with no padding to pack away", "model.packed",
-                          "model.next_sentence_prediction")
         if self.layers_per_ipu is not None and sum(self.layers_per_ipu) != self.num_layers:
             raise Invalid(f"model.layers_per_ipu {self.layers_per_ipu} places "
                           f"{sum(self.layers_per_ipu)} layers but model.num_layers is "
                           f"{self.num_layers}", "model.layers_per_ipu", "model.num_layers")
-        family.validate(self)
+        FAMILY_CHECKS[self.architecture](self)
         self.task.validate()
+
+
+def check_sentence_pair_packing(config: BertConfig) -> None:
+    """BERT and GroupBERT pack sentence pairs for NSP: packing MLM-only rows is refused."""
+    if config.packed and not config.next_sentence_prediction:
+        raise Invalid("model.packed packs sentence pairs for next-sentence prediction; "
+                      "with model.next_sentence_prediction false rows are full chunks of "
+                      "text with no padding to pack away", "model.packed",
+                      "model.next_sentence_prediction")
+
+
+def check_groupbert(config: BertConfig) -> None:
+    """The GroupBERT keys divide the sizes they group."""
+    check_sentence_pair_packing(config)
+    for size in ("intermediate_size", "hidden_size"):
+        if getattr(config, size) % config.ffn_groups:
+            raise Invalid(f"model.ffn_groups ({config.ffn_groups}) must divide "
+                          f"model.{size} ({getattr(config, size)})",
+                          "model.ffn_groups", f"model.{size}")
+    if config.hidden_size % config.conv_group_size:
+        raise Invalid(f"model.conv_group_size ({config.conv_group_size}) must divide "
+                      f"model.hidden_size ({config.hidden_size})",
+                      "model.conv_group_size", "model.hidden_size")
+    if config.conv_kernel_size % 2 == 0:
+        raise Invalid(f"model.conv_kernel_size must be odd (\"same\" padding of k//2 "
+                      f"each side), got {config.conv_kernel_size}", "model.conv_kernel_size")
+
+
+# Each family's own config checks, by `model.architecture` (its options live beside them:
+# GroupBERT's in `model`, ModernBERT's in `model.modernbert`, `modernbert_config.py`).
+FAMILY_CHECKS: dict[str, Callable[[BertConfig], None]] = {
+    "bert": check_sentence_pair_packing,
+    "groupbert": check_groupbert,
+    "modernbert": check_modernbert,
+}

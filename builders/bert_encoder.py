@@ -148,4 +148,4 @@ def packed_pooler(b: Builder, config: BertConfig, init: layers.WeightInit, hidde
 
 
 BERT = register_family(Family(name="bert", hf_model_type="bert", segments=True, embed=embed,
-                              layer=layer, validate=lambda config: None, pool=pool))
+                              layer=layer, pool=pool))

@@ -3,7 +3,8 @@
 A family owns what differs between encoders: the graph inputs it reads besides `input_ids`, its
 embeddings and the per-layer context they hand on (attention masks, rotary tables), one encoder
 layer, the norm after the last layer, how a pooled output for sentence-level heads is made, the
-bias switches of the shared heads, its config checks and its Hugging Face `model_type`.
+bias switches of the shared heads and its Hugging Face `model_type`. Its config options and
+their checks sit with the config (`bert_config.FAMILY_CHECKS`), which builds nothing.
 Everything else — placement and pipeline stages, recomputation checkpoints, the task heads and
 their losses — is shared and lives in `popbert.builders.bert.build_bert`. Adding a family is one
 module and one entry here (its Hugging Face mapping lives beside the others in
@@ -69,14 +70,10 @@ class Family:
     segments: bool  # reads `segment_ids` (BERT's sentence A/B embedding)
     embed: Embed  # inputs → Embedded (run in the embeddings' placement)
     layer: Layer  # one encoder layer (run in that layer's placement)
-    validate: Callable[[BertConfig], None]  # family-specific config checks (raise Invalid)
     pool: Pool  # the pooled [B, H] (or packed [B, K, H]) output sentence heads read, or None
     final: Final | None = None  # after the last layer (pre-norm families' final LayerNorm)
     head_bias: Callable[[BertConfig], HeadBias] = lambda config: HeadBias()
     span_features: Features | None = None  # per-token transform before the SQuAD logits
-    # Packs MLM-only rows (one document chunk per packed sequence, attention within it), not
-    # only NSP sentence pairs.
-    packs_documents: bool = False
 
 
 FAMILIES: dict[str, Family] = {}
@@ -92,11 +89,8 @@ def register_family(family: Family) -> Family:
 
 
 def family_of(config: BertConfig) -> Family:
-    """The family `config.architecture` names (its module imported, so registered)."""
-    import popbert.builders.bert_encoder  # noqa: F401  (each module registers its family)
-    import popbert.builders.groupbert  # noqa: F401
-    import popbert.builders.modernbert  # noqa: F401
-
+    """The family `config.architecture` names (`popbert.builders` imports every family
+    module, so each has registered before anything reaches this one)."""
     return FAMILIES[config.architecture]
 
 

@@ -13,7 +13,6 @@ from popbert.builders import bert_encoder, layers
 from popbert.builders.bert_config import BertConfig
 from popbert.builders.families import Embedded, Family, Inputs, register_family
 from popbert.graph.builder import Builder
-from popbert.rules import Invalid
 
 
 def _residual(b: Builder, config: BertConfig, init: layers.WeightInit, x: str,
@@ -125,22 +124,6 @@ def layer(b: Builder, config: BertConfig, init: layers.WeightInit, x: str,
                            context.conv_keep, seq)
 
 
-def validate(config: BertConfig) -> None:
-    """The GroupBERT keys divide the sizes they group."""
-    for size in ("intermediate_size", "hidden_size"):
-        if getattr(config, size) % config.ffn_groups:
-            raise Invalid(f"model.ffn_groups ({config.ffn_groups}) must divide "
-                          f"model.{size} ({getattr(config, size)})",
-                          "model.ffn_groups", f"model.{size}")
-    if config.hidden_size % config.conv_group_size:
-        raise Invalid(f"model.conv_group_size ({config.conv_group_size}) must divide "
-                      f"model.hidden_size ({config.hidden_size})",
-                      "model.conv_group_size", "model.hidden_size")
-    if config.conv_kernel_size % 2 == 0:
-        raise Invalid(f"model.conv_kernel_size must be odd (\"same\" padding of k//2 "
-                      f"each side), got {config.conv_kernel_size}", "model.conv_kernel_size")
-
-
 GROUPBERT = register_family(Family(name="groupbert", hf_model_type="groupbert", segments=True,
-                                   embed=embed, layer=layer, validate=validate,
-                                   pool=bert_encoder.pool, final=final_norm))
+                                   embed=embed, layer=layer, pool=bert_encoder.pool,
+                                   final=final_norm))

@@ -24,7 +24,6 @@ from popbert.builders import layers
 from popbert.builders.bert_config import BertConfig
 from popbert.builders.families import Embedded, Family, HeadBias, Inputs, register_family
 from popbert.graph.builder import Builder
-from popbert.rules import Invalid
 
 if TYPE_CHECKING:
     from popbert.builders.bert import BertGraph
@@ -271,26 +270,10 @@ def span_features(b: Builder, config: BertConfig, init: layers.WeightInit, hidde
     return layers.dropout(b, features, config.hidden_dropout, "HeadDropout")
 
 
-def validate(config: BertConfig) -> None:
-    """ModernBERT is MLM-only, its rotary halves need an even head size, and its settings
-    section is checked key by key."""
-    from popbert.rules import check_fields
-
-    check_fields(config.modernbert, "model.modernbert")
-    if config.next_sentence_prediction:
-        raise Invalid("model.next_sentence_prediction must be false for model.architecture "
-                      "'modernbert' (it pre-trains on MLM only, as ModernBERT)",
-                      "model.next_sentence_prediction", "model.architecture")
-    head_dim = config.hidden_size // config.num_heads
-    if head_dim % 2:
-        raise Invalid(f"model.hidden_size / model.num_heads ({head_dim}) must be even for "
-                      "rotary position embeddings", "model.hidden_size", "model.num_heads")
-
-
 MODERNBERT = register_family(Family(
     name="modernbert", hf_model_type="modernbert", segments=False, embed=embed, layer=layer,
-    validate=validate, pool=pool, final=final_norm,
+    pool=pool, final=final_norm,
     head_bias=lambda config: HeadBias(dense=config.modernbert.classifier_bias,
                                       norm=config.modernbert.norm_bias,
                                       decoder=config.modernbert.decoder_bias),
-    span_features=span_features, packs_documents=True))
+    span_features=span_features))

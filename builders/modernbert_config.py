@@ -8,8 +8,12 @@ ModernBERT has lives here so the other families' sections stay as they were.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from popbert.rules import POSITIVE_INT, Rule, one_of, setting
+from popbert.rules import POSITIVE_INT, Invalid, Rule, check_fields, one_of, setting
+
+if TYPE_CHECKING:
+    from popbert.builders.bert_config import BertConfig
 
 # How a sentence-level head pools the last hidden state (`classifier_pooling`).
 POOLINGS = ("cls", "mean")
@@ -39,4 +43,18 @@ class ModernBertOptions:
     initializer_cutoff_factor: float = setting(2.0, POSITIVE_FLOAT)
 
 
-__all__ = ["POOLINGS", "ModernBertOptions"]
+def check_modernbert(config: BertConfig) -> None:
+    """ModernBERT is MLM-only, its rotary halves need an even head size, and its settings
+    section is checked key by key. It packs MLM-only rows (one document chunk a sequence)."""
+    check_fields(config.modernbert, "model.modernbert")
+    if config.next_sentence_prediction:
+        raise Invalid("model.next_sentence_prediction must be false for model.architecture "
+                      "'modernbert' (it pre-trains on MLM only, as ModernBERT)",
+                      "model.next_sentence_prediction", "model.architecture")
+    head_dim = config.hidden_size // config.num_heads
+    if head_dim % 2:
+        raise Invalid(f"model.hidden_size / model.num_heads ({head_dim}) must be even for "
+                      "rotary position embeddings", "model.hidden_size", "model.num_heads")
+
+
+__all__ = ["POOLINGS", "ModernBertOptions", "check_modernbert"]

@@ -147,5 +147,5 @@ def packed_pooler(b: Builder, config: BertConfig, init: layers.WeightInit, hidde
 
 
 
-BERT = register_family(Family(name="bert", hf_model_type="bert", segments=True, embed=embed,
-                              layer=layer, pool=pool))
+BERT = register_family(Family(name="bert", title="BERT", hf_model_type="bert", segments=True,
+                              embed=embed, layer=layer, pool=pool))

@@ -66,6 +66,7 @@ class Family:
     """One encoder family: the functions `build_bert` calls, in the order it calls them."""
 
     name: str
+    title: str  # how reports name it ("ModernBERT")
     hf_model_type: str  # `config.json`'s `model_type` of its Hugging Face checkpoints
     segments: bool  # reads `segment_ids` (BERT's sentence A/B embedding)
     embed: Embed  # inputs → Embedded (run in the embeddings' placement)
@@ -74,6 +75,9 @@ class Family:
     final: Final | None = None  # after the last layer (pre-norm families' final LayerNorm)
     head_bias: Callable[[BertConfig], HeadBias] = lambda config: HeadBias()
     span_features: Features | None = None  # per-token transform before the SQuAD logits
+    # Dropout fine-tuning uses when the user names none (None: the checkpoint's own); a family
+    # that pre-trains without dropout may still fine-tune with it.
+    finetune_dropout: float | None = None
 
 
 FAMILIES: dict[str, Family] = {}

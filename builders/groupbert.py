@@ -124,6 +124,8 @@ def layer(b: Builder, config: BertConfig, init: layers.WeightInit, x: str,
                            context.conv_keep, seq)
 
 
-GROUPBERT = register_family(Family(name="groupbert", hf_model_type="groupbert", segments=True,
-                                   embed=embed, layer=layer, pool=bert_encoder.pool,
-                                   final=final_norm))
+# GroupBERT pre-trains without dropout and fine-tunes with it (Graphcore's recipe).
+GROUPBERT = register_family(Family(name="groupbert", title="GroupBERT",
+                                   hf_model_type="groupbert", segments=True, embed=embed,
+                                   layer=layer, pool=bert_encoder.pool, final=final_norm,
+                                   finetune_dropout=0.1))

@@ -271,8 +271,8 @@ def span_features(b: Builder, config: BertConfig, init: layers.WeightInit, hidde
 
 
 MODERNBERT = register_family(Family(
-    name="modernbert", hf_model_type="modernbert", segments=False, embed=embed, layer=layer,
-    pool=pool, final=final_norm,
+    name="modernbert", title="ModernBERT", hf_model_type="modernbert", segments=False,
+    embed=embed, layer=layer, pool=pool, final=final_norm,
     head_bias=lambda config: HeadBias(dense=config.modernbert.classifier_bias,
                                       norm=config.modernbert.norm_bias,
                                       decoder=config.modernbert.decoder_bias),

@@ -10,12 +10,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from popbert.builders.families import FAMILIES
 from popbert.plan.estimate import DevicePlan, Plan, StagePlan
 
-__all__ = ["FAMILY_NAMES", "format_bytes", "plan_dict", "plan_table"]
-
-# How the header names each `model.architecture` (an unknown one is printed as it is spelled).
-FAMILY_NAMES = {"bert": "BERT", "groupbert": "GroupBERT", "modernbert": "ModernBERT"}
+__all__ = ["format_bytes", "plan_dict", "plan_table"]
 
 CONVENTIONS = {
     "flops": "training FLOPs per sequence = 3 x forward matmul FLOPs; a matmul is 2*M*N*K, "
@@ -44,7 +42,8 @@ def _header(plan: Plan) -> list[str]:
     m, e = plan.model, plan.execution
     name = f"{plan.config_name}: " if plan.config_name else ""
     architecture = str(m.get("architecture", "bert"))
-    family = FAMILY_NAMES.get(architecture, architecture)
+    known = FAMILIES.get(architecture)
+    family = known.title if known is not None else architecture
     rts = f"RTS over {e['replicas']}" if e["replicated_tensor_sharding"] else "RTS off"
     pipeline = f"pipeline {e['pipeline_schedule']}" if e["pipeline"] else "pipeline off"
     return [

@@ -32,6 +32,7 @@ import popbert.builders.tasks  # noqa: F401  (registers the squad and classifica
 from popbert.atomic import atomic_write_bytes, atomic_write_text
 from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import BertConfig, TaskConfig
+from popbert.builders.families import FAMILIES, family_of
 from popbert.config import RunConfig, config_from_dict, load_config
 from popbert.config.sections import FINETUNE_TASKS
 from popbert.data.classification import (
@@ -63,7 +64,8 @@ from popbert.train.jobs import Job
 log = logging.getLogger(__name__)
 
 # GroupBERT pre-trains without dropout and fine-tunes with BERT's 0.1 (Chelombiev et al. 2021).
-GROUPBERT_FINETUNE_DROPOUT = 0.1
+# GroupBERT's fine-tuning dropout (`popbert.builders.families.Family.finetune_dropout`).
+GROUPBERT_FINETUNE_DROPOUT = FAMILIES["groupbert"].finetune_dropout
 SQUAD_ARCHITECTURE = "BertForQuestionAnswering"
 CLASSIFICATION_ARCHITECTURE = "BertForSequenceClassification"
 
@@ -139,8 +141,8 @@ def task_model_config(model: BertConfig, sequence_length: int, task: TaskConfig,
                       dropout: float | None = None) -> BertConfig:
     """The checkpoint's model at `sequence_length` for one process (no placement, unpacked),
     with the fine-tuning `task` settings in place of the checkpoint's, and `dropout` for both
-    dropouts if given — else the checkpoint's, except GroupBERT, which pre-trains without dropout
-    and fine-tunes with it (`GROUPBERT_FINETUNE_DROPOUT`)."""
+    dropouts if given — else the family's fine-tuning dropout where it has one (GroupBERT
+    pre-trains without dropout and fine-tunes with 0.1), else the checkpoint's."""
     if sequence_length > model.max_position_embeddings:
         raise UsageError(f"finetune.max_seq_length ({sequence_length}) exceeds the checkpoint's "
                          f"model.max_position_embeddings ({model.max_position_embeddings})")
@@ -148,8 +150,8 @@ def task_model_config(model: BertConfig, sequence_length: int, task: TaskConfig,
               "recompute": False, "dialect": "onnx",
               "max_predictions_per_seq": min(model.max_predictions_per_seq, sequence_length),
               "task": task}
-    if dropout is None and model.architecture == "groupbert":
-        dropout = GROUPBERT_FINETUNE_DROPOUT
+    if dropout is None:
+        dropout = family_of(model).finetune_dropout
     if dropout is not None:
         values["hidden_dropout"] = values["attention_dropout"] = dropout
     if "packed" in values:  # fine-tuning features are one sequence per row

@@ -20,13 +20,13 @@ import pytest
 
 from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import ARCHITECTURES
+from popbert.builders.families import FAMILIES
 from popbert.cli.main import main
 from popbert.config import RunConfig, load_config
 from popbert.graph.annotations import trainable_initializers
 from popbert.plan import plan_dict, plan_run, plan_table, training_flops_per_sequence
 from popbert.plan.activations import CONTIGUOUS_COPY, activation_model
 from popbert.plan.flops import forward_flops_by_node
-from popbert.plan.report import FAMILY_NAMES
 from popbert.plan.shapes import infer_tensor_shapes
 
 BATCH = 2
@@ -188,8 +188,8 @@ def test_the_report_names_modernbert_and_its_window() -> None:
 
 
 def test_every_family_has_a_name() -> None:
-    assert set(FAMILY_NAMES) == set(ARCHITECTURES)
-    assert FAMILY_NAMES["modernbert"] == "ModernBERT"
+    assert set(FAMILIES) == set(ARCHITECTURES)
+    assert FAMILIES["modernbert"].title == "ModernBERT"
 
 
 def test_cli_names_the_family(capsys: pytest.CaptureFixture[str]) -> None:

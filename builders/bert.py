@@ -66,7 +66,6 @@ class Encoded:
     hidden: str
     pooled: str | None  # None: an MLM-only model has no pooler
     word_table: str
-    inputs: Inputs | None = None  # the graph inputs the encoder read (masks for pooling)
 
 
 # A task head adds its own inputs (labels, positions), computes its outputs into
@@ -142,7 +141,7 @@ def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = 
 
     with plan.scope(b, plan.heads):
         pooled = family.pool(b, config, init, graph, hidden, embedded.context, task)
-        encoded = Encoded(hidden, pooled, embedded.word_table, inputs)
+        encoded = Encoded(hidden, pooled, embedded.word_table)
         TASK_HEADS[task](b, config, init, graph, encoded, with_loss)
         # Outputs get plain names ("loss", "mlm_accuracy", ...) users can ask for.
         for role, tensor in graph.outputs.items():

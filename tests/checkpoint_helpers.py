@@ -3,6 +3,7 @@ shared by the export tests (tests/io) and the serving tests (tests/serve)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,3 +38,17 @@ def run_ort(path: Path, batch) -> dict[str, np.ndarray]:
     """The outputs of the ONNX file at `path` on `batch`, by name (CPU execution provider)."""
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     return dict(zip([o.name for o in session.get_outputs()], session.run(None, batch)))
+
+
+def run_records(run: Path) -> list[dict]:
+    """The run's metrics.jsonl, one dict a logged step."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_step_weights(run: Path) -> dict[str, np.ndarray]:
+    """The weights of the run's newest checkpoint, by ONNX name."""
+    import safetensors.numpy
+
+    step = max((run / "checkpoints").iterdir())
+    return safetensors.numpy.load_file(str(step / "weights.safetensors"))
+

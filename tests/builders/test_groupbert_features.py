@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-import safetensors.numpy
 import torch
 from bert_helpers import one_thread, padded_batch, small_config  # noqa: F401 (autouse)
+from checkpoint_helpers import final_step_weights, run_records
 from packing_helpers import K, match_rows, only_sequence, sequences
 from replica_helpers import assert_same, free_port
 from test_popart_dialect import assert_gradients_close
@@ -316,15 +316,6 @@ PHASE2 = [*TINY, "--set", "model.sequence_length=64", "--set", "model.max_predic
           "--set", "optimizer.weight_decay=0.0"]
 
 
-def records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def final_weights(run: Path) -> dict[str, np.ndarray]:
-    step = max((run / "checkpoints").iterdir())
-    return safetensors.numpy.load_file(str(step / "weights.safetensors"))
-
-
 @pytest.fixture(scope="module")
 def phase1(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("groupbert") / "phase1"
@@ -338,7 +329,7 @@ def test_phase_two_continues_from_phase_one_at_a_longer_sequence(phase1: Path,
     phase2 = tmp_path / "phase2"
     assert main(["pretrain", *PHASE2, "--init-from", str(phase1),
                  "--output-dir", str(phase2)]) == 0
-    before, after = final_weights(phase1), final_weights(phase2)
+    before, after = final_step_weights(phase1), final_step_weights(phase2)
     assert before.keys() == after.keys()
     assert {"Layer0/Conv/Conv/W", "Layer0/FFN2/Grouped/W", "FinalNorm/Gamma"} <= set(before)
     for name in before:  # every weight carried over (lr 1e-9)
@@ -353,7 +344,7 @@ def test_phase_two_continues_from_phase_one_at_a_longer_sequence(phase1: Path,
     optimizer = torch.load(phase2 / "checkpoints" / "step-000002" / "optimizer.pt",
                            weights_only=True)
     assert {float(s["step"]) for s in optimizer["state"].values() if "step" in s} == {2.0}
-    second, first = records(phase2), records(phase1)
+    second, first = run_records(phase2), run_records(phase1)
     assert [r["step"] for r in second] == [1, 2]
     assert all(np.isfinite(r["loss"]) for r in first + second)
     # What phase 1 learned carries over to the longer sequences.
@@ -423,13 +414,13 @@ def test_squad_fine_tuning_from_a_groupbert_checkpoint(phase1: Path, tmp_path: P
     cfg = load_config(run / "config.yaml").model
     assert cfg.architecture == "groupbert" and cfg.task.name == "squad"
     assert cfg.hidden_dropout == 0.1  # GroupBERT fine-tunes with dropout
-    losses = [r["loss"] for r in records(run)]
+    losses = [r["loss"] for r in run_records(run)]
     assert len(losses) == 9 and all(np.isfinite(losses))
     assert np.mean(losses[-3:]) < np.mean(losses[:3]), losses
     predictions = json.loads((run / "predictions.json").read_text())
     assert len(predictions) == 5
     # The encoder started from the pre-training checkpoint, not from scratch.
-    tuned, pretrained = final_weights(run), final_weights(phase1)
+    tuned, pretrained = final_step_weights(run), final_step_weights(phase1)
     moved = np.abs(tuned["Layer0/Conv/Conv/W"] - pretrained["Layer0/Conv/Conv/W"]).max()
     assert 0 < moved < 0.05 * np.abs(pretrained["Layer0/Conv/Conv/W"]).max() + 0.05
     check_export(run, "squad", 64, tmp_path)
@@ -446,7 +437,7 @@ def test_classification_fine_tuning_from_a_groupbert_checkpoint(phase1: Path,
     cfg = load_config(run / "config.yaml").model
     assert cfg.architecture == "groupbert" and cfg.task.name == "classification"
     assert cfg.task.labels == ["0", "1"] and cfg.hidden_dropout == 0.0  # --dropout 0
-    losses = [r["loss"] for r in records(run)]
+    losses = [r["loss"] for r in run_records(run)]
     # PreNorm from a barely pre-trained encoder: the [CLS] vector hardly depends on the text at
     # first (the loss sits at ln 2 for ~10 steps, where BERT's post-norm starts moving at once),
     # then the 16 sentences are learnt.

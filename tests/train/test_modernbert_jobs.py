@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import safetensors.numpy
+from checkpoint_helpers import final_step_weights, run_records
 
 from popbert.cli.main import main
 from popbert.config import load_config
@@ -38,15 +38,6 @@ def tiny(tokenizer: Path) -> list[str]:
             *[a for key, value in settings.items() for a in ("--set", f"{key}={value}")]]
 
 
-def records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def final_weights(run: Path) -> dict[str, np.ndarray]:
-    step = max((run / "checkpoints").iterdir())
-    return safetensors.numpy.load_file(str(step / "weights.safetensors"))
-
-
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
@@ -69,10 +60,10 @@ def test_pretraining_learns_and_exports(phase1: Path) -> None:
     cfg = load_config(phase1 / "config.yaml")
     assert cfg.model.architecture == "modernbert" and not cfg.model.next_sentence_prediction
     assert cfg.data.masked_lm_prob == 0.30
-    losses = [r["mlm_loss"] for r in records(phase1)]
+    losses = [r["mlm_loss"] for r in run_records(phase1)]
     assert len(losses) == 16 and losses[-1] < losses[0] - 0.5, losses
     assert (phase1 / "model.inference.onnx").is_file() and (phase1 / "metrics.png").is_file()
-    assert "Layer1/MLP/Wi/W" in final_weights(phase1)
+    assert "Layer1/MLP/Wi/W" in final_step_weights(phase1)
 
 
 @pytest.mark.e2e
@@ -88,13 +79,13 @@ def test_context_extension_phase_two_with_a_new_global_theta(phase1: Path, token
                  "--set", "optimizer.warmup_steps=0", "--set", "optimizer.decay=none",
                  "--set", "optimizer.weight_decay=0.0", "--init-from", str(phase1),
                  "--output-dir", str(phase2)]) == 0
-    before, after = final_weights(phase1), final_weights(phase2)
+    before, after = final_step_weights(phase1), final_step_weights(phase2)
     assert before.keys() == after.keys()
     for name in before:
         np.testing.assert_allclose(after[name], before[name], rtol=0, atol=1e-6, err_msg=name)
     cfg = load_config(phase2 / "config.yaml").model
     assert cfg.sequence_length == 128 and cfg.modernbert.global_rope_theta == 640000.0
-    assert all(np.isfinite(r["loss"]) for r in records(phase2))
+    assert all(np.isfinite(r["loss"]) for r in run_records(phase2))
 
 
 @pytest.mark.e2e
@@ -110,9 +101,9 @@ def test_classification_fine_tuning_int8_guard_and_predict(phase1: Path, tmp_pat
     assert cfg.architecture == "modernbert" and cfg.task.name == "classification"
     assert cfg.task.hf_architecture == "ModernBertForSequenceClassification"
     assert (run / "tokenizer.json").is_file()
-    losses = [r["loss"] for r in records(run)]
+    losses = [r["loss"] for r in run_records(run)]
     assert np.mean(losses[-3:]) < np.mean(losses[:3]), losses
-    assert "Pooler/Head/Dense/W" in final_weights(run)
+    assert "Pooler/Head/Dense/W" in final_step_weights(run)
 
     capsys.readouterr()
     model = tmp_path / "int8.onnx"

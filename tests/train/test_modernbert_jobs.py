@@ -144,3 +144,23 @@ def test_squad_fine_tuning_with_a_bpe_tokenizer(phase1: Path, tmp_path: Path) ->
     model = tmp_path / "squad.onnx"
     assert main(["export", "--checkpoint", str(run), "--task", "squad", "--output",
                  str(model)]) == 0
+
+
+@pytest.mark.e2e
+def test_packed_shards_train_a_modernbert(tokenizer: Path, tmp_path: Path) -> None:
+    """`prepare-data instances` + `pack` with the BPE tokenizer, then packed pre-training: rows
+    of several sequences, attention within each (the NSP labels the shards carry are unread)."""
+    corpus = str(bundled_corpus_path())
+    assert main(["prepare-data", "instances", "--input", corpus, "--vocab", str(tokenizer),
+                 "--output-dir", str(tmp_path / "instances"), "--sequence-length", "64",
+                 "--max-predictions", "10", "--dupe-factor", "1"]) == 0
+    assert main(["prepare-data", "pack", "--input", str(tmp_path / "instances"),
+                 "--output-dir", str(tmp_path / "packed")]) == 0
+    run = tmp_path / "run"
+    assert main(["pretrain", *tiny(tokenizer), "--set", "model.packed=true",
+                 "--set", "data.dynamic_masking=false",
+                 "--set", f"data.input_files=[{tmp_path / 'packed'}/part-*.h5]",
+                 "--set", "model.sequence_length=64", "--set", "model.max_predictions_per_seq=12",
+                 "--set", "model.max_sequences_per_pack=3", "--set", "training.steps=4",
+                 "--output-dir", str(run)]) == 0
+    assert len(run_records(run)) == 4 and (run / "model.inference.onnx").is_file()

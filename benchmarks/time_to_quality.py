@@ -1,9 +1,10 @@
 """Time to quality: wall-clock seconds to a validation MLM loss, and the downstream accuracy of
-the model that comes out, for popbert's `fast` preset against the recipe users run today.
+the model that comes out, for popbert's `fast` preset (and its ModernBERT preset) against the
+recipe users run today.
 
-Three runs with the same training-time budget, on the same real text (`benchmarks/data`: 6,736
-Wikipedia article leads for training, 400 held out), measured on the same held-out rows (fixed
-15% masks, 128 tokens) at the same fractions of the budget:
+Up to four runs with the same training-time budget, on the same real text (`benchmarks/data`:
+6,736 Wikipedia article leads for training, 400 held out), measured on the same held-out rows
+(fixed 15% masks, 128 tokens) at the same fractions of the budget:
 
 - **peer**: Hugging Face `transformers` the way its users pre-train a small BERT: a
   `BertForMaskedLM` (BERT-Mini shape, L4 H256, dropout 0.1, SDPA attention) given popbert's
@@ -15,18 +16,30 @@ Wikipedia article leads for training, 400 held out), measured on the same held-o
 - **popbert-same**: popbert with the peer's recipe (model, optimizer, schedule, data, BF16): the
   control, which should be about 1.0x.
 - **popbert-fast**: `popbert pretrain --config fast` with the budget and the text files, as a
-  user runs it.
+  user runs it (GroupBERT).
+- **popbert-modernbert**: `popbert pretrain --config modernbert-tiny` the same way (the same
+  bundled WordPiece vocabulary, so its validation loss is comparable), plus `--modernbert-set`.
 
 Then every final model is fine-tuned the same way (`popbert finetune classification`: the topic
 of 1,600 held-out articles, scored on 800 others) and its accuracy reported with its standard
 error. The time-to-quality ratio: the seconds the peer trained to reach its final validation
-loss divided by the seconds `fast` needed to reach that loss (linear between evaluations).
+loss divided by the seconds a run needed to reach that loss (linear between evaluations). With
+`popbert-fast` in the runs, each run's seconds to `fast`'s final loss too (ModernBERT's goal:
+at most 3/4 of `fast`'s). Training FLOPs per optimizer step come from `popbert plan` (its
+training FLOPs per sequence, x the global batch; the peer is counted as popbert-same, the same
+model), and the validation loss of each run at equal training FLOPs: at the smallest total that
+`fast` and `modernbert` reached in the budget (linear between evaluations).
 
-    python benchmarks/time_to_quality.py                         # 7-minute budgets, ~40 min
+    python benchmarks/time_to_quality.py                         # 7-minute budgets, ~55 min
     python benchmarks/time_to_quality.py --budget 120 --peer-lrs 1e-3   # a quick look
+    python benchmarks/time_to_quality.py --peer-lrs 1e-3         # one peer lr: ~42 min
+    python benchmarks/time_to_quality.py --peer-lrs 1e-3 --runs peer popbert-modernbert
 
-Writes `<work-dir>/results.json`, `<work-dir>/time_to_quality.png` (validation loss against
-training seconds) and prints a Markdown table. Each run is its own process (the CLI for popbert,
+`--runs` picks the runs (default all; a run already in `--work-dir` is not run again, so the
+same directory adds rows to earlier ones); without `peer`, popbert-same takes the one
+`--peer-lrs` and there is no peer target. Writes `<work-dir>/results.json`,
+`<work-dir>/time_to_quality.png` (validation loss against training seconds and against
+training FLOPs) and prints Markdown tables. Each run is its own process (the CLI for popbert,
 this file's `peer` subcommand for the peer), one after another, all with the same threads.
 """
 
@@ -46,6 +59,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks" / "data"
 SEQ, PREDICTIONS = 128, 20
+RUNS = ("peer", "popbert-same", "popbert-fast", "popbert-modernbert")
+TOPIC_TEST_ROWS = 800
 
 # The peer's model and recipe, and popbert-same's overrides that make the same run.
 SHAPE = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "intermediate_size": 1024}
@@ -221,12 +236,12 @@ def run(command: list[str], log: Path) -> None:
         sys.exit(f"failed ({done.returncode}): see {log}")
 
 
+COMMANDS: dict[str, str] = {}  # each run's command line, for the results
+
+
 def popbert_run(name: str, config: str, overrides: list[str], files: dict[str, Path],
                 work: Path, budget: float, eval_points: int, eval_batches: int) -> Path:
     out = work / name
-    if (out / "metrics.jsonl").is_file() and any(out.glob("checkpoints/step-*")):
-        return out  # done in an earlier invocation
-    shutil.rmtree(out, ignore_errors=True)
     sets = overrides + [f"training.time_budget={budget}",
                         f"data.input_files=[{files['train']}]",
                         f"data.validation_files=[{files['validation']}]",
@@ -235,7 +250,16 @@ def popbert_run(name: str, config: str, overrides: list[str], files: dict[str, P
     command = [sys.executable, "-m", "popbert", "pretrain", "--config", config, "-o", str(out)]
     for item in sets:
         command += ["--set", item]
+    line = " ".join(command[1:])
+    COMMANDS[name] = line
+    recorded = work / f"{name}.command"
+    if (out / "metrics.jsonl").is_file() and any(out.glob("checkpoints/step-*")) \
+            and (not recorded.is_file() or recorded.read_text() == line):
+        return out  # done in an earlier invocation (by the same command, where recorded)
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(work / f"{name}-topic", ignore_errors=True)  # its fine-tuning is stale too
     work.mkdir(parents=True, exist_ok=True)
+    recorded.write_text(line)
     run(command, work / f"{name}.log")
     return out
 
@@ -249,6 +273,7 @@ def peer_run(lr: float, files: dict[str, Path], work: Path, budget: float, eval_
                "--train", str(files["train"]), "--validation", str(files["validation"]),
                "--eval-points", str(eval_points), "--eval-batches", str(eval_batches),
                "--output-dir", str(out)] + (["--compile"] if compile_ else [])
+    COMMANDS[f"peer-lr{lr:g}"] = " ".join(command[1:])
     run(command, work / f"peer-lr{lr:g}.log")
     return out
 
@@ -276,6 +301,35 @@ def seconds_to_reach(points: list[tuple[float, float]], target: float) -> float 
     return None
 
 
+def steps_curve(run_dir: Path) -> tuple[int, list[int]]:
+    """The run's last optimizer step and the step of each evaluation (as in `curve`)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return (max(r["step"] for r in records),
+            [r["step"] for r in records if "val_mlm_loss" in r])
+
+
+def value_at(points: list[tuple[float, float]], x: float) -> float | None:
+    """The curve's value at `x` (linear between points; None outside them)."""
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    if points and math.isclose(x, points[0][0], rel_tol=1e-9):
+        return points[0][1]
+    return None
+
+
+def training_flops_per_step(config: str, overrides: list[str]) -> int:
+    """`popbert plan`'s training FLOPs per sequence (3 x the forward matmuls, attention
+    included) x the global batch: the FLOPs of one optimizer step of the run."""
+    import popbert
+    from popbert.plan.estimate import plan_run
+
+    cfg = popbert.load_config(config, overrides)
+    e = cfg.execution
+    per_sequence = plan_run(cfg).totals.training_flops_per_sequence
+    return per_sequence * e.micro_batch_size * e.gradient_accumulation * e.replicas
+
+
 def downstream(name: str, checkpoint: Path, work: Path, args: argparse.Namespace) -> float:
     """Fine-tune on the topic task the same way for every model; the held-out accuracy."""
     out = work / f"{name}-topic"
@@ -301,83 +355,211 @@ def import_peer(peer_dir: Path, work: Path) -> Path:
 
 
 def main(args: argparse.Namespace) -> None:
+    import popbert
+
     work = Path(args.work_dir)
     files = prepare(work)
     eval_batches = math.ceil(validation_rows(files) / PEER_RECIPE["micro_batch_size"])
-    started = time.time()
-    load = os.getloadavg()[0]
-    peers = {lr: peer_run(lr, files, work, args.budget, args.eval_points, eval_batches,
-                          args.peer_compile) for lr in args.peer_lrs}
-    finals = {lr: curve(d)[-1][1] for lr, d in peers.items()}
-    best_lr = min(finals, key=finals.get)
-    runs = {"peer": peers[best_lr]}
-    runs["popbert-same"] = popbert_run("popbert-same", "tiny", same_recipe_overrides(best_lr),
-                                       files, work, args.budget, args.eval_points, eval_batches)
-    import popbert
-
-    fast_predictions = popbert.load_config("fast", args.fast_set).model.max_predictions_per_seq
-    runs["popbert-fast"] = popbert_run("popbert-fast", "fast", args.fast_set,
-                                       prepare(work, fast_predictions), work, args.budget,
-                                       args.eval_points, eval_batches)
+    started, started_utc = time.time(), time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    load = os.getloadavg()
+    selected = [name for name in RUNS if name in args.runs]
+    runs: dict[str, Path] = {}
+    # name -> (config, overrides) of the popbert runs: their FLOPs come from `popbert plan`
+    configs: dict[str, tuple[str, list[str]]] = {}
+    finals: dict[float, float] = {}
+    if "peer" in selected:
+        peers = {lr: peer_run(lr, files, work, args.budget, args.eval_points, eval_batches,
+                              args.peer_compile) for lr in args.peer_lrs}
+        finals = {lr: curve(d)[-1][1] for lr, d in peers.items()}
+        best_lr = min(finals, key=finals.get)
+        runs["peer"] = peers[best_lr]
+    elif len(args.peer_lrs) == 1:
+        best_lr = args.peer_lrs[0]
+    else:
+        best_lr = None
+        if "popbert-same" in selected:
+            sys.exit("popbert-same without the peer: give its learning rate as one --peer-lrs")
+    if best_lr is not None:
+        configs["peer"] = configs["popbert-same"] = ("tiny", same_recipe_overrides(best_lr))
+    if "popbert-same" in selected:
+        runs["popbert-same"] = popbert_run("popbert-same", "tiny", same_recipe_overrides(best_lr),
+                                           files, work, args.budget, args.eval_points,
+                                           eval_batches)
+    for name, config, overrides in (("popbert-fast", "fast", args.fast_set),
+                                    ("popbert-modernbert", args.modernbert_config,
+                                     args.modernbert_set)):
+        configs[name] = (config, overrides)
+        if name in selected:
+            predictions = popbert.load_config(config, overrides).model.max_predictions_per_seq
+            runs[name] = popbert_run(name, config, overrides, prepare(work, predictions), work,
+                                     args.budget, args.eval_points, eval_batches)
+    ended_training_utc = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    load_after_training = os.getloadavg()
     curves = {name: curve(d) for name, d in runs.items()}
-    target = curves["peer"][-1][1]
-    peer_seconds = seconds_to_reach(curves["peer"], target)
+    target = curves["peer"][-1][1] if "peer" in curves else None
+    peer_seconds = seconds_to_reach(curves["peer"], target) if target is not None else None
+    fast_final = curves["popbert-fast"][-1][1] if "popbert-fast" in curves else None
+    fast_seconds = seconds_to_reach(curves["popbert-fast"], fast_final) \
+        if fast_final is not None else None
     results = {"budget_s": args.budget, "peer_lrs": {str(k): v for k, v in finals.items()},
                "peer_best_lr": best_lr, "target_val_mlm_loss": target,
-               "load_at_start": load, "date": time.strftime("%Y-%m-%d %H:%M"),
-               "threads": os.cpu_count(), "runs": {}}
+               "fast_final_val_mlm_loss": fast_final, "fast_seconds_to_final": fast_seconds,
+               "load_at_start": load[0], "loadavg_at_start": load,
+               "loadavg_after_training": load_after_training,
+               "date": started_utc, "started_utc": started_utc,
+               "ended_training_utc": ended_training_utc, "threads": os.cpu_count(),
+               "cpu": _cpu_name(), "versions": _versions(),
+               "validation_rows": validation_rows(files), "commands": {}, "runs": {}}
     for name, points in curves.items():
-        reach = seconds_to_reach(points, target)
-        results["runs"][name] = {
-            "final_val_mlm_loss": points[-1][1], "seconds_to_target": reach,
-            "ratio": peer_seconds / reach if reach else None, "curve": points}
-    checkpoints = {"peer": import_peer(runs["peer"], work),
-                   "popbert-same": runs["popbert-same"], "popbert-fast": runs["popbert-fast"]}
+        steps, eval_steps = steps_curve(runs[name])
+        entry = {"final_val_mlm_loss": points[-1][1], "steps": steps,
+                 "s_per_step": points[-1][0] / steps, "curve": points}
+        if target is not None:
+            reach = seconds_to_reach(points, target)
+            entry.update(seconds_to_target=reach,
+                         ratio=peer_seconds / reach if reach else None)
+        if fast_final is not None:
+            reach = seconds_to_reach(points, fast_final)
+            entry.update(seconds_to_fast_final=reach,
+                         fast_time_ratio=fast_seconds / reach if reach else None)
+        if name in configs:
+            per_step = training_flops_per_step(*configs[name])
+            entry.update(training_flops_per_step=per_step, training_flops=steps * per_step,
+                         training_flops_per_s=steps * per_step / points[-1][0],
+                         flops_curve=[(s * per_step, loss)
+                                      for s, (_, loss) in zip(eval_steps, points)])
+        results["runs"][name] = entry
+    results["commands"] = {n: c for n, c in COMMANDS.items()
+                           if n in runs or n.startswith("peer-lr")}
+    compared = [n for n in ("popbert-fast", "popbert-modernbert")
+                if "flops_curve" in results["runs"].get(n, {})]
+    if compared:  # equal training FLOPs: the smallest total either of the two reached
+        by = min(compared, key=lambda n: results["runs"][n]["training_flops"])
+        flops = results["runs"][by]["training_flops"]
+        results["equal_flops"] = {
+            "training_flops": flops, "set_by": by, "compared": compared,
+            "val_mlm_loss": {n: value_at(r["flops_curve"], flops)
+                             for n, r in results["runs"].items() if "flops_curve" in r},
+            "seconds": {n: value_at([(f, t) for (f, _), (t, _) in
+                                     zip(r["flops_curve"], r["curve"])], flops)
+                        for n, r in results["runs"].items() if "flops_curve" in r}}
+    checkpoints = {name: import_peer(d, work) if name == "peer" else d
+                   for name, d in runs.items()}
     for name, checkpoint in checkpoints.items():
         accuracy = downstream(name, checkpoint, work, args)
-        n = 800
         results["runs"][name]["topic_accuracy"] = accuracy
-        results["runs"][name]["topic_accuracy_se"] = math.sqrt(accuracy * (1 - accuracy) / n)
+        results["runs"][name]["topic_accuracy_se"] = math.sqrt(
+            accuracy * (1 - accuracy) / TOPIC_TEST_ROWS)
     results["wall_s"] = round(time.time() - started)
+    results["ended_utc"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    results["loadavg_at_end"] = os.getloadavg()
     (work / "results.json").write_text(json.dumps(results, indent=1))
-    plot(curves, target, work / "time_to_quality.png", args.budget)
+    plot(results, work / "time_to_quality.png")
     print_table(results)
 
 
-def plot(curves: dict, target: float, path: Path, budget: float) -> None:
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor()
+
+
+def _versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
+LABELS = {"peer": "transformers BertForMaskedLM (best lr, BF16)",
+          "popbert-same": "popbert, the same recipe", "popbert-fast": "popbert --config fast",
+          "popbert-modernbert": "popbert --config modernbert-tiny"}
+
+
+def plot(results: dict, path: Path) -> None:
+    """Validation loss against training seconds and, beside it, against training FLOPs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    labels = {"peer": "transformers BertForMaskedLM (best lr, BF16)",
-              "popbert-same": "popbert, the same recipe", "popbert-fast": "popbert --config fast"}
-    for name, points in curves.items():
-        ax.plot(*zip(*points), marker="o", markersize=3, label=labels[name])
-    ax.axhline(target, color="grey", lw=0.8, ls="--", label="the peer's final loss")
-    ax.set_xlabel("training seconds (2-core CPU)")
-    ax.set_ylabel("validation MLM loss")
-    ax.set_xlim(0, budget * 1.02)
-    ax.set_title(f"Time to quality, {budget:g} s budget, held-out Wikipedia leads")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    budget, target = results["budget_s"], results["target_val_mlm_loss"]
+    fig, (by_time, by_flops) = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True)
+    for name, r in results["runs"].items():
+        line, = by_time.plot(*zip(*r["curve"]), marker="o", markersize=3,
+                             label=LABELS.get(name, name))
+        if "flops_curve" in r:
+            by_flops.plot([f / 1e12 for f, _ in r["flops_curve"]],
+                          [loss for _, loss in r["flops_curve"]], marker="o", markersize=3,
+                          color=line.get_color(), label=LABELS.get(name, name))
+    for ax in (by_time, by_flops):
+        if target is not None:
+            ax.axhline(target, color="grey", lw=0.8, ls="--", label="the peer's final loss")
+        ax.grid(alpha=0.3)
+    if "equal_flops" in results:
+        by_flops.axvline(results["equal_flops"]["training_flops"] / 1e12, color="grey", lw=0.8,
+                         ls=":", label="equal training FLOPs")
+    by_time.set_xlabel(f"training seconds ({results.get('threads', '?')}-core CPU)")
+    by_time.set_ylabel("validation MLM loss")
+    by_time.set_xlim(0, budget * 1.02)
+    by_time.set_title(f"Time to quality, {budget:g} s budget, held-out Wikipedia leads")
+    by_time.legend(fontsize=8)
+    by_flops.set_xlabel("training TFLOP (popbert plan: 3 x forward matmuls)")
+    by_flops.set_title("the same runs against training FLOPs")
+    by_flops.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def print_table(results: dict) -> None:
-    print(f"\nbudget {results['budget_s']:g} s; peer lr sweep (final val MLM loss): "
-          + ", ".join(f"{k}: {v:.3f}" for k, v in results["peer_lrs"].items()))
-    print("| run | final val MLM loss | s to peer's final loss | time-to-quality ratio "
-          "| topic accuracy (± s.e.) |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    if results["peer_lrs"]:
+        print(f"\nbudget {results['budget_s']:g} s; peer lr sweep (final val MLM loss): "
+              + ", ".join(f"{k}: {v:.3f}" for k, v in results["peer_lrs"].items()))
+    else:
+        print(f"\nbudget {results['budget_s']:g} s")
+    target, fast = results["target_val_mlm_loss"], results["fast_final_val_mlm_loss"]
+    head = ["run", "steps", "s/step", "GFLOP/step", "final val MLM loss"]
+    if target is not None:
+        head += [f"s to the peer's final loss ({target:.3f})", "ratio vs the peer"]
+    if fast is not None:
+        head += [f"s to fast's final loss ({fast:.3f})", "fast's s / run's s"]
+    head += ["topic accuracy (± s.e.)"]
+    print("| " + " | ".join(head) + " |")
+    print("| --- |" + " ---: |" * (len(head) - 1))
+
+    def seconds(value: float | None) -> str:
+        return f"{value:.0f}" if value else "not reached"
+
+    def ratio(value: float | None) -> str:
+        return f"{value:.2f}x" if value else "-"
+
     for name, r in results["runs"].items():
-        reach = f"{r['seconds_to_target']:.0f}" if r["seconds_to_target"] else "not reached"
-        ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
+        per_step = r.get("training_flops_per_step")
+        cells = [name, f"{r['steps']:,}", f"{r['s_per_step']:.3f}",
+                 f"{per_step / 1e9:.1f}" if per_step else "-", f"{r['final_val_mlm_loss']:.3f}"]
+        if target is not None:
+            cells += [seconds(r["seconds_to_target"]), ratio(r["ratio"])]
+        if fast is not None:
+            cells += [seconds(r["seconds_to_fast_final"]), ratio(r["fast_time_ratio"])]
         acc = r.get("topic_accuracy")
-        acc_text = f"{acc:.3f} ± {r['topic_accuracy_se']:.3f}" if acc is not None else "-"
-        print(f"| {name} | {r['final_val_mlm_loss']:.3f} | {reach} | {ratio} | {acc_text} |")
+        cells.append(f"{acc:.3f} ± {r['topic_accuracy_se']:.3f}" if acc is not None else "-")
+        print("| " + " | ".join(cells) + " |")
+    equal = results.get("equal_flops")
+    if equal:
+        print(f"\nequal training FLOPs: {equal['training_flops'] / 1e12:.1f} TFLOP (the total "
+              f"{equal['set_by']} reached in the budget)")
+        print("| run | val MLM loss there | training seconds there |")
+        print("| --- | ---: | ---: |")
+        for name, loss in equal["val_mlm_loss"].items():
+            t = equal["seconds"][name]
+            print(f"| {name} | {f'{loss:.3f}' if loss is not None else 'not reached'} | "
+                  f"{f'{t:.0f}' if t is not None else '-'} |")
 
 
 if __name__ == "__main__":
@@ -396,8 +578,14 @@ if __name__ == "__main__":
     parser.add_argument("--peer-lrs", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3])
     parser.add_argument("--peer-compile", action="store_true",
                         help="torch.compile the peer's step (measured slower on 2-core CPUs)")
+    parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS),
+                        help="the runs to do and report (default: all)")
     parser.add_argument("--fast-set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra --set for the fast run (ablations)")
+    parser.add_argument("--modernbert-config", default="modernbert-tiny",
+                        help="the ModernBERT run's --config")
+    parser.add_argument("--modernbert-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra --set for the ModernBERT run")
     parser.add_argument("--eval-points", type=int, default=12)
     parser.add_argument("--finetune-epochs", type=int, default=3)
     parser.add_argument("--finetune-lr", type=float, default=1e-4)

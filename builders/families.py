@@ -67,7 +67,8 @@ class Family:
 
     name: str
     title: str  # how reports name it ("ModernBERT")
-    hf_model_type: str  # `config.json`'s `model_type` of its Hugging Face checkpoints
+    # `config.json`'s `model_type` of its Hugging Face checkpoints (None: transformers has none)
+    hf_model_type: str | None
     segments: bool  # reads `segment_ids` (BERT's sentence A/B embedding)
     embed: Embed  # inputs → Embedded (run in the embeddings' placement)
     layer: Layer  # one encoder layer (run in that layer's placement)

@@ -126,6 +126,6 @@ def layer(b: Builder, config: BertConfig, init: layers.WeightInit, x: str,
 
 # GroupBERT pre-trains without dropout and fine-tunes with it (Graphcore's recipe).
 GROUPBERT = register_family(Family(name="groupbert", title="GroupBERT",
-                                   hf_model_type="groupbert", segments=True, embed=embed,
+                                   hf_model_type=None, segments=True, embed=embed,
                                    layer=layer, pool=bert_encoder.pool, final=final_norm,
                                    finetune_dropout=0.1))

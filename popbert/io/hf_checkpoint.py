@@ -28,6 +28,7 @@ import numpy as np
 
 from popbert.atomic import atomic_directory
 from popbert.builders.bert_config import BertConfig, TaskConfig
+from popbert.builders.families import FAMILIES
 from popbert.errors import CheckpointError, UsageError, one_line
 from popbert.io import hf_mapping as hf
 from popbert.io.hf_modernbert import hf_config_from_modernbert, modernbert_config_from_hf
@@ -40,8 +41,8 @@ PYTORCH_BIN = "pytorch_model.bin"
 IMPORT_REPORT = "import.json"
 VOCAB = "vocab.txt"
 TOKENIZER_JSON = "tokenizer.json"
-# The `model_type`s import reads, and the popbert family each is.
-MODEL_TYPES = {"bert": "bert", "modernbert": "modernbert"}
+# The `model_type`s import reads and export writes: the families transformers has.
+MODEL_TYPES = tuple(f.hf_model_type for f in FAMILIES.values() if f.hf_model_type)
 # Hidden activations whose math is ONNX `Gelu` (exact, erf-based).
 EXACT_GELU = ("gelu",)
 # config.json key → BertConfig field.
@@ -366,9 +367,8 @@ def _hf_names(ours: str, rules: list[hf.Rule]) -> str:
 def checkpoint_vocab(checkpoint: Path, vocab_file: str | None) -> Path | None:
     """The vocabulary of a checkpoint: the config's `data.vocab_file` if it exists, else the
     `vocab.txt` or `tokenizer.json` of the run directory (import-hf and fine-tuning put one
-    there), else, when the
-    config names none, the bundled one (what pre-training with no `data.vocab_file` used).
-    None: the config names a vocabulary that is gone."""
+    there), else, when the config names none, the bundled one (what pre-training with no
+    `data.vocab_file` used). None: the config names a vocabulary that is gone."""
     from popbert.io.checkpoint import find_checkpoint
 
     if vocab_file and Path(vocab_file).is_file():

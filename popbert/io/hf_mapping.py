@@ -139,11 +139,11 @@ class Architecture:
     heads: Callable[[BertConfig], list[Rule]]
     tied: tuple[tuple[str, str], ...] = ()
     family: str = "bert"
+    # The family's encoder rules: (config, key prefix, pooler) → rules.
+    encoder: Callable[[BertConfig, str, bool], list[Rule]] = encoder_rules
 
     def rules(self, config: BertConfig) -> list[Rule]:
-        if self.family == "modernbert":
-            return modernbert_encoder_rules(config, self.prefix) + self.heads(config)
-        return encoder_rules(config, self.prefix, self.pooler) + self.heads(config)
+        return self.encoder(config, self.prefix, self.pooler) + self.heads(config)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,9 +166,13 @@ def _modern_norm(config: BertConfig, ours: str, theirs: str) -> list[Rule]:
     return rules
 
 
-def modernbert_encoder_rules(config: BertConfig, prefix: str = "model.") -> list[Rule]:
+def modernbert_encoder_rules(config: BertConfig, prefix: str = "model.",
+                             pooler: bool = False) -> list[Rule]:
     """`ModernBertModel` under `prefix`: embeddings, layers (layer 0 has no attention norm),
-    final norm. Wqkv is [Q; K; V] by output rows, exactly popbert's fused QKV transposed."""
+    final norm (no pooler: `pooler` must be False). Wqkv is [Q; K; V] by output rows, exactly
+    popbert's fused QKV transposed."""
+    if pooler:
+        raise ValueError("ModernBertModel has no pooler")
     m = config.modernbert
     rules = [_same("Embedding/Embedding_Dict", f"{prefix}embeddings.tok_embeddings.weight"),
              *_modern_norm(config, "Embedding/Norm", f"{prefix}embeddings.norm")]
@@ -223,16 +227,16 @@ ARCHITECTURES: dict[str, Architecture] = {
     "BertForSequenceClassification": Architecture("BertForSequenceClassification", "bert.",
                                                   True, lambda config: classification_rules()),
     "ModernBertModel": Architecture("ModernBertModel", "", False, lambda config: [],
-                                    family="modernbert"),
+                                    family="modernbert", encoder=modernbert_encoder_rules),
     "ModernBertForMaskedLM": Architecture("ModernBertForMaskedLM", "model.", False,
                                           modernbert_mlm_rules, tied=MODERNBERT_TIED,
-                                          family="modernbert"),
+                                          family="modernbert", encoder=modernbert_encoder_rules),
     "ModernBertForSequenceClassification": Architecture(
         "ModernBertForSequenceClassification", "model.", False,
-        modernbert_classification_rules, family="modernbert"),
+        modernbert_classification_rules, family="modernbert", encoder=modernbert_encoder_rules),
     "ModernBertForQuestionAnswering": Architecture(
         "ModernBertForQuestionAnswering", "model.", False, modernbert_squad_rules,
-        family="modernbert"),
+        family="modernbert", encoder=modernbert_encoder_rules),
 }
 # The class each family's task heads are written as (`architecture_for`), most specific first.
 _BY_HEADS = {

@@ -134,16 +134,18 @@ def update_clipping_scales(
     second moment this step will have, computed aside (the moments are not modified): where a
     gradient is far above its running scale — a loss spike — the whole tensor's step shrinks.
     """
+    if not grads:
+        return []
     bc2 = bias_corrections(beta2, steps, bias_correction)
     floor = eps * eps
-    out = []
+    mean_squares = []
     for grad, v, correction in zip(grads, exp_avg_sqs, bc2, strict=True):
         g = grad.float() * grad_factor
         square = g * g
         v_hat = (v * beta2).add_(square, alpha=1.0 - beta2).div_(correction).clamp_(min=floor)
-        rms = math.sqrt(float(square.div_(v_hat).mean()))
-        out.append(1.0 / max(1.0, rms))
-    return out
+        mean_squares.append(square.div_(v_hat).mean())
+    # One transfer for all tensors (a device sync per tensor would stall an accelerator).
+    return [1.0 / max(1.0, math.sqrt(ms)) for ms in torch.stack(mean_squares).tolist()]
 
 
 def lamb_updates(

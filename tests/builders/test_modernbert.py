@@ -335,3 +335,33 @@ def test_trimmed_rows_equal_the_same_rows_padded() -> None:
         session.load_weights(weights, strict=True)
     _assert_same_training_signal(_loss_and_grads(dynamic, trimmed),
                                  _loss_and_grads(static, batch))
+
+
+def test_parity_on_real_wikipedia_text_through_a_bpe_tokenizer(tmp_path) -> None:
+    """The same comparison on real text: bundled Wikipedia sentences through a byte-level BPE
+    trained on the bundled corpus (vocabulary 300, the model's), rows of unequal length,
+    padded, longer than the window."""
+    from popbert.data.tokenization import bundled_corpus_path
+    from popbert.data.vocab import train_bpe
+
+    tokenizer = train_bpe([bundled_corpus_path()], tmp_path / "tokenizer.json", vocab_size=300)
+    lines = [line for line in bundled_corpus_path().read_text(encoding="utf-8").splitlines()
+             if len(line) > 60][:3]
+    ids = np.zeros((3, SEQ), np.int64)
+    mask = np.zeros((3, SEQ), np.int64)
+    for row, line in enumerate(lines):
+        tokens = [tokenizer.cls_id, *tokenizer.encode(line)[:SEQ - 2 - 6 * row],
+                  tokenizer.sep_id]
+        ids[row, :len(tokens)], mask[row, :len(tokens)] = tokens, 1
+    assert len(set(mask.sum(axis=1))) == 3 and mask.sum(axis=1).max() > 2 * 4  # > the window
+    positions = np.tile(np.arange(1, 7), (3, 1))
+    batch = {"input_ids": ids, "input_mask": mask, "masked_lm_positions": positions}
+    config = popbert_config()
+    model = hf_model("ModernBertForMaskedLM")
+    weights = popbert_weights(model, config, "ModernBertForMaskedLM")
+    ours = popbert_outputs(config, weights, batch)["mlm_logits"]
+    assert close(ours, mlm_at_positions(model, batch)) < 1e-5
+    hidden = popbert_outputs(config, {k: v for k, v in weights.items()
+                                      if not k.startswith("CLS/")},
+                             batch, task="encoder")["last_hidden_state"]
+    assert close(hidden, hidden_states(model, batch), mask == 1) < 1e-5

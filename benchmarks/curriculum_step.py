@@ -1,5 +1,6 @@
-"""What a sequence-length curriculum buys per step: the `fast` preset's model trained on the same
-tokens as full rows or cut into shorter rows (`training.sequence_curriculum`).
+"""What a sequence-length curriculum buys per step: a time-to-quality preset's model (`--config`:
+`fast`, a ModernBERT, or `groupbert-fast`) trained on the same tokens as full rows or cut into
+shorter rows (`training.sequence_curriculum`).
 
 Real MLM-only rows of the Wikipedia text (`benchmarks/data/wiki-vital-train.txt.gz`), cut by
 popbert's own curriculum (`popbert.train.curriculum.SequenceCurriculum`: same tokens per step,
@@ -10,6 +11,7 @@ attention's work, whose share grows with the row length and with faster dense la
     python benchmarks/curriculum_step.py                                # CPU, rows of 128
     python benchmarks/curriculum_step.py --sequence-length 512 --lengths 128 256
     python benchmarks/curriculum_step.py --device cuda --sequence-length 512 --lengths 128 256
+    python benchmarks/curriculum_step.py --config groupbert-fast        # GroupBERT
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ from popbert.train.factories import optimizer_factory
 DATA = Path(__file__).resolve().parent / "data"
 
 
-def config(sequence_length: int, lengths: list[int], device: str) -> popbert.RunConfig:
-    """`fast` at `sequence_length` (prediction slots scaled: 25% of the tokens)."""
-    predictions = sequence_length // 4
-    return popbert.load_config("fast", [
+def config(preset: str, sequence_length: int, lengths: list[int],
+           device: str) -> popbert.RunConfig:
+    """`preset` at `sequence_length` (prediction slots scaled with its masking rate)."""
+    predictions = round(sequence_length * popbert.load_config(preset).data.masked_lm_prob)
+    return popbert.load_config(preset, [
         f"model.sequence_length={sequence_length}",
         f"model.max_position_embeddings={max(512, sequence_length)}",
         f"model.max_predictions_per_seq={predictions}", f"execution.device={device}",
@@ -67,14 +70,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--config", default="fast", choices=["fast", "groupbert-fast"],
+                        help="the preset whose model is measured")
     args = parser.parse_args()
-    cfg = config(args.sequence_length, args.lengths, args.device)
+    cfg = config(args.config, args.sequence_length, args.lengths, args.device)
     graph = build_bert(cfg.model, seed=1, dynamic_sequence=True)
     session = TrainingSession(graph.model(), graph.loss, optimizer_factory(cfg),
                               SessionOptions.from_config(cfg))
     micro = cfg.execution.micro_batch_size
     data = rows(cfg, micro * (args.steps + args.warmup))
-    cutters = {n: SequenceCurriculum(config(args.sequence_length, [n], args.device))
+    cutters = {n: SequenceCurriculum(config(args.config, args.sequence_length, [n], args.device))
                for n in args.lengths}
     kinds = [args.sequence_length, *args.lengths]
     times: dict[int, list[float]] = {n: [] for n in kinds}
@@ -92,8 +97,9 @@ def main() -> None:
             if step >= args.warmup:
                 times[n].append(time.perf_counter() - start)
     base = statistics.median(times[args.sequence_length])
-    print(f"`fast` model, {micro} rows of {args.sequence_length} a step, {session.device}, "
-          f"threads {torch.get_num_threads()}, median of {args.steps} interleaved steps")
+    print(f"`{args.config}` model, {micro} rows of {args.sequence_length} a step, "
+          f"{session.device}, threads {torch.get_num_threads()}, "
+          f"median of {args.steps} interleaved steps")
     print("| rows | ms/step | ratio to full rows |")
     print("| --- | ---: | ---: |")
     for n in kinds:

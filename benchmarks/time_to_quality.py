@@ -1,6 +1,6 @@
 """Time to quality: wall-clock seconds to a validation MLM loss, and the downstream accuracy of
-the model that comes out, for popbert's `fast` preset (and its ModernBERT preset) against the
-recipe users run today.
+the model that comes out, for popbert's `fast` preset (a ModernBERT) and `groupbert-fast` (the
+GroupBERT recipe that was `fast` before it) against the recipe users run today.
 
 Up to four runs with the same training-time budget, on the same real text (`benchmarks/data`:
 6,736 Wikipedia article leads for training, 400 held out), measured on the same held-out rows
@@ -16,24 +16,25 @@ Up to four runs with the same training-time budget, on the same real text (`benc
 - **popbert-same**: popbert with the peer's recipe (model, optimizer, schedule, data, BF16): the
   control, which should be about 1.0x.
 - **popbert-fast**: `popbert pretrain --config fast` with the budget and the text files, as a
-  user runs it (GroupBERT).
-- **popbert-modernbert**: `popbert pretrain --config modernbert-tiny` the same way (the same
-  bundled WordPiece vocabulary, so its validation loss is comparable), plus `--modernbert-set`.
+  user runs it (ModernBERT), plus `--fast-set`.
+- **popbert-groupbert-fast**: `popbert pretrain --config groupbert-fast` the same way (the same
+  bundled WordPiece vocabulary, so its validation loss is comparable), plus `--groupbert-set`.
 
 Then every final model is fine-tuned the same way (`popbert finetune classification`: the topic
 of 1,600 held-out articles, scored on 800 others) and its accuracy reported with its standard
 error. The time-to-quality ratio: the seconds the peer trained to reach its final validation
 loss divided by the seconds a run needed to reach that loss (linear between evaluations). With
-`popbert-fast` in the runs, each run's seconds to `fast`'s final loss too (ModernBERT's goal:
-at most 3/4 of `fast`'s). Training FLOPs per optimizer step come from `popbert plan` (its
+`popbert-groupbert-fast` in the runs, each run's seconds to its final loss too (ModernBERT's
+goal: at most 3/4 of GroupBERT's). Training FLOPs per optimizer step come from `popbert plan` (its
 training FLOPs per sequence, x the global batch; the peer is counted as popbert-same, the same
 model), and the validation loss of each run at equal training FLOPs: at the smallest total that
-`fast` and `modernbert` reached in the budget (linear between evaluations).
+`fast` and `groupbert-fast` reached in the budget (linear between evaluations).
 
     python benchmarks/time_to_quality.py                         # 7-minute budgets, ~55 min
     python benchmarks/time_to_quality.py --budget 120 --peer-lrs 1e-3   # a quick look
     python benchmarks/time_to_quality.py --peer-lrs 1e-3         # one peer lr: ~42 min
-    python benchmarks/time_to_quality.py --peer-lrs 1e-3 --runs peer popbert-modernbert
+    python benchmarks/time_to_quality.py --peer-lrs 1e-3 --runs peer popbert-fast
+    python benchmarks/time_to_quality.py --budget 1800 --peer-lrs 1e-3 --runs peer popbert-fast
 
 `--runs` picks the runs (default all; a run already in `--work-dir` is not run again, so the
 same directory adds rows to earlier ones); without `peer`, popbert-same takes the one
@@ -59,7 +60,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks" / "data"
 SEQ, PREDICTIONS = 128, 20
-RUNS = ("peer", "popbert-same", "popbert-fast", "popbert-modernbert")
+RUNS = ("peer", "popbert-same", "popbert-fast", "popbert-groupbert-fast")
+REFERENCE = "popbert-groupbert-fast"  # the run whose final loss the others are timed to
 TOPIC_TEST_ROWS = 800
 
 # The peer's model and recipe, and popbert-same's overrides that make the same run.
@@ -386,8 +388,8 @@ def main(args: argparse.Namespace) -> None:
                                            files, work, args.budget, args.eval_points,
                                            eval_batches)
     for name, config, overrides in (("popbert-fast", "fast", args.fast_set),
-                                    ("popbert-modernbert", args.modernbert_config,
-                                     args.modernbert_set)):
+                                    ("popbert-groupbert-fast", "groupbert-fast",
+                                     args.groupbert_set)):
         configs[name] = (config, overrides)
         if name in selected:
             predictions = popbert.load_config(config, overrides).model.max_predictions_per_seq
@@ -398,12 +400,13 @@ def main(args: argparse.Namespace) -> None:
     curves = {name: curve(d) for name, d in runs.items()}
     target = curves["peer"][-1][1] if "peer" in curves else None
     peer_seconds = seconds_to_reach(curves["peer"], target) if target is not None else None
-    fast_final = curves["popbert-fast"][-1][1] if "popbert-fast" in curves else None
-    fast_seconds = seconds_to_reach(curves["popbert-fast"], fast_final) \
-        if fast_final is not None else None
+    reference_final = curves[REFERENCE][-1][1] if REFERENCE in curves else None
+    reference_seconds = seconds_to_reach(curves[REFERENCE], reference_final) \
+        if reference_final is not None else None
     results = {"budget_s": args.budget, "peer_lrs": {str(k): v for k, v in finals.items()},
                "peer_best_lr": best_lr, "target_val_mlm_loss": target,
-               "fast_final_val_mlm_loss": fast_final, "fast_seconds_to_final": fast_seconds,
+               "reference_run": REFERENCE, "reference_final_val_mlm_loss": reference_final,
+               "reference_seconds_to_final": reference_seconds,
                "load_at_start": load[0], "loadavg_at_start": load,
                "loadavg_after_training": load_after_training,
                "date": started_utc, "started_utc": started_utc,
@@ -418,10 +421,10 @@ def main(args: argparse.Namespace) -> None:
             reach = seconds_to_reach(points, target)
             entry.update(seconds_to_target=reach,
                          ratio=peer_seconds / reach if reach else None)
-        if fast_final is not None:
-            reach = seconds_to_reach(points, fast_final)
-            entry.update(seconds_to_fast_final=reach,
-                         fast_time_ratio=fast_seconds / reach if reach else None)
+        if reference_final is not None:
+            reach = seconds_to_reach(points, reference_final)
+            entry.update(seconds_to_reference_final=reach,
+                         reference_time_ratio=reference_seconds / reach if reach else None)
         if name in configs:
             per_step = training_flops_per_step(*configs[name])
             entry.update(training_flops_per_step=per_step, training_flops=steps * per_step,
@@ -431,7 +434,7 @@ def main(args: argparse.Namespace) -> None:
         results["runs"][name] = entry
     results["commands"] = {n: c for n, c in COMMANDS.items()
                            if n in runs or n.startswith("peer-lr")}
-    compared = [n for n in ("popbert-fast", "popbert-modernbert")
+    compared = [n for n in ("popbert-fast", REFERENCE)
                 if "flops_curve" in results["runs"].get(n, {})]
     if compared:  # equal training FLOPs: the smallest total either of the two reached
         by = min(compared, key=lambda n: results["runs"][n]["training_flops"])
@@ -478,8 +481,9 @@ def _versions() -> dict[str, str]:
 
 
 LABELS = {"peer": "transformers BertForMaskedLM (best lr, BF16)",
-          "popbert-same": "popbert, the same recipe", "popbert-fast": "popbert --config fast",
-          "popbert-modernbert": "popbert --config modernbert-tiny"}
+          "popbert-same": "popbert, the same recipe",
+          "popbert-fast": "popbert --config fast (ModernBERT)",
+          "popbert-groupbert-fast": "popbert --config groupbert-fast"}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -523,12 +527,13 @@ def print_table(results: dict) -> None:
               + ", ".join(f"{k}: {v:.3f}" for k, v in results["peer_lrs"].items()))
     else:
         print(f"\nbudget {results['budget_s']:g} s")
-    target, fast = results["target_val_mlm_loss"], results["fast_final_val_mlm_loss"]
+    target, reference = results["target_val_mlm_loss"], results["reference_final_val_mlm_loss"]
     head = ["run", "steps", "s/step", "GFLOP/step", "final val MLM loss"]
     if target is not None:
         head += [f"s to the peer's final loss ({target:.3f})", "ratio vs the peer"]
-    if fast is not None:
-        head += [f"s to fast's final loss ({fast:.3f})", "fast's s / run's s"]
+    if reference is not None:
+        name = results["reference_run"]
+        head += [f"s to {name}'s final loss ({reference:.3f})", f"{name}'s s / run's s"]
     head += ["topic accuracy (± s.e.)"]
     print("| " + " | ".join(head) + " |")
     print("| --- |" + " ---: |" * (len(head) - 1))
@@ -545,8 +550,8 @@ def print_table(results: dict) -> None:
                  f"{per_step / 1e9:.1f}" if per_step else "-", f"{r['final_val_mlm_loss']:.3f}"]
         if target is not None:
             cells += [seconds(r["seconds_to_target"]), ratio(r["ratio"])]
-        if fast is not None:
-            cells += [seconds(r["seconds_to_fast_final"]), ratio(r["fast_time_ratio"])]
+        if reference is not None:
+            cells += [seconds(r["seconds_to_reference_final"]), ratio(r["reference_time_ratio"])]
         acc = r.get("topic_accuracy")
         cells.append(f"{acc:.3f} ± {r['topic_accuracy_se']:.3f}" if acc is not None else "-")
         print("| " + " | ".join(cells) + " |")
@@ -582,10 +587,8 @@ if __name__ == "__main__":
                         help="the runs to do and report (default: all)")
     parser.add_argument("--fast-set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra --set for the fast run (ablations)")
-    parser.add_argument("--modernbert-config", default="modernbert-tiny",
-                        help="the ModernBERT run's --config")
-    parser.add_argument("--modernbert-set", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra --set for the ModernBERT run")
+    parser.add_argument("--groupbert-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra --set for the groupbert-fast run")
     parser.add_argument("--eval-points", type=int, default=12)
     parser.add_argument("--finetune-epochs", type=int, default=3)
     parser.add_argument("--finetune-lr", type=float, default=1e-4)

@@ -27,7 +27,7 @@ from popbert.errors import ConfigError, PopbertError
 
 PRESETS = ["tiny", "base-128", "base-384", "large-128", "large-384", "groupbert-mini",
            "groupbert-medium", "groupbert-base-128", "groupbert-base-384", "finetune-squad",
-           "finetune-classification", "fast", "modernbert-tiny", "modernbert-base"]
+           "finetune-classification", "fast", "groupbert-fast", "modernbert-base"]
 
 
 def write(tmp_path: Path, text: str, name: str = "config.yaml") -> Path:

@@ -7,7 +7,8 @@ attention norm the identity, a final LayerNorm, MLM only. Sliding-window layers 
 S x S scores under a band mask in popbert's graph, so their FLOPs are full attention's.
 
 Activations were checked against measured CPU steps with benchmarks/plan_accuracy.py's method
-(modernbert-tiny at micro batch 16: within 0.3% of the measured peak, fused attention or not);
+(the `fast` preset, a ModernBERT, at micro batch 16: within 0.3% of the measured peak, fused
+attention or not);
 measuring is too slow for this file, so the two op rules ModernBERT needed are checked here on
 the graph.
 """
@@ -42,7 +43,7 @@ _GRAPHS: dict[str, onnx.ModelProto] = {}
 
 
 def small(*overrides: str) -> RunConfig:
-    return load_config("modernbert-tiny", [*SMALL, *overrides])
+    return load_config("fast", [*SMALL, *overrides])
 
 
 def graph_of(cfg: RunConfig) -> onnx.ModelProto:
@@ -193,7 +194,7 @@ def test_every_family_has_a_name() -> None:
 
 
 def test_cli_names_the_family(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--config", "modernbert-tiny", "--set", "model.num_layers=1",
+    assert main(["plan", "--config", "fast", "--set", "model.num_layers=1",
                  "--set", "execution.micro_batch_size=2", "--device", "h100"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert first.startswith("popbert plan - modernbert-tiny: ModernBERT L1 H256")
+    assert first.startswith("popbert plan - fast: ModernBERT L1 H256")

@@ -1,9 +1,10 @@
-"""The `fast` preset as a user runs it: a time budget and plain-text files, nothing else.
+"""The time-to-quality presets as a user runs them: a time budget and plain-text files, nothing
+else. `fast` (ModernBERT) and `groupbert-fast` (GroupBERT, `fast` until ModernBERT beat it).
 
     popbert pretrain --config fast --set training.time_budget=600 \
         --set data.input_files=[train.txt] --set data.validation_files=[heldout.txt] -o DIR
 
-(here with an 8 s budget, 2 validation batches and the preset's model at a quarter of its width
+(here with an 8 s budget, 2 validation batches and each preset's model at a quarter of its width
 with micro-batches of 8, to keep the test short, on documents of the bundled corpus split into
 two text files: the data layout, budget, evaluation points and export are the preset's own).
 """
@@ -21,9 +22,11 @@ from popbert.io.run_dir import checkpoint_dirs
 
 pytestmark = pytest.mark.e2e
 BUDGET = 8.0
-# A quarter of the preset's width (GroupBERT's convolution groups of 16 channels still divide it).
-NARROW = ["model.hidden_size=64", "model.intermediate_size=256", "model.num_heads=2",
-          "execution.micro_batch_size=8"]
+# A quarter of each preset's width (GroupBERT's convolution groups of 16 channels still divide it).
+NARROW = {"fast": ["model.hidden_size=64", "model.intermediate_size=96", "model.num_heads=2",
+                   "execution.micro_batch_size=8"],
+          "groupbert-fast": ["model.hidden_size=64", "model.intermediate_size=256",
+                             "model.num_heads=2", "execution.micro_batch_size=8"]}
 
 
 def split_corpus(tmp_path: Path) -> tuple[Path, Path]:
@@ -35,13 +38,14 @@ def split_corpus(tmp_path: Path) -> tuple[Path, Path]:
     return train, heldout
 
 
-def test_fast_trains_on_text_files_within_its_budget(tmp_path: Path) -> None:
+@pytest.mark.parametrize("preset", sorted(NARROW))
+def test_fast_trains_on_text_files_within_its_budget(tmp_path: Path, preset: str) -> None:
     train, heldout = split_corpus(tmp_path)
     run = tmp_path / "run"
-    assert main(["pretrain", "--config", "fast", "--set", f"training.time_budget={BUDGET:g}",
+    assert main(["pretrain", "--config", preset, "--set", f"training.time_budget={BUDGET:g}",
                  "--set", f"data.input_files=[{train}]",
                  "--set", f"data.validation_files=[{heldout}]", "--set", "training.eval_batches=2",
-                 *[arg for key in NARROW for arg in ("--set", key)], "-o", str(run)]) == 0
+                 *[arg for key in NARROW[preset] for arg in ("--set", key)], "-o", str(run)]) == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert records and all("elapsed_s" in r for r in records)
     elapsed = [r["elapsed_s"] for r in records]

@@ -1,6 +1,6 @@
 """ModernBERT through popbert's whole jobs, with a BPE tokenizer.json made from the bundled corpus.
 
-Pre-training (the `modernbert-tiny` preset at small shapes: MLM only, 30% masking), the
+Pre-training (the `fast` preset, a ModernBERT, at small shapes: MLM only, 30% masking), the
 context-extension phase 2 (a longer sequence and a new global rotary theta from the phase-1
 checkpoint, as ModernBERT's 1,024 → 8,192 step), fine-tuning for classification and SQuAD, the
 INT8 export's accuracy guard and `popbert predict`: every step the BERT family goes through.
@@ -34,7 +34,7 @@ def tiny(tokenizer: Path) -> list[str]:
                 "execution.device": "cpu", "execution.compute_dtype": "float32",
                 "training.log_every": 1, "training.time_budget": "null",
                 "training.eval_points": 0}
-    return ["--config", "modernbert-tiny",
+    return ["--config", "fast",
             *[a for key, value in settings.items() for a in ("--set", f"{key}={value}")]]
 
 

@@ -1,9 +1,12 @@
-"""Attention within each packed sequence, without the dense ``[B, 1, S, S]`` mask.
+"""Attention within each packed sequence, without the dense ``[B, 1, S, S]`` mask; and the
+explicit attention chain run as one call.
 
 The lowering finds the block-diagonal mask of packed rows and the attention that reads it, and
 runs each sequence's attention on its own (about Σ len² work instead of B · S²), with the same
 result for every real token. How, and when it falls back to the dense mask: docs/design.md,
-section "popbert.lowering.block_attention".
+section "popbert.lowering.block_attention". The explicit ``MatMul → Mul → Add(mask) → Softmax →
+MatMul`` chain (the popart dialect's attention) runs as the fused ``Attention`` op does, so both
+dialects lower to the same kernels and compute the same bits.
 """
 
 from __future__ import annotations
@@ -32,13 +35,15 @@ __all__ = [
     "MAX_MASK_VALUE",
     "MAX_WORK_FRACTION",
     "BlockDiagonalAttention",
-    "emit_block_attention",
     "Bucket",
     "BucketPlan",
-    "MaskedAttentionChain",
+    "AttentionChain",
+    "attention_scale",
     "bucket_plan",
+    "dense_attention",
+    "emit_attention_chain",
+    "find_attention_chains",
     "find_block_diagonal_masks",
-    "find_masked_attention_chains",
 ]
 
 #: Sequences are grouped by length rounded up to a multiple of this many tokens: at most
@@ -165,14 +170,15 @@ def find_block_diagonal_masks(nodes: Sequence[onnx.NodeProto],
 
 
 @dataclass(frozen=True)
-class MaskedAttentionChain:
+class AttentionChain:
     """``MatMul(q, kᵀ) · scale + mask → Softmax → [Dropout] → MatMul(·, v)`` in ONNX nodes."""
 
     nodes: tuple[int, ...]  # node indices, the last is the output MatMul
     q: str  # [B, heads, S, d]
     k_transposed: str  # [B, heads, d, S]
     v: str  # [B, heads, S, d]
-    segments: str  # the sequence_index the mask is made of
+    mask: str  # the additive mask
+    segments: str | None  # the sequence_index a block-diagonal mask is made of, else None
     scale: float
     dropout: float
 
@@ -182,18 +188,36 @@ def _annotations(node: onnx.NodeProto) -> list[tuple[str, bytes]]:
                   if a.name.startswith(ANNOTATION_PREFIX))
 
 
-def find_masked_attention_chains(nodes: Sequence[onnx.NodeProto],
-                                 initializers: Mapping[str, np.ndarray],
-                                 use_count: Mapping[str, int],
-                                 masks: Mapping[str, str]) -> dict[int, MaskedAttentionChain]:
-    """The explicit attention chains whose mask is one of ``masks``, by output MatMul index.
+def _scaled_scores(graph: _Graph, name: str) -> tuple[onnx.NodeProto, onnx.NodeProto, str,
+                                                      float] | None:
+    """(the Mul, the MatMul, the MatMul's output, the scale) when ``name`` is
+    ``MatMul(q, kᵀ) · scale`` with a constant scalar scale; else None."""
+    mul = graph.node(name, "Mul")
+    if mul is None:
+        return None
+    for scores_name, scale_name in (mul.input, reversed(mul.input)):
+        scale = graph.scalar(scale_name)
+        scores = graph.node(scores_name, "MatMul")
+        if scale is not None and scores is not None:
+            return mul, scores, scores_name, float(scale)
+    return None
+
+
+def find_attention_chains(nodes: Sequence[onnx.NodeProto],
+                          initializers: Mapping[str, np.ndarray],
+                          use_count: Mapping[str, int],
+                          block_masks: Mapping[str, str]) -> dict[int, AttentionChain]:
+    """The explicit attention chains to run as one call, by output MatMul index: those over a
+    block-diagonal mask (one of ``block_masks``, which maps it to its ``sequence_index``), and
+    those over any other additive mask without dropout (with dropout they stay separate ops, so
+    the random stream is the Dropout converter's).
 
     Every intermediate tensor must have that one consumer and every node the same device /
     stage / recompute annotations, so the chain can run as one call without changing what the
     backward pass keeps or where the work is placed.
     """
     graph = _Graph(nodes, initializers, use_count)
-    chains: dict[int, MaskedAttentionChain] = {}
+    chains: dict[int, AttentionChain] = {}
     for index, context in enumerate(nodes):
         if context.op_type != "MatMul" or context.domain not in STANDARD_DOMAINS:
             continue
@@ -220,17 +244,11 @@ def find_masked_attention_chains(nodes: Sequence[onnx.NodeProto],
         if add is None:
             continue
         for scaled_name, mask_name in (add.input, reversed(add.input)):  # noqa: B007
-            if mask_name in masks:
-                break
-        else:
-            continue
-        mul = graph.node(scaled_name, "Mul")
-        if mul is None:
-            continue
-        for scores_name, scale_name in (mul.input, reversed(mul.input)):
-            scale = graph.scalar(scale_name)
-            scores = graph.node(scores_name, "MatMul")
-            if scale is not None and scores is not None:
+            if mask_name not in block_masks and ratio != 0.0:
+                continue
+            found = _scaled_scores(graph, scaled_name)
+            if found is not None:
+                mul, scores, scores_name, scale = found
                 break
         else:
             continue
@@ -241,11 +259,27 @@ def find_masked_attention_chains(nodes: Sequence[onnx.NodeProto],
             continue
         if any(_annotations(n) != _annotations(context) for n in chain):
             continue
-        chains[index] = MaskedAttentionChain(
+        chains[index] = AttentionChain(
             nodes=tuple(graph.producer[n.output[0]] for n in chain) + (index,),
-            q=scores.input[0], k_transposed=scores.input[1], v=v,
-            segments=masks[mask_name], scale=scale, dropout=ratio)
+            q=scores.input[0], k_transposed=scores.input[1], v=v, mask=mask_name,
+            segments=block_masks.get(mask_name), scale=scale, dropout=ratio)
     return chains
+
+
+def attention_scale(scale: float | None, head_dim: int) -> float | None:
+    """``scale``, or None when it is the default ``1/√d`` rounded to FP32 (the graph's
+    constant): SDPA then derives the scale itself, exactly as for the fused ``Attention`` op,
+    which has no scale attribute — passing the rounded value would differ in the last bit."""
+    if scale is None or scale == float(np.float32(1.0 / math.sqrt(head_dim))):
+        return None
+    return scale
+
+
+def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """``softmax(q kᵀ · scale + mask) v`` over ``[B, heads, S, d]``: the explicit chain as the
+    ``Attention`` converter runs the fused op."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                          scale=attention_scale(scale, q.shape[-1]))
 
 
 # -- running it ----------------------------------------------------------------------------------
@@ -352,7 +386,8 @@ class BlockDiagonalAttention(nn.Module):
         return f"scale={self.scale}, dropout={self.dropout}, varlen={self.varlen}"
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, segments: Tensor) -> Tensor:
-        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        scale = attention_scale(self.scale, q.shape[-1])
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         p = self.dropout if self.training else 0.0
         plan = None
         if self.varlen and not torch.compiler.is_compiling():
@@ -388,13 +423,16 @@ class BlockDiagonalAttention(nn.Module):
         return flat.view(rows, width, heads, -1).transpose(1, 2)
 
 
-def emit_block_attention(ctx: NodeContext, chain: MaskedAttentionChain,
+def emit_attention_chain(ctx: NodeContext, chain: AttentionChain,
                          nodes: Sequence[onnx.NodeProto]) -> Any:
-    """Lower an explicit attention chain over a block-diagonal mask (``ctx`` is its output
-    MatMul) as one :class:`BlockDiagonalAttention`; the fx node's meta names the chain."""
+    """Lower an explicit attention chain (``ctx`` is its output MatMul) as one call: a
+    :class:`BlockDiagonalAttention` over a block-diagonal mask, else :func:`dense_attention`;
+    the fx node's meta names the chain."""
     ctx.meta["fused"] = [{"op_type": nodes[i].op_type, "name": nodes[i].name,
                           "outputs": list(nodes[i].output)} for i in chain.nodes[:-1]]
     k = ctx.call(torch.transpose, ctx.lookup(chain.k_transposed), -1, -2)
+    q, v = ctx.lookup(chain.q), ctx.lookup(chain.v)
+    if chain.segments is None:
+        return ctx.call(dense_attention, q, k, v, ctx.lookup(chain.mask), chain.scale)
     module = BlockDiagonalAttention(chain.scale, chain.dropout)
-    return ctx.call_module(module, ctx.lookup(chain.q), k, ctx.lookup(chain.v),
-                           ctx.lookup(chain.segments))
+    return ctx.call_module(module, q, k, v, ctx.lookup(chain.segments))

@@ -24,9 +24,9 @@ from torch import nn
 
 from popbert.graph.shapes import weight_free_copy
 from popbert.lowering.block_attention import (
-    emit_block_attention,
+    emit_attention_chain,
+    find_attention_chains,
     find_block_diagonal_masks,
-    find_masked_attention_chains,
 )
 from popbert.lowering.context import (
     FLOAT_DTYPES,
@@ -180,7 +180,7 @@ class _Lowerer:
         small = {i.name: onnx.numpy_helper.to_array(i) for i in g.initializer
                  if int(np.prod(i.dims)) <= _SMALL_CONSTANT}
         self.block_masks = find_block_diagonal_masks(nodes, small, self.use_count)
-        chains = find_masked_attention_chains(nodes, small, self.use_count, self.block_masks)
+        chains = find_attention_chains(nodes, small, self.use_count, self.block_masks)
         skipped = set(fused.values())
         skipped.update(i for chain in chains.values() for i in chain.nodes[:-1])
         for index, node in enumerate(nodes):
@@ -190,7 +190,7 @@ class _Lowerer:
                 for inner in chains[index].nodes[:-1]:
                     self.env.update(dict.fromkeys(nodes[inner].output))
                 ctx = NodeContext(self, node, index)
-                self.bind(node.output[0], emit_block_attention(ctx, chains[index], nodes))
+                self.bind(node.output[0], emit_attention_chain(ctx, chains[index], nodes))
                 continue
             converter = CONVERTERS.get((normalize_domain(node.domain), node.op_type))
             if converter is None:

@@ -4,9 +4,12 @@
 shards. Each epoch is a fixed function of (seed, epoch): the shards in a seeded order, the rows
 of each shard in a seeded order (one shard / in-memory arrays: a permutation seeded with
 `seed + epoch`), cut into global batches of `micro_batch_size * num_replicas` samples, of which
-replica r takes the r-th slice. The whole position is (epoch, samples consumed in the epoch), so
-a checkpoint restores it exactly and a resumed run sees the batches an uninterrupted run would
-have seen.
+replica r takes the r-th slice. An epoch holds whole optimizer steps (`micro_batch_size *
+num_replicas * gradient_accumulation` samples each), so the samples of every step depend on the
+seed and that global batch only: 2 replicas, or 1 accumulating 2 micro-batches, train on the
+same samples step for step. The whole position is (epoch, samples consumed in the epoch), so a
+checkpoint restores it exactly and a resumed run, with the same global batch however it is
+split, sees the batches an uninterrupted run would have seen.
 
 Shards are read lazily: only their metadata up front (checked against the run), their data when
 the epoch reaches them, with the next shards read ahead by a background thread, so memory holds
@@ -90,9 +93,12 @@ class PretrainingLoader:
     `arrays_or_shards`: a dict of the NVIDIA-layout arrays (plus the packed ones), or shard
     path(s) / glob(s), read lazily in sorted order after checking every shard's metadata
     against the optional expectations (`packed` / `max_sequences_per_pack`: the model's).
-    With `drop_last` an epoch has `num_samples // (micro_batch_size * num_replicas)` steps;
-    without, the last global batch is completed by wrapping to the epoch's start, so every
-    replica always gets a full batch (collectives stay in step) and every sample is seen.
+    With `drop_last` an epoch has `num_samples // step_samples` optimizer steps (`step_samples`
+    = `micro_batch_size * num_replicas * gradient_accumulation`); without, the last step is
+    completed by wrapping to the epoch's start, so every replica always gets a full batch
+    (collectives stay in step) and every sample is seen. A position saved with another
+    `step_samples` is refused (the order would differ from the original run's) unless
+    `allow_reorder`.
     Batches are dicts of int64 torch tensors (numpy arrays with `as_numpy=True`).
     `remask` (dynamic masking, RoBERTa): each batch's stored masks are undone and `remask(batch,
     rng)` masks it anew, `rng` seeded by the seed, the epoch and the batch's position, so every
@@ -108,11 +114,13 @@ class PretrainingLoader:
                  packed: bool | None = None, max_sequences_per_pack: int | None = None,
                  as_numpy: bool = False, prefetch_shards: int = 2,
                  remask: Callable[[dict[str, np.ndarray], np.random.Generator], None] | None
-                 = None):
+                 = None, gradient_accumulation: int = 1, allow_reorder: bool = False):
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if num_replicas < 1 or not 0 <= replica_index < num_replicas:
             raise ValueError(f"replica_index {replica_index} not in [0, {num_replicas})")
+        if gradient_accumulation < 1:
+            raise ValueError(f"gradient_accumulation must be >= 1, got {gradient_accumulation}")
         self._checks = {"sequence_length": sequence_length,
                         "max_predictions_per_seq": max_predictions_per_seq,
                         "vocab_size": vocab_size, "vocab_sha256": vocab_sha256,
@@ -147,11 +155,14 @@ class PretrainingLoader:
         self.prefetch_shards = max(0, int(prefetch_shards))
         self.remask = remask
         self.global_batch_size = self.micro_batch_size * self.num_replicas
+        self.step_samples = self.global_batch_size * int(gradient_accumulation)
+        self.allow_reorder = allow_reorder
         if self.num_samples == 0:
             raise DataError("no pre-training samples to load")
-        if drop_last and self.num_samples < self.global_batch_size:
+        if drop_last and self.num_samples < self.step_samples:
             raise DataError(f"{self.num_samples} samples are fewer than one global batch "
-                            f"({self.micro_batch_size} x {self.num_replicas} replicas)")
+                            f"({self.micro_batch_size} x {self.num_replicas} replicas x "
+                            f"{gradient_accumulation} accumulated)")
         self.epoch = 0
         self.index = 0
         self._layout_epoch: int | None = None
@@ -163,14 +174,15 @@ class PretrainingLoader:
     @property
     def steps_per_epoch(self) -> int:
         """Micro batches each replica gets per epoch."""
-        if self.drop_last:
-            return self.num_samples // self.global_batch_size
-        return -(-self.num_samples // self.global_batch_size)
+        return self.samples_per_epoch // self.global_batch_size
 
     @property
     def samples_per_epoch(self) -> int:
-        """Samples consumed across all replicas in one epoch (padding included)."""
-        return self.steps_per_epoch * self.global_batch_size
+        """Samples consumed across all replicas in one epoch (padding included): whole
+        optimizer steps."""
+        if self.drop_last:
+            return self.num_samples // self.step_samples * self.step_samples
+        return -(-self.num_samples // self.step_samples) * self.step_samples
 
     # ---------------------------------------------------------------- the epoch's order
     def _layout(self, epoch: int) -> None:
@@ -286,7 +298,8 @@ class PretrainingLoader:
 
     def state_dict(self) -> dict:
         """Position to checkpoint: epoch, samples consumed in it (all replicas), data size."""
-        return {"epoch": self.epoch, "index": self.index, "num_samples": self.num_samples}
+        return {"epoch": self.epoch, "index": self.index, "num_samples": self.num_samples,
+                "step_samples": self.step_samples}
 
     def load_state_dict(self, state: Mapping) -> None:
         """Continue from a `state_dict()`; refuses a position taken on different data."""
@@ -297,6 +310,13 @@ class PretrainingLoader:
         if "num_samples" in state and int(state["num_samples"]) != self.num_samples:
             raise DataError(f"loader state was saved on {state['num_samples']} samples, "
                             f"this data has {self.num_samples}")
+        saved = int(state.get("step_samples", self.step_samples))
+        if saved != self.step_samples and not self.allow_reorder:
+            raise DataError(f"it was saved with a global batch of {saved} samples per step, "
+                            f"this run takes {self.step_samples} (micro batch x replicas x "
+                            f"accumulation): the samples would follow another order than the "
+                            f"original run's; keep the global batch, or set "
+                            f"data.reorder_on_resume: true")
         if epoch < 0 or not 0 <= index <= self.samples_per_epoch:
             raise DataError(f"loader state epoch={epoch} index={index} is out of range "
                             f"(epoch has {self.samples_per_epoch} samples)")

@@ -26,7 +26,13 @@ from popbert.data.packing import (
     pack_instance_arrays,
 )
 from popbert.data.sentences import DEFAULT_MIN_SENTENCES, split_sentences
-from popbert.data.stages import StageDir, default_workers, derive_seed, run_units
+from popbert.data.stages import (
+    StageDir,
+    default_workers,
+    derive_seed,
+    run_units,
+    workers_label,
+)
 from popbert.data.tokenization import load_tokenizer
 from popbert.data.vocab import DEFAULT_VOCAB_SIZE, train_vocab
 from popbert.data.wikipedia import DEFAULT_PART_BYTES, EXTRACT_SUFFIX, extract_dump
@@ -86,13 +92,13 @@ def create_instances(sentence_parts: list[Path], vocab: str | os.PathLike,
     if stage.complete:
         log.info("%s: instances already complete", stage.path)
         return stage.success()
-    jobs = [(str(src), str(out), str(tokenizer.vocab_path),
+    jobs = [(str(src), str(out), str(Path(tokenizer.vocab_path).absolute()),
              replace(options, seed=derive_seed(options.seed, index)).as_dict(), options.seed,
              index)
             for index, src, out in stage.pending(sentence_parts, SHARD_SUFFIX)]
-    log.info("creating instances from %d parts (seq %d, %d predictions, dupe %d, %d worker(s); "
+    log.info("creating instances from %d parts (seq %d, %d predictions, dupe %d, %s; "
              "%d already done)", len(jobs), options.sequence_length,
-             options.max_predictions_per_seq, options.dupe_factor, workers,
+             options.max_predictions_per_seq, options.dupe_factor, workers_label(workers),
              len(sentence_parts) - len(jobs))
     results = run_units(instances_part, jobs, workers, desc="instances", total=len(jobs))
     if not stage.parts(SHARD_SUFFIX):  # shards of an earlier run count too

@@ -156,14 +156,16 @@ def make_loader(cfg: RunConfig, data: dict[str, np.ndarray] | ShardSet, replica_
     """Micro-batches of `execution.micro_batch_size` for one replica, seeded by `data.seed`,
     masked anew each batch with `data.dynamic_masking`."""
     remask = dynamic_masking(cfg) if cfg.data.dynamic_masking else None
+    order = {"gradient_accumulation": cfg.execution.gradient_accumulation,
+             "allow_reorder": cfg.data.reorder_on_resume}
     if isinstance(data, ShardSet):
         return PretrainingLoader([str(p) for p in data.paths], cfg.execution.micro_batch_size,
                                  seed=cfg.data.seed, shuffle=cfg.data.shuffle,
                                  replica_index=replica_index, num_replicas=num_replicas,
-                                 remask=remask, **data.checks)
+                                 remask=remask, **order, **data.checks)
     return PretrainingLoader(data, cfg.execution.micro_batch_size, seed=cfg.data.seed,
                              shuffle=cfg.data.shuffle, replica_index=replica_index,
-                             num_replicas=num_replicas, remask=remask)
+                             num_replicas=num_replicas, remask=remask, **order)
 
 
 def run_vocab_path(cfg: RunConfig) -> Path:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from popbert.data.corpus import name_files
 from popbert.data.errors import DataError
-from popbert.data.stages import StageDir, atomic_output, run_units
+from popbert.data.stages import StageDir, atomic_output, run_units, workers_label
 from popbert.data.wikipedia import read_articles
 
 log = logging.getLogger(__name__)
@@ -122,8 +122,8 @@ def split_sentences(input_parts: list[Path], output_dir: str | os.PathLike, work
         return stage.success()
     jobs = [(str(src), str(out), splitter, min_sentences)
             for _, src, out in stage.pending(input_parts, SENTENCES_SUFFIX)]
-    log.info("splitting %d parts into sentences (%s, %d worker(s); %d already done)",
-             len(jobs), splitter, workers, len(input_parts) - len(jobs))
+    log.info("splitting %d parts into sentences (%s, %s; %d already done)",
+             len(jobs), splitter, workers_label(workers), len(input_parts) - len(jobs))
     results = run_units(split_part, jobs, workers, desc="sentences", total=len(jobs))
     # A part without documents is an empty file (parts written by an earlier run count too).
     if not any(part.stat().st_size for part in stage.parts(SENTENCES_SUFFIX)):

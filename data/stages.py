@@ -1,4 +1,5 @@
-"""Machinery shared by the `prepare-data` stages: stage directories, parts, a bounded worker pool.
+"""Machinery shared by the `prepare-data` stages: stage directories, parts, a bounded worker pool
+(local processes, or a Dask cluster: `popbert.data.cluster`).
 
 Every stage turns numbered input parts into numbered output parts, one work unit per part, so
 that memory is bounded by the part size, results do not depend on the number of workers and an
@@ -8,12 +9,13 @@ interrupted run resumes. The guarantees in full: docs/design.md, section "popber
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import multiprocessing
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +65,7 @@ class StageDir:
     stops with one line naming the first."""
 
     def __init__(self, path: str | os.PathLike, stage: str, params: Mapping[str, Any]):
-        self.path = Path(path)
+        self.path = Path(path).absolute()  # jobs carry it to workers with other directories
         self.stage = stage
         self.params = json.loads(json.dumps(dict(params), sort_keys=True, default=str))
         # Directories `open` created (deepest first): what `abandon` may remove again.
@@ -159,7 +161,8 @@ class StageDir:
         A part only exists under its final name once complete, so this is what a re-run of an
         interrupted stage still has to do.
         """
-        outputs = ((i, src, self.path / part_name(i, suffix)) for i, src in enumerate(inputs))
+        outputs = ((i, Path(src).absolute(), self.path / part_name(i, suffix))
+                   for i, src in enumerate(inputs))
         return [(i, src, out) for i, src, out in outputs if not out.is_file()]
 
     def parts(self, suffix: str) -> list[Path]:
@@ -201,17 +204,38 @@ def _pool_context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("spawn")
 
 
+def workers_label(workers: int) -> str:
+    """What runs a stage's units, for its log line: `N worker(s)` or the Dask cluster."""
+    from popbert.data.cluster import active_cluster
+
+    cluster = active_cluster()
+    if cluster is not None:
+        return f"the Dask cluster at {cluster.scheduler.address}"
+    return f"{workers} worker(s)"
+
+
+def _on_worker(fn: Callable[..., Any], *job: Any) -> Any:
+    """`fn(*job)` in a Dask worker, set up as the local pool's workers are."""
+    _init_worker(True)
+    return fn(*job)
+
+
 def run_units(fn: Callable[..., Any], jobs: Iterable[tuple], workers: int, desc: str,
               unit: str = "part", total: int | None = None,
               on_result: Callable[[tuple, Any], None] | None = None,
               progress: Callable[[Any], int] | None = None, show_bar: bool = True) -> list[Any]:
-    """Run `fn(*job)` for every job, over `workers` processes (in-process when 1).
+    """Run `fn(*job)` for every job: on the Dask cluster of an enclosing
+    `popbert.data.cluster.on_cluster` block, else over `workers` processes (in-process when 1).
 
-    Jobs are consumed lazily with at most `2 * workers` in flight, so a generator of large jobs
-    (e.g. pages streamed from a dump) never piles up in memory. Results come back in job order.
-    `progress(result)` gives the amount to advance the bar by (default 1 per job);
-    `show_bar=False` when the caller keeps its own bar.
+    Jobs are consumed lazily with at most twice as many in flight as there are worker processes
+    (or cluster threads), so a generator of large jobs (e.g. pages streamed from a dump) never
+    piles up in memory. Results come back in job order. `progress(result)` gives the amount to
+    advance the bar by (default 1 per job); `show_bar=False` when the caller keeps its own bar.
+    A job's paths must be absolute when they go to a cluster (its workers have their own
+    working directories): the stages make them so.
     """
+    from popbert.data.cluster import active_cluster, cluster_slots
+
     results: dict[int, Any] = {}
     bar: tqdm | None = None
 
@@ -226,28 +250,43 @@ def run_units(fn: Callable[..., Any], jobs: Iterable[tuple], workers: int, desc:
             bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=False)
         bar.update(progress(result) if progress else 1)
 
+    cluster = active_cluster()
     try:
-        if workers <= 1:
+        if cluster is not None:
+            executor = cluster.get_executor(pure=False)
+            try:
+                _run_pooled(executor, functools.partial(_on_worker, fn), jobs, done,
+                            lambda: 2 * cluster_slots(cluster))
+            finally:
+                executor.shutdown(wait=False)
+        elif workers <= 1:
             for i, job in enumerate(jobs):
                 done(i, job, fn(*job))
         else:
             # The progress bar (and its monitor thread) starts after the workers are forked.
             with ProcessPoolExecutor(workers, mp_context=_pool_context(),
                                      initializer=_init_worker, initargs=(True,)) as pool:
-                pending: dict[Future, tuple[int, tuple]] = {}
-
-                def drain(block_until: int) -> None:
-                    while len(pending) > block_until:
-                        finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                        for future in finished:
-                            index, job = pending.pop(future)
-                            done(index, job, future.result())
-
-                for i, job in enumerate(jobs):
-                    pending[pool.submit(fn, *job)] = (i, job)
-                    drain(2 * workers)
-                drain(0)
+                _run_pooled(pool, fn, jobs, done, lambda: 2 * workers)
     finally:
         if bar is not None:
             bar.close()
     return [results[i] for i in range(len(results))]
+
+
+def _run_pooled(executor: Executor, fn: Callable[..., Any], jobs: Iterable[tuple],
+                done: Callable[[int, tuple, Any], None], in_flight: Callable[[], int]) -> None:
+    """Submit the jobs to `executor`, at most `in_flight()` at a time, calling `done` as each
+    finishes; the first failure is raised."""
+    pending: dict[Future, tuple[int, tuple]] = {}
+
+    def drain(block_until: int) -> None:
+        while len(pending) > block_until:
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in finished:
+                index, job = pending.pop(future)
+                done(index, job, future.result())
+
+    for i, job in enumerate(jobs):
+        pending[executor.submit(fn, *job)] = (i, job)
+        drain(in_flight())
+    drain(0)

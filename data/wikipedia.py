@@ -28,7 +28,7 @@ from typing import BinaryIO
 from tqdm import tqdm
 
 from popbert.data.errors import DataError
-from popbert.data.stages import StageDir, atomic_output, part_name, run_units
+from popbert.data.stages import StageDir, atomic_output, part_name, run_units, workers_label
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ def extract_dump(dump: str | os.PathLike, output_dir: str | os.PathLike, workers
                 continue
             yield (pages, str(out))
 
-    log.info("extracting %s (%.1f MB) with %d worker(s)", dump, size / 1e6, workers)
+    log.info("extracting %s (%.1f MB) with %s", dump, size / 1e6, workers_label(workers))
     try:
         results = run_units(extract_part, jobs(), workers, desc="extract", show_bar=False)
     finally:

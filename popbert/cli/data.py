@@ -5,16 +5,20 @@
 
 runs extract → sentences → vocab (when no --vocab is given) → instances → pack; each stage is
 also a command of its own. Every stage is parallel over `--workers` processes (default: all
-cores), resumable (finished parts are skipped) and deterministic for `--seed`. Heavy modules are
-imported inside the handlers so `--help` and flag errors stay instant.
+cores) or, with `--dask ADDRESS` (or $DASK_SCHEDULER_ADDRESS), over a Dask cluster's workers;
+resumable (finished parts are skipped) and deterministic for `--seed` either way. Heavy modules
+are imported inside the handlers so `--help` and flag errors stay instant.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from popbert.errors import UsageError
@@ -44,6 +48,34 @@ def _workers(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
     return args.workers
+
+
+def _on_cluster(handler: Callable[[argparse.Namespace], int]
+                ) -> Callable[[argparse.Namespace], int]:
+    """`handler` run on the Dask cluster that `--dask` (else $DASK_SCHEDULER_ADDRESS) names,
+    or on the local pool when neither is set."""
+
+    @functools.wraps(handler)
+    def run(args: argparse.Namespace) -> int:
+        from popbert.data.cluster import ADDRESS_VARIABLE, scheduler_address
+
+        address = scheduler_address(args.dask)
+        if address is None:
+            return handler(args)
+        from popbert.data.cluster import cluster_slots, on_cluster
+        from popbert.data.errors import DataError
+
+        source = "--dask" if args.dask else f"${ADDRESS_VARIABLE}"
+        with contextlib.ExitStack() as stack:
+            try:
+                client = stack.enter_context(on_cluster(address))
+            except DataError as exc:
+                raise UsageError(f"{source}: {exc}") from None
+            logger.info("running the units on the Dask cluster at %s (%d worker(s), %d "
+                        "thread(s) now)", address, len(client.nthreads()), cluster_slots(client))
+            return handler(args)
+
+    return run
 
 
 def _options(args: argparse.Namespace):
@@ -215,6 +247,10 @@ def _add_common(p: argparse.ArgumentParser, output_help: str) -> None:
                    help=output_help)
     p.add_argument("--workers", "-j", type=int, default=None, metavar="N",
                    help="worker processes (default: all cores)")
+    p.add_argument("--dask", default=None, metavar="ADDRESS",
+                   help="run the work units on this Dask scheduler's workers instead, e.g. "
+                        "tcp://10.0.0.5:8786 (default: $DASK_SCHEDULER_ADDRESS when set; "
+                        "needs pip install 'popbert[dask]')")
 
 
 def _add_split_args(p: argparse.ArgumentParser) -> None:
@@ -270,7 +306,7 @@ def add_commands(subparsers: argparse._SubParsersAction,
     p.add_argument("--part-size-mb", type=float, default=8.0, metavar="MB",
                    help="wikitext per work unit and shard (default 8; memory per worker "
                         "grows with it)")
-    p.set_defaults(handler=_cmd_wikipedia)
+    p.set_defaults(handler=_on_cluster(_cmd_wikipedia))
 
     p = stages.add_parser("extract", parents=[common_parent],
                           help="dump -> plain-text articles (JSON lines), by wikiextractor")
@@ -278,7 +314,7 @@ def add_commands(subparsers: argparse._SubParsersAction,
     _add_common(p, "directory for part-*.jsonl")
     p.add_argument("--part-size-mb", type=float, default=8.0, metavar="MB",
                    help="wikitext per part (default 8)")
-    p.set_defaults(handler=_cmd_extract)
+    p.set_defaults(handler=_on_cluster(_cmd_extract))
 
     p = stages.add_parser("sentences", parents=[common_parent],
                           help="articles -> one sentence per line, blank line between documents")
@@ -286,7 +322,7 @@ def add_commands(subparsers: argparse._SubParsersAction,
                    help="the extract stage's directory, or its part-*.jsonl files")
     _add_common(p, "directory for part-*.txt")
     _add_split_args(p)
-    p.set_defaults(handler=_cmd_sentences)
+    p.set_defaults(handler=_on_cluster(_cmd_sentences))
 
     p = stages.add_parser("vocab", parents=[common_parent],
                           help="train an uncased WordPiece vocab.txt, or a byte-level BPE "
@@ -311,7 +347,7 @@ def add_commands(subparsers: argparse._SubParsersAction,
                    help="a WordPiece vocab.txt or any Hugging Face tokenizer.json")
     _add_common(p, "directory for part-*.h5")
     _add_instance_args(p)
-    p.set_defaults(handler=_cmd_instances)
+    p.set_defaults(handler=_on_cluster(_cmd_instances))
 
     p = stages.add_parser("pack", parents=[common_parent],
                           help="instance shards -> packed shards (several sequences per row)")
@@ -322,7 +358,7 @@ def add_commands(subparsers: argparse._SubParsersAction,
     p.add_argument("--max-predictions-per-pack", type=int, default=None, metavar="P",
                    help="MLM slots per packed row (default: the most a pack can need)")
     p.add_argument("--seed", type=int, default=12345)
-    p.set_defaults(handler=_cmd_pack)
+    p.set_defaults(handler=_on_cluster(_cmd_pack))
 
 
 __all__ = ["add_commands"]

@@ -79,6 +79,10 @@ class DataConfig:
     # held-out article is trained on. Empty and 0: no validation data.
     validation_files: list[str] = field(default_factory=list)
     validation_fraction: float = setting(0.0, within("[0, 1)", " (0 = none held out)"))
+    # A resumed run continues the original's sample order when its global batch (micro batch x
+    # replicas x accumulation) is the same, however it is split; with another global batch the
+    # order differs, and the resume is refused unless this is true.
+    reorder_on_resume: bool = False
 
     @property
     def has_validation(self) -> bool:

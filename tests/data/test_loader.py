@@ -134,6 +134,67 @@ def test_resume_gives_the_uninterrupted_batches(consumed):
     assert resumed.state_dict() == uninterrupted.state_dict()
 
 
+def step_samples(loaders: list[PretrainingLoader], accumulation: int) -> list[int]:
+    """The sample ids of one optimizer step over all replicas (their micro-batches pooled)."""
+    return sorted(i for _ in range(accumulation) for lo in loaders
+                  for i in sample_ids(next(lo)))
+
+
+def layout(data, replicas: int, accumulation: int, **kwargs) -> list[PretrainingLoader]:
+    return [PretrainingLoader(data, 4, seed=9, replica_index=r, num_replicas=replicas,
+                              gradient_accumulation=accumulation, remask=_tag_mask, **kwargs)
+            for r in range(replicas)]
+
+
+def _tag_mask(batch, rng) -> None:
+    """A stand-in for dynamic masking: the masked ids record the rng each row was masked with."""
+    batch["masked_lm_ids"][:] = rng.integers(1, 1000, batch["masked_lm_ids"].shape)
+
+
+@pytest.mark.parametrize("data_size", [44, 48])
+def test_each_step_takes_the_same_samples_however_the_global_batch_is_split(data_size):
+    """2 replicas, or 1 replica accumulating 2 micro-batches: the same global batch of 8 gives
+    the same samples (and the same masks) step after step, across epochs (44 samples: the epoch
+    ends on a whole step of 8, not at 11 micro-batches of 4)."""
+    data = synthetic(data_size)
+    reference = layout(data, 2, 1)
+    other = layout(data, 1, 2)
+    for _ in range(3 * data_size // 8):  # three epochs
+        assert step_samples(reference, 1) == step_samples(other, 2)
+    # The masks drawn for the same sample at the same place are the same too.
+    a = layout(data, 2, 1)
+    b = layout(data, 1, 2)
+    masks_a = np.concatenate([next(lo)["masked_lm_ids"].numpy() for lo in a])
+    masks_b = np.concatenate([next(b[0])["masked_lm_ids"].numpy() for _ in range(2)])
+    assert np.array_equal(masks_a, masks_b)
+
+
+@pytest.mark.parametrize("before, after", [((2, 1), (1, 2)), ((1, 2), (2, 1))])
+def test_a_resume_with_other_replicas_at_the_same_global_batch_continues_the_samples(before,
+                                                                                      after):
+    data = synthetic(44)
+    uninterrupted = layout(data, *before)
+    interrupted = layout(data, *before)
+    for _ in range(4):  # past the epoch's end (5 steps of 8) on the way
+        step_samples(interrupted, before[1])
+    expected = [step_samples(uninterrupted, before[1]) for _ in range(4 + 8)][4:]
+    resumed = layout(data, *after)
+    for lo in resumed:
+        lo.load_state_dict(interrupted[0].state_dict())
+    assert [step_samples(resumed, after[1]) for _ in range(8)] == expected
+
+
+def test_a_resume_with_another_global_batch_is_refused_unless_allowed():
+    data = synthetic(42)
+    saved = layout(data, 2, 1)[0]
+    next(saved)
+    state = saved.state_dict()
+    with pytest.raises(DataError, match=r"global batch of 8 samples per step, this run takes 16 "
+                                        r".*data.reorder_on_resume: true"):
+        layout(data, 2, 2)[0].load_state_dict(state)
+    layout(data, 2, 2, allow_reorder=True)[0].load_state_dict(state)
+
+
 def test_bad_states_and_arguments_are_refused():
     lo = PretrainingLoader(synthetic(40), 8, seed=1)
     with pytest.raises(DataError, match="saved on 41 samples"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from popbert.builders.groupbert_config import GroupBertOptions, check_groupbert
 from popbert.builders.modernbert_config import ModernBertOptions, check_modernbert
 from popbert.rules import (
     POSITIVE_INT,
@@ -101,16 +102,12 @@ class BertConfig:
     max_sequences_per_pack: int = setting(3, at_least(1))
     # The encoder family (`builders/families.py`): "bert" (Google's post-norm BERT,
     # `builders/bert_encoder.py`), "groupbert" (Chelombiev et al. 2021: PreNorm layers of
-    # convolution, FFN, attention, FFN; `builders/groupbert.py`) or "modernbert" (Warner et al.
+    # convolution, FFN, attention, FFN; its own settings in `model.groupbert`,
+    # `builders/groupbert.py`) or "modernbert" (Warner et al.
     # 2024: rotary positions, GeGLU, alternating sliding-window attention; its own settings in
     # `model.modernbert`, `builders/modernbert.py`).
     architecture: str = setting("bert", one_of(ARCHITECTURES))
-    # GroupBERT only: groups of the grouped (block-diagonal) FFN down-projection, which must
-    # divide intermediate_size and hidden_size; the convolution module's kernel (odd, so "same"
-    # padding is symmetric) and channels per group of its grouped 1-D convolution.
-    ffn_groups: int = setting(4, POSITIVE_INT)
-    conv_kernel_size: int = setting(7, POSITIVE_INT)
-    conv_group_size: int = setting(16, POSITIVE_INT)
+    groupbert: GroupBertOptions = field(default_factory=GroupBertOptions)
     modernbert: ModernBertOptions = field(default_factory=ModernBertOptions)
     task: TaskConfig = field(default_factory=TaskConfig)
 
@@ -152,27 +149,17 @@ def check_sentence_pair_packing(config: BertConfig) -> None:
                       "model.next_sentence_prediction")
 
 
-def check_groupbert(config: BertConfig) -> None:
-    """The GroupBERT keys divide the sizes they group."""
+def check_groupbert_family(config: BertConfig) -> None:
+    """GroupBERT packs sentence pairs as BERT does, and its own keys fit the sizes."""
     check_sentence_pair_packing(config)
-    for size in ("intermediate_size", "hidden_size"):
-        if getattr(config, size) % config.ffn_groups:
-            raise Invalid(f"model.ffn_groups ({config.ffn_groups}) must divide "
-                          f"model.{size} ({getattr(config, size)})",
-                          "model.ffn_groups", f"model.{size}")
-    if config.hidden_size % config.conv_group_size:
-        raise Invalid(f"model.conv_group_size ({config.conv_group_size}) must divide "
-                      f"model.hidden_size ({config.hidden_size})",
-                      "model.conv_group_size", "model.hidden_size")
-    if config.conv_kernel_size % 2 == 0:
-        raise Invalid(f"model.conv_kernel_size must be odd (\"same\" padding of k//2 "
-                      f"each side), got {config.conv_kernel_size}", "model.conv_kernel_size")
+    check_groupbert(config)
 
 
 # Each family's own config checks, by `model.architecture` (its options live beside them:
-# GroupBERT's in `model`, ModernBERT's in `model.modernbert`, `modernbert_config.py`).
+# GroupBERT's in `model.groupbert`, `groupbert_config.py`; ModernBERT's in `model.modernbert`,
+# `modernbert_config.py`).
 FAMILY_CHECKS: dict[str, Callable[[BertConfig], None]] = {
     "bert": check_sentence_pair_packing,
-    "groupbert": check_groupbert,
+    "groupbert": check_groupbert_family,
     "modernbert": check_modernbert,
 }

@@ -37,7 +37,8 @@ def convolution_module(b: Builder, config: BertConfig, init: layers.WeightInit, 
     y = b.aiOnnx.mul([y, keep], "ZeroPadding")
     # Packed rows (`conv_keep` from `layers.packed_conv_keep`): each token's window reads only
     # its own sequence's tokens, so neighbouring sequences of a pack never mix.
-    y = layers.grouped_conv1d(b, y, h, config.conv_group_size, config.conv_kernel_size, init,
+    y = layers.grouped_conv1d(b, y, h, config.groupbert.conv_group_size,
+                              config.groupbert.conv_kernel_size, init,
                               "Conv", offsets_keep=conv_keep)
     y = layers.silu(b, _norm(b, config, init, y, "ConvNorm"))
     return layers.dense(b, y, h, h, init, "Out")
@@ -49,7 +50,7 @@ def grouped_ffn(b: Builder, config: BertConfig, init: layers.WeightInit, x: str,
     axis (symbolic in dynamic exports), the config's if None."""
     h, inner = config.hidden_size, config.intermediate_size
     y = layers.gelu(b, layers.dense(b, _norm(b, config, init, x), h, inner, init, "1"))
-    y = layers.grouped_matmul(b, y, inner, h, config.ffn_groups,
+    y = layers.grouped_matmul(b, y, inner, h, config.groupbert.ffn_groups,
                               config.sequence_length if seq_len is None else seq_len, init,
                               "Grouped")
     return layers.dense(b, y, h, h, init, "Out")
@@ -111,7 +112,8 @@ def embed(b: Builder, config: BertConfig, init: layers.WeightInit, inputs: Input
     embedded = bert_encoder.embed(b, config, init, inputs, seq, dynamic_sequence)
     if config.packed:
         keep = layers.padding_keep(b, layers.real_tokens(b, inputs.sequence_index))
-        conv_keep = layers.packed_conv_keep(b, inputs.sequence_index, config.conv_kernel_size)
+        conv_keep = layers.packed_conv_keep(b, inputs.sequence_index,
+                                            config.groupbert.conv_kernel_size)
     else:
         keep, conv_keep = layers.padding_keep(b, inputs.input_mask), None
     embedded.context = GroupBertContext(embedded.context.mask, keep, conv_keep)

@@ -2,7 +2,9 @@
 
 Started the way a user starts one (`dask scheduler`, `dask worker`: here their modules, run by
 this interpreter so the workers import the popbert under test), workers without a nanny so that
-a SIGKILL ends one for good (a nanny would restart it). Every process is stopped on `close`.
+a SIGKILL ends one for good (a nanny would restart it). With `tls` (a CA file, a certificate and
+its key, e.g. from `self_signed_certificate`) every connection is TLS and the scheduler accepts
+only peers holding a certificate of that CA. Every process is stopped on `close`.
 """
 
 from __future__ import annotations
@@ -16,9 +18,28 @@ import time
 from pathlib import Path
 
 
+def self_signed_certificate(directory: Path) -> tuple[str, str, str]:
+    """(CA file, certificate, key): one self-signed certificate for every role, by openssl."""
+    cert, key = directory / "dask.pem", directory / "dask.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=dask-internal", "-addext", "subjectAltName=DNS:dask-internal",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return str(cert), str(cert), str(key)
+
+
+def tls_environment(tls: tuple[str, str, str]) -> dict[str, str]:
+    """Dask's own settings for a TLS client (what a user exports before `--dask tls://...`)."""
+    ca, cert, key = tls
+    return {"DASK_DISTRIBUTED__COMM__TLS__CA_FILE": ca,
+            "DASK_DISTRIBUTED__COMM__TLS__CLIENT__CERT": cert,
+            "DASK_DISTRIBUTED__COMM__TLS__CLIENT__KEY": key,
+            "DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION": "True"}
+
+
 class DaskCluster:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, tls: tuple[str, str, str] | None = None) -> None:
         self.directory = directory
+        self.tls = tls
         directory.mkdir(parents=True, exist_ok=True)
         self.scheduler_file = directory / "scheduler.json"
         self.processes: list[subprocess.Popen] = []
@@ -27,7 +48,8 @@ class DaskCluster:
         self.env = env
         self.scheduler = self._start("scheduler", [
             "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
-            "--no-dashboard", "--scheduler-file", str(self.scheduler_file)])
+            "--no-dashboard", "--scheduler-file", str(self.scheduler_file),
+            *(["--protocol", "tls", *self._tls_args()] if tls else [])])
         deadline = time.monotonic() + 60
         while not self._address() and time.monotonic() < deadline:
             if self.scheduler.poll() is not None:
@@ -36,6 +58,23 @@ class DaskCluster:
         self.address = self._address()
         if not self.address:
             raise RuntimeError(f"dask scheduler did not start: {self._log('scheduler')}")
+
+    def _tls_args(self) -> list[str]:
+        if not self.tls:
+            return []
+        ca, cert, key = self.tls
+        return ["--tls-ca-file", ca, "--tls-cert", cert, "--tls-key", key]
+
+    def client(self):
+        """A `distributed.Client` of this cluster (TLS when it is)."""
+        from distributed import Client
+        from distributed.security import Security
+
+        if not self.tls:
+            return Client(self.address, timeout=30)
+        ca, cert, key = self.tls
+        return Client(self.address, timeout=30, security=Security(
+            tls_ca_file=ca, tls_client_cert=cert, tls_client_key=key, require_encryption=True))
 
     def _address(self) -> str | None:
         try:
@@ -63,16 +102,14 @@ class DaskCluster:
         process = self._start(name, [
             "-m", "distributed.cli.dask_worker", self.address, "--name", name,
             "--nthreads", "1", "--no-nanny", "--no-dashboard", "--host", "127.0.0.1",
-            "--local-directory", str(self.directory / name),
+            "--local-directory", str(self.directory / name), *self._tls_args(),
             *(["--preload", preload] if preload else [])])
         self.workers[name] = process
         self.wait_for_workers(lambda names: name in names, f"worker {name} to join")
         return process
 
     def worker_names(self) -> set[str]:
-        from distributed import Client
-
-        with Client(self.address, timeout=30) as client:
+        with self.client() as client:
             return {w["name"] for w in client.scheduler_info(n_workers=-1)["workers"].values()}
 
     def wait_for_workers(self, condition, what: str, timeout: float = 60) -> None:

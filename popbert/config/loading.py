@@ -103,6 +103,33 @@ def _check_top_level(raw: Any, source: str) -> dict[str, Any]:
     return raw
 
 
+# Keys that moved into a family's own section: old dotted name -> new one. Files written
+# before (checkpoints' config.yaml, users' YAML) and `--set` still read them.
+MOVED_KEYS = {f"model.{key}": f"model.groupbert.{key}"
+              for key in ("ffn_groups", "conv_kernel_size", "conv_group_size")}
+
+
+def _move_keys(raw: dict[str, Any], sources: dict[str, str]) -> dict[str, Any]:
+    """`raw` with each `MOVED_KEYS` key at its new place (a value `--set` gave the new key
+    wins over one a file spelled the old way)."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or not any(k.split(".")[1] in model for k in MOVED_KEYS):
+        return raw
+    model = dict(model)
+    for old, new in MOVED_KEYS.items():
+        key = old.split(".")[1]
+        if key not in model:
+            continue
+        value = model.pop(key)
+        section, name = new.split(".")[1:]
+        target = dict(model.get(section) or {})
+        if new not in sources:
+            target[name] = value
+        model[section] = target
+        logger.debug("%s is read as %s", old, new)
+    return {**raw, "model": model}
+
+
 def _upgrade_legacy(raw: dict[str, Any]) -> dict[str, Any]:
     """`raw` with the pre-`model.task` spelling of task settings mapped onto `model.task`.
 
@@ -336,7 +363,7 @@ def config_from_dict(d: dict[str, Any] | None, source: str = "<dict>",
     origin for single keys ("section.key" -> e.g. "--set section.key=value").
     """
     sources = key_sources or {}
-    d = _upgrade_legacy(_check_top_level(d, source))
+    d = _move_keys(_upgrade_legacy(_check_top_level(d, source)), sources)
     preset = _convert("preset", d.get("preset"), str | None,
                       _source_of("preset", sources, source))
     sections = {name: _build(cls, name, d.get(name), sources, source)
@@ -377,6 +404,10 @@ def apply_overrides(d: dict[str, Any], overrides: Iterable[str],
     for text in overrides:
         parts, value = parse_override(text)
         src = f"--set {text}"
+        if ".".join(parts) in MOVED_KEYS:
+            moved = MOVED_KEYS[".".join(parts)]
+            logger.warning("%s: the key is now %s", src, moved)
+            parts = moved.split(".")
         section = parts[0]
         if section not in SECTIONS:
             raise _unknown_key(src, section, list(SECTIONS))

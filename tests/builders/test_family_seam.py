@@ -21,7 +21,7 @@ from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import ARCHITECTURES, TaskConfig
 from popbert.builders.families import FAMILIES, family_of
 
-GROUPBERT = dict(architecture="groupbert", conv_group_size=16)
+GROUPBERT = dict(architecture="groupbert")  # model.groupbert: the defaults (4, 7, 16)
 CLASSIFY_2 = {"task": "classification", "with_loss": False, "dynamic_sequence": True}
 CASES = {  # name: (model overrides, build_bert arguments)
     "bert-onnx": (dict(), {}),
@@ -36,7 +36,7 @@ CASES = {  # name: (model overrides, build_bert arguments)
     "bert-squad": (dict(task=TaskConfig(name="squad")), {"task": "squad"}),
     "bert-classification": (dict(task=TaskConfig(name="classification", num_labels=3)),
                             {"task": "classification", "dynamic_sequence": True}),
-    "groupbert-onnx": (dict(GROUPBERT, ffn_groups=4), {}),
+    "groupbert-onnx": (dict(GROUPBERT), {}),
     "groupbert-packed": (dict(GROUPBERT, packed=True), {}),
     "groupbert-popart": (dict(GROUPBERT, dialect="popart", layers_per_ipu=[1, 1],
                               recompute=True), {"batch_size": 2}),

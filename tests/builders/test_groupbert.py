@@ -30,8 +30,9 @@ from test_popart_dialect import (
 from popbert.builders import tasks  # noqa: F401  (registers the task heads)
 from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import BertConfig
+from popbert.builders.groupbert_config import GroupBertOptions
 from popbert.cli.main import main
-from popbert.config import load_config
+from popbert.config import dump_config, load_config
 from popbert.graph.builder import GRAPHCORE_DOMAIN
 from popbert.lowering import lower_to_fx
 
@@ -40,7 +41,7 @@ BATCH = 4
 
 def config(**overrides) -> BertConfig:
     """Tiny GroupBERT: H 64 (4 conv groups of 16), I 128 in 4 FFN groups, kernel 7."""
-    values = dict(architecture="groupbert", ffn_groups=4, conv_kernel_size=7, conv_group_size=16,
+    values = dict(architecture="groupbert",  # model.groupbert: 4 FFN groups, kernel 7, 16
                   initializer_range=0.2)
     values.update(overrides)
     return small_config(**values)
@@ -75,14 +76,14 @@ def reference_outputs(cfg: BertConfig, w: dict[str, torch.Tensor],
         y = F.glu(linear(y, f"{p}/Conv/GLU"), dim=-1)
         y = y * keep[:, :, None]
         y = F.conv1d(y.transpose(1, 2), w[f"{p}/Conv/Conv/W"], w[f"{p}/Conv/Conv/B"],
-                     padding=cfg.conv_kernel_size // 2,
-                     groups=h // cfg.conv_group_size).transpose(1, 2)
+                     padding=cfg.groupbert.conv_kernel_size // 2,
+                     groups=h // cfg.groupbert.conv_group_size).transpose(1, 2)
         y = F.silu(ln(y, f"{p}/Conv/ConvNorm"))
         x = x + linear(y, f"{p}/Conv/Out")
 
         def ffn(x: torch.Tensor, name: str) -> torch.Tensor:
             y = F.gelu(linear(ln(x, f"{name}/Norm"), f"{name}/1"))
-            groups = cfg.ffn_groups
+            groups = cfg.groupbert.ffn_groups
             # Block-diagonal: a [I, H] matrix with group g's [I/G, H/G] block on the diagonal.
             block = torch.block_diag(*w[f"{name}/Grouped/W"].unbind(0))
             assert block.shape == (cfg.intermediate_size, h) and groups > 1
@@ -139,13 +140,14 @@ def test_module_order_and_grouped_shapes() -> None:
     cfg = config(num_layers=2)
     model = build_bert(cfg, zeros=True).model()
     shapes = {t.name: list(t.dims) for t in model.graph.initializer}
-    g, i, h = cfg.ffn_groups, cfg.intermediate_size, cfg.hidden_size
+    g, i, h = cfg.groupbert.ffn_groups, cfg.intermediate_size, cfg.hidden_size
     for ffn in ("FFN1", "FFN2"):
         assert shapes[f"Layer0/{ffn}/1/W"] == [h, i]
         assert shapes[f"Layer0/{ffn}/Grouped/W"] == [g, i // g, h // g]
         assert shapes[f"Layer0/{ffn}/Out/W"] == [h, h]
     assert shapes["Layer0/Conv/GLU/W"] == [h, 2 * h]
-    assert shapes["Layer0/Conv/Conv/W"] == [h, cfg.conv_group_size, cfg.conv_kernel_size]
+    assert shapes["Layer0/Conv/Conv/W"] == [h, cfg.groupbert.conv_group_size,
+                                            cfg.groupbert.conv_kernel_size]
     assert shapes["Layer0/Attention/QKV/W"] == [h, 3 * h]
     assert shapes["FinalNorm/Gamma"] == [h]
 
@@ -158,8 +160,8 @@ def test_module_order_and_grouped_shapes() -> None:
     assert modules == ["Conv", "FFN1", "Attention", "FFN2"]
     (conv,) = [n for n in model.graph.node if n.op_type == "Conv" and "Layer0" in n.name]
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in conv.attribute}
-    assert attrs["group"] == h // cfg.conv_group_size
-    assert list(attrs["pads"]) == [cfg.conv_kernel_size // 2] * 2
+    assert attrs["group"] == h // cfg.groupbert.conv_group_size
+    assert list(attrs["pads"]) == [cfg.groupbert.conv_kernel_size // 2] * 2
     # PreNorm: each module normalises its input x and its residual adds x itself (post-norm
     # would normalise the sum); the final LayerNorm reads the last residual.
     def node(prefix: str, op_type: str) -> onnx.NodeProto:
@@ -334,10 +336,14 @@ def test_placement_follows_layers_per_ipu() -> None:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"ffn_groups": 3}, "model.ffn_groups (3) must divide model.intermediate_size (128)"),
-    ({"conv_group_size": 24}, "model.conv_group_size (24) must divide model.hidden_size (64)"),
-    ({"conv_kernel_size": 6}, "model.conv_kernel_size must be odd"),
-    ({"ffn_groups": 0}, "model.ffn_groups must be a positive integer"),
+    ({"groupbert": GroupBertOptions(ffn_groups=3)},
+     "model.groupbert.ffn_groups (3) must divide model.intermediate_size (128)"),
+    ({"groupbert": GroupBertOptions(conv_group_size=24)},
+     "model.groupbert.conv_group_size (24) must divide model.hidden_size (64)"),
+    ({"groupbert": GroupBertOptions(conv_kernel_size=6)},
+     "model.groupbert.conv_kernel_size must be odd"),
+    ({"groupbert": GroupBertOptions(ffn_groups=0)},
+     "model.groupbert.ffn_groups must be a positive integer"),
     ({"architecture": "funnel"}, "model.architecture must be one of bert, groupbert"),
 ])
 def test_config_errors_name_the_key(overrides: dict, message: str) -> None:
@@ -347,7 +353,25 @@ def test_config_errors_name_the_key(overrides: dict, message: str) -> None:
 
 
 def test_bert_ignores_the_groupbert_keys() -> None:
-    small_config(ffn_groups=3, conv_group_size=24).validate()
+    small_config(groupbert=GroupBertOptions(ffn_groups=3, conv_group_size=24)).validate()
+
+
+def test_the_flat_spelling_of_older_configs_is_read_into_model_groupbert(tmp_path, caplog) -> None:
+    """Checkpoints' config.yaml written before `model.groupbert` existed, a user's file and
+    `--set` with the old keys all still load, into the new section."""
+    old = tmp_path / "old.yaml"
+    old.write_text("preset: groupbert-mini\nmodel:\n  ffn_groups: 2\n  conv_kernel_size: 5\n")
+    g = load_config(old).model.groupbert
+    assert (g.ffn_groups, g.conv_kernel_size, g.conv_group_size) == (2, 5, 16)
+    with caplog.at_level("WARNING", logger="popbert"):
+        g = load_config("groupbert-mini", ["model.conv_group_size=32"]).model.groupbert
+    assert g.conv_group_size == 32
+    assert "the key is now model.groupbert.conv_group_size" in caplog.text
+    # --set of the new key wins over a file's old spelling.
+    g = load_config(old, ["model.groupbert.ffn_groups=8"]).model.groupbert
+    assert (g.ffn_groups, g.conv_kernel_size) == (8, 5)
+    dumped = dump_config(load_config(old))
+    assert "groupbert:\n    ffn_groups: 2" in dumped and "\n  ffn_groups" not in dumped
 
 
 @pytest.mark.parametrize("preset, shape", [
@@ -358,7 +382,8 @@ def test_presets(preset: str, shape: tuple[int, int, int, int]) -> None:
     m = cfg.model
     assert m.architecture == "groupbert"
     assert (m.num_layers, m.hidden_size, m.intermediate_size, m.num_heads) == shape
-    assert (m.ffn_groups, m.conv_kernel_size, m.conv_group_size) == (4, 7, 16)
+    g = m.groupbert
+    assert (g.ffn_groups, g.conv_kernel_size, g.conv_group_size) == (4, 7, 16)
     assert m.hidden_dropout == m.attention_dropout == 0.0  # no dropout in pre-training
     if preset.startswith("groupbert-base"):
         assert cfg.optimizer.name == "lamb" and cfg.optimizer.lr == 0.012

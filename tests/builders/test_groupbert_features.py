@@ -49,7 +49,7 @@ SENTIMENT = FIXTURES / "classification" / "sentiment.tsv"
 
 def config(**overrides) -> BertConfig:
     """Tiny GroupBERT: H 32 (2 conv groups of 16), I 64 in 4 FFN groups, kernel 7, 1 layer."""
-    values = dict(architecture="groupbert", ffn_groups=4, conv_kernel_size=7, conv_group_size=16,
+    values = dict(architecture="groupbert",  # model.groupbert: 4 FFN groups, kernel 7, 16
                   hidden_size=32, num_heads=2, intermediate_size=64, num_layers=1)
     values.update(overrides)
     return small_config(**values)
@@ -453,10 +453,10 @@ def test_classification_fine_tuning_from_a_groupbert_checkpoint(phase1: Path,
 
 def groupbert_parameters(m) -> int:
     """GroupBERT pre-training parameters from the paper's description (issue 12)."""
-    h, i, v, g = m.hidden_size, m.intermediate_size, m.vocab_size, m.ffn_groups
+    h, i, v, g = m.hidden_size, m.intermediate_size, m.vocab_size, m.groupbert.ffn_groups
     norm = 2 * h
-    conv = (norm + (h * 2 * h + 2 * h) + (h * m.conv_group_size * m.conv_kernel_size + h)
-            + norm + (h * h + h))
+    kernel = m.groupbert.conv_group_size * m.groupbert.conv_kernel_size
+    conv = norm + (h * 2 * h + 2 * h) + (h * kernel + h) + norm + (h * h + h)
     ffn = norm + (h * i + i) + (i * h // g + h) + (h * h + h)
     attention = norm + (h * 3 * h + 3 * h) + (h * h + h)
     embeddings = (v + m.max_position_embeddings + m.type_vocab_size) * h + norm

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from dask_cluster import DaskCluster
+from dask_cluster import DaskCluster, self_signed_certificate, tls_environment
 
 from popbert.cli.main import main
 from popbert.data import read_shard
@@ -71,10 +71,10 @@ def cluster(tmp_path):
         cluster.close()
 
 
-def popbert_process(*argv: str) -> subprocess.Popen:
+def popbert_process(*argv: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "popbert", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "TQDM_DISABLE": "1"})
+                            env={**os.environ, "TQDM_DISABLE": "1", **(env or {})})
 
 
 @pytest.mark.e2e
@@ -92,11 +92,9 @@ def test_every_stage_on_the_cluster_equals_one_local_worker(reference, cluster, 
         assert_same_parts(out / stage, reference / stage, suffix)
 
 
-def _processing(address: str, worker: str) -> bool:
+def _processing(cluster: DaskCluster, worker: str) -> bool:
     """Whether the scheduler has a unit running on the worker named `worker`."""
-    from distributed import Client
-
-    with Client(address, timeout=30) as client:
+    with cluster.client() as client:
         names = {a: w["name"] for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
         return any(tasks for a, tasks in client.processing().items() if names.get(a) == worker)
 
@@ -111,7 +109,7 @@ def test_a_worker_killed_mid_unit_costs_only_that_unit_and_a_rerun_skips_finishe
             *STAGE_ARGS]
     run = popbert_process(*argv)
     deadline = time.monotonic() + 120
-    while not _processing(cluster.address, "slow"):
+    while not _processing(cluster, "slow"):
         assert run.poll() is None and time.monotonic() < deadline, run.communicate()[0]
         time.sleep(0.1)
     cluster.kill_worker("slow")  # mid-unit: each of its units sleeps 3 s before it starts
@@ -133,6 +131,34 @@ def test_a_worker_killed_mid_unit_costs_only_that_unit_and_a_rerun_skips_finishe
     assert f"{len(others)} already done" in log
     assert {p: p.stat().st_mtime_ns for p in others} == others
     assert_same_parts(out, reference_shards, "h5")
+
+
+@pytest.mark.e2e
+def test_a_tls_cluster_with_dasks_own_certificate_settings(reference, tmp_path):
+    """`tls://`: the scheduler takes only peers with a certificate of its CA; the client's
+    certificate comes from Dask's own settings, as a user exports them."""
+    tls = self_signed_certificate(tmp_path)
+    cluster = DaskCluster(tmp_path / "cluster", tls=tls)
+    try:
+        assert cluster.address.startswith("tls://")
+        cluster.add_worker("a")
+        out = tmp_path / "sentences"
+        argv = ["prepare-data", "sentences", "--input", str(reference / "extracted"),
+                "-o", str(out), "--dask", cluster.address]
+        run = popbert_process(*argv, env=tls_environment(tls))
+        log, _ = run.communicate(timeout=300)
+        assert run.returncode == 0, log
+        assert_same_parts(out, reference / "sentences", "txt")
+        # Without a certificate the scheduler is not reached: one line, nothing written.
+        plain = popbert_process(*argv[:-2], "-o", str(tmp_path / "refused"), "--dask",
+                                cluster.address,
+                                env={"DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "3s"})
+        log, _ = plain.communicate(timeout=300)
+        assert plain.returncode == 2, log
+        assert "--dask: cannot reach the Dask scheduler at tls://" in log
+        assert "Traceback" not in log and not (tmp_path / "refused").exists()
+    finally:
+        cluster.close()
 
 
 def _free_port() -> int:

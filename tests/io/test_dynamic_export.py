@@ -27,8 +27,8 @@ from popbert.io import export
 SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",
          "model.intermediate_size=64", "model.sequence_length=32",
          "model.max_position_embeddings=64", "model.max_predictions_per_seq=5"]
-GROUPBERT = ["model.architecture=groupbert", "model.ffn_groups=4", "model.conv_group_size=8",
-             "model.conv_kernel_size=7"]
+GROUPBERT = ["model.architecture=groupbert", "model.groupbert.ffn_groups=4",
+             "model.groupbert.conv_group_size=8", "model.groupbert.conv_kernel_size=7"]
 
 
 def config(*extra: str):

@@ -37,8 +37,7 @@ OUTPUTS = {"encoder": ["last_hidden_state", "pooler_output"],
 def small_config(architecture: str) -> BertConfig:
     config = BertConfig(vocab_size=500, hidden_size=64, num_heads=4, num_layers=LAYERS,
                         intermediate_size=128, sequence_length=24, max_position_embeddings=48,
-                        max_predictions_per_seq=4, architecture=architecture,
-                        conv_group_size=16)
+                        max_predictions_per_seq=4, architecture=architecture)
     config.task.num_labels = 3
     return config
 

@@ -17,7 +17,7 @@ from popbert.io.quantize import HEAD, weight_role
 
 FAMILY_OVERRIDES = {
     "bert": {},
-    "groupbert": {"architecture": "groupbert", "conv_group_size": 16},
+    "groupbert": {"architecture": "groupbert"},
     "modernbert": {"architecture": "modernbert", "next_sentence_prediction": False},
 }
 

@@ -380,5 +380,5 @@ def test_groupbert_flops_count_the_grouped_convolution() -> None:
     model = build_bert(m, batch_size=2).model()
     convs = [f for node, f in zip(model.graph.node, forward_flops_by_node(model))
              if node.op_type == "Conv"]
-    assert convs == [2 * 2 * m.sequence_length * m.hidden_size * m.conv_group_size
-                     * m.conv_kernel_size]
+    assert convs == [2 * 2 * m.sequence_length * m.hidden_size * m.groupbert.conv_group_size
+                     * m.groupbert.conv_kernel_size]

@@ -15,7 +15,9 @@ Dask and its `distributed` scheduler are an optional extra: `pip install 'popber
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
+import sys
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
@@ -51,12 +53,23 @@ def on_cluster(address: str, timeout: float | None = None) -> Iterator[Any]:
     except ImportError:
         raise DataError("Dask is not installed: pip install 'popbert[dask]' (dask and "
                         "distributed)") from None
+    waits = {} if timeout is None else {"timeout": timeout}
+    failure = None
+    hook = sys.unraisablehook
+    # A client that failed to connect still runs its clean-up when it is collected, and that
+    # raises into stderr as a traceback: collect it here, with that report silenced.
+    sys.unraisablehook = lambda unraisable: None
     try:
-        waits = {} if timeout is None else {"timeout": timeout}
-        client = distributed.Client(address, set_as_default=False, **waits)
-    except (OSError, TimeoutError, ValueError, TypeError) as exc:
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise DataError(f"cannot reach the Dask scheduler at {address}: {detail}") from None
+        try:
+            client = distributed.Client(address, set_as_default=False, **waits)
+        except (OSError, TimeoutError, ValueError, TypeError) as exc:
+            failure = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if failure is not None:
+            gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    if failure is not None:
+        raise DataError(f"cannot reach the Dask scheduler at {address}: {failure}")
     token = _ACTIVE.set(client)
     try:
         yield client

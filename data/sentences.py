@@ -1,5 +1,7 @@
-"""Stage `sentences`: extracted articles → Google's input format (one sentence per line, a blank
-line between documents), one output part per input part.
+"""Stage `sentences`: documents → Google's input format (one sentence per line, a blank line
+between documents), one output part per work unit: an input file, or with a part size a byte
+range or run of row groups of one (`popbert.data.documents`: the `extract` stage's parts, JSON
+lines with any text field, Parquet, one document per line).
 
 Sentence splitters that need no download: `nupunkt` (Punkt with its model shipped in the wheel;
 the default, ~50x faster than pysbd on Wikipedia prose) or `pysbd` (rule-based; what the bundled
@@ -14,9 +16,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from popbert.data.corpus import name_files
+from popbert.data.documents import Unit, plan_units, read_unit
 from popbert.data.errors import DataError
-from popbert.data.stages import StageDir, atomic_output, run_units, workers_label
-from popbert.data.wikipedia import read_articles
+from popbert.data.stages import StageDir, atomic_output, part_name, run_units, workers_label
 
 log = logging.getLogger(__name__)
 
@@ -80,16 +82,16 @@ def write_documents(documents: Iterable[list[str]], path: Path) -> tuple[int, in
     return docs, sents
 
 
-def split_part(in_path: str, out_path: str, splitter: str, min_sentences: int) -> dict:
-    """One extracted part → one sentence part; returns counts."""
+def split_part(unit: Unit, out_path: str, splitter: str, min_sentences: int) -> dict:
+    """One unit of documents → one sentence part; returns counts."""
     split = make_splitter(splitter)
     articles = chars = dropped = 0
 
     def documents() -> Iterable[list[str]]:
         nonlocal articles, chars, dropped
-        for article in read_articles(in_path):
+        for text in read_unit(unit):
             articles += 1
-            sentences = document_sentences(article["text"], split)
+            sentences = document_sentences(text, split)
             if len(sentences) < min_sentences:
                 dropped += 1
                 continue
@@ -103,40 +105,51 @@ def split_part(in_path: str, out_path: str, splitter: str, min_sentences: int) -
 
 def split_sentences(input_parts: list[Path], output_dir: str | os.PathLike, workers: int = 1,
                     splitter: str = "nupunkt",
-                    min_sentences: int = DEFAULT_MIN_SENTENCES) -> dict:
-    """Stage `sentences`: extracted parts → `output_dir/part-*.txt`; returns the record.
+                    min_sentences: int = DEFAULT_MIN_SENTENCES, *, fmt: str | None = None,
+                    text_field: str = "text", part_bytes: int | None = None) -> dict:
+    """Stage `sentences`: documents → `output_dir/part-*.txt`; returns the record.
 
-    Parts may come out empty (every article filtered out), but a stage without any document is
-    a DataError naming the input, with no completion marker and no directory left behind.
+    `input_parts`: the `extract` stage's parts or any corpus files `popbert.data.documents`
+    reads (`fmt` None: told by each file's suffix), cut into units of about `part_bytes` (None:
+    a unit per file). Parts may come out empty (every article filtered out), but a stage
+    without any document is a DataError naming the input, with no completion marker and no
+    directory left behind.
     """
     make_splitter(splitter)  # fail fast on an unknown or missing splitter
     if min_sentences < 1:
         raise DataError(f"min_sentences must be >= 1, got {min_sentences}")
     if not input_parts:
         raise DataError("no extracted parts to split into sentences")
-    stage = StageDir(output_dir, "sentences", {
-        "splitter": splitter, "min_sentences": min_sentences,
-        "inputs": [p.name for p in input_parts]}).open()
+    units = plan_units(input_parts, fmt, text_field, part_bytes)  # checks Parquet columns
+    params = {"splitter": splitter, "min_sentences": min_sentences,
+              "inputs": [p.name for p in input_parts]}
+    if (fmt, text_field, part_bytes) != (None, "text", None):  # older records stay valid
+        params.update(format=fmt, text_field=text_field, part_bytes=part_bytes)
+    stage = StageDir(output_dir, "sentences", params).open()
     if stage.complete:
         log.info("%s: sentences already complete", stage.path)
         return stage.success()
-    jobs = [(str(src), str(out), splitter, min_sentences)
-            for _, src, out in stage.pending(input_parts, SENTENCES_SUFFIX)]
+    outputs = [stage.path / part_name(i, SENTENCES_SUFFIX) for i in range(len(units))]
+    jobs = [(unit, str(out), splitter, min_sentences)
+            for unit, out in zip(units, outputs) if not out.is_file()]
     log.info("splitting %d parts into sentences (%s, %s; %d already done)",
-             len(jobs), splitter, workers_label(workers), len(input_parts) - len(jobs))
-    results = run_units(split_part, jobs, workers, desc="sentences", total=len(jobs))
+             len(jobs), splitter, workers_label(workers), len(units) - len(jobs))
+    try:
+        results = run_units(split_part, jobs, workers, desc="sentences", total=len(jobs))
+    except DataError as exc:  # bad input found mid-stage: leave nothing this run made
+        raise stage.abandon(str(exc)) from None
     # A part without documents is an empty file (parts written by an earlier run count too).
     if not any(part.stat().st_size for part in stage.parts(SENTENCES_SUFFIX)):
         articles = sum(r["articles"] for r in results)
         if articles:
             detail = (f"all {articles} articles have fewer than {min_sentences} sentences "
                       f"(--min-sentences)")
-        elif len(jobs) == len(input_parts):
-            detail = "the extracted parts hold no articles"
+        elif len(jobs) == len(units):
+            detail = "the input holds no documents"
         else:  # only parts an earlier run wrote (empty): their article counts are gone
             detail = f"no article has {min_sentences} or more sentences (--min-sentences)"
         raise stage.abandon(f"{name_files(input_parts)}: empty corpus: no documents: {detail}")
-    stats = {"parts": len(input_parts), "parts_skipped": len(input_parts) - len(jobs),
+    stats = {"parts": len(units), "parts_skipped": len(units) - len(jobs),
              "documents_written_now": sum(r["documents"] for r in results),
              "sentences_written_now": sum(r["sentences"] for r in results)}
     return stage.finish([p.name for p in stage.parts(SENTENCES_SUFFIX)], stats)

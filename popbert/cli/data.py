@@ -146,8 +146,10 @@ def _cmd_sentences(args: argparse.Namespace) -> int:
     from popbert.data.sentences import split_sentences
 
     parts = _parts(args.input, "jsonl")
+    part_bytes = None if args.part_size_mb is None else _part_bytes(args)
     _report(split_sentences(parts, _output_dir(args), _workers(args), args.splitter,
-                            args.min_sentences))
+                            args.min_sentences, fmt=args.format, text_field=args.text_field,
+                            part_bytes=part_bytes))
     return 0
 
 
@@ -319,9 +321,18 @@ def add_commands(subparsers: argparse._SubParsersAction,
     p = stages.add_parser("sentences", parents=[common_parent],
                           help="articles -> one sentence per line, blank line between documents")
     p.add_argument("--input", required=True, metavar="DIR_OR_GLOB",
-                   help="the extract stage's directory, or its part-*.jsonl files")
+                   help="the extract stage's directory, or corpus files (comma-separated, "
+                        "globs): JSON lines, Parquet, or text with one document a line")
     _add_common(p, "directory for part-*.txt")
     _add_split_args(p)
+    p.add_argument("--format", choices=("jsonl", "parquet", "lines"), default=None,
+                   help="the input's format (default: by suffix: .jsonl/.json/.ndjson, "
+                        ".parquet/.pq, .txt/.text = one document a line)")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="the JSON field or Parquet column holding the text (default: text)")
+    p.add_argument("--part-size-mb", type=float, default=None, metavar="MB",
+                   help="cut input files into work units of about this much (byte ranges of "
+                        "text, runs of Parquet row groups); default: a unit per file")
     p.set_defaults(handler=_on_cluster(_cmd_sentences))
 
     p = stages.add_parser("vocab", parents=[common_parent],

@@ -359,7 +359,7 @@ def test_an_empty_corpus_stops_the_stage_naming_the_file(stage, tmp_path, capsys
             {"id": "1", "title": "Short", "text": "Only one sentence here."}) + "\n"
         source.write_text(text, encoding="utf-8")
         argv = ["sentences", "--input", source, "--output-dir", out, "-j", "1"]
-        fragment = ("the extracted parts hold no articles" if stage == "sentences"
+        fragment = ("the input holds no documents" if stage == "sentences"
                     else "all 1 articles have fewer than 2 sentences")
     else:
         source = tmp_path / "empty.txt"

@@ -5,7 +5,8 @@ From extracted text to instance shards, as LDDL measures it (one duplication; LD
 load time): the `sentences` stage (split into sentences) then the `instances` stage (tokenize,
 make MLM/NSP instances, write HDF5 shards), each a `popbert prepare-data` command in its own
 process. The input is the repository's own real text, `benchmarks/data/wiki-vital-train.txt.gz`
-(6,736 Wikipedia article leads, 3.4 MB), written as `--parts` extracted parts (JSON lines, one
+(6,736 Wikipedia article leads, 3.4 MB) repeated `--copies` times (so each stage runs long enough
+that process start-up does not dominate), written as `--parts` extracted parts (JSON lines, one
 article a line). Four ways, each `--repeats` times, interleaved so machine noise hits all alike:
 `--workers 1`, `--workers 2`, and `--dask` on a Dask `LocalCluster` of 1 and of 2 worker
 processes (one thread each, started before the clock). Every run's shards are checked equal to
@@ -17,7 +18,7 @@ node (128 cores), about 0.05 h on 32 nodes. A 2-core VM's per-core rate is not a
 core's: the projection says what the code does per core, not what a cluster would measure.
 
     python benchmarks/prepare_cluster.py                  # about 5 minutes on 2 cores
-    python benchmarks/prepare_cluster.py --repeats 1 --parts 4
+    python benchmarks/prepare_cluster.py --repeats 1 --copies 2
 """
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ INSTANCE_ARGS = ["--sequence-length", "128", "--max-predictions", "20", "--dupe-
                  "--seed", "7"]
 
 
-def write_extracted(work: Path, parts: int) -> tuple[Path, float, int]:
-    """The text as `parts` extracted parts; (directory, input MB, words)."""
+def write_extracted(work: Path, parts: int, copies: int) -> tuple[Path, float, int]:
+    """The text, `copies` times, as `parts` extracted parts; (directory, input MB, words)."""
     documents = [d for d in gzip.open(TEXT, "rt", encoding="utf-8").read().split("\n\n")
-                 if d.strip()]
+                 if d.strip()] * copies
     directory = work / "extracted"
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
@@ -95,7 +96,8 @@ def same_shards(a: Path, b: Path) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", type=int, default=8)
+    parser.add_argument("--parts", type=int, default=16)
+    parser.add_argument("--copies", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--work-dir", default="runs/prepare-cluster")
     parser.add_argument("--json", default=None, help="also write the results here")
@@ -103,7 +105,7 @@ def main() -> None:
     from distributed import LocalCluster
 
     work = Path(args.work_dir).absolute()
-    extracted, megabytes, words = write_extracted(work, args.parts)
+    extracted, megabytes, words = write_extracted(work, args.parts, args.copies)
     clusters = {n: LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
                                 dashboard_address=None) for n in (1, 2)}
     ways = {"local, 1 worker": (1, ["--workers", "1"]),
@@ -130,7 +132,8 @@ def main() -> None:
         for cluster in clusters.values():
             cluster.close()
     results = {"started_utc": started, "loadavg_at_start": load, "cpu": _cpu(),
-               "input_mb": megabytes, "words": words, "parts": args.parts, "ways": {}}
+               "input_mb": megabytes, "words": words, "parts": args.parts,
+               "copies": args.copies, "ways": {}}
     print(f"\n{args.parts} parts, {megabytes:.2f} MB, {words:,} words; median of "
           f"{args.repeats}; load at start {load[0]:.2f}")
     print("| way | s (median) | MB/s | words/s | words/s per worker | vs 1 worker |")

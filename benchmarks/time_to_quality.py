@@ -348,7 +348,7 @@ def downstream(name: str, checkpoint: Path, work: Path, args: argparse.Namespace
 
 
 def import_peer(peer_dir: Path, work: Path) -> Path:
-    target = work / "peer-popbert"
+    target = work / f"{peer_dir.name}-popbert"
     if not (target / "config.yaml").is_file():
         shutil.rmtree(target, ignore_errors=True)
         run([sys.executable, "-m", "popbert", "import-hf", "--model", str(peer_dir / "hf"),
@@ -449,7 +449,9 @@ def main(args: argparse.Namespace) -> None:
     checkpoints = {name: import_peer(d, work) if name == "peer" else d
                    for name, d in runs.items()}
     for name, checkpoint in checkpoints.items():
-        accuracy = downstream(name, checkpoint, work, args)
+        # The peer's fine-tuning is kept per learning rate: another lr may win a later sweep.
+        accuracy = downstream(runs[name].name if name == "peer" else name, checkpoint, work,
+                              args)
         results["runs"][name]["topic_accuracy"] = accuracy
         results["runs"][name]["topic_accuracy_se"] = math.sqrt(
             accuracy * (1 - accuracy) / TOPIC_TEST_ROWS)

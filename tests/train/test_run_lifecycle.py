@@ -222,8 +222,11 @@ def test_a_new_run_refuses_a_directory_holding_another_run(
     assert [p.name for p in checkpoint_dirs(ref)] == ["step-000002"]
     assert "micro_batch_size: 4" in (ref / "config.yaml").read_text()
     assert not (ref / ".lock").exists()  # released after a normal run
-    # --resume is unchanged; with --overwrite it is refused (it would delete what it resumes).
-    assert pretrain("--resume", str(ref), "--set", "training.steps=3") == 0
+    # --resume is unchanged (at the run's own global batch: another would change the sample
+    # order, tests/data/test_loader.py); with --overwrite it is refused (it would delete what
+    # it resumes).
+    assert pretrain("--resume", str(ref), "--set", "training.steps=3",
+                    "--set", "execution.micro_batch_size=4") == 0
     assert steps_logged(ref) == [1, 2, 3]
     assert pretrain("--resume", str(ref), "--set", "training.steps=4", "--overwrite") == 2
     assert "--overwrite would delete the run --resume continues" in error_line(capsys)

@@ -66,6 +66,20 @@ def test_parquet_row_groups_are_the_units(tmp_path, part_bytes):
         assert [(u.start, u.stop) for u in units] == [(0, 5)]
 
 
+def test_one_input_of_files_in_different_formats_keeps_their_order(tmp_path):
+    """A glob or list mixing formats: each file read its own way, in the given order, the
+    unit numbering running on across files."""
+    texts = leads(30)
+    files = [write_jsonl(tmp_path / "a.jsonl", texts[:10], field="text"),
+             write_parquet(tmp_path / "b.parquet", texts[10:20], row_group_size=4, field="text"),
+             tmp_path / "c.txt"]
+    files[2].write_text("\n".join(texts[20:]) + "\n", encoding="utf-8")
+    units = plan_units(files, part_bytes=2000)
+    assert [u.format for u in units][0] == "jsonl" and units[-1].format == "lines"
+    assert {u.format for u in units} == {"jsonl", "parquet", "lines"}
+    assert read_all(units) == texts
+
+
 def documents_of(directory: Path) -> list[str]:
     """The documents of a sentences stage's parts, in order (a part may be empty)."""
     documents = []

@@ -386,8 +386,7 @@ class BlockDiagonalAttention(nn.Module):
         return f"scale={self.scale}, dropout={self.dropout}, varlen={self.varlen}"
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, segments: Tensor) -> Tensor:
-        scale = attention_scale(self.scale, q.shape[-1])
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        scale = attention_scale(self.scale, q.shape[-1]) or 1.0 / math.sqrt(q.shape[-1])
         p = self.dropout if self.training else 0.0
         plan = None
         if self.varlen and not torch.compiler.is_compiling():

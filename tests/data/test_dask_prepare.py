@@ -13,7 +13,6 @@ its units sleep first, so the test finds it mid-unit for certain, however fast t
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from dask_cluster import DaskCluster, self_signed_certificate, tls_environment
+from replica_helpers import free_port
 
 from popbert.cli.main import main
 from popbert.data import read_shard
@@ -161,12 +161,6 @@ def test_a_tls_cluster_with_dasks_own_certificate_settings(reference, tmp_path):
         cluster.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("source", ["--dask", "$DASK_SCHEDULER_ADDRESS"])
 def test_an_unreachable_scheduler_is_one_line(source, tmp_path, capsys, monkeypatch):
     import dask
@@ -174,7 +168,7 @@ def test_an_unreachable_scheduler_is_one_line(source, tmp_path, capsys, monkeypa
     # Imported before the config is set: its defaults join dask.config at import, and leaving
     # `dask.config.set` would drop them again.
     pytest.importorskip("distributed")
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     argv = ["prepare-data", "sentences", "--input", str(tmp_path), "-o", str(tmp_path / "out")]
     if source == "--dask":
         argv += ["--dask", address]

@@ -13,7 +13,9 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from popbert.data import storage
 from popbert.data.errors import DataError
+from popbert.data.storage import Location
 from popbert.data.tokenization import TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -25,18 +27,24 @@ PathsLike = str | os.PathLike | Sequence[str | os.PathLike]
 ENCODE_CHUNK = 8192
 
 
-def expand_input_files(input_files: PathsLike) -> list[Path]:
+def expand_input_files(input_files: PathsLike) -> list[Location]:
     """Expand paths, comma-separated lists and glob patterns into a sorted, de-duplicated list.
 
     Sorting makes the document order, and so every seeded result, independent of file-system
     listing order. A pattern matching nothing is an error: a silent empty corpus wastes a run.
+    URLs (`s3://bucket/shards/part-*.h5`) are listed on their storage and stay text
+    (`popbert.data.storage`); local paths become `Path`s.
     """
     if isinstance(input_files, (str, os.PathLike)):
         items: list[str] = [p for p in os.fspath(input_files).split(",") if p]
     else:
         items = [os.fspath(p) for p in input_files]
-    files: list[Path] = []
+    files: list[Location] = []
     for item in items:
+        if storage.is_url(item):
+            files.extend(storage.expand(item))
+            continue
+        item = os.fspath(storage.location(item))
         if glob.has_magic(item):
             matches = sorted(glob.glob(item))
             if not matches:
@@ -47,10 +55,10 @@ def expand_input_files(input_files: PathsLike) -> list[Path]:
             if not path.is_file():
                 raise DataError(f"{path}: input file not found")
             files.append(path)
-    seen: set[Path] = set()
+    seen: set[Location] = set()
     unique = []
     for f in files:
-        key = f.resolve()
+        key = f.resolve() if isinstance(f, Path) else f
         if key not in seen:
             seen.add(key)
             unique.append(f)
@@ -70,7 +78,8 @@ def name_files(files: Sequence[str | os.PathLike]) -> str:
 def has_text(path: str | os.PathLike) -> bool:
     """Whether a text file has a non-blank line; reads only up to the first one, so checking a
     multi-GB corpus costs nothing while an empty file is caught before any work."""
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with storage.open_input(storage.location(path), "r", encoding="utf-8",
+                            errors="replace") as f:
         return any(line.strip() for line in f)
 
 
@@ -83,7 +92,7 @@ def read_text_documents(input_files: PathsLike) -> list[list[str]]:
     for path in expand_input_files(input_files):
         current: list[str] = []
         try:
-            with open(path, encoding="utf-8") as f:
+            with storage.open_input(path, "r", encoding="utf-8") as f:
                 for line in f:
                     line = line.strip()
                     if line:

@@ -21,6 +21,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from popbert.data import storage
 from popbert.data.errors import DataError
 from popbert.data.instances import FEATURE_NAMES, InstanceOptions
 from popbert.data.packing import PACKED_FEATURE_NAMES
@@ -36,7 +37,7 @@ _SEQ_FEATURES = ("input_ids", "input_mask", "segment_ids")
 class ShardInfo:
     """What a shard says about itself; `None` where an attribute-less (NVIDIA) shard is silent."""
 
-    path: Path
+    path: storage.Location  # a local Path, or the shard's URL
     num_samples: int
     sequence_length: int
     max_predictions_per_seq: int
@@ -113,13 +114,14 @@ def _validate_arrays(arrays: Mapping[str, np.ndarray], where: str
 def write_shard(path: str | os.PathLike, arrays: Mapping[str, np.ndarray], *,
                 vocab_size: int | None = None, vocab_sha256: str | None = None,
                 options: InstanceOptions | None = None, extra_attrs: Mapping | None = None,
-                compression: str | None = "gzip") -> Path:
-    """Write one shard atomically (temporary name, fsync, rename); returns its path.
+                compression: str | None = "gzip") -> storage.Location:
+    """Write one shard atomically (temporary name, fsync, rename; to a URL: made locally, then
+    one PUT); returns its path.
 
     Data is stored as int32 in NVIDIA's layout; attributes record everything needed to check
     the shard against a run later.
     """
-    path = Path(path)
+    path = storage.location(path)
     n, seq, pred, k = _validate_arrays(arrays, str(path))
     attrs: dict = {"schema_version": SCHEMA_VERSION, "sequence_length": seq,
                    "max_predictions_per_seq": pred, "num_samples": n, "format": "popbert-bert",
@@ -141,8 +143,11 @@ def write_shard(path: str | os.PathLike, arrays: Mapping[str, np.ndarray], *,
     if extra_attrs:
         attrs.update(extra_attrs)
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    if isinstance(path, Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    else:  # made locally, then published as one object
+        tmp = storage.spool_dir() / f".{storage.name_of(path)}.tmp-{os.getpid()}"
     try:
         with h5py.File(tmp, "w") as f:
             for name in FEATURE_NAMES + (PACKED_FEATURE_NAMES if k is not None else ()):
@@ -154,9 +159,7 @@ def write_shard(path: str | os.PathLike, arrays: Mapping[str, np.ndarray], *,
                                  shuffle=compression is not None)
             for key, value in attrs.items():
                 f.attrs[key] = value
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        storage.publish(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -164,7 +167,18 @@ def write_shard(path: str | os.PathLike, arrays: Mapping[str, np.ndarray], *,
     return path
 
 
-def _open(path: Path) -> h5py.File:
+def _open(path: storage.Location) -> h5py.File:
+    """A shard opened for reading: a local file, or a remote one read by ranges (for its
+    metadata; `read_shard` reads remote data through the shard cache instead)."""
+    if isinstance(path, str):
+        if not storage.exists(path):
+            raise DataError(f"{path}: shard not found")
+        source = storage.open_metadata(path)
+        try:
+            return h5py.File(source, "r")
+        except OSError as exc:
+            source.close()
+            raise DataError(f"{path}: not a readable HDF5 file ({one_line(exc, 300)})") from None
     if not path.is_file():
         raise DataError(f"{path}: shard not found")
     try:
@@ -173,7 +187,7 @@ def _open(path: Path) -> h5py.File:
         raise DataError(f"{path}: not a readable HDF5 file ({one_line(exc, 300)})") from None
 
 
-def _info_from_file(f: h5py.File, path: Path) -> ShardInfo:
+def _info_from_file(f: h5py.File, path: storage.Location) -> ShardInfo:
     names = FEATURE_NAMES + PACKED_FEATURE_NAMES
     try:
         datasets = {k: f[k] for k in names if k in f}
@@ -196,8 +210,9 @@ def _info_from_file(f: h5py.File, path: Path) -> ShardInfo:
 
 
 def read_shard_info(path: str | os.PathLike) -> ShardInfo:
-    """Shapes and attributes of a shard without reading its data."""
-    path = Path(path)
+    """Shapes and attributes of a shard without reading its data (of a remote shard, only the
+    few blocks its metadata lies in)."""
+    path = storage.location(path)
     with _open(path) as f:
         return _info_from_file(f, path)
 
@@ -245,10 +260,27 @@ def read_shard(path: str | os.PathLike, *, sequence_length: int | None = None,
 
     Shards without attributes (NVIDIA's) are checked by shape, and token ids against
     `vocab_size` by value. `next_sentence_labels` comes back as [N] even if stored [N, 1]
-    (packed shards: [N, K]).
+    (packed shards: [N, K]). A remote shard (a URL) is read from its copy in the shard cache
+    (`popbert.data.storage.ShardCache`), fetched first when missing; errors name the URL.
     """
-    path = Path(path)
-    with _open(path) as f:
+    path = storage.location(path)
+    if isinstance(path, str):
+        for last in (False, True):  # another process sharing the cache may evict it meanwhile
+            with storage.shard_cache().opened(path) as local:
+                if local.is_file() or last:
+                    return _read_arrays(local, path, sequence_length, max_predictions_per_seq,
+                                        vocab_size, vocab_sha256, packed,
+                                        max_sequences_per_pack)
+    return _read_arrays(path, path, sequence_length, max_predictions_per_seq, vocab_size,
+                        vocab_sha256, packed, max_sequences_per_pack)
+
+
+def _read_arrays(local: Path, path: storage.Location, sequence_length: int | None,
+                 max_predictions_per_seq: int | None, vocab_size: int | None,
+                 vocab_sha256: str | None, packed: bool | None,
+                 max_sequences_per_pack: int | None) -> dict[str, np.ndarray]:
+    """`read_shard` of a local file; `path` is how errors name it."""
+    with _open(local) as f:
         info = _info_from_file(f, path)
         check_shard_info(info, sequence_length=sequence_length,
                          max_predictions_per_seq=max_predictions_per_seq,

@@ -46,6 +46,7 @@ from popbert.data.instances import (
     unmask_rows,
 )
 from popbert.data.packing import PACKED_FEATURE_NAMES
+from popbert.data.storage import Location, default_cache_dir, local_file
 from popbert.data.tokenization import (
     bundled_corpus_path,
     bundled_vocab_path,
@@ -125,7 +126,7 @@ class PretrainingLoader:
                         "max_predictions_per_seq": max_predictions_per_seq,
                         "vocab_size": vocab_size, "vocab_sha256": vocab_sha256,
                         "packed": packed, "max_sequences_per_pack": max_sequences_per_pack}
-        self.paths: list[Path] | None = None
+        self.paths: list[Location] | None = None
         self._loaded: dict[int, Future] = {}
         if isinstance(arrays_or_shards, Mapping):
             arrays, self.feature_names = _check_arrays(arrays_or_shards)
@@ -364,14 +365,6 @@ def split_documents(documents: Sequence[T], fraction: float, seed: int
             [d for i, d in enumerate(documents) if i in chosen])
 
 
-def default_cache_dir() -> Path:
-    """`$POPBERT_CACHE_DIR`, else `$XDG_CACHE_HOME/popbert`, else `~/.cache/popbert`."""
-    if os.environ.get("POPBERT_CACHE_DIR"):
-        return Path(os.environ["POPBERT_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "popbert"
-
-
 def load_or_create_instances(input_files: PathsLike | None, vocab_path: str | os.PathLike | None,
                              sequence_length: int, max_predictions_per_seq: int, seed: int,
                              cache_dir: str | os.PathLike | None = None, *,
@@ -396,7 +389,7 @@ def load_or_create_instances(input_files: PathsLike | None, vocab_path: str | os
     if split == "validation" and not validation_fraction:
         raise ValueError("split='validation' needs a validation_fraction > 0")
     files = expand_input_files(input_files if input_files is not None else bundled_corpus_path())
-    vocab = Path(vocab_path) if vocab_path is not None else bundled_vocab_path()
+    vocab = local_file(vocab_path) if vocab_path is not None else bundled_vocab_path()
     options = InstanceOptions(sequence_length=sequence_length,
                               max_predictions_per_seq=max_predictions_per_seq,
                               masked_lm_prob=masked_lm_prob, short_seq_prob=short_seq_prob,

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from popbert.data import storage
 from popbert.data.corpus import expand_input_files
 from popbert.data.errors import DataError
 from popbert.data.hdf5 import check_shard_info, read_shard_info
@@ -41,7 +42,7 @@ SHARD_SUFFIXES = (".h5", ".hdf5")
 class ShardSet:
     """Checked HDF5 shards for a run, and the checks the loader repeats when reading them."""
 
-    paths: list[Path]
+    paths: list[storage.Location]
     checks: dict = field(default_factory=dict)
     num_samples: int = 0
 
@@ -55,7 +56,9 @@ def load_training_data(cfg: RunConfig) -> dict[str, np.ndarray] | ShardSet:
 
     Text inputs (or none: the bundled corpus) give in-memory instance arrays; shard inputs give
     a `ShardSet` (metadata checked now, data read lazily by the loader).
+    Any of them may be on object storage (`use_storage`).
     """
+    use_storage(cfg)
     vocab_path = run_vocab_path(cfg)
     if not vocab_path.is_file():
         raise ConfigError(f"data.vocab_file: {vocab_path} does not exist")
@@ -168,9 +171,31 @@ def make_loader(cfg: RunConfig, data: dict[str, np.ndarray] | ShardSet, replica_
                              num_replicas=num_replicas, remask=remask, **order)
 
 
+def use_storage(cfg: RunConfig) -> None:
+    """Set up object storage for the run's data paths: `data.storage_options` for every
+    filesystem, and, when a path is a URL, the shard cache (`data.cache_dir`,
+    `data.cache_limit`), checked writable now rather than when the first shard arrives."""
+    d = cfg.data
+    storage.configure(d.storage_options, d.cache_dir, d.cache_limit)
+    paths = [*d.input_files, *d.validation_files, *([d.vocab_file] if d.vocab_file else [])]
+    if any(storage.is_url(p) for p in paths):
+        try:
+            storage.shard_cache()
+        except DataError as exc:
+            raise ConfigError(f"data.cache_dir: {exc}") from None
+
+
 def run_vocab_path(cfg: RunConfig) -> Path:
-    """The run's vocabulary file: `data.vocab_file`, else the bundled one."""
-    return Path(cfg.data.vocab_file) if cfg.data.vocab_file else bundled_vocab_path()
+    """The run's vocabulary file: `data.vocab_file` (a URL's local copy), else the bundled
+    one."""
+    if not cfg.data.vocab_file:
+        return bundled_vocab_path()
+    if storage.is_url(cfg.data.vocab_file):
+        try:
+            return storage.local_file(cfg.data.vocab_file)
+        except DataError as exc:
+            raise ConfigError(f"data.vocab_file: {exc}") from None
+    return Path(cfg.data.vocab_file)
 
 
 def run_tokenizer(cfg: RunConfig) -> TextTokenizer:

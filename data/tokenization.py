@@ -148,8 +148,10 @@ def encode_texts(tokenizer: Tokenizer, texts: Sequence[str]) -> list[Encoding]:
 
 def file_sha256(path: str | os.PathLike) -> str:
     """Hex sha256 of a file's bytes: the identity of a vocabulary recorded in shards."""
+    from popbert.data import storage
+
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with storage.open_input(storage.location(path)) as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()

@@ -26,6 +26,7 @@ from popbert.builders.bert_config import TaskConfig
 from popbert.config.sections import (
     SECTIONS,
     TOP_LEVEL_KEYS,
+    Bytes,
     Origins,
     RunConfig,
     Seconds,
@@ -219,6 +220,8 @@ def _type_name(tp: Any) -> str:
         return "any value"
     if tp is Seconds:
         return "seconds (a number, or e.g. 90s, 30m, 2h)"
+    if tp is Bytes:
+        return "a size (bytes, or e.g. 20GB, 512MiB)"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -268,6 +271,11 @@ def _coerce(value: Any, tp: Any) -> Any:
     if tp is Seconds:
         try:
             return Seconds.parse(value)
+        except ValueError:
+            raise _TypeMismatch from None
+    if tp is Bytes:
+        try:
+            return Bytes.parse(value)
         except ValueError:
             raise _TypeMismatch from None
     if tp is bool:

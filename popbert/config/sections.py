@@ -58,6 +58,45 @@ DEVICE = Rule(lambda v: v in DEVICES or re.fullmatch(r"cuda:\d+", v) is not None
               f"one of {', '.join(DEVICES)}, cuda:N", form=EXPECTED)
 
 
+class Bytes(int):
+    """A size in bytes: a number, or a string with a unit (`20GB`, `512MiB`, `1.5TB`; KB, MB,
+    GB, TB count in 1000s, KiB, MiB, GiB, TiB in 1024s). Only a marker for the config's types:
+    values are ints."""
+
+    UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+    @classmethod
+    def parse(cls, value: Any) -> int:
+        """Bytes of `value`; ValueError when it is not a size above 0."""
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            number, unit = float(value), ""
+        elif isinstance(value, str):
+            match = re.fullmatch(r"\s*(\d*\.?\d+(?:e[+-]?\d+)?)\s*([a-z]*)\s*", value.lower())
+            if match is None or match.group(2) not in cls.UNITS:
+                raise ValueError(f"{value!r} is not a size")
+            number, unit = float(match.group(1)), match.group(2)
+        else:
+            raise ValueError(f"{value!r} is not a size")
+        if not number > 0:
+            raise ValueError(f"{value!r} is not a size above 0")
+        return int(number * cls.UNITS[unit])
+
+
+# Storage option names whose values are credentials (s3fs key/secret/token, gcsfs token, adlfs
+# account_key / sas_token / connection_string / client_secret, any backend's password).
+SECRET_OPTION = re.compile(r"key|secret|token|passw|credential|connection_string|sas",
+                           re.IGNORECASE)
+
+
+def without_secrets(options: dict[str, Any]) -> dict[str, Any]:
+    """`options` less every credential (`SECRET_OPTION`), nested mappings included: what a run
+    may write to its config, checkpoints, metrics and trackers."""
+    return {key: without_secrets(value) if isinstance(value, dict) else value
+            for key, value in options.items()
+            if not SECRET_OPTION.search(str(key)) or str(key).endswith("_url")}
+
+
 @dataclass
 class DataConfig:
     """Where the pre-training data comes from and how instances are generated from text."""
@@ -83,6 +122,15 @@ class DataConfig:
     # replicas x accumulation) is the same, however it is split; with another global batch the
     # order differs, and the resume is refused unless this is true.
     reorder_on_resume: bool = False
+    # Data on object storage (fsspec URLs in input_files, validation_files, vocab_file:
+    # s3://, gs://, az://): options every filesystem gets (endpoint_url, region...).
+    # Credentials belong in the storage's own configuration (for S3 the AWS_* variables);
+    # given here they are used, but never written to the run's config, checkpoints or logs.
+    storage_options: dict = field(default_factory=dict)
+    # Where remote shards are copied to be read (None: $POPBERT_CACHE_DIR/shards, else
+    # ~/.cache/popbert/shards), and how much it may hold (least recently used go first).
+    cache_dir: str | None = None
+    cache_limit: Bytes = 20 * 10**9  # type: ignore[assignment]
 
     @property
     def has_validation(self) -> bool:
@@ -363,10 +411,14 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (YAML/JSON-ready) that `config_from_dict` turns back into an equal
         config: `preset`, then one mapping per section (`finetune` only for a fine-tuning
-        run: a pre-training config reads as it always did)."""
-        return {"preset": self.preset,
-                **{name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS
-                   if name != "finetune" or self.finetune.task is not None}}
+        run: a pre-training config reads as it always did). Credentials in
+        `data.storage_options` are left out: everything a run writes comes from here, and a
+        resumed run takes them from the environment again."""
+        out = {"preset": self.preset,
+               **{name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS
+                  if name != "finetune" or self.finetune.task is not None}}
+        out["data"]["storage_options"] = without_secrets(out["data"]["storage_options"])
+        return out
 
     def validate(self, source: str = "<config>") -> None:
         """Check values and cross-section consistency; raise ConfigError naming the key."""

@@ -105,10 +105,9 @@ def configure(options: Mapping[str, Any] | None = None, cache_dir: str | os.Path
     with _lock:
         _options.clear()
         _options.update(dict(options or {}))
-        root = Path(cache_dir) if cache_dir is not None else None
-        limit = cache_limit if cache_limit is not None else DEFAULT_CACHE_LIMIT
-        if (root, limit) != (_cache_root, _cache_limit):
-            _cache_root, _cache_limit, _cache = root, limit, None
+        _cache_root = Path(cache_dir) if cache_dir is not None else None
+        _cache_limit = cache_limit if cache_limit is not None else DEFAULT_CACHE_LIMIT
+        _cache = None
 
 
 def filesystem(url: str) -> tuple[Any, str]:

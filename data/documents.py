@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from popbert.data import storage
 from popbert.data.errors import DataError
 
 __all__ = ["FORMATS", "Unit", "corpus_format", "plan_units", "read_unit"]
@@ -60,12 +61,14 @@ def plan_units(paths: Sequence[str | os.PathLike], fmt: str | None = None,
     Parquet files are checked here, before any work: they must have the `text_field` column."""
     units: list[Unit] = []
     for path in paths:
-        path = os.path.abspath(os.fspath(path))  # units go to workers in other directories
+        path = os.fspath(path)
+        if not storage.is_url(path):  # units go to workers in other directories
+            path = os.path.abspath(os.fspath(storage.location(path)))
         kind = corpus_format(path, fmt)
         if kind == "parquet":
             units.extend(_parquet_units(path, text_field, part_bytes))
             continue
-        size = os.path.getsize(path)
+        size = storage.size(storage.location(path))
         step = size if not part_bytes else max(1, int(part_bytes))
         starts = range(0, size, step) if size else [0]
         units.extend(Unit(path, kind, start, min(start + step, size), text_field)
@@ -79,6 +82,8 @@ def _parquet_file(path: str):
     except ImportError:
         raise DataError(f"{path}: reading Parquet needs pyarrow: pip install pyarrow") from None
     try:
+        if storage.is_url(path):  # read by ranges: its footer, then the row groups asked for
+            return pq.ParquetFile(storage.open_metadata(path))
         return pq.ParquetFile(path)
     except (OSError, ValueError) as exc:  # pyarrow's errors derive from these
         raise DataError(f"{path}: not a Parquet file ({str(exc).splitlines()[0]})") from None
@@ -131,7 +136,7 @@ def read_unit(unit: Unit) -> Iterator[str]:
 
 def _lines(unit: Unit) -> Iterator[tuple[int, bytes]]:
     """(offset, line) of every line that starts in [start, stop)."""
-    with open(unit.path, "rb") as f:
+    with storage.open_input(storage.location(unit.path)) as f:
         position = unit.start
         if position > 0:
             f.seek(position - 1)

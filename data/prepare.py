@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from popbert.data import storage
 from popbert.data.corpus import (
     name_files,
     read_text_documents,
@@ -33,6 +34,7 @@ from popbert.data.stages import (
     run_units,
     workers_label,
 )
+from popbert.data.storage import Location
 from popbert.data.tokenization import load_tokenizer
 from popbert.data.vocab import DEFAULT_VOCAB_SIZE, train_vocab
 from popbert.data.wikipedia import DEFAULT_PART_BYTES, EXTRACT_SUFFIX, extract_dump
@@ -52,8 +54,9 @@ def packed_dir_name(options: InstanceOptions) -> str:
 
 def instances_part(in_path: str, out_path: str, vocab_path: str, options: dict,
                    run_seed: int, index: int) -> dict:
-    """One sentence part → one HDF5 shard of masked instances; returns counts."""
-    tokenizer = load_tokenizer(vocab_path)
+    """One sentence part → one HDF5 shard of masked instances; returns counts. The
+    vocabulary may be a URL (read from this worker's cache)."""
+    tokenizer = load_tokenizer(storage.local_file(storage.location(vocab_path)))
     opts = InstanceOptions(**options)
     text = read_text_documents([in_path])
     documents = tokenize_documents(text, tokenizer)
@@ -66,7 +69,7 @@ def instances_part(in_path: str, out_path: str, vocab_path: str, options: dict,
     write_shard(out_path, arrays, vocab_size=tokenizer.vocab_size,
                 vocab_sha256=tokenizer.vocab_sha256, options=opts,
                 extra_attrs={"run_seed": run_seed, "part": index,
-                             "source": Path(in_path).name})
+                             "source": storage.name_of(in_path)})
     counts.update(instances=int(len(arrays["input_ids"])),
                   tokens=int(arrays["input_mask"].sum()),
                   predictions=int((arrays["masked_lm_ids"] != 0).sum()),
@@ -74,7 +77,7 @@ def instances_part(in_path: str, out_path: str, vocab_path: str, options: dict,
     return counts
 
 
-def create_instances(sentence_parts: list[Path], vocab: str | os.PathLike,
+def create_instances(sentence_parts: list[Location], vocab: str | os.PathLike,
                      output_dir: str | os.PathLike, options: InstanceOptions,
                      workers: int = 1) -> dict:
     """Stage `instances`: sentence parts → `output_dir/part-*.h5`; returns the record.
@@ -85,14 +88,15 @@ def create_instances(sentence_parts: list[Path], vocab: str | os.PathLike,
     options.validate()
     if not sentence_parts:
         raise DataError("no sentence parts to create instances from")
-    tokenizer = load_tokenizer(vocab)
+    vocab = storage.location(vocab)
+    tokenizer = load_tokenizer(storage.local_file(vocab))
     params = {**options.as_dict(), "vocab_sha256": tokenizer.vocab_sha256,
-              "inputs": [p.name for p in sentence_parts]}
+              "inputs": [storage.name_of(p) for p in sentence_parts]}
     stage = StageDir(output_dir, "instances", params).open()
     if stage.complete:
         log.info("%s: instances already complete", stage.path)
         return stage.success()
-    jobs = [(str(src), str(out), str(Path(tokenizer.vocab_path).absolute()),
+    jobs = [(str(src), str(out), str(vocab.absolute() if isinstance(vocab, Path) else vocab),
              replace(options, seed=derive_seed(options.seed, index)).as_dict(), options.seed,
              index)
             for index, src, out in stage.pending(sentence_parts, SHARD_SUFFIX)]
@@ -109,7 +113,7 @@ def create_instances(sentence_parts: list[Path], vocab: str | os.PathLike,
               ("documents", "sentences", "instances", "tokens", "predictions", "random_next")}
     stats = {"parts": len(sentence_parts), "parts_skipped": len(sentence_parts) - len(jobs),
              **{f"{k}_written_now": v for k, v in totals.items()}}
-    return stage.finish([p.name for p in stage.parts(SHARD_SUFFIX)], stats)
+    return stage.finish([storage.name_of(p) for p in stage.parts(SHARD_SUFFIX)], stats)
 
 
 def pack_part(in_path: str, out_path: str, strategy: str, max_sequences_per_pack: int,
@@ -128,7 +132,7 @@ def pack_part(in_path: str, out_path: str, strategy: str, max_sequences_per_pack
             if k not in ("schema_version", "sequence_length", "max_predictions_per_seq",
                          "num_samples", "format", "packed", "max_sequences_per_pack")}
     keep.update({"packing_strategy": strategy, "packing_seed": seed,
-                 "source": Path(in_path).name,
+                 "source": storage.name_of(in_path),
                  "source_max_predictions_per_seq": info.max_predictions_per_seq,
                  "source_sequences": stats.sequences, "tokens": stats.tokens})
     write_shard(out_path, packed, vocab_size=info.vocab_size, vocab_sha256=info.vocab_sha256,
@@ -136,7 +140,7 @@ def pack_part(in_path: str, out_path: str, strategy: str, max_sequences_per_pack
     return stats.as_dict()
 
 
-def pack_shards(input_shards: list[Path], output_dir: str | os.PathLike, *,
+def pack_shards(input_shards: list[Location], output_dir: str | os.PathLike, *,
                 strategy: str = "spfhp",
                 max_sequences_per_pack: int = DEFAULT_MAX_SEQUENCES_PER_PACK,
                 max_predictions_per_pack: int | None = None, seed: int = 12345,
@@ -152,7 +156,7 @@ def pack_shards(input_shards: list[Path], output_dir: str | os.PathLike, *,
     stage = StageDir(output_dir, "pack", {
         "strategy": strategy, "max_sequences_per_pack": max_sequences_per_pack,
         "max_predictions_per_pack": max_predictions_per_pack, "seed": seed,
-        "inputs": [p.name for p in input_shards]}).open()
+        "inputs": [storage.name_of(p) for p in input_shards]}).open()
     if stage.complete:
         log.info("%s: pack already complete", stage.path)
         return stage.success()
@@ -174,17 +178,17 @@ def pack_shards(input_shards: list[Path], output_dir: str | os.PathLike, *,
     log.info("packed %d sequences into %d rows (%s): padding %.1f%% -> %.1f%%, %.3fx sequences "
              "per row", sequences, packs, strategy, 100 * stats.padding_before,
              100 * stats.padding_after, stats.speedup)
-    return stage.finish([p.name for p in outputs], stats.as_dict())
+    return stage.finish([storage.name_of(p) for p in outputs], stats.as_dict())
 
 
 @dataclass
 class WikipediaResult:
     """Where `prepare_wikipedia` put things, and each stage's completion record."""
 
-    output_dir: Path
-    vocab: Path
-    instances: Path
-    packed: Path | None
+    output_dir: Location
+    vocab: Location
+    instances: Location
+    packed: Location | None
     records: dict
 
 
@@ -198,31 +202,33 @@ def prepare_wikipedia(dump: str | os.PathLike, output_dir: str | os.PathLike,
                       ) -> WikipediaResult:
     """All stages: dump → extracted → sentences → (vocab) → instances → (packed)."""
     workers = workers or default_workers()
-    out = Path(output_dir)
+    out = storage.location(output_dir)
     options.validate()
     if vocab is not None:
-        load_tokenizer(vocab)  # a missing or unreadable vocabulary fails before extraction
+        # A missing or unreadable vocabulary fails before extraction.
+        load_tokenizer(storage.local_file(storage.location(vocab)))
     records: dict = {}
-    records["extract"] = extract_dump(dump, out / "extracted", workers, part_bytes)
-    extracted = sorted((out / "extracted").glob(f"part-*.{EXTRACT_SUFFIX}"))
-    records["sentences"] = split_sentences(extracted, out / "sentences", workers, splitter,
-                                           min_sentences)
-    sentence_parts = sorted((out / "sentences").glob("part-*.txt"))
+    records["extract"] = extract_dump(dump, storage.join(out, "extracted"), workers,
+                                      part_bytes)
+    extracted = storage.list_parts(storage.join(out, "extracted"), f"part-*.{EXTRACT_SUFFIX}")
+    records["sentences"] = split_sentences(extracted, storage.join(out, "sentences"), workers,
+                                           splitter, min_sentences)
+    sentence_parts = storage.list_parts(storage.join(out, "sentences"), "part-*.txt")
     if vocab is None:
-        vocab_path = out / "vocab.txt"
-        if vocab_path.is_file():
+        vocab_path = storage.join(out, "vocab.txt")
+        if storage.exists(vocab_path):
             log.info("%s: vocabulary already trained", vocab_path)
         else:
             train_vocab(sentence_parts, vocab_path, vocab_size)
     else:
-        vocab_path = Path(vocab)
-    instances_dir = out / instances_dir_name(options)
-    records["instances"] = create_instances(sentence_parts, vocab_path, instances_dir, options,
-                                            workers)
+        vocab_path = storage.location(vocab)
+    instances_dir = storage.join(out, instances_dir_name(options))
+    records["instances"] = create_instances(sentence_parts, vocab_path, instances_dir,
+                                            options, workers)
     packed_dir = None
     if pack:
-        packed_dir = out / packed_dir_name(options)
-        shards = sorted(instances_dir.glob(f"part-*.{SHARD_SUFFIX}"))
+        packed_dir = storage.join(out, packed_dir_name(options))
+        shards = storage.list_parts(instances_dir, f"part-*.{SHARD_SUFFIX}")
         records["pack"] = pack_shards(shards, packed_dir, strategy=strategy,
                                       max_sequences_per_pack=max_sequences_per_pack,
                                       seed=options.seed, workers=workers)

@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
+from popbert.data import storage
 from popbert.data.corpus import name_files
 from popbert.data.documents import Unit, plan_units, read_unit
 from popbert.data.errors import DataError
 from popbert.data.stages import StageDir, atomic_output, part_name, run_units, workers_label
+from popbert.data.storage import Location
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def document_sentences(text: str, split: Splitter) -> list[str]:
     return sentences
 
 
-def write_documents(documents: Iterable[list[str]], path: Path) -> tuple[int, int]:
+def write_documents(documents: Iterable[list[str]], path: Location) -> tuple[int, int]:
     """Google format, atomically; returns (documents, sentences) written."""
     docs = sents = 0
     with atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
@@ -98,12 +99,12 @@ def split_part(unit: Unit, out_path: str, splitter: str, min_sentences: int) -> 
             chars += sum(len(s) for s in sentences)
             yield sentences
 
-    docs, sents = write_documents(documents(), Path(out_path))
+    docs, sents = write_documents(documents(), storage.location(out_path))
     return {"articles": articles, "documents": docs, "sentences": sents, "chars": chars,
             "dropped": dropped}
 
 
-def split_sentences(input_parts: list[Path], output_dir: str | os.PathLike, workers: int = 1,
+def split_sentences(input_parts: list[Location], output_dir: str | os.PathLike, workers: int = 1,
                     splitter: str = "nupunkt",
                     min_sentences: int = DEFAULT_MIN_SENTENCES, *, fmt: str | None = None,
                     text_field: str = "text", part_bytes: int | None = None) -> dict:
@@ -122,16 +123,17 @@ def split_sentences(input_parts: list[Path], output_dir: str | os.PathLike, work
         raise DataError("no extracted parts to split into sentences")
     units = plan_units(input_parts, fmt, text_field, part_bytes)  # checks Parquet columns
     params = {"splitter": splitter, "min_sentences": min_sentences,
-              "inputs": [p.name for p in input_parts]}
+              "inputs": [storage.name_of(p) for p in input_parts]}
     if (fmt, text_field, part_bytes) != (None, "text", None):  # older records stay valid
         params.update(format=fmt, text_field=text_field, part_bytes=part_bytes)
     stage = StageDir(output_dir, "sentences", params).open()
     if stage.complete:
         log.info("%s: sentences already complete", stage.path)
         return stage.success()
-    outputs = [stage.path / part_name(i, SENTENCES_SUFFIX) for i in range(len(units))]
-    jobs = [(unit, str(out), splitter, min_sentences)
-            for unit, out in zip(units, outputs) if not out.is_file()]
+    done = {storage.name_of(p) for p in stage.parts(SENTENCES_SUFFIX)}
+    jobs = [(unit, str(storage.join(stage.path, part_name(i, SENTENCES_SUFFIX))), splitter,
+             min_sentences)
+            for i, unit in enumerate(units) if part_name(i, SENTENCES_SUFFIX) not in done]
     log.info("splitting %d parts into sentences (%s, %s; %d already done)",
              len(jobs), splitter, workers_label(workers), len(units) - len(jobs))
     try:
@@ -139,7 +141,7 @@ def split_sentences(input_parts: list[Path], output_dir: str | os.PathLike, work
     except DataError as exc:  # bad input found mid-stage: leave nothing this run made
         raise stage.abandon(str(exc)) from None
     # A part without documents is an empty file (parts written by an earlier run count too).
-    if not any(part.stat().st_size for part in stage.parts(SENTENCES_SUFFIX)):
+    if not any(storage.size(part) for part in stage.parts(SENTENCES_SUFFIX)):
         articles = sum(r["articles"] for r in results)
         if articles:
             detail = (f"all {articles} articles have fewer than {min_sentences} sentences "
@@ -152,4 +154,4 @@ def split_sentences(input_parts: list[Path], output_dir: str | os.PathLike, work
     stats = {"parts": len(units), "parts_skipped": len(units) - len(jobs),
              "documents_written_now": sum(r["documents"] for r in results),
              "sentences_written_now": sum(r["sentences"] for r in results)}
-    return stage.finish([p.name for p in stage.parts(SENTENCES_SUFFIX)], stats)
+    return stage.finish([storage.name_of(p) for p in stage.parts(SENTENCES_SUFFIX)], stats)

@@ -22,7 +22,9 @@ from typing import Any
 from tqdm import tqdm
 
 from popbert.atomic import atomic_write_text
+from popbert.data import storage
 from popbert.data.errors import DataError
+from popbert.data.storage import Location
 from popbert.locking import DirectoryLock, lock_directory
 
 log = logging.getLogger(__name__)
@@ -62,19 +64,34 @@ class StageDir:
     From `open` to `finish` (or `abandon`) the directory is locked (`.lock`,
     `popbert.locking`): a stage resumes what an earlier run left, but two
     processes writing the same parts at once would each count the other's, so the second
-    stops with one line naming the first."""
+    stops with one line naming the first.
+
+    The directory may be a URL prefix on object storage (`s3://bucket/wiki/sentences`): parts
+    and records are then objects, each published whole (`popbert.data.storage.publish`), and
+    nothing is locked (object stores have no locks: run one stage per prefix at a time)."""
 
     def __init__(self, path: str | os.PathLike, stage: str, params: Mapping[str, Any]):
-        self.path = Path(path).absolute()  # jobs carry it to workers with other directories
+        where = storage.location(path)
+        # Absolute: jobs carry it to workers with other working directories.
+        self.path: Location = where.absolute() if isinstance(where, Path) else where
         self.stage = stage
         self.params = json.loads(json.dumps(dict(params), sort_keys=True, default=str))
         # Directories `open` created (deepest first): what `abandon` may remove again.
         self.created: list[Path] = []
+        self._fresh_prefix = False  # a URL prefix that held nothing before this run
         self._lock: DirectoryLock | None = None
 
     def open(self) -> StageDir:
         """Create the directory, or check that an existing one was made with these parameters;
         either way, lock it."""
+        if isinstance(self.path, str):
+            self._fresh_prefix = not storage.list_parts(self.path, "*")
+            try:
+                self._check_or_record()
+            except BaseException:
+                self._remove_created()
+                raise
+            return self
         missing = [d for d in (self.path, *self.path.parents) if not d.exists()]
         self.path.mkdir(parents=True, exist_ok=True)
         self.created = missing
@@ -87,10 +104,10 @@ class StageDir:
         return self
 
     def _check_or_record(self) -> None:
-        record = self.path / STAGE_FILE
-        if record.is_file():
+        record = storage.join(self.path, STAGE_FILE)
+        if storage.exists(record):
             try:
-                old = json.loads(record.read_text(encoding="utf-8"))
+                old = json.loads(storage.read_bytes(record).decode("utf-8"))
             except (OSError, ValueError) as exc:
                 raise DataError(f"{record}: unreadable stage record ({exc})") from None
             if old.get("stage") != self.stage or old.get("params") != self.params:
@@ -102,8 +119,7 @@ class StageDir:
                                 f"parameters ({detail or 'stage differs'}); use another output "
                                 f"directory or delete this one")
         else:
-            atomic_write_text(record, json.dumps({"stage": self.stage, "params": self.params},
-                                                 indent=1, sort_keys=True) + "\n")
+            _write_json(record, {"stage": self.stage, "params": self.params})
 
     def release(self) -> None:
         """Unlock the directory (`finish` and `abandon` do; idempotent)."""
@@ -113,19 +129,20 @@ class StageDir:
 
     @property
     def complete(self) -> bool:
-        return (self.path / SUCCESS_FILE).is_file()
+        return storage.exists(storage.join(self.path, SUCCESS_FILE))
 
     def success(self) -> dict:
         """The completion record (parts and statistics) of a finished stage."""
+        record = storage.join(self.path, SUCCESS_FILE)
         try:
-            return json.loads((self.path / SUCCESS_FILE).read_text(encoding="utf-8"))
+            return json.loads(storage.read_bytes(record).decode("utf-8"))
         except (OSError, ValueError) as exc:
-            raise DataError(f"{self.path / SUCCESS_FILE}: unreadable ({exc})") from None
+            raise DataError(f"{record}: unreadable ({exc})") from None
 
     def finish(self, parts: list[str], stats: Mapping[str, Any]) -> dict:
         """Mark the stage complete; only now may later stages (or re-runs) trust it whole."""
         record = {"stage": self.stage, "parts": parts, "stats": dict(stats)}
-        atomic_write_text(self.path / SUCCESS_FILE, json.dumps(record, indent=1) + "\n")
+        _write_json(storage.join(self.path, SUCCESS_FILE), record, sort_keys=False)
         self.release()
         return record
 
@@ -141,6 +158,12 @@ class StageDir:
 
     def _remove_created(self) -> None:
         """`abandon`'s clean-up; the lock goes too."""
+        if isinstance(self.path, str):
+            if self._fresh_prefix:
+                for part in [*storage.list_parts(self.path, "part-*"),
+                             storage.join(self.path, STAGE_FILE)]:
+                    storage.remove(part)
+            return
         if self.created:
             for child in self.path.iterdir():
                 if child.name == STAGE_FILE or child.name.lstrip(".").startswith("part-"):
@@ -155,35 +178,48 @@ class StageDir:
                 break
         self.created = []
 
-    def pending(self, inputs: list[Path], suffix: str) -> list[tuple[int, Path, Path]]:
+    def pending(self, inputs: list[Location], suffix: str
+                ) -> list[tuple[int, Location, Location]]:
         """(index, input part, output part) for each input whose output is not written yet.
 
         A part only exists under its final name once complete, so this is what a re-run of an
         interrupted stage still has to do.
         """
-        outputs = ((i, Path(src).absolute(), self.path / part_name(i, suffix))
-                   for i, src in enumerate(inputs))
-        return [(i, src, out) for i, src, out in outputs if not out.is_file()]
+        done = {storage.name_of(p) for p in self.parts(suffix)}
+        return [(i, src.absolute() if isinstance(src, Path) else src,
+                 storage.join(self.path, part_name(i, suffix)))
+                for i, src in enumerate(inputs) if part_name(i, suffix) not in done]
 
-    def parts(self, suffix: str) -> list[Path]:
+    def parts(self, suffix: str) -> list[Location]:
         """Complete parts present now (temporary files start with a dot and are not listed)."""
-        return sorted(self.path.glob(f"part-*.{suffix}"))
+        return storage.list_parts(self.path, f"part-*.{suffix}")
 
 
-def temp_path(path: Path) -> Path:
-    """A temporary sibling name for writing `path`; never matches the `part-*` globs."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def _write_json(path: Location, record: Mapping[str, Any], sort_keys: bool = True) -> None:
+    text = json.dumps(record, indent=1, sort_keys=sort_keys) + "\n"
+    if isinstance(path, Path):
+        atomic_write_text(path, text)
+    else:
+        storage.write_bytes(path, text.encode("utf-8"))
+
+
+def temp_path(path: Location) -> Path:
+    """A local temporary name for writing `path` (a sibling, or for a URL a file in the local
+    spool); never matches the `part-*` globs."""
+    if isinstance(path, Path):
+        return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    return storage.spool_dir() / f".{storage.name_of(path)}.tmp-{os.getpid()}"
 
 
 @contextlib.contextmanager
-def atomic_output(path: Path) -> Iterator[Path]:
-    """Yield a temporary path to write; on success fsync and rename it to `path`."""
+def atomic_output(path: Location) -> Iterator[Path]:
+    """Yield a local temporary path to write; on success publish it as `path` (fsync and
+    rename, or one PUT of the object)."""
+    path = storage.location(path)
     tmp = temp_path(path)
     try:
         yield tmp
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        storage.publish(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()

@@ -205,6 +205,14 @@ def list_parts(directory: Location, pattern: str) -> list[Location]:
     return sorted(full_url(fs, p) for p in found)
 
 
+def size(path: Location) -> int:
+    """Bytes in a local file or remote object."""
+    if isinstance(path, Path):
+        return path.stat().st_size
+    fs, inner = filesystem(path)
+    return int(with_retries(lambda: fs.size(inner), path, "checking"))
+
+
 def is_directory(path: Location) -> bool:
     """Whether a local directory, or a URL prefix holding objects, is there."""
     if isinstance(path, Path):
@@ -291,6 +299,14 @@ def remove(path: Location) -> None:
     fs, inner = filesystem(path)
     with contextlib.suppress(FileNotFoundError):
         with_retries(lambda: fs.rm_file(inner), path, "deleting")
+
+
+def check_reachable(url: str) -> None:
+    """Fail now, in one line, when a URL's bucket (or container) is missing or refuses the
+    credentials, rather than when the first result is written."""
+    fs, inner = filesystem(url)
+    bucket = inner.strip("/").split("/", 1)[0]
+    with_retries(lambda: fs.ls(bucket), full_url(fs, bucket), "checking")
 
 
 def spool_dir() -> Path:
@@ -432,7 +448,7 @@ def shard_cache() -> ShardCache:
 
 
 __all__ = ["ATTEMPTS", "CHUNK_BYTES", "DEFAULT_CACHE_LIMIT", "Location", "ShardCache",
-           "configure", "default_cache_dir", "exists", "expand", "filesystem", "is_directory",
-           "is_url", "join", "list_parts", "local_file", "location", "name_of", "open_input",
-           "open_metadata", "publish", "read_bytes", "remove",
-           "scheme", "shard_cache", "spool_dir", "with_retries", "write_bytes"]
+           "check_reachable", "configure", "default_cache_dir", "exists", "expand", "filesystem",
+           "is_directory", "is_url", "join", "list_parts", "local_file", "location", "name_of",
+           "open_input", "open_metadata", "publish", "read_bytes", "remove", "scheme",
+           "shard_cache", "size", "spool_dir", "with_retries", "write_bytes"]

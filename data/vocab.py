@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from popbert.atomic import atomic_write_text
+from popbert.data import storage
 from popbert.data.corpus import has_text, name_files
 from popbert.data.errors import DataError
 from popbert.data.tokenization import (
@@ -43,10 +44,11 @@ def _training_files(files: Sequence[str | os.PathLike], vocab_size: int) -> list
     """The corpus files, checked: they exist, hold text, and the size leaves room for text."""
     if vocab_size <= len(SPECIAL_TOKENS):
         raise DataError(f"vocab_size must be > {len(SPECIAL_TOKENS)}, got {vocab_size}")
-    paths = [str(f) for f in files]
-    missing = [p for p in paths if not Path(p).is_file()]
+    missing = [f for f in files if not storage.exists(storage.location(f))]
     if missing:
         raise DataError(f"{missing[0]}: vocabulary training input not found")
+    # The trainer reads local files: remote ones are read from their copies in the cache.
+    paths = [str(storage.local_file(storage.location(f))) for f in files]
     if not paths:
         raise DataError("no text files to train a vocabulary on")
     if not any(has_text(p) for p in paths):  # the trainer would write the 5 specials alone
@@ -81,10 +83,9 @@ def train_vocab(files: Sequence[str | os.PathLike], output: str | os.PathLike,
     if len(lines) < vocab_size:
         log.warning("corpus yields only %d vocabulary entries (asked for %d)", len(lines),
                     vocab_size)
-    output = Path(output)
-    atomic_write_text(output, "\n".join(lines) + "\n")
+    output = _publish_text(output, "\n".join(lines) + "\n")
     log.info("wrote %s (%d entries)", output, len(lines))
-    return WordPieceTokenizer(output)
+    return WordPieceTokenizer(storage.local_file(output))
 
 
 def train_bpe(files: Sequence[str | os.PathLike], output: str | os.PathLike,
@@ -119,7 +120,16 @@ def train_bpe(files: Sequence[str | os.PathLike], output: str | os.PathLike,
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size < vocab_size:
         log.warning("corpus yields only %d tokens (asked for %d)", size, vocab_size)
-    output = Path(output)
-    atomic_write_text(output, tokenizer.to_str(pretty=True))
+    output = _publish_text(output, tokenizer.to_str(pretty=True))
     log.info("wrote %s (%d tokens, byte-level BPE)", output, size)
-    return JsonTokenizer(output)
+    return JsonTokenizer(storage.local_file(output))
+
+
+def _publish_text(output: str | os.PathLike, text: str) -> storage.Location:
+    """Write a trained vocabulary whole: a local file atomically, or one object."""
+    where = storage.location(output)
+    if isinstance(where, Path):
+        atomic_write_text(where, text)
+    else:
+        storage.write_bytes(where, text.encode("utf-8"))
+    return where

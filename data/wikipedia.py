@@ -27,6 +27,7 @@ from typing import BinaryIO
 
 from tqdm import tqdm
 
+from popbert.data import storage
 from popbert.data.errors import DataError
 from popbert.data.stages import StageDir, atomic_output, part_name, run_units, workers_label
 
@@ -53,10 +54,11 @@ def _local(tag: str) -> str:
     return tag.rsplit("}", 1)[-1]
 
 
-def _open_dump(raw: BinaryIO, path: Path) -> BinaryIO:
-    if path.suffix == ".bz2":
+def _open_dump(raw: BinaryIO, path: storage.Location) -> BinaryIO:
+    suffix = Path(storage.name_of(path)).suffix
+    if suffix == ".bz2":
         return bz2.BZ2File(raw, "rb")
-    if path.suffix == ".gz":
+    if suffix == ".gz":
         return gzip.GzipFile(fileobj=raw, mode="rb")
     return raw
 
@@ -65,12 +67,13 @@ def iter_pages(path: str | os.PathLike,
                on_progress: Callable[[int], None] | None = None) -> Iterator[Page]:
     """Articles (namespace 0, not redirects) of a MediaWiki export, streamed page by page.
 
-    `on_progress(n)` is called with the (compressed) bytes of the file read so far.
+    `on_progress(n)` is called with the (compressed) bytes of the file read so far. The dump
+    may be a URL: it is streamed, never copied whole.
     """
-    path = Path(path)
-    if not path.is_file():
+    path = storage.location(path)
+    if not storage.exists(path):
         raise DataError(f"{path}: dump file not found")
-    with open(path, "rb") as raw, _open_dump(raw, path) as f:
+    with storage.open_input(path) as raw, _open_dump(raw, path) as f:
         events = ET.iterparse(f, events=("start", "end"))
         try:
             _, root = next(events)
@@ -102,11 +105,11 @@ def iter_pages(path: str | os.PathLike,
 
 def check_dump(path: str | os.PathLike) -> None:
     """Raise DataError unless `path` starts like a MediaWiki XML export (cheap: first tag)."""
-    path = Path(path)
-    if not path.is_file():
+    path = storage.location(path)
+    if not storage.exists(path):
         raise DataError(f"{path}: dump file not found")
     try:
-        with open(path, "rb") as raw, _open_dump(raw, path) as f:
+        with storage.open_input(path) as raw, _open_dump(raw, path) as f:
             _, root = next(ET.iterparse(f, events=("start",)))
     except (ET.ParseError, StopIteration) as exc:
         raise DataError(f"{path}: not a MediaWiki XML export ({exc or 'empty'})") from None
@@ -158,7 +161,7 @@ def clean_page(page: Page) -> list[str]:
 
 def extract_part(pages: list[Page], out_path: str) -> dict:
     """Clean one part's pages and write them as JSON lines; returns counts for the record."""
-    out = Path(out_path)
+    out = storage.location(out_path)
     articles = paragraphs = chars = 0
     with atomic_output(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for page in pages:
@@ -182,10 +185,11 @@ def extract_dump(dump: str | os.PathLike, output_dir: str | os.PathLike, workers
     to cleaning them), so an interrupted run resumes where it stopped. A dump that yields no
     article is a DataError naming it, with no completion marker and no directory left behind.
     """
-    dump = Path(dump)
+    dump = storage.location(dump)
     if part_bytes < 1:
         raise DataError(f"part_bytes must be >= 1, got {part_bytes}")
-    stage = StageDir(output_dir, "extract", {"input": dump.name, "part_bytes": part_bytes})
+    stage = StageDir(output_dir, "extract", {"input": storage.name_of(dump),
+                                             "part_bytes": part_bytes})
     check_dump(dump)
     stage.open()
     if stage.complete:
@@ -193,7 +197,7 @@ def extract_dump(dump: str | os.PathLike, output_dir: str | os.PathLike, workers
         return stage.success()
 
     skipped: list[dict] = []
-    size = dump.stat().st_size
+    size = storage.size(dump)
     # The bar follows the compressed dump read so far (cleaning trails it by a few parts).
     bar = tqdm(total=size, desc="extract", unit="B", unit_scale=True, dynamic_ncols=True,
                leave=False)
@@ -201,10 +205,12 @@ def extract_dump(dump: str | os.PathLike, output_dir: str | os.PathLike, workers
     def advance(position: int) -> None:
         bar.update(position - bar.n)
 
+    done = {storage.name_of(p) for p in stage.parts(EXTRACT_SUFFIX)}
+
     def jobs() -> Iterator[tuple]:
         for index, pages in enumerate(iter_parts(dump, part_bytes, advance)):
-            out = stage.path / part_name(index, EXTRACT_SUFFIX)
-            if out.is_file():
+            out = storage.join(stage.path, part_name(index, EXTRACT_SUFFIX))
+            if part_name(index, EXTRACT_SUFFIX) in done:
                 skipped.append({"pages": len(pages)})
                 continue
             yield (pages, str(out))
@@ -217,7 +223,7 @@ def extract_dump(dump: str | os.PathLike, output_dir: str | os.PathLike, workers
     part_paths = stage.parts(EXTRACT_SUFFIX)
     articles = 0
     for path in part_paths:
-        with open(path, "rb") as f:
+        with storage.open_input(path) as f:
             articles += sum(1 for line in f if line.strip())
     stats = {"parts": len(part_paths), "parts_skipped": len(skipped),
              "pages": sum(r["pages"] for r in results) + sum(s["pages"] for s in skipped),
@@ -233,15 +239,15 @@ def extract_dump(dump: str | os.PathLike, output_dir: str | os.PathLike, workers
             detail = (f"none of its {stats['pages']} article pages has text left after "
                       f"cleaning (paragraphs of at least {MIN_PARAGRAPH_CHARS} characters)")
         raise stage.abandon(f"{dump}: {detail}; nothing to extract")
-    parts = [p.name for p in part_paths]
+    parts = [storage.name_of(p) for p in part_paths]
     return stage.finish(parts, stats)
 
 
 def read_articles(path: str | os.PathLike) -> Iterator[dict]:
     """Articles of one extracted part (JSON lines with id, title, text)."""
-    path = Path(path)
+    path = storage.location(path)
     try:
-        with open(path, encoding="utf-8") as f:
+        with storage.open_input(path, "r", encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue

@@ -31,13 +31,29 @@ _FLAGS = {"sequence_length": "--sequence-length", "max_predictions_per_seq": "--
           "random_next_prob": "--random-next-prob", "dupe_factor": "--dupe-factor"}
 
 
-def _output_dir(args: argparse.Namespace) -> Path:
-    """--output-dir, checked before the stage reads anything: a file there (or above it) would
+def _output_dir(args: argparse.Namespace):
+    """--output-dir (a directory, or a URL prefix on object storage), checked before the stage
+    reads anything: a file there (or above it), a missing bucket or refused credentials would
     end the stage in a traceback once it starts writing."""
     from popbert.cli.paths import check_output_directory
+    from popbert.data import storage
 
-    check_output_directory(args.output_dir)
-    return args.output_dir
+    where = storage.location(args.output_dir)
+    if isinstance(where, Path):
+        check_output_directory(where)
+    else:
+        _reachable(where, "--output-dir")
+    return where
+
+
+def _reachable(url: str, flag: str) -> None:
+    from popbert.data import storage
+    from popbert.data.errors import DataError
+
+    try:
+        storage.check_reachable(url)
+    except DataError as exc:
+        raise UsageError(f"{flag}: {exc}") from None
 
 
 def _workers(args: argparse.Namespace) -> int:
@@ -97,13 +113,14 @@ def _options(args: argparse.Namespace):
 
 def _check_vocab(vocab: str) -> None:
     """--vocab readable as a vocabulary or tokenizer, checked before any stage starts."""
+    from popbert.data import storage
     from popbert.data.errors import DataError
     from popbert.data.tokenization import load_tokenizer
 
-    if not Path(vocab).is_file():
-        raise UsageError(f"--vocab: {vocab} not found")
     try:
-        load_tokenizer(vocab)
+        if not storage.exists(storage.location(vocab)):
+            raise UsageError(f"--vocab: {vocab} not found")
+        load_tokenizer(storage.local_file(storage.location(vocab)))
     except DataError as exc:
         raise UsageError(f"--vocab: {exc}") from None
 
@@ -114,18 +131,20 @@ def _part_bytes(args: argparse.Namespace) -> int:
     return max(1, int(args.part_size_mb * (1 << 20)))
 
 
-def _parts(spec: str, suffix: str, flag: str = "--input") -> list[Path]:
-    """A stage directory (its part-*.<suffix>) or files / globs, comma-separated."""
+def _parts(spec: str, suffix: str, flag: str = "--input") -> list:
+    """A stage directory (its part-*.<suffix>) or files / globs, comma-separated; local paths
+    or URLs."""
+    from popbert.data import storage
     from popbert.data.corpus import expand_input_files
     from popbert.data.errors import DataError
 
-    path = Path(spec)
-    if path.is_dir():
-        parts = sorted(path.glob(f"part-*.{suffix}"))
-        if not parts:
-            raise UsageError(f"{flag}: {path} has no part-*.{suffix} files")
-        return parts
     try:
+        where = storage.location(spec)
+        if "," not in spec and storage.is_directory(where):
+            parts = storage.list_parts(where, f"part-*.{suffix}")
+            if not parts:
+                raise UsageError(f"{flag}: {where} has no part-*.{suffix} files")
+            return parts
         return expand_input_files(spec)
     except DataError as exc:
         raise UsageError(f"{flag}: {exc}") from None
@@ -163,7 +182,13 @@ def _cmd_vocab(args: argparse.Namespace) -> int:
     if (args.model == "bpe") != is_tokenizer_json(args.output):
         expected = "a tokenizer.json (.json)" if args.model == "bpe" else "a vocab.txt (not .json)"
         raise UsageError(f"--output: --model {args.model} writes {expected}, got {args.output}")
-    check_output_file(args.output, "--output")
+    from popbert.data import storage
+
+    output = storage.location(args.output)
+    if isinstance(output, Path):
+        check_output_file(output, "--output")
+    else:
+        _reachable(output, "--output")
     train = train_bpe if args.model == "bpe" else train_vocab
     tokenizer = train(_parts(args.input, "txt"), args.output, args.vocab_size,
                       args.min_frequency)
@@ -203,18 +228,21 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     return 0
 
 
-def training_overrides(shard_dir: Path, vocab: Path) -> list[str]:
-    """The `popbert pretrain` --set flags that point a run at a stage's shards."""
+def training_overrides(shard_dir, vocab) -> list[str]:
+    """The `popbert pretrain` --set flags that point a run at a stage's shards (local paths
+    or URLs)."""
+    from popbert.data import storage
     from popbert.data.hdf5 import read_shard_info
     from popbert.data.tokenization import load_tokenizer
 
-    shards = sorted(Path(shard_dir).glob("part-*.h5"))
+    shards = storage.list_parts(shard_dir, "part-*.h5")
     if not shards:
         return []
     info = read_shard_info(shards[0])
-    flags = [f"--set 'data.input_files=[\"{Path(shard_dir) / 'part-*.h5'}\"]'",
+    size = load_tokenizer(storage.local_file(vocab)).vocab_size
+    flags = [f"--set 'data.input_files=[\"{storage.join(shard_dir, 'part-*.h5')}\"]'",
              f"--set data.vocab_file={vocab}",
-             f"--set model.vocab_size={load_tokenizer(vocab).vocab_size}",
+             f"--set model.vocab_size={size}",
              f"--set model.sequence_length={info.sequence_length}",
              f"--set model.max_predictions_per_seq={info.max_predictions_per_seq}"]
     if info.packed:
@@ -230,7 +258,14 @@ def _cmd_wikipedia(args: argparse.Namespace) -> int:
     _check_pack_args(args)
     if args.vocab is not None:
         _check_vocab(args.vocab)
-    if not Path(args.input).is_file():
+    from popbert.data import storage
+    from popbert.data.errors import DataError
+
+    try:
+        found = storage.exists(storage.location(args.input))
+    except DataError as exc:
+        raise UsageError(f"--input: {exc}") from None
+    if not found:
         raise UsageError(f"--input: {args.input} not found")
     result = prepare_wikipedia(
         args.input, _output_dir(args), options, vocab=args.vocab, vocab_size=args.vocab_size,
@@ -245,7 +280,7 @@ def _cmd_wikipedia(args: argparse.Namespace) -> int:
 
 
 def _add_common(p: argparse.ArgumentParser, output_help: str) -> None:
-    p.add_argument("--output-dir", "-o", type=Path, required=True, metavar="DIR",
+    p.add_argument("--output-dir", "-o", required=True, metavar="DIR",
                    help=output_help)
     p.add_argument("--workers", "-j", type=int, default=None, metavar="N",
                    help="worker processes (default: all cores)")
@@ -340,8 +375,7 @@ def add_commands(subparsers: argparse._SubParsersAction,
                                "tokenizer.json (--model bpe), with HF tokenizers")
     p.add_argument("--input", required=True, metavar="DIR_OR_GLOB",
                    help="the sentences stage's directory, or text files")
-    p.add_argument("--output", "-o", type=Path, required=True,
-                   metavar="VOCAB.txt|TOKENIZER.json")
+    p.add_argument("--output", "-o", required=True, metavar="VOCAB.txt|TOKENIZER.json")
     p.add_argument("--model", choices=("wordpiece", "bpe"), default="wordpiece",
                    help="wordpiece: BERT's uncased vocab.txt (default); bpe: a cased "
                         "byte-level BPE tokenizer.json with BERT's special tokens, "

@@ -98,6 +98,44 @@ def assert_same_weights(a: dict, b: dict) -> None:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+WIKI = Path(__file__).parent.parent / "fixtures" / "wiki" / "enwiki-fixture-pages-articles.xml.bz2"
+STAGES = {"extracted": "jsonl", "sentences": "txt", f"instances-s{SEQ}-p{PRED}": "h5",
+          f"packed-s{SEQ}-p{PRED}": "h5"}
+
+
+def test_prepare_data_to_s3_equals_local(aws, tmp_path):
+    """The whole pipeline, dump read from s3:// and every stage written there (each reading
+    the stage before from s3://), gives the local run's parts; a re-run skips them all."""
+    fs = aws.filesystem()
+    fs.mkdir("prep")
+    fs.put_file(str(WIKI), f"prep/{WIKI.name}")
+    args = ["--vocab", str(bundled_vocab_path()), "--part-size-mb", "0.02", "--workers", "1",
+            "--sequence-length", str(SEQ), "--max-predictions", str(PRED), "--dupe-factor", "2",
+            "--seed", "7"]
+    local = tmp_path / "wiki"
+    assert main(["prepare-data", "wikipedia", "--input", str(WIKI), "-o", str(local),
+                 *args]) == 0
+    assert main(["prepare-data", "wikipedia", "--input", f"s3://prep/{WIKI.name}",
+                 "-o", "s3://prep/wiki", *args]) == 0
+    for stage, suffix in STAGES.items():
+        mine = sorted(local.joinpath(stage).glob(f"part-*.{suffix}"))
+        theirs = sorted(fs.glob(f"prep/wiki/{stage}/part-*.{suffix}"))
+        assert [p.name for p in mine] == [t.rsplit("/", 1)[1] for t in theirs] and mine, stage
+        for a, b in zip(mine, theirs, strict=True):
+            if suffix == "h5":
+                x, y = read_shard(a), read_shard(f"s3://{b}")
+                assert x.keys() == y.keys()
+                assert all(np.array_equal(x[k], y[k]) for k in x), b
+            else:
+                assert a.read_bytes() == fs.cat_file(b), b
+        assert fs.isfile(f"prep/wiki/{stage}/_SUCCESS.json")
+    assert not [p for p in fs.find("prep/wiki") if ".tmp-" in p]
+    before = {p: fs.info(p)["LastModified"] for p in fs.find("prep/wiki")}
+    assert main(["prepare-data", "wikipedia", "--input", f"s3://prep/{WIKI.name}",
+                 "-o", "s3://prep/wiki", *args]) == 0
+    assert {p: fs.info(p)["LastModified"] for p in fs.find("prep/wiki")} == before
+
+
 def test_pretraining_from_s3_equals_local_disk_bit_for_bit(shards, aws, tmp_path):
     steps = ["--set", "training.steps=12", "--set", "training.eval_every=6",
              "--set", "training.eval_batches=2"]
@@ -261,3 +299,23 @@ def test_credentials_in_storage_options_are_written_nowhere(shards, aws, monkeyp
         assert aws.secret.encode() not in data and aws.key_id.encode() not in data, path
     assert aws.secret not in caplog.text and aws.key_id not in caplog.text
     assert aws.endpoint in (run / "config.yaml").read_text()  # not a secret: kept
+
+
+@pytest.mark.parametrize("case", ["output_bucket", "input_bucket", "output_secret"])
+def test_prepare_data_with_bad_storage_is_one_line_and_exit_2(case, aws, monkeypatch,
+                                                              capsys):
+    source, output, expected = str(WIKI), "s3://prep-out/wiki", "no-such-bucket"
+    if case == "output_bucket":
+        output = "s3://no-such-bucket/wiki"
+    elif case == "input_bucket":
+        source = "s3://no-such-bucket/dump.xml.bz2"
+        aws.filesystem().mkdir("prep-out")
+    else:
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+        expected = "access refused"
+    monkeypatch.setattr(storage, "FIRST_PAUSE_S", 0.01)
+    assert main(["prepare-data", "wikipedia", "--input", source, "-o", output,
+                 "--vocab", str(bundled_vocab_path()), "--sequence-length", str(SEQ),
+                 "--max-predictions", str(PRED)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0] and "Traceback" not in err[0], err

@@ -209,12 +209,37 @@ def _info_from_file(f: h5py.File, path: storage.Location) -> ShardInfo:
     return info
 
 
+_remote_infos: dict[str, ShardInfo] = {}
+
+
 def read_shard_info(path: str | os.PathLike) -> ShardInfo:
     """Shapes and attributes of a shard without reading its data (of a remote shard, only the
-    few blocks its metadata lies in)."""
+    few blocks its metadata lies in, once per process: the run's checks and its loader both
+    ask, and `read_shard` checks the data it reads again)."""
     path = storage.location(path)
+    if isinstance(path, str) and path in _remote_infos:
+        return _remote_infos[path]
     with _open(path) as f:
-        return _info_from_file(f, path)
+        info = _info_from_file(f, path)
+    if isinstance(path, str):
+        _remote_infos[path] = info
+    return info
+
+
+#: Shards whose metadata is read at once from object storage: each costs a few requests of
+#: latency, so thousands of shards read one by one would hold a run's start for minutes.
+REMOTE_INFO_THREADS = 16
+
+
+def read_shard_infos(paths: list[storage.Location]) -> list[ShardInfo]:
+    """`read_shard_info` of every path, in order; remote ones concurrently."""
+    if not any(isinstance(storage.location(p), str) for p in paths):
+        return [read_shard_info(p) for p in paths]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(REMOTE_INFO_THREADS, len(paths)),
+                            thread_name_prefix="popbert-shard-info") as pool:
+        return list(pool.map(read_shard_info, paths))
 
 
 def check_shard_info(info: ShardInfo, *, sequence_length: int | None = None,

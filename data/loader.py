@@ -36,7 +36,7 @@ from popbert.data.hdf5 import (
     ShardInfo,
     check_shard_info,
     read_shard,
-    read_shard_info,
+    read_shard_infos,
     write_shard,
 )
 from popbert.data.instances import (
@@ -137,7 +137,7 @@ class PretrainingLoader:
             self._loaded[0] = done
         else:
             self.paths = expand_input_files(arrays_or_shards)
-            infos = [read_shard_info(p) for p in self.paths]
+            infos = read_shard_infos(self.paths)
             for info in infos:
                 check_shard_info(info, **self._checks)
             _consistent(infos)

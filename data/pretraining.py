@@ -24,7 +24,7 @@ import numpy as np
 from popbert.data import storage
 from popbert.data.corpus import expand_input_files
 from popbert.data.errors import DataError
-from popbert.data.hdf5 import check_shard_info, read_shard_info
+from popbert.data.hdf5 import check_shard_info, read_shard_infos
 from popbert.data.instances import InstanceOptions, mask_arrays
 from popbert.data.loader import PretrainingLoader, load_or_create_instances
 from popbert.data.tokenization import TextTokenizer, bundled_vocab_path, load_tokenizer
@@ -122,8 +122,7 @@ def _shard_set(cfg: RunConfig, tokenizer: TextTokenizer, patterns: list[str]) ->
               "max_sequences_per_pack": cfg.model.max_sequences_per_pack}
     paths = expand_input_files(patterns)
     total = 0
-    for path in paths:
-        info = read_shard_info(path)
+    for info in read_shard_infos(paths):
         check_shard_info(info, **checks)
         total += info.num_samples
     return ShardSet(paths, checks, total)

@@ -186,9 +186,10 @@ class StageDir:
         interrupted stage still has to do.
         """
         done = {storage.name_of(p) for p in self.parts(suffix)}
+        sources = [storage.location(src) for src in inputs]
         return [(i, src.absolute() if isinstance(src, Path) else src,
                  storage.join(self.path, part_name(i, suffix)))
-                for i, src in enumerate(inputs) if part_name(i, suffix) not in done]
+                for i, src in enumerate(sources) if part_name(i, suffix) not in done]
 
     def parts(self, suffix: str) -> list[Location]:
         """Complete parts present now (temporary files start with a dot and are not listed)."""

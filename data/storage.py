@@ -50,7 +50,7 @@ FIRST_PAUSE_S = 0.5
 CHUNK_BYTES = 8 << 20
 #: Read-ahead of a remote HDF5 file opened for its metadata: its few small reads then cost one
 #: or two requests instead of the whole (possibly GB-sized) file.
-METADATA_BLOCK_BYTES = 1 << 20
+METADATA_BLOCK_BYTES = 256 << 10
 #: `data.cache_limit`'s default: room for many shards, little of a training machine's disk.
 DEFAULT_CACHE_LIMIT = 20 * 10**9
 
@@ -108,6 +108,18 @@ def configure(options: Mapping[str, Any] | None = None, cache_dir: str | os.Path
         _cache_root = Path(cache_dir) if cache_dir is not None else None
         _cache_limit = cache_limit if cache_limit is not None else DEFAULT_CACHE_LIMIT
         _cache = None
+
+
+def _fresh(url: str) -> tuple[Any, str]:
+    """`filesystem(url)` with its listings of `url` forgotten: fsspec caches directory listings
+    per process, and other processes (a stage's workers) write parts behind its back."""
+    import glob as globlib
+
+    fs, inner = filesystem(url)
+    parts = inner.split("/")
+    plain = next((i for i, part in enumerate(parts) if globlib.has_magic(part)), len(parts))
+    fs.invalidate_cache("/".join(parts[:plain]))  # that path, and the directories above it
+    return fs, inner
 
 
 def filesystem(url: str) -> tuple[Any, str]:
@@ -172,7 +184,7 @@ def with_retries(operation: Callable[[], T], url: str, what: str = "reading") ->
 # ---------------------------------------------------------------------------------- reading
 def expand(pattern: str) -> list[str]:
     """The URLs a remote path or glob names, sorted; none is a `DataError`."""
-    fs, path = filesystem(pattern)
+    fs, path = _fresh(pattern)
     import glob as globlib
 
     if globlib.has_magic(path):
@@ -192,7 +204,7 @@ def exists(path: Location) -> bool:
     """Whether a file exists at a local path or URL."""
     if isinstance(path, Path):
         return path.is_file()
-    fs, inner = filesystem(path)
+    fs, inner = _fresh(path)
     return bool(with_retries(lambda: fs.isfile(inner), path, "checking"))
 
 
@@ -200,7 +212,7 @@ def list_parts(directory: Location, pattern: str) -> list[Location]:
     """Files named `pattern` (a glob) in a local directory or under a URL prefix, sorted."""
     if isinstance(directory, Path):
         return sorted(directory.glob(pattern))
-    fs, inner = filesystem(directory)
+    fs, inner = _fresh(directory)
     found = with_retries(lambda: fs.glob(f"{inner.rstrip('/')}/{pattern}"), directory, "listing")
     return sorted(full_url(fs, p) for p in found)
 
@@ -209,7 +221,7 @@ def size(path: Location) -> int:
     """Bytes in a local file or remote object."""
     if isinstance(path, Path):
         return path.stat().st_size
-    fs, inner = filesystem(path)
+    fs, inner = _fresh(path)
     return int(with_retries(lambda: fs.size(inner), path, "checking"))
 
 
@@ -217,7 +229,7 @@ def is_directory(path: Location) -> bool:
     """Whether a local directory, or a URL prefix holding objects, is there."""
     if isinstance(path, Path):
         return path.is_dir()
-    fs, inner = filesystem(path)
+    fs, inner = _fresh(path)
     return bool(with_retries(lambda: fs.isdir(inner), path, "checking"))
 
 

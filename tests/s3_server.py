@@ -1,8 +1,9 @@
-"""A real S3-compatible server on 127.0.0.1 for the object-storage tests: moto's server mode in a
-process of its own, with credentials enforced (an IAM user and its access key, made through
-moto's IAM API), and `DroppingProxy`, a TCP relay in front of it that drops every connection
-once a given number of bytes has gone through, then refuses new ones for a while: the server
-stopping mid-transfer and coming back.
+"""A real S3-compatible server on 127.0.0.1 for the object-storage tests and benchmarks: moto's
+server mode in a process of its own, with credentials enforced (an IAM user and its access key,
+made through moto's IAM API), and `Relay`, a TCP relay in front of it that can drop every
+connection once a given number of bytes has gone through and refuse new ones for a while (the
+server stopping mid-transfer and coming back), and can cap the bandwidth (a remote store's link
+instead of the loopback's).
 """
 
 from __future__ import annotations
@@ -85,19 +86,24 @@ def s3_server() -> Iterator[S3Server]:
             process.wait()
 
 
-class DroppingProxy:
-    """A TCP relay from 127.0.0.1:`port` to `target_port`. Once `drop_after` bytes have come
-    back from the server (counted over all connections), every open connection is cut and the
-    listening socket closed for `down_s` seconds (connections refused), then it listens again:
-    once only. `dropped` tells whether that happened."""
+class Relay:
+    """A TCP relay from 127.0.0.1:`port` to `target_port`.
 
-    def __init__(self, target_port: int, drop_after: int, down_s: float = 1.5):
+    `drop_after`: once that many bytes have come back from the server (over all connections),
+    every open connection is cut and the listening socket closed for `down_s` seconds
+    (connections refused), then it listens again; once only, and `dropped` tells whether it
+    happened. `bytes_per_s`: the server's replies share a link of that bandwidth."""
+
+    def __init__(self, target_port: int, drop_after: int | None = None, down_s: float = 1.5,
+                 bytes_per_s: float | None = None):
         self.target_port = target_port
         self.drop_after = drop_after
         self.down_s = down_s
+        self.bytes_per_s = bytes_per_s
         self.port = free_port()
         self.relayed = 0
         self.dropped = threading.Event()
+        self._link_free_at = time.monotonic()  # when the capped link has sent what it holds
         self._sockets: list[socket.socket] = []
         self._guard = threading.Lock()
         self._stop = threading.Event()
@@ -133,8 +139,13 @@ class DroppingProxy:
     def _pipe(self, source: socket.socket, sink: socket.socket, counted: bool) -> None:
         try:
             while data := source.recv(65536):
+                if counted and self.bytes_per_s:
+                    with self._guard:
+                        start = max(self._link_free_at, time.monotonic())
+                        self._link_free_at = start + len(data) / self.bytes_per_s
+                    time.sleep(max(0.0, self._link_free_at - time.monotonic()))
                 sink.sendall(data)
-                if counted:
+                if counted and self.drop_after is not None:
                     with self._guard:
                         self.relayed += len(data)
                         due = self.relayed >= self.drop_after and not self.dropped.is_set()

@@ -368,10 +368,18 @@ def checkpoint_vocab(checkpoint: Path, vocab_file: str | None) -> Path | None:
     """The vocabulary of a checkpoint: the config's `data.vocab_file` if it exists, else the
     `vocab.txt` or `tokenizer.json` of the run directory (import-hf and fine-tuning put one
     there), else, when the config names none, the bundled one (what pre-training with no
-    `data.vocab_file` used). None: the config names a vocabulary that is gone."""
+    `data.vocab_file` used). None: the config names a vocabulary that is gone. A URL is read
+    from its copy in the local shard cache (`popbert.data.storage`)."""
+    from popbert.data import storage
+    from popbert.data.errors import DataError
     from popbert.io.checkpoint import find_checkpoint
 
-    if vocab_file and Path(vocab_file).is_file():
+    if vocab_file and storage.is_url(vocab_file):
+        try:
+            return storage.local_file(vocab_file)
+        except DataError as exc:
+            log.warning("%s; looking for the vocabulary beside the checkpoint", exc)
+    elif vocab_file and Path(vocab_file).is_file():
         return Path(vocab_file)
     checkpoint = Path(checkpoint)
     step = find_checkpoint(checkpoint)

@@ -267,7 +267,9 @@ class RunClaim:
             self.lock.release()
 
 
-def _inside(path: Path, directory: Path) -> bool:
+def _inside(path: Path | str, directory: Path) -> bool:
+    if "://" in str(path):  # a URL (data on object storage) is in no local directory
+        return False
     try:
         return Path(path).resolve().is_relative_to(Path(directory).resolve())
     except OSError:

@@ -22,13 +22,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from s3_server import DroppingProxy, s3_server
+from s3_server import Relay, s3_server
 from s3fs import S3FileSystem
 from safetensors.numpy import load_file
 
 from popbert.cli.main import main
 from popbert.data import read_shard, storage
 from popbert.data.tokenization import bundled_corpus_path, bundled_vocab_path
+from popbert.io.hf_checkpoint import checkpoint_vocab
 
 pytestmark = pytest.mark.e2e
 
@@ -105,18 +106,19 @@ STAGES = {"extracted": "jsonl", "sentences": "txt", f"instances-s{SEQ}-p{PRED}":
 
 def test_prepare_data_to_s3_equals_local(aws, tmp_path):
     """The whole pipeline, dump read from s3:// and every stage written there (each reading
-    the stage before from s3://), gives the local run's parts; a re-run skips them all."""
+    the stage before from s3://) by two worker processes, gives one local worker's parts; a
+    re-run skips them all."""
     fs = aws.filesystem()
     fs.mkdir("prep")
     fs.put_file(str(WIKI), f"prep/{WIKI.name}")
-    args = ["--vocab", str(bundled_vocab_path()), "--part-size-mb", "0.02", "--workers", "1",
+    args = ["--vocab", str(bundled_vocab_path()), "--part-size-mb", "0.02",
             "--sequence-length", str(SEQ), "--max-predictions", str(PRED), "--dupe-factor", "2",
             "--seed", "7"]
     local = tmp_path / "wiki"
     assert main(["prepare-data", "wikipedia", "--input", str(WIKI), "-o", str(local),
-                 *args]) == 0
+                 "--workers", "1", *args]) == 0
     assert main(["prepare-data", "wikipedia", "--input", f"s3://prep/{WIKI.name}",
-                 "-o", "s3://prep/wiki", *args]) == 0
+                 "-o", "s3://prep/wiki", "--workers", "2", *args]) == 0
     for stage, suffix in STAGES.items():
         mine = sorted(local.joinpath(stage).glob(f"part-*.{suffix}"))
         theirs = sorted(fs.glob(f"prep/wiki/{stage}/part-*.{suffix}"))
@@ -132,7 +134,7 @@ def test_prepare_data_to_s3_equals_local(aws, tmp_path):
     assert not [p for p in fs.find("prep/wiki") if ".tmp-" in p]
     before = {p: fs.info(p)["LastModified"] for p in fs.find("prep/wiki")}
     assert main(["prepare-data", "wikipedia", "--input", f"s3://prep/{WIKI.name}",
-                 "-o", "s3://prep/wiki", *args]) == 0
+                 "-o", "s3://prep/wiki", "--workers", "2", *args]) == 0
     assert {p: fs.info(p)["LastModified"] for p in fs.find("prep/wiki")} == before
 
 
@@ -152,6 +154,9 @@ def test_pretraining_from_s3_equals_local_disk_bit_for_bit(shards, aws, tmp_path
               if "val_loss" in line] for run in (local, remote)]
     assert evals[0] == evals[1] and len(evals[0]) == 2
     assert_same_weights(weights(local, 12), weights(remote, 12))
+    # What export and fine-tuning read as the checkpoint's vocabulary: the remote one's copy.
+    vocab = checkpoint_vocab(remote, f"s3://{BUCKET}/vocab.txt")
+    assert vocab is not None and vocab.read_bytes() == bundled_vocab_path().read_bytes()
 
 
 def test_a_run_killed_and_resumed_from_s3_ends_bit_identical(shards, aws, tmp_path):
@@ -176,7 +181,7 @@ def test_a_connection_dropped_mid_shard_is_retried_and_resumes(shards, aws, monk
     """The relay cuts every connection after 60 KB of a shard and refuses connections for a
     second (the server stopped and started): the download goes on from where it was."""
     port = int(aws.endpoint.rsplit(":", 1)[1])
-    proxy = DroppingProxy(port, drop_after=60_000, down_s=1.0)
+    proxy = Relay(port, drop_after=60_000, down_s=1.0)
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
         S3FileSystem.clear_instance_cache()  # its clients read the environment when made

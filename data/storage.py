@@ -364,8 +364,8 @@ class ShardCache:
                             f"directory") from None
 
     def _target(self, url: str, info: Mapping[str, Any]) -> Path:
-        tag = info.get("ETag") or info.get("etag") or info.get("mtime") or info.get(
-            "LastModified") or info.get("last_modified") or ""
+        tag = next((info[k] for k in ("ETag", "etag", "mtime", "LastModified", "last_modified",
+                                      "created") if info.get(k)), "")
         key = hashlib.sha256(f"{url}\0{info.get('size')}\0{tag}".encode()).hexdigest()[:24]
         return self.root / f"{key}-{name_of(url)}"
 

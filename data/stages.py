@@ -84,18 +84,13 @@ class StageDir:
     def open(self) -> StageDir:
         """Create the directory, or check that an existing one was made with these parameters;
         either way, lock it."""
-        if isinstance(self.path, str):
+        if isinstance(self.path, str):  # a prefix: nothing to create, nothing to lock
             self._fresh_prefix = not storage.list_parts(self.path, "*")
-            try:
-                self._check_or_record()
-            except BaseException:
-                self._remove_created()
-                raise
-            return self
-        missing = [d for d in (self.path, *self.path.parents) if not d.exists()]
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.created = missing
-        self._lock = lock_directory(self.path)
+        else:
+            missing = [d for d in (self.path, *self.path.parents) if not d.exists()]
+            self.path.mkdir(parents=True, exist_ok=True)
+            self.created = missing
+            self._lock = lock_directory(self.path)
         try:
             self._check_or_record()
         except BaseException:

@@ -1,9 +1,15 @@
 """Small random task models saved as a fine-tuning run saves them, and ONNX Runtime on a file:
-shared by the export tests (tests/io) and the serving tests (tests/serve)."""
+shared by the export tests (tests/io) and the serving tests (tests/serve); and a run SIGKILLed
+once it has saved a checkpoint (the resume tests)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,3 +58,18 @@ def final_step_weights(run: Path) -> dict[str, np.ndarray]:
     step = max((run / "checkpoints").iterdir())
     return safetensors.numpy.load_file(str(step / "weights.safetensors"))
 
+
+
+def kill_after_checkpoint(argv: list[str], run: Path, step: int,
+                          env: dict[str, str] | None = None) -> None:
+    """`python -m popbert *argv` in a child, SIGKILLed as soon as `run` holds the checkpoint
+    of `step` (it fails the test if the child ends or takes 4 minutes first)."""
+    process = subprocess.Popen([sys.executable, "-m", "popbert", *argv],
+                               env=env if env is not None else os.environ.copy(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not (run / "checkpoints" / f"step-{step:06d}" / "state.json").exists():
+        assert process.poll() in (None, 0) and time.monotonic() < deadline
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()

@@ -13,15 +13,11 @@ from __future__ import annotations
 import io
 import json
 import logging
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from checkpoint_helpers import kill_after_checkpoint
 from s3_server import Relay, s3_server
 from s3fs import S3FileSystem
 from safetensors.numpy import load_file
@@ -164,15 +160,7 @@ def test_a_run_killed_and_resumed_from_s3_ends_bit_identical(shards, aws, tmp_pa
             "--set", "training.steps=16", "--set", "training.checkpoint_every=4"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert main(["pretrain", *TINY, *data, "-o", str(straight)]) == 0
-    process = subprocess.Popen([sys.executable, "-m", "popbert", "pretrain", *TINY, *data,
-                                "-o", str(killed)], env=os.environ.copy(),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 240
-    while not (killed / "checkpoints" / "step-000004" / "state.json").exists():
-        assert process.poll() in (None, 0) and time.monotonic() < deadline
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    kill_after_checkpoint(["pretrain", *TINY, *data, "-o", str(killed)], killed, 4)
     assert main(["pretrain", "--resume", str(killed), "-o", str(killed)]) == 0
     assert_same_weights(weights(straight, 16), weights(killed, 16))
 

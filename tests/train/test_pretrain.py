@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 import safetensors.numpy
+from checkpoint_helpers import kill_after_checkpoint
 
 import popbert
 from popbert.cli.main import main
@@ -94,23 +93,7 @@ def test_kill_and_resume_gives_bit_identical_weights(tmp_path: Path) -> None:
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert pretrain(straight, *steps) == 0
 
-    command = [
-        sys.executable,
-        "-m",
-        "popbert",
-        "pretrain",
-        *SMALL,
-        *steps,
-        "--output-dir",
-        str(killed),
-    ]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 240
-    while not (killed / "checkpoints" / "step-000004" / "state.json").exists():
-        assert process.poll() in (None, 0) and time.monotonic() < deadline
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    kill_after_checkpoint(["pretrain", *SMALL, *steps, "--output-dir", str(killed)], killed, 4)
     assert main(["pretrain", "--resume", str(killed), "--output-dir", str(killed)]) == 0
 
     a = weights(straight / "checkpoints" / "step-000016")

@@ -62,6 +62,22 @@ class Checkpoint:
                 "loader": self.loader, "trainer": self.trainer}
 
 
+def canonical_safetensors(data: bytes) -> bytes:
+    """`data` (a safetensors file) with its `__metadata__` keys in sorted order.
+
+    safetensors writes the metadata from a hash map, so two saves of the same state differ in
+    those bytes; sorted, equal state gives equal files, which users deduplicate and verify by
+    hash. Only the order changes: the header keeps its length, so every offset stays valid."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    if "__metadata__" in header:
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(text) > size:  # another JSON spelling than safetensors': leave the file as it was
+        return data
+    return data[:8] + text.ljust(size, b" ") + data[8 + size:]
+
+
 def _torch_bytes(obj: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
@@ -79,8 +95,8 @@ def save_checkpoint(directory: Path, checkpoint: Checkpoint, config_yaml: str,
     with atomic_directory(directory) as tmp:
         weights = {k: _standalone(v) for k, v in checkpoint.weights.items()}
         write_file(tmp / "weights.safetensors",
-                   safetensors.torch.save(weights, metadata={"format": "popbert",
-                                                             "names": "onnx"}))
+                   canonical_safetensors(safetensors.torch.save(
+                       weights, metadata={"format": "popbert", "names": "onnx"})))
         write_file(tmp / "optimizer.pt", _torch_bytes(checkpoint.optimizer))
         write_file(tmp / "rng.pt", _torch_bytes(checkpoint.rng))
         state = {"format_version": FORMAT_VERSION, "step": checkpoint.step,

@@ -21,7 +21,16 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["capture_rng", "replica_rng", "restore_rng"]
+__all__ = ["capture_rng", "replica_rng", "restore_rng", "seed_all"]
+
+
+def seed_all(seed: int) -> None:
+    """Seed torch's, NumPy's and Python's global generators from one seed (as
+    `transformers.set_seed` does), so that everything `capture_rng` saves is a function of the
+    run's seed and its steps: equal runs write equal `rng.pt` files, byte for byte."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
 
 
 def capture_rng() -> dict[str, Any]:

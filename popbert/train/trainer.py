@@ -52,6 +52,7 @@ from popbert.optimizers import set_lr
 from popbert.runtime.devices import resolve_device
 from popbert.runtime.options import SessionOptions
 from popbert.runtime.protocol import Session
+from popbert.runtime.rng import seed_all
 from popbert.train.curriculum import SequenceCurriculum
 from popbert.train.factories import (
     graph_batch_size,
@@ -351,7 +352,7 @@ class Trainer:
         if owns:
             replicas = init_replicas(cfg, resolve_device(cfg.execution.device))
         try:
-            torch.manual_seed(cfg.training.seed)
+            seed_all(cfg.training.seed)
             graph = build_bert(cfg.model, task=job.task, seed=cfg.training.seed,
                                batch_size=graph_batch_size(cfg),
                                dynamic_sequence=rows_change_length(cfg))
@@ -361,7 +362,7 @@ class Trainer:
                                    loss_scaler=loss_scaler(cfg), replicas=replicas,
                                    **(backend_options or {}))
             if replicas.rank:  # every replica its own dropout masks (replica 0 as 1 process)
-                torch.manual_seed(replica_seed(cfg.training.seed, replicas.rank))
+                seed_all(replica_seed(cfg.training.seed, replicas.rank))
             loader = job.loader(replicas.rank, replicas.size)
             validation = job.validation(replicas.rank, replicas.size)
             fresh = job.load_initial_weights(session,

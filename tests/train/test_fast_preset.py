@@ -7,6 +7,8 @@ else. `fast` (ModernBERT) and `groupbert-fast` (GroupBERT, `fast` until ModernBE
 (here with an 8 s budget, 2 validation batches and each preset's model at a quarter of its width
 with micro-batches of 8, to keep the test short, on documents of the bundled corpus split into
 two text files: the data layout, budget, evaluation points and export are the preset's own).
+The budget is kept on a `CountingClock`, so the run trains the same steps however loaded the
+machine is.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 from pathlib import Path
 
 import pytest
+from trainer_helpers import count_budget_time
 
 from popbert.cli.main import main
 from popbert.data import bundled_corpus_path
@@ -39,7 +42,9 @@ def split_corpus(tmp_path: Path) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("preset", sorted(NARROW))
-def test_fast_trains_on_text_files_within_its_budget(tmp_path: Path, preset: str) -> None:
+def test_fast_trains_on_text_files_within_its_budget(tmp_path: Path, preset: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    count_budget_time(monkeypatch)
     train, heldout = split_corpus(tmp_path)
     run = tmp_path / "run"
     assert main(["pretrain", "--config", preset, "--set", f"training.time_budget={BUDGET:g}",

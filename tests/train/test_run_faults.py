@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import safetensors.numpy
+from trainer_helpers import count_budget_time
 
 from popbert import atomic
 from popbert.cli.main import main
@@ -348,6 +349,7 @@ def test_a_budgeted_run_stopped_after_its_final_checkpoint_is_finished_by_resume
     `--resume` with that budget writes the export without training; a larger budget trains on."""
     from popbert.train.pretrain import PretrainingJob
 
+    count_budget_time(monkeypatch)  # the same steps however loaded the machine is
     run = tmp_path / "run"
     budget = ["--set", "training.time_budget=3s", "--set", "training.steps=1000"]
     export = PretrainingJob.export

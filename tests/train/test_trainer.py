@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import torch
+from trainer_helpers import count_budget_time
 
 import popbert
 from popbert.cli.main import main
@@ -184,7 +185,9 @@ def test_under_a_time_budget_the_schedule_follows_the_clock(tmp_path: Path) -> N
 
 
 @pytest.mark.e2e
-def test_a_budgeted_run_stops_on_time_and_resumes_the_same_budget(tmp_path: Path) -> None:
+def test_a_budgeted_run_stops_on_time_and_resumes_the_same_budget(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    count_budget_time(monkeypatch)  # the same steps however loaded the machine is
     run = tmp_path / "run"
     cfg = small("training.steps=1000000", "training.time_budget=3s",
                 "training.checkpoint_every=3", "training.keep_checkpoints=0")

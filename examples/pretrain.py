@@ -4,6 +4,7 @@ an ONNX export.
     python examples/pretrain.py                              # tiny BERT, bundled corpus, CPU
     python examples/pretrain.py --config base-128 --set execution.device=cuda
     python examples/pretrain.py --resume runs/my-run         # continue a stopped run, in place
+    torchrun --nproc-per-node 2 --max-restarts 3 examples/pretrain.py --set execution.replicas=2
 
 It takes the flags of `popbert pretrain` and makes the same run: `popbert.Trainer` is the one
 door both go through (config → graph → session → steps → checkpoint → export).
@@ -28,14 +29,16 @@ def main(args: argparse.Namespace) -> int:
     # The run: the annotated BERT graph, a session training it with our LAMB, the bundled
     # Wikipedia slice masked into MLM/NSP batches, checkpoints and metrics in the run directory.
     # The run directory is this run's alone: locked while it runs; one holding another run is
-    # refused unless --overwrite deletes that run first.
+    # refused unless --overwrite deletes that run first. Under torchrun --max-restarts, a
+    # restarted job finds its run again and resumes it by itself.
     with popbert.Trainer.from_config(cfg, args.output_dir, resume=args.resume,
                                      init_from=args.init_from,
                                      overwrite=args.overwrite) as trainer:
         result = trainer.train()  # then the final checkpoint, metrics.png, model.inference.onnx
 
-    print(f"done: {result.output_dir} (checkpoint {result.checkpoint.name}, "
-          f"loss {result.final_metrics['loss']:.3f}, {result.inference_model.name})")
+    if result.inference_model is not None:  # under torchrun, replica 0 writes the outputs
+        print(f"done: {result.output_dir} (checkpoint {result.checkpoint.name}, "
+              f"loss {result.final_metrics['loss']:.3f}, {result.inference_model.name})")
     return 0
 
 

@@ -13,7 +13,6 @@ import argparse
 import json
 import logging
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -88,23 +87,20 @@ def pretrain_output_dir(args: argparse.Namespace) -> Path:
         from popbert.io.run_dir import run_dir_of
 
         return run_dir_of(args.resume)  # a resumed run continues where it was
-    return Path("runs") / time.strftime("pretrain-%Y%m%d-%H%M%S")
+    from popbert.io.run_dir import default_run_dir
+
+    return default_run_dir("pretrain")
 
 
 def _cmd_pretrain(args: argparse.Namespace) -> int:
     resume = _existing_dir(args.resume, "--resume")
     init_from = _existing_dir(args.init_from, "--init-from")
     cfg = config_from_args(args)
-    from popbert.distributed.elastic import record_launch, restart_arguments
     from popbert.train.trainer import Trainer
 
-    output_dir = pretrain_output_dir(args)
-    # A torchrun restart of this job resumes its own run by itself.
-    resume, init_from, overwrite = restart_arguments(output_dir, resume, init_from,
-                                                     args.overwrite)
-    with Trainer.from_config(cfg, output_dir, resume=resume, init_from=init_from,
-                             overwrite=overwrite) as trainer:
-        record_launch(trainer.replicas, trainer.output_dir)
+    # A torchrun restart of this job resumes its own run by itself (Trainer.from_config).
+    with Trainer.from_config(cfg, pretrain_output_dir(args), resume=resume,
+                             init_from=init_from, overwrite=args.overwrite) as trainer:
         trainer.train()
     return 0
 

@@ -154,19 +154,34 @@ def restart_plan(output_dir: Path) -> RestartPlan | None:
 
 
 def restart_arguments(output_dir: Path, resume: Path | None, init_from: Path | None,
-                      overwrite: bool) -> tuple[Path | None, Path | None, bool]:
-    """`pretrain`'s (resume, init_from, overwrite), changed on a torchrun restart of this job's
-    run (:func:`restart_plan`): resume its newest checkpoint; or, with none yet, start over the
-    way the first launch did, deleting what it wrote, unless it resumed a checkpoint of this
-    same directory (that run is not deleted: it is resumed from the same checkpoint again)."""
+                      overwrite: bool, resumable: bool = True
+                      ) -> tuple[Path | None, Path | None, bool]:
+    """A run's (resume, init_from, overwrite), changed on a torchrun restart of this job's
+    run (:func:`restart_plan`): resume its newest checkpoint; or, with none yet (or for a job
+    that does not resume: `resumable` false, fine-tuning), start over the way the first launch
+    did, deleting what it wrote, unless it resumed a checkpoint of this same directory (that
+    run is not deleted: it is resumed from the same checkpoint again)."""
     plan = restart_plan(output_dir)
     if plan is None:
         return resume, init_from, overwrite
-    if plan.resume is not None:
+    if plan.resume is not None and resumable:
         return plan.resume, None, False
     if resume is not None and _same_dir(_run_dir_of(Path(resume)), Path(output_dir)):
         return resume, init_from, False
     return resume, init_from, True
+
+
+def launched_run_dir(root: Path, prefix: str) -> Path | None:
+    """Under torchrun: the newest run directory `root/<prefix>*` that this worker's agent
+    launched (its `.torchrun.json` names the agent), so a restarted job given no `-o` finds
+    the directory of its first attempt instead of starting a new one. None elsewhere."""
+    if RESTART_ENV not in os.environ or not Path(root).is_dir():
+        return None
+    me = agent_identity()
+    for directory in sorted(Path(root).glob(f"{prefix}*"), reverse=True):
+        if me in recorded_agents(directory):
+            return directory
+    return None
 
 
 def _same_dir(a: Path, b: Path) -> bool:
@@ -206,6 +221,6 @@ def _write_marker(output_dir: Path, record: dict[str, Any]) -> None:
     atomic_write_text(Path(output_dir) / MARKER, json.dumps(record) + "\n")
 
 
-__all__ = ["MARKER", "RestartPlan", "agent_identity", "checkpoint_dirs", "record_launch",
-           "recorded_agents", "restart_arguments", "restart_count", "restart_plan",
-           "restartable"]
+__all__ = ["MARKER", "RestartPlan", "agent_identity", "checkpoint_dirs", "launched_run_dir",
+           "record_launch", "recorded_agents", "restart_arguments", "restart_count",
+           "restart_plan", "restartable"]

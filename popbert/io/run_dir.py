@@ -59,6 +59,18 @@ def run_dir_of(path: Path) -> Path:
     return path
 
 
+def default_run_dir(job: str) -> Path:
+    """Where a run given no output directory writes: `runs/<job>-<timestamp>`; under torchrun,
+    a restart of a job finds its first attempt's directory again
+    (`popbert.distributed.elastic.launched_run_dir`) rather than starting another."""
+    import time
+
+    from popbert.distributed.elastic import launched_run_dir
+
+    root = Path("runs")
+    return launched_run_dir(root, f"{job}-") or root / time.strftime(f"{job}-%Y%m%d-%H%M%S")
+
+
 def check_output_dir(path: Path, flag: str = "--output-dir") -> None:
     """Fail with one line, before anything is written, if `path` cannot be a run directory:
     it is a file, sits under a file, or its nearest existing ancestor is not writable."""
@@ -305,6 +317,7 @@ def claim_run_dir(path: Path, *, new_run: bool = True, overwrite: bool = False,
 
 
 __all__ = ["RUN_FILES", "RUN_MARKERS", "RunClaim", "check_new_run_dir", "check_output_dir",
+           "default_run_dir",
            "checkpoint_dirs", "claim_run_dir", "clean_interrupted", "clear_run_dir",
            "create_output_dir", "foreign_files", "prune_checkpoints", "remove_if_empty_run",
            "run_dir_of", "step_dir"]

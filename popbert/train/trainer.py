@@ -43,6 +43,7 @@ from popbert.distributed import (
     replica_seed,
     world_size_from_env,
 )
+from popbert.distributed.elastic import record_launch, restart_arguments
 from popbert.errors import CheckpointError, ConfigError, WriteError, one_line
 from popbert.io import checkpoint as ckpt
 from popbert.io import run_dir
@@ -286,10 +287,14 @@ class Trainer:
             # directly is refused, incomplete newer ones in a run directory are named.
             resume = ckpt.find_checkpoint(Path(resume), warn=_launch_rank(replicas) == 0)
         if output_dir is None:
-            slug = "pretrain" if cfg.finetune.task is None else f"finetune-{cfg.finetune.task}"
+            job = "pretrain" if cfg.finetune.task is None else f"finetune-{cfg.finetune.task}"
             output_dir = (run_dir.run_dir_of(Path(resume)) if resume is not None
-                          else Path("runs") / time.strftime(f"{slug}-%Y%m%d-%H%M%S"))
+                          else run_dir.default_run_dir(job))
         output_dir = Path(output_dir)
+        # A torchrun restart of this job goes on with its own run by itself: pre-training
+        # resumes its newest checkpoint, fine-tuning (which does not resume) starts over.
+        resume, init_from, overwrite = restart_arguments(
+            output_dir, resume, init_from, overwrite, resumable=cfg.finetune.task is None)
         run_dir.check_output_dir(output_dir)
         claim = None
         if _launch_rank(replicas) == 0:  # the other replicas share replica 0's directory
@@ -302,13 +307,19 @@ class Trainer:
             claim = run_dir.claim_run_dir(output_dir, new_run=not continuing,
                                           overwrite=overwrite, sources=sources)
         try:
-            return cls._assemble(cfg, output_dir, claim, resume=resume, init_from=init_from,
-                                 replicas=replicas, on_record=on_record,
-                                 backend_options=backend_options)
+            trainer = cls._assemble(cfg, output_dir, claim, resume=resume, init_from=init_from,
+                                    replicas=replicas, on_record=on_record,
+                                    backend_options=backend_options)
         except BaseException:
             if claim is not None:
                 claim.release(failed=True)  # a directory it created goes (nothing was kept)
             raise
+        try:
+            record_launch(trainer.replicas, trainer.output_dir)  # what a restart looks for
+        except BaseException:
+            trainer.close()
+            raise
+        return trainer
 
     @classmethod
     def _assemble(cls, cfg: RunConfig, output_dir: Path, claim: run_dir.RunClaim | None, *,

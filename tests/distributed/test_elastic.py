@@ -149,6 +149,35 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_by_itself(
     assert json.loads((output / ".torchrun.json").read_text())["agents"]
 
 
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pretrain.py"
+
+
+@pytest.mark.e2e
+def test_the_example_without_an_output_dir_restarts_into_its_own_run(
+        tmp_path: Path, reference: Path) -> None:
+    """`examples/pretrain.py` under torchrun --max-restarts 1 and no --output-dir: replica 1
+    is killed after the step-10 checkpoint; the restarted workers find the run directory of
+    the first attempt (its `.torchrun.json` names their agent), resume it by themselves and
+    end bit-identical to the uninterrupted run, leaving one run directory."""
+    log = tmp_path / "log"
+    command = [TORCHRUN, "--rdzv-backend", "c10d", "--nnodes", "1", "--nproc-per-node", "2",
+               "--max-restarts", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+               str(EXAMPLE), *pretrain_args(tmp_path / "unused")[5:]]  # its --set flags only
+    with log.open("w") as stream:
+        agent = subprocess.Popen(command, env=cli_env(), cwd=tmp_path, stdout=stream,
+                                 stderr=subprocess.STDOUT)
+
+    def first_checkpoint() -> bool:
+        return any((tmp_path / "runs").glob(f"pretrain-*/checkpoints/step-{EVERY:06d}/"
+                                            "state.json"))
+
+    kill_worker_when(agent, log, first_checkpoint)
+    text = finish(agent, log)
+    assert "torchrun restarted this job: resuming" in text, text[-3000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    assert_same_run(run, reference)
+
+
 @pytest.mark.e2e
 def test_a_worker_killed_before_the_first_checkpoint_starts_the_run_over(
         tmp_path: Path, reference: Path) -> None:
@@ -310,6 +339,38 @@ def test_a_restart_after_resuming_an_older_checkpoint_keeps_to_its_trajectory(
     checkpoint(output, 20)
     elastic.record_launch(single, output)  # the restarted launch keeps the first one's list
     assert elastic.restart_arguments(output, ten, None, False) == (twenty, None, False)
+
+
+def test_a_restarted_job_finds_its_run_directory_and_fine_tuning_starts_over(
+        tmp_path: Path, monkeypatch) -> None:
+    """Given no output directory, a restart finds the one its first attempt used (the
+    directory whose marker names its agent, not another job's or a newer run's); a job that
+    does not resume (fine-tuning) starts over in it, deleting the first attempt's files."""
+    from types import SimpleNamespace
+
+    from popbert.distributed import elastic
+    from popbert.io.run_dir import default_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(elastic.RESTART_ENV, "0")
+    monkeypatch.setenv(elastic.MAX_RESTARTS_ENV, "1")
+    single = SimpleNamespace(is_main=True, all_gather_object=lambda obj: [obj])
+    first = default_run_dir("finetune-squad")
+    assert first.parent == Path("runs") and first.name.startswith("finetune-squad-")
+    first.mkdir(parents=True)
+    elastic.record_launch(single, first)
+    checkpoint(first, 10)  # written by the first attempt
+    other = Path("runs") / "finetune-squad-29991231-235959"  # newer, another job's
+    other.mkdir(parents=True)
+    (other / elastic.MARKER).write_text(json.dumps({"agents": [["elsewhere", 1, 2]]}))
+    monkeypatch.setenv(elastic.RESTART_ENV, "1")
+    assert default_run_dir("finetune-squad") == first
+    assert default_run_dir("pretrain").name.startswith("pretrain-")  # no run of this job
+    assert elastic.restart_arguments(first, None, None, False, resumable=False) == \
+        (None, None, True)
+    assert elastic.restart_arguments(first, None, None, False)[0].name == "step-000010"
+    monkeypatch.delenv(elastic.RESTART_ENV)  # not under torchrun: a new (timestamped) one
+    assert elastic.launched_run_dir(Path("runs"), "finetune-squad-") is None
 
 
 def test_the_run_directory_layout_agrees_with_popbert_io(tmp_path: Path) -> None:

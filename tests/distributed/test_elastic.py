@@ -178,6 +178,49 @@ def test_the_example_without_an_output_dir_restarts_into_its_own_run(
     assert_same_run(run, reference)
 
 
+SENTIMENT = Path(__file__).resolve().parents[1] / "fixtures" / "classification" / "sentiment.tsv"
+
+
+@pytest.mark.e2e
+def test_a_restarted_fine_tuning_job_starts_over_and_ends_as_an_uninterrupted_one(
+        tmp_path: Path) -> None:
+    """`popbert finetune classify` (one process: fine-tuning takes no replicas) under torchrun
+    --max-restarts 1, its worker SIGKILLed after the first checkpoint: the restart does not
+    refuse its own directory; it starts the run over there and ends with the weights of an
+    uninterrupted run, bit for bit."""
+    from popbert.cli.main import main
+
+    pre = tmp_path / "pre"
+    assert main(["pretrain", "-o", str(pre),
+                 *[a for item in overrides(training__steps=2) for a in ("--set", item)]]) == 0
+
+    def launch(output: Path, log: Path, *extra: str) -> subprocess.Popen:
+        command = [TORCHRUN, "--rdzv-backend", "c10d", "--nnodes", "1", "--nproc-per-node",
+                   "1", *extra, "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "popbert",
+                   "finetune", "classify", "--checkpoint", str(pre), "--train", str(SENTIMENT),
+                   "-o", str(output), "--epochs", "3", "--batch-size", "4",
+                   "--max-seq-length", "32", "--lr", "1e-3", "--log-every", "1",
+                   "--set", "training.checkpoint_every=5"]
+        with log.open("w") as stream:
+            return subprocess.Popen(command, env=cli_env(), stdout=stream,
+                                    stderr=subprocess.STDOUT)
+
+    straight, restarted = tmp_path / "straight", tmp_path / "restarted"
+    finish(launch(straight, tmp_path / "log1"), tmp_path / "log1")
+    agent = launch(restarted, tmp_path / "log2", "--max-restarts", "1")
+    kill_worker_when(agent, tmp_path / "log2",
+                     lambda: (restarted / "checkpoints" / "step-000005" / "state.json").exists(),
+                     rank=0)
+    text = finish(agent, tmp_path / "log2")
+    assert "deleted the earlier run" in text, text[-3000:]  # its first attempt's files
+    ours, theirs = (sorted((run / "checkpoints").glob("step-*"))[-1] for run in
+                    (restarted, straight))
+    assert ours.name == theirs.name
+    a, b = (safetensors.numpy.load_file(str(c / "weights.safetensors")) for c in (ours, theirs))
+    assert a.keys() == b.keys()
+    assert not [k for k in a if not np.array_equal(a[k], b[k])]
+
+
 @pytest.mark.e2e
 def test_a_worker_killed_before_the_first_checkpoint_starts_the_run_over(
         tmp_path: Path, reference: Path) -> None:

@@ -27,13 +27,9 @@ import numpy as np
 import torch
 
 import popbert
-from popbert.builders.bert import build_bert
 from popbert.data import InstanceOptions, WordPieceTokenizer, read_documents
 from popbert.data.instances import create_chunk_arrays
-from popbert.runtime.options import SessionOptions
-from popbert.runtime.session import TrainingSession
 from popbert.train.curriculum import SequenceCurriculum
-from popbert.train.factories import optimizer_factory
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -74,9 +70,16 @@ def main() -> None:
                         help="the preset whose model is measured")
     args = parser.parse_args()
     cfg = config(args.config, args.sequence_length, args.lengths, args.device)
-    graph = build_bert(cfg.model, seed=1, dynamic_sequence=True)
-    session = TrainingSession(graph.model(), graph.loss, optimizer_factory(cfg),
-                              SessionOptions.from_config(cfg))
+    # The run as `popbert pretrain` assembles it (graph with a dynamic sequence axis, session,
+    # optimizer), in a scratch directory; its steps are then timed on rows cut by hand.
+    with tempfile.TemporaryDirectory() as scratch, \
+            popbert.Trainer.from_config(cfg, Path(scratch) / "run") as trainer:
+        measure(trainer.session, cfg, args)
+
+
+def measure(session: popbert.TrainingSession, cfg: popbert.RunConfig,
+            args: argparse.Namespace) -> None:
+    """Time the session's steps on full rows and on rows cut to each of `args.lengths`."""
     micro = cfg.execution.micro_batch_size
     data = rows(cfg, micro * (args.steps + args.warmup))
     cutters = {n: SequenceCurriculum(config(args.config, args.sequence_length, [n], args.device))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+import tempfile
 import time
 import weakref
 from pathlib import Path
@@ -35,13 +36,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from popbert.builders.bert import build_bert
 from popbert.config import load_config
-from popbert.data.loader import PretrainingLoader, load_or_create_instances
-from popbert.optimizers import AdamW, param_groups_by_name
 from popbert.plan import format_bytes, plan_run
-from popbert.runtime.options import SessionOptions
-from popbert.runtime.session import TrainingSession
+from popbert.train.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from memory_helpers import PeakMemory, optimizer_state_bytes  # noqa: E402
@@ -105,32 +102,30 @@ class NewStorageMemory(TorchDispatchMode):
         return out
 
 
-def measure(name: str, overrides: list[str], data) -> dict[str, float]:
+def measure(name: str, overrides: list[str]) -> dict[str, float]:
     """Plan and measure one case; returns the numbers of its table row."""
     cfg = load_config("tiny", ["execution.device=cpu", "execution.gradient_accumulation=2",
                                *overrides])
-    e = cfg.execution
     plan = plan_run(cfg, config_name=name)
     # A pipeline's devices are all this one CPU: their needs add up.
     estimate_step = sum(d.gradient_bytes + max(d.forward_backward_bytes, d.workspace_bytes)
                         for d in plan.devices)
     planned_persistent = sum(d.weight_bytes + d.optimizer_bytes for d in plan.devices)
-    torch.manual_seed(0)
-    graph = build_bert(cfg.model, seed=0, batch_size=e.micro_batch_size).model()
-    session = TrainingSession(
-        graph, "loss", lambda named: AdamW(param_groups_by_name(named, 0.01), lr=1e-3, seed=0),
-        SessionOptions.from_config(cfg))
-    rows = e.micro_batch_size * e.gradient_accumulation  # one step: two micro-batches
-    batches = iter(PretrainingLoader(data, micro_batch_size=rows, seed=0))
-    session.run(next(batches))  # warm-up: the optimizer state now exists
-    persistent = (sum(p.numel() * p.element_size() for _, p in session.named_parameters)
-                  + optimizer_state_bytes(session.optimizer))
-    session.optimizer.zero_grad(set_to_none=True)
-    with NewStorageMemory() as memory:
-        session.run(next(batches))
-    session.optimizer.zero_grad(set_to_none=True)
-    with PeakMemory("cpu") as peak_memory:
-        session.run(next(batches))
+    # The run as `popbert pretrain` assembles it (the tiny preset's AdamW), in scratch; each
+    # `session.run` takes one step: two micro-batches (more for the pipeline case).
+    with tempfile.TemporaryDirectory() as scratch, \
+            Trainer.from_config(cfg, Path(scratch) / "run") as trainer:
+        session = trainer.session
+        batches = trainer.batches()
+        session.run(next(batches))  # warm-up: the optimizer state now exists
+        persistent = (sum(p.numel() * p.element_size() for _, p in session.named_parameters)
+                      + optimizer_state_bytes(session.optimizer))
+        session.optimizer.zero_grad(set_to_none=True)
+        with NewStorageMemory() as memory:
+            session.run(next(batches))
+        session.optimizer.zero_grad(set_to_none=True)
+        with PeakMemory("cpu") as peak_memory:
+            session.run(next(batches))
     return {"estimate_step": estimate_step, "step": memory.peak,
             "peak_memory": peak_memory.peak_bytes,
             "estimate_total": sum(d.total_bytes for d in plan.devices),
@@ -143,15 +138,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    data = load_or_create_instances(None, None, sequence_length=128, max_predictions_per_seq=20,
-                                    seed=0)
     header = (f"{'case':40} {'plan: step':>12} {'measured':>12} {'plan/meas':>9} "
               f"{'PeakMemory':>11} {'plan: total':>12} {'measured':>12} {'plan/meas':>9} "
               f"{'state':>6}")
     print(header)
     start = time.perf_counter()
     for name, overrides in CASES.items():
-        r = measure(name, overrides, data)
+        r = measure(name, overrides)
         print(f"{name:40} {format_bytes(r['estimate_step']):>12} {format_bytes(r['step']):>12} "
               f"{r['estimate_step'] / r['step']:>9.3f} {format_bytes(r['peak_memory']):>11} "
               f"{format_bytes(r['estimate_total']):>12} {format_bytes(r['total']):>12} "

@@ -364,11 +364,14 @@ def _add_training_args(p: argparse.ArgumentParser, preset: str) -> None:
 
 
 def _add_finetune_commands(sub, common: argparse.ArgumentParser) -> None:
+    from popbert.config.sections import FINETUNE_COMMANDS
+
     group = sub.add_parser("finetune", parents=[common], help="fine-tune on SQuAD or a "
                            "classification file")
     tasks = group.add_subparsers(dest="finetune_command", metavar="TASK", required=True)
 
-    p = tasks.add_parser("squad", parents=[common], help="SQuAD v1.1 question answering",
+    p = tasks.add_parser(FINETUNE_COMMANDS["squad"], parents=[common],
+                         help="SQuAD v1.1 question answering",
                          description="Fine-tune the span head on a SQuAD v1.1 training file; "
                                      "write predictions.json for --predict and, if it has "
                                      "answers, the official EM/F1 (printed as JSON).")
@@ -381,7 +384,7 @@ def _add_finetune_commands(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--max-answer-length", type=int)
     p.set_defaults(handler=_cmd_finetune, finetune_task="squad")
 
-    p = tasks.add_parser("classify", parents=[common],
+    p = tasks.add_parser(FINETUNE_COMMANDS["classification"], parents=[common],
                          help="sentence or sentence-pair classification (TSV/CSV/JSONL)",
                          description="Fine-tune a pooled-output classifier; report accuracy and "
                                      "F1 on --eval (default: the training file) as JSON.")

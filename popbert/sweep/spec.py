@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from popbert.config.sections import FINETUNE_COMMANDS
 from popbert.config.yaml_io import parse_yaml
 from popbert.errors import ConfigError
 
@@ -33,10 +34,8 @@ DISTRIBUTIONS = ("constant", "categorical", "int_uniform", "uniform", "q_uniform
                  "log_uniform", "log_uniform_values", "q_log_uniform_values")
 DISCRETE = ("constant", "categorical", "int_uniform", "q_uniform")
 
-# The sweep's names of the fine-tuning jobs, and the task each runs (popbert.train.finetune).
-FINETUNE_TASKS = {"finetune squad": "squad", "finetune classify": "classification"}
-# The `args` that are files; the others set the task's knobs.
-PATH_ARGS = ("checkpoint", "train", "predict", "eval")
+# The sweep's names of the fine-tuning jobs (their commands), and the task each runs.
+FINETUNE_TASKS = {f"finetune {command}": task for task, command in FINETUNE_COMMANDS.items()}
 # Config keys a fine-tuning run takes from its checkpoint or derives from its data.
 NOT_SWEPT = ("model.", "data.", "training.steps", "optimizer.warmup_steps")
 
@@ -45,13 +44,13 @@ def finetune_args(job: str) -> dict[str, Any]:
     """The `args` a fine-tuning job takes (its command's flags that set `finetune.*` keys), each
     with its kind: "path", int, float or str (labels: comma-separated, as on the command line)."""
     from popbert.config import FinetuneConfig
-    from popbert.train.finetune import COMMON_FLAGS, FLAG_KEYS, TASKS
+    from popbert.train.finetune import COMMON_FLAGS, FLAG_KEYS, PATH_FLAGS, TASKS
 
     hints = typing.get_type_hints(FinetuneConfig)
     kinds: dict[str, Any] = {}
     for flag in (*COMMON_FLAGS, *TASKS[FINETUNE_TASKS[job]].flags):
         field_type = hints[FLAG_KEYS[flag].split(".", 1)[1]]
-        kinds[flag] = "path" if flag in PATH_ARGS else next(
+        kinds[flag] = "path" if flag in PATH_FLAGS else next(
             (t for t in (int, float) if t in typing.get_args(field_type) or t is field_type), str)
     return kinds
 

@@ -86,6 +86,8 @@ FLAG_KEYS = {
     "device": "execution.device", "threads": "execution.threads", "seed": "training.seed",
     "log_every": "training.log_every",
 }
+# The flags (and sweep `args`) that name files: the checkpoint and the data.
+PATH_FLAGS = ("checkpoint", "train", "predict", "eval")
 # The flags every fine-tuning task takes that set its `finetune` section (each task adds its own:
 # `FinetuneJob.flags`).
 COMMON_FLAGS = ("checkpoint", "train", "epochs", "warmup_proportion", "max_seq_length",
@@ -447,7 +449,7 @@ def infer(model: BertConfig, task: str, weights: Mapping[str, torch.Tensor],
     return {k: np.concatenate(v) for k, v in outputs.items()}
 
 
-__all__ = ["CLASSIFICATION_ARCHITECTURE", "COMMON_FLAGS", "FLAG_KEYS", "GROUPBERT_FINETUNE_DROPOUT",
-           "SQUAD_ARCHITECTURE", "TASKS", "ClassificationJob", "EpochBatches", "FinetuneJob",
-           "Pretrained", "SquadJob", "finetune_config", "finetune_job", "infer", "load_pretrained",
-           "task_model_config"]
+__all__ = ["CLASSIFICATION_ARCHITECTURE", "COMMON_FLAGS", "FLAG_KEYS", "PATH_FLAGS",
+           "GROUPBERT_FINETUNE_DROPOUT", "SQUAD_ARCHITECTURE", "TASKS", "ClassificationJob",
+           "EpochBatches", "FinetuneJob", "Pretrained", "SquadJob", "finetune_config",
+           "finetune_job", "infer", "load_pretrained", "task_model_config"]

@@ -267,6 +267,7 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
     shown: dict[str, float] = {}  # the bar keeps the last validation loss between evaluations
     last_step = sys.maxsize if budgeted else steps  # the final checkpoint's step, when known
     stop_signal = 0
+    told_eval_cost = False
     try:
         while _more(session, steps, clock):
             batch = next(batches, None)
@@ -314,8 +315,16 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
             if at_point or (eval_every and session.step % eval_every < steps_done):
                 eval_started = time.perf_counter()
                 evaluated = evaluate(session, validation)
-                window_start += time.perf_counter() - eval_started  # seq_per_s: training only
+                eval_seconds = time.perf_counter() - eval_started
+                window_start += eval_seconds  # seq_per_s: training only
                 clock.skip()  # measuring is not training: curves against elapsed_s stay fair
+                if budgeted and not told_eval_cost:  # what the budget leaves out, said once
+                    told_eval_cost = True
+                    total = (f" (about {eval_seconds * (points + 1):.0f} s in all at "
+                             f"{points + 1} evaluations)" if points else "")
+                    log.info("evaluation: %d micro-batches took %.1f s; evaluations are not "
+                             "counted in training.time_budget%s", len(validation), eval_seconds,
+                             total)
             if session.step % log_every < steps_done or session.step >= last_step or evaluated:
                 record = _log(session, window, session.step, schedule, tracker, sizes,
                               warming, time.perf_counter() - window_start, clock.tick(),

@@ -543,6 +543,14 @@ class Trainer:
                 plot_if_logged(metrics, Path(scratch) / "metrics.png")
         seconds = self.clock.tick() - before
         self.clock.reserve = 1.5 * seconds + 0.01 * self.clock.budget
+        if self.clock.elapsed + self.clock.reserve >= self.clock.budget:
+            # Not one step would fit: refuse rather than export an untrained model late.
+            least = self.clock.elapsed + self.clock.reserve
+            raise ConfigError(f"training.time_budget is {self.clock.budget:g} s, but this run's "
+                              f"final checkpoint and export alone take about {seconds:.3g} s "
+                              f"(measured{', after ' if before else ''}"
+                              f"{f'{before:.0f} s already trained' if before else ''}): give "
+                              f"it more than {least:.3g} s, plus the time of the steps")
         log.info("time budget: %.1f s kept for the final checkpoint and export",
                  self.clock.reserve)
 

@@ -379,3 +379,41 @@ def test_a_budgeted_run_stopped_after_its_final_checkpoint_is_finished_by_resume
         assert pretrain("--resume", str(run), "--set", "training.time_budget=5s") == 0
     assert "without training" not in caplog.text
     assert checkpoint_dirs(run)[-1] != final  # trained on
+
+
+def test_a_budget_too_small_to_train_is_refused_saying_the_least(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """On the counting clock the finish's rehearsal takes one tick (0.05 s), so it keeps
+    0.075 s + 1% of the budget: a 0.1 s budget has no room for a step and is refused in one
+    line naming the least budget, leaving nothing; 0.5 s trains steps and ends within it."""
+    count_budget_time(monkeypatch)
+    run = tmp_path / "run"
+    capsys.readouterr()
+    assert pretrain("-o", str(run), "--set", "training.time_budget=0.1",
+                    "--set", "training.steps=100") == 2
+    line = error_line(capsys)
+    assert line.startswith("popbert: error: training.time_budget is 0.1 s, but this run's final "
+                           "checkpoint and export alone take about 0.05 s"), line
+    assert "give it more than 0.126 s" in line  # 0.05 s spent + 0.076 s kept
+    assert not run.exists()
+    assert pretrain("-o", str(run), "--set", "training.time_budget=0.5",
+                    "--set", "training.steps=100") == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records and records[-1]["step"] >= 1 and records[-1]["elapsed_s"] <= 0.5
+
+
+def test_under_a_budget_the_first_evaluation_says_what_evaluations_cost(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    count_budget_time(monkeypatch)
+    with caplog.at_level("INFO", logger="popbert"):
+        assert pretrain("-o", str(tmp_path / "run"), "--set", "training.time_budget=1",
+                        "--set", "training.eval_points=4", "--set", "training.eval_batches=2",
+                        "--set", "data.validation_fraction=0.05") == 0
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("evaluation:")]
+    assert len(said) == 1, said
+    assert said[0].startswith("evaluation: 2 micro-batches took ") and \
+        said[0].endswith("evaluations are not counted in training.time_budget "
+                         f"(about {said[0].split('about ')[1].split(' s')[0]} s in all at "
+                         "5 evaluations)")

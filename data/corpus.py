@@ -25,6 +25,11 @@ PathsLike = str | os.PathLike | Sequence[str | os.PathLike]
 # Sentences per encode_batch call: big enough for the Rust side to parallelise, small enough to
 # bound memory on multi-GB dumps.
 ENCODE_CHUNK = 8192
+#: Above this share of `[UNK]` tokens a vocabulary does not fit its corpus (another language,
+#: casing or domain): the most expensive silent mistake in pre-training, so it is warned about,
+#: and refused under `data.strict` / `--strict`. A fitting WordPiece vocabulary maps well under
+#: 1% of Wikipedia's tokens to `[UNK]`; byte-level BPE never does.
+UNKNOWN_SHARE_LIMIT = 0.02
 
 
 def expand_input_files(input_files: PathsLike) -> list[Location]:
@@ -125,12 +130,38 @@ def tokenize_documents(documents: Iterable[Sequence[str]], tokenizer: TextTokeni
     return out
 
 
-def read_documents(input_files: PathsLike,
-                   tokenizer: TextTokenizer) -> list[list[list[int]]]:
+def unknown_tokens(documents: Iterable[Sequence[Sequence[int]]],
+                   tokenizer: TextTokenizer) -> tuple[int, int]:
+    """(tokens that are `[UNK]`, all tokens) of tokenized documents."""
+    unknown = total = 0
+    for document in documents:
+        for sentence in document:
+            total += len(sentence)
+            unknown += list(sentence).count(tokenizer.unk_id)
+    return unknown, total
+
+
+def check_unknown_share(unknown: int, total: int, where: str, strict: bool = False) -> float:
+    """The share of `[UNK]` tokens; above `UNKNOWN_SHARE_LIMIT` a warning naming `where`, or
+    under `strict` a DataError."""
+    share = unknown / total if total else 0.0
+    if share > UNKNOWN_SHARE_LIMIT:
+        message = (f"{where}: {share:.1%} of its tokens are [UNK] ({unknown:,} of {total:,}, "
+                   f"more than {UNKNOWN_SHARE_LIMIT:.0%}): the vocabulary does not fit this text "
+                   f"(another language, casing or domain?)")
+        if strict:
+            raise DataError(f"{message}; refused (strict)")
+        log.warning(message)
+    return share
+
+
+def read_documents(input_files: PathsLike, tokenizer: TextTokenizer,
+                   strict: bool = False) -> list[list[list[int]]]:
     """Google-format files -> documents -> sentences -> token ids (no special tokens).
 
     An empty corpus is a DataError naming the file(s): pointing a run at an empty or wrong file
-    is a day-one mistake, and "no documents to create instances from" would not say which.
+    is a day-one mistake, and "no documents to create instances from" would not say which. The
+    share of `[UNK]` tokens is logged, and checked (`check_unknown_share`, `strict`).
     """
     files = expand_input_files(input_files)
     text = read_text_documents(files)
@@ -141,6 +172,8 @@ def read_documents(input_files: PathsLike,
     documents = tokenize_documents(text, tokenizer)
     if not documents:
         raise DataError(f"{name_files(files)}: empty corpus: its text has no WordPiece tokens")
-    log.info("read %d documents, %d sentences, %d tokens", len(documents),
-             sum(len(d) for d in documents), sum(len(s) for d in documents for s in d))
+    unknown, total = unknown_tokens(documents, tokenizer)
+    share = check_unknown_share(unknown, total, name_files(files), strict)
+    log.info("read %d documents, %d sentences, %d tokens (%.2f%% [UNK])", len(documents),
+             sum(len(d) for d in documents), total, 100 * share)
     return documents

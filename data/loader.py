@@ -29,13 +29,21 @@ from typing import TypeVar
 
 import numpy as np
 
-from popbert.data.corpus import PathsLike, expand_input_files, read_documents
+from popbert.data.corpus import (
+    PathsLike,
+    check_unknown_share,
+    expand_input_files,
+    name_files,
+    read_documents,
+    unknown_tokens,
+)
 from popbert.data.errors import DataError
 from popbert.data.hdf5 import (
     SCHEMA_VERSION,
     ShardInfo,
     check_shard_info,
     read_shard,
+    read_shard_info,
     read_shard_infos,
     write_shard,
 )
@@ -371,8 +379,8 @@ def load_or_create_instances(input_files: PathsLike | None, vocab_path: str | os
                              dupe_factor: int = 1, masked_lm_prob: float = 0.15,
                              short_seq_prob: float = 0.1, whole_word_mask: bool = False,
                              use_cache: bool = True, validation_fraction: float = 0.0,
-                             split: str = "train", next_sentence: bool = True
-                             ) -> dict[str, np.ndarray]:
+                             split: str = "train", next_sentence: bool = True,
+                             strict: bool = False) -> dict[str, np.ndarray]:
     """Pre-training arrays for Google-format text files, created once and cached as a shard.
 
     `input_files=None` / `vocab_path=None` mean the bundled corpus / vocabulary. The cache key
@@ -380,7 +388,9 @@ def load_or_create_instances(input_files: PathsLike | None, vocab_path: str | os
     stale cache is never used; `cache_dir=None` means `default_cache_dir() / "instances"`.
     `validation_fraction` > 0 holds that fraction of the documents out (`split_documents`):
     `split="train"` gives the instances of the rest, `split="validation"` those of the held-out
-    documents; the split is part of the cache key.
+    documents; the split is part of the cache key. `strict`: a corpus whose share of `[UNK]`
+    tokens is above `corpus.UNKNOWN_SHARE_LIMIT` is a DataError, not a warning (the cache keeps
+    the counts, so a cached corpus is checked too).
     """
     if split not in ("train", "validation"):
         raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
@@ -414,12 +424,17 @@ def load_or_create_instances(input_files: PathsLike | None, vocab_path: str | os
                                     max_predictions_per_seq=max_predictions_per_seq,
                                     vocab_size=tokenizer.vocab_size,
                                     vocab_sha256=tokenizer.vocab_sha256)
+                counts = read_shard_info(cache_path).attrs
+                if "unknown_tokens" in counts:
+                    check_unknown_share(int(counts["unknown_tokens"]), int(counts["tokens"]),
+                                        name_files(files), strict)
                 log.info("loaded cached instances %s", cache_path)
                 return arrays
             except DataError as exc:
                 log.warning("ignoring unusable cache (%s); recreating", exc)
 
-    documents = read_documents(files, tokenizer)
+    documents = read_documents(files, tokenizer, strict)
+    unknown, total = unknown_tokens(documents, tokenizer)
     if validation_fraction:
         train, held_out = split_documents(documents, validation_fraction, seed)
         documents = held_out if split == "validation" else train
@@ -428,7 +443,8 @@ def load_or_create_instances(input_files: PathsLike | None, vocab_path: str | os
         try:
             write_shard(cache_path, arrays, vocab_size=tokenizer.vocab_size,
                         vocab_sha256=tokenizer.vocab_sha256, options=options,
-                        extra_attrs={"cache_key": key})
+                        extra_attrs={"cache_key": key, "unknown_tokens": unknown,
+                                     "tokens": total})
         except OSError as exc:
             log.warning("could not write instance cache %s: %s", cache_path, exc)
     return arrays

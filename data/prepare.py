@@ -14,9 +14,11 @@ from pathlib import Path
 
 from popbert.data import storage
 from popbert.data.corpus import (
+    check_unknown_share,
     name_files,
     read_text_documents,
     tokenize_documents,
+    unknown_tokens,
 )
 from popbert.data.errors import DataError
 from popbert.data.hdf5 import read_shard, read_shard_info, write_shard
@@ -53,15 +55,19 @@ def packed_dir_name(options: InstanceOptions) -> str:
 
 
 def instances_part(in_path: str, out_path: str, vocab_path: str, options: dict,
-                   run_seed: int, index: int) -> dict:
+                   run_seed: int, index: int, strict: bool = False) -> dict:
     """One sentence part → one HDF5 shard of masked instances; returns counts. The
     vocabulary may be a URL (read from this worker's cache)."""
     tokenizer = load_tokenizer(storage.local_file(storage.location(vocab_path)))
     opts = InstanceOptions(**options)
     text = read_text_documents([in_path])
     documents = tokenize_documents(text, tokenizer)
+    unknown, total = unknown_tokens(documents, tokenizer)
+    if strict:  # before the shard is written: a refused part leaves nothing
+        check_unknown_share(unknown, total, in_path, strict=True)
     counts = {"documents": len(documents), "sentences": sum(len(d) for d in documents),
-              "instances": 0, "tokens": 0, "predictions": 0, "random_next": 0}
+              "instances": 0, "tokens": 0, "predictions": 0, "random_next": 0,
+              "text_tokens": total, "unknown_tokens": unknown}
     if not documents:
         log.warning("%s: no documents; no shard written", in_path)
         return counts
@@ -79,11 +85,13 @@ def instances_part(in_path: str, out_path: str, vocab_path: str, options: dict,
 
 def create_instances(sentence_parts: list[Location], vocab: str | os.PathLike,
                      output_dir: str | os.PathLike, options: InstanceOptions,
-                     workers: int = 1) -> dict:
+                     workers: int = 1, strict: bool = False) -> dict:
     """Stage `instances`: sentence parts → `output_dir/part-*.h5`; returns the record.
 
     A part without documents writes no shard (logged), but a stage without any shard is a
-    DataError naming the input, with no completion marker and no directory left behind.
+    DataError naming the input, with no completion marker and no directory left behind. The
+    share of `[UNK]` tokens goes into the record and above `corpus.UNKNOWN_SHARE_LIMIT` is
+    warned about once; with `strict` a part above it stops the stage, leaving nothing.
     """
     options.validate()
     if not sentence_parts:
@@ -98,21 +106,28 @@ def create_instances(sentence_parts: list[Location], vocab: str | os.PathLike,
         return stage.success()
     jobs = [(str(src), str(out), str(vocab.absolute() if isinstance(vocab, Path) else vocab),
              replace(options, seed=derive_seed(options.seed, index)).as_dict(), options.seed,
-             index)
+             index, strict)
             for index, src, out in stage.pending(sentence_parts, SHARD_SUFFIX)]
     log.info("creating instances from %d parts (seq %d, %d predictions, dupe %d, %s; "
              "%d already done)", len(jobs), options.sequence_length,
              options.max_predictions_per_seq, options.dupe_factor, workers_label(workers),
              len(sentence_parts) - len(jobs))
-    results = run_units(instances_part, jobs, workers, desc="instances", total=len(jobs))
+    try:
+        results = run_units(instances_part, jobs, workers, desc="instances", total=len(jobs))
+    except DataError as exc:  # a part refused (strict): leave nothing this run made
+        raise stage.abandon(str(exc)) from None
     if not stage.parts(SHARD_SUFFIX):  # shards of an earlier run count too
         raise stage.abandon(f"{name_files(sentence_parts)}: empty corpus: no documents to "
                             f"make instances from (expected UTF-8 text, one sentence per line, "
                             f"a blank line between documents)")
     totals = {key: sum(r[key] for r in results) for key in
               ("documents", "sentences", "instances", "tokens", "predictions", "random_next")}
+    unknown = sum(r["unknown_tokens"] for r in results)
+    text_tokens = sum(r["text_tokens"] for r in results)
+    share = check_unknown_share(unknown, text_tokens, name_files(sentence_parts))
     stats = {"parts": len(sentence_parts), "parts_skipped": len(sentence_parts) - len(jobs),
-             **{f"{k}_written_now": v for k, v in totals.items()}}
+             **{f"{k}_written_now": v for k, v in totals.items()},
+             "unknown_token_share_now": round(share, 6)}
     return stage.finish([storage.name_of(p) for p in stage.parts(SHARD_SUFFIX)], stats)
 
 
@@ -198,9 +213,10 @@ def prepare_wikipedia(dump: str | os.PathLike, output_dir: str | os.PathLike,
                       splitter: str = "nupunkt", min_sentences: int = DEFAULT_MIN_SENTENCES,
                       part_bytes: int = DEFAULT_PART_BYTES, pack: bool = True,
                       strategy: str = "spfhp",
-                      max_sequences_per_pack: int = DEFAULT_MAX_SEQUENCES_PER_PACK
-                      ) -> WikipediaResult:
-    """All stages: dump → extracted → sentences → (vocab) → instances → (packed)."""
+                      max_sequences_per_pack: int = DEFAULT_MAX_SEQUENCES_PER_PACK,
+                      strict: bool = False) -> WikipediaResult:
+    """All stages: dump → extracted → sentences → (vocab) → instances → (packed); `strict`
+    as `create_instances` takes it."""
     workers = workers or default_workers()
     out = storage.location(output_dir)
     options.validate()
@@ -224,7 +240,7 @@ def prepare_wikipedia(dump: str | os.PathLike, output_dir: str | os.PathLike,
         vocab_path = storage.location(vocab)
     instances_dir = storage.join(out, instances_dir_name(options))
     records["instances"] = create_instances(sentence_parts, vocab_path, instances_dir,
-                                            options, workers)
+                                            options, workers, strict)
     packed_dir = None
     if pack:
         packed_dir = storage.join(out, packed_dir_name(options))

@@ -89,7 +89,7 @@ def _instances(cfg: RunConfig, inputs: list[str] | None, vocab_path: Path, fract
         dupe_factor=cfg.data.duplication_factor, masked_lm_prob=cfg.data.masked_lm_prob,
         short_seq_prob=cfg.data.short_seq_prob, whole_word_mask=cfg.data.whole_word_masking,
         validation_fraction=fraction, split=split,
-        next_sentence=cfg.model.next_sentence_prediction)
+        next_sentence=cfg.model.next_sentence_prediction, strict=cfg.data.strict)
 
 
 def load_validation_data(cfg: RunConfig) -> dict[str, np.ndarray] | ShardSet | None:

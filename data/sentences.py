@@ -151,7 +151,13 @@ def split_sentences(input_parts: list[Location], output_dir: str | os.PathLike, 
         else:  # only parts an earlier run wrote (empty): their article counts are gone
             detail = f"no article has {min_sentences} or more sentences (--min-sentences)"
         raise stage.abandon(f"{name_files(input_parts)}: empty corpus: no documents: {detail}")
+    dropped = sum(r["dropped"] for r in results)
+    if dropped:  # cut on purpose, and said: NSP pairs need two sentences of one document
+        log.info("sentences: %d of %d articles dropped with fewer than %d sentences "
+                 "(--min-sentences)", dropped, sum(r["articles"] for r in results),
+                 min_sentences)
     stats = {"parts": len(units), "parts_skipped": len(units) - len(jobs),
              "documents_written_now": sum(r["documents"] for r in results),
-             "sentences_written_now": sum(r["sentences"] for r in results)}
+             "sentences_written_now": sum(r["sentences"] for r in results),
+             "documents_dropped_short_now": dropped}
     return stage.finish([storage.name_of(p) for p in stage.parts(SENTENCES_SUFFIX)], stats)

@@ -203,7 +203,7 @@ def _cmd_instances(args: argparse.Namespace) -> int:
     options = _options(args)
     _check_vocab(args.vocab)
     _report(create_instances(_parts(args.input, "txt"), args.vocab, _output_dir(args), options,
-                             _workers(args)))
+                             _workers(args), args.strict))
     return 0
 
 
@@ -271,7 +271,7 @@ def _cmd_wikipedia(args: argparse.Namespace) -> int:
         args.input, _output_dir(args), options, vocab=args.vocab, vocab_size=args.vocab_size,
         workers=_workers(args), splitter=args.splitter, min_sentences=args.min_sentences,
         part_bytes=_part_bytes(args), pack=not args.no_pack, strategy=args.strategy,
-        max_sequences_per_pack=args.max_sequences_per_pack)
+        max_sequences_per_pack=args.max_sequences_per_pack, strict=args.strict)
     for record in result.records.values():
         _report(record)
     shards = result.packed if result.packed is not None else result.instances
@@ -308,6 +308,9 @@ def _add_instance_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--whole-word-mask", action="store_true",
                    help="mask all WordPiece pieces of a word together")
     p.add_argument("--seed", type=int, default=12345)
+    p.add_argument("--strict", action="store_true",
+                   help="stop, leaving nothing, when a part's share of [UNK] tokens shows the "
+                        "vocabulary does not fit the text (above 2%%; without: a warning)")
 
 
 def _add_pack_args(p: argparse.ArgumentParser) -> None:

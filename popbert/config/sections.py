@@ -124,6 +124,9 @@ class DataConfig:
     # replicas x accumulation) is the same, however it is split; with another global batch the
     # order differs, and the resume is refused unless this is true.
     reorder_on_resume: bool = False
+    # Refuse, rather than warn about, a text corpus whose share of [UNK] tokens shows that the
+    # vocabulary does not fit it (above 2%).
+    strict: bool = False
     # Data on object storage (fsspec URLs in input_files, validation_files, vocab_file:
     # s3://, gs://, az://): options every filesystem gets (endpoint_url, region...).
     # Credentials belong in the storage's own configuration (for S3 the AWS_* variables);

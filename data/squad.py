@@ -278,18 +278,23 @@ def answer_token_span(window: Window, start_char: int, end_char: int) -> tuple[i
     return start, end
 
 
-def _usable(question: Question, path: str) -> bool:
-    """A training question needs an answer whose text is at its answer_start."""
+def _unusable(question: Question) -> str | None:
+    """Why a training question cannot be trained on (None: it can): it needs an answer whose
+    text is at its answer_start."""
     if not question.answers:
-        log.warning("%s: question %s has no answer; skipped for training", path, question.id)
-        return False
+        return "no answer"
     answer = question.answers[0]
     found = question.context[answer.start:answer.start + len(answer.text)]
     if found != answer.text:
-        log.warning("%s: question %s: answer %r is not at answer_start %d (found %r); skipped",
-                    path, question.id, answer.text, answer.start, found)
-        return False
-    return True
+        return "the answer is not at its answer_start"
+    return None
+
+
+def _say_cut(source: str, what: str, ids: list[str], total: int) -> None:
+    """One line for everything of a kind a step leaves out (with the first few ids)."""
+    if ids:
+        shown = ", ".join(ids[:3]) + (", ..." if len(ids) > 3 else "")
+        log.warning("%s: %d of %d questions %s (%s)", source, len(ids), total, what, shown)
 
 
 def squad_features(questions: Sequence[Question], tokenizer: Tokenizer,
@@ -302,20 +307,31 @@ def squad_features(questions: Sequence[Question], tokenizer: Tokenizer,
     """
     questions = list(questions)
     if training:
-        questions = [q for q in questions if _usable(q, source)]
+        reasons = {q.id: _unusable(q) for q in questions}
+        for reason in ("no answer", "the answer is not at its answer_start"):
+            _say_cut(source, f"skipped for training: {reason}",
+                     [i for i, r in reasons.items() if r == reason], len(questions))
+        questions = [q for q in questions if reasons[q.id] is None]
         if not questions:
             raise DataError(f"{source}: no question with a usable answer to train on")
     windows = build_windows(questions, tokenizer, vocab, options)
     arrays = window_arrays(windows)
     if training:
         starts, ends = [], []
+        answered: set[int] = set()
         for window in windows:
             answer = questions[window.question_index].answers[0]
             start, end = answer_token_span(window, answer.start, answer.start + len(answer.text))
             starts.append(start)
             ends.append(end)
+            if start:
+                answered.add(window.question_index)
         arrays["start_positions"] = np.asarray(starts, np.int64)
         arrays["end_positions"] = np.asarray(ends, np.int64)
+        _say_cut(source, f"have their answer in no window of {options.max_seq_length} tokens "
+                 f"(trained as no answer; a larger --max-seq-length or --doc-stride overlap "
+                 f"keeps them)", [q.id for i, q in enumerate(questions) if i not in answered],
+                 len(questions))
     return SquadFeatures(questions, windows, arrays)
 
 

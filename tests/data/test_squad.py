@@ -22,6 +22,8 @@ import pytest
 
 from popbert.cli import main as cli
 from popbert.data.squad import (
+    Answer,
+    Question,
     WindowOptions,
     answer_token_span,
     decode_answers,
@@ -390,3 +392,28 @@ def test_finetuning_minilm_overfits_the_fixture_and_serves_it(tmp_path: Path,
                             capture_output=True, text=True, timeout=120)
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"exact_match": 100.0,
                                                                   "f1": 100.0}
+
+
+def test_what_training_leaves_out_is_counted_in_one_line_each(tokenizer, vocab, caplog) -> None:
+    """Questions skipped (no answer; an answer not at its answer_start) and answers that no
+    window holds are each said once, with their count, not once per question."""
+    questions, _ = read_squad(FIXTURE)
+    first = questions[0]
+    broken = [Question("no-answer", first.question, first.context),
+              Question("moved", first.question, first.context,
+                       [Answer(first.answers[0].text, first.answers[0].start + 1)])]
+    options = WindowOptions(max_seq_length=24, doc_stride=8, max_query_length=8)
+    with caplog.at_level("WARNING", logger="popbert"):
+        features = squad_features([*questions, *broken], tokenizer, vocab, options,
+                                  training=True, source="train.json")
+    lines = [r.getMessage() for r in caplog.records]
+    assert "train.json: 1 of 7 questions skipped for training: no answer (no-answer)" in lines
+    assert ("train.json: 1 of 7 questions skipped for training: the answer is not at its "
+            "answer_start (moved)") in lines
+    starts = features.arrays["start_positions"]
+    unlabelled = [q.id for i, q in enumerate(features.questions)
+                  if not any(starts[w] for w, window in enumerate(features.windows)
+                             if window.question_index == i)]
+    assert unlabelled  # 24-token windows leave some answers in no window
+    said = [line for line in lines if "in no window of 24 tokens" in line]
+    assert len(said) == 1 and said[0].startswith(f"train.json: {len(unlabelled)} of 5 questions")

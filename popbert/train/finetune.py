@@ -414,6 +414,14 @@ class ClassificationJob(FinetuneJob):
             for line, p, g in zip(self.eval_data.lines, predicted, self.eval_labels)))
         log.info("classification %s: accuracy %.4f, F1 %.4f", self.eval_data.path,
                  metrics["accuracy"], metrics["f1"])
+        classes = np.unique(predicted)
+        if len(classes) == 1 and len(np.unique(self.eval_labels)) > 1:
+            # Accuracy alone hides it (it is the majority class's share): say so.
+            log.warning("classification %s: all %d predictions are %r while the file holds %d "
+                        "classes: the classifier collapsed to one class (try another --lr, "
+                        "more --epochs, or a better pre-trained checkpoint)",
+                        self.eval_data.path, len(predicted), names[int(classes[0])],
+                        len(np.unique(self.eval_labels)))
         return metrics
 
 

@@ -141,9 +141,10 @@ def test_cli_label_errors_are_one_line(tmp_path: Path,
 
 
 @pytest.mark.e2e
-def test_finetuning_minilm_on_the_fixture_reports_accuracy(tmp_path: Path,
-                                                           minilm_imported: Path) -> None:
+def test_finetuning_minilm_on_the_fixture_reports_accuracy(
+        tmp_path: Path, minilm_imported: Path, caplog: pytest.LogCaptureFixture) -> None:
     imported, run = minilm_imported, tmp_path / "sst"
+    caplog.set_level("WARNING", logger="popbert")
     assert cli.main(["finetune", "classify", "--checkpoint", str(imported), "--train",
                      str(FIXTURE), "--output-dir", str(run), "--max-seq-length", "32",
                      "--epochs", "4", "--batch-size", "8", "--lr", "1e-4",
@@ -157,7 +158,7 @@ def test_finetuning_minilm_on_the_fixture_reports_accuracy(tmp_path: Path,
     predictions = [json.loads(line) for line in
                    (run / "eval_predictions.jsonl").read_text().splitlines()]
     assert [p["label"] for p in predictions] == ["1", "0"] * 8
-
+    assert "collapsed" not in caplog.text  # both classes predicted: no warning
     from popbert.config import load_config
 
     task = load_config(run / "config.yaml").model.task
@@ -179,3 +180,25 @@ def test_finetuning_minilm_on_the_fixture_reports_accuracy(tmp_path: Path,
     with torch.no_grad():
         logits = model.eval()(**tokenizer(texts, padding=True, return_tensors="pt")).logits
     assert [model.config.id2label[int(i)] for i in logits.argmax(-1)] == ["1", "0"] * 8
+
+
+@pytest.mark.e2e
+def test_a_classifier_collapsed_to_one_class_is_warned_about(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A real collapsed run: a model pre-trained for 2 steps, fine-tuned for one epoch,
+    predicts one class for every row; accuracy (0.5, the class's share) would hide it."""
+    assert cli.main(["pretrain", "--set", "model.num_layers=1", "--set", "model.hidden_size=32",
+                     "--set", "model.num_heads=2", "--set", "model.intermediate_size=64",
+                     "--set", "training.steps=2", "-o", str(tmp_path / "pre")]) == 0
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="popbert"):
+        assert cli.main(["finetune", "classify", "--checkpoint", str(tmp_path / "pre"),
+                         "--train", str(FIXTURE), "-o", str(tmp_path / "run"), "--epochs", "1",
+                         "--batch-size", "8", "--max-seq-length", "32", "--lr", "1e-3"]) == 0
+    predicted = {json.loads(line)["label"] for line in
+                 (tmp_path / "run" / "eval_predictions.jsonl").read_text().splitlines()}
+    assert len(predicted) == 1
+    (label,) = predicted
+    assert (f"all 16 predictions are {label!r} while the file holds 2 classes: the classifier "
+            f"collapsed to one class") in caplog.text
+

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,10 +104,12 @@ def finetune_config(task: str, checkpoint: str | Path, train_file: str | Path,
     if task not in FINETUNE_TASKS:
         raise UsageError(f"unknown fine-tuning task {task!r}; expected one of "
                          f"{', '.join(FINETUNE_TASKS)}")
-    inputs = {"finetune.task": task, "finetune.checkpoint": str(checkpoint),
-              "finetune.train_file": str(train_file)}
+    # Absolute: the run's config.yaml is read later from other directories (export, sweeps,
+    # a moved shell), where a path relative to this one would name nothing.
+    inputs = {"finetune.task": task, "finetune.checkpoint": os.path.abspath(checkpoint),
+              "finetune.train_file": os.path.abspath(train_file)}
     if eval_file is not None:
-        inputs["finetune.eval_file"] = str(eval_file)
+        inputs["finetune.eval_file"] = os.path.abspath(eval_file)
     given = [f"{k}={json.dumps(v)}" for k, v in inputs.items()]
     return load_config(config if config is not None else f"finetune-{task}",
                        [*given, *overrides])

@@ -126,6 +126,18 @@ def test_the_checkpoint_manager_keeps_the_newest_good_ones(tmp_path: Path) -> No
     assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step-000004", "step-000007"]
 
 
+def test_a_fine_tuning_config_names_its_inputs_from_anywhere(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Relative paths given to a fine-tuning run are stored absolute in its config, so its
+    config.yaml still names the checkpoint and data when read from another directory."""
+    monkeypatch.chdir(tmp_path)
+    cfg = popbert.finetune_config("classification", "pre", "data/train.tsv", "data/dev.tsv")
+    f = cfg.finetune
+    assert (f.checkpoint, f.train_file, f.eval_file) == (
+        str(tmp_path / "pre"), str(tmp_path / "data" / "train.tsv"),
+        str(tmp_path / "data" / "dev.tsv"))
+
+
 @pytest.mark.e2e
 def test_a_cli_finetuning_run_repeats_from_python(tmp_path: Path) -> None:
     """`popbert finetune classify` and the same run made with public names only

@@ -145,9 +145,7 @@ def write_shard(path: str | os.PathLike, arrays: Mapping[str, np.ndarray], *,
 
     if isinstance(path, Path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    else:  # made locally, then published as one object
-        tmp = storage.spool_dir() / f".{storage.name_of(path)}.tmp-{os.getpid()}"
+    tmp = storage.temp_path(path)  # made locally, then published (renamed, or one PUT)
     try:
         with h5py.File(tmp, "w") as f:
             for name in FEATURE_NAMES + (PACKED_FEATURE_NAMES if k is not None else ()):
@@ -170,9 +168,7 @@ def write_shard(path: str | os.PathLike, arrays: Mapping[str, np.ndarray], *,
 def _open(path: storage.Location) -> h5py.File:
     """A shard opened for reading: a local file, or a remote one read by ranges (for its
     metadata; `read_shard` reads remote data through the shard cache instead)."""
-    if isinstance(path, str):
-        if not storage.exists(path):
-            raise DataError(f"{path}: shard not found")
+    if isinstance(path, str):  # a missing object is one line from open_metadata
         source = storage.open_metadata(path)
         try:
             return h5py.File(source, "r")

@@ -21,7 +21,6 @@ from typing import Any
 
 from tqdm import tqdm
 
-from popbert.atomic import atomic_write_text
 from popbert.data import storage
 from popbert.data.errors import DataError
 from popbert.data.storage import Location
@@ -192,19 +191,7 @@ class StageDir:
 
 
 def _write_json(path: Location, record: Mapping[str, Any], sort_keys: bool = True) -> None:
-    text = json.dumps(record, indent=1, sort_keys=sort_keys) + "\n"
-    if isinstance(path, Path):
-        atomic_write_text(path, text)
-    else:
-        storage.write_bytes(path, text.encode("utf-8"))
-
-
-def temp_path(path: Location) -> Path:
-    """A local temporary name for writing `path` (a sibling, or for a URL a file in the local
-    spool); never matches the `part-*` globs."""
-    if isinstance(path, Path):
-        return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    return storage.spool_dir() / f".{storage.name_of(path)}.tmp-{os.getpid()}"
+    storage.write_bytes(path, (json.dumps(record, indent=1, sort_keys=sort_keys) + "\n").encode())
 
 
 @contextlib.contextmanager
@@ -212,7 +199,7 @@ def atomic_output(path: Location) -> Iterator[Path]:
     """Yield a local temporary path to write; on success publish it as `path` (fsync and
     rename, or one PUT of the object)."""
     path = storage.location(path)
-    tmp = temp_path(path)
+    tmp = storage.temp_path(path)
     try:
         yield tmp
         storage.publish(tmp, path)

@@ -321,6 +321,14 @@ def check_reachable(url: str) -> None:
     with_retries(lambda: fs.ls(bucket), full_url(fs, bucket), "checking")
 
 
+def temp_path(destination: Location) -> Path:
+    """A local temporary name to make `destination` under before `publish`: a hidden sibling
+    (never matching a stage's `part-*` globs), or for a URL a file in the local spool."""
+    if isinstance(destination, Path):
+        return destination.with_name(f".{destination.name}.tmp-{os.getpid()}")
+    return spool_dir() / f".{name_of(destination)}.tmp-{os.getpid()}"
+
+
 def spool_dir() -> Path:
     """Local scratch for files made before they are published to object storage."""
     path = default_cache_dir() / "spool"
@@ -463,4 +471,4 @@ __all__ = ["ATTEMPTS", "CHUNK_BYTES", "DEFAULT_CACHE_LIMIT", "Location", "ShardC
            "check_reachable", "configure", "default_cache_dir", "exists", "expand", "filesystem",
            "is_directory", "is_url", "join", "list_parts", "local_file", "location", "name_of",
            "open_input", "open_metadata", "publish", "read_bytes", "remove", "scheme",
-           "shard_cache", "size", "spool_dir", "with_retries", "write_bytes"]
+           "shard_cache", "size", "spool_dir", "temp_path", "with_retries", "write_bytes"]

@@ -23,7 +23,6 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from popbert.atomic import atomic_write_text
 from popbert.data import storage
 from popbert.data.corpus import has_text, name_files
 from popbert.data.errors import DataError
@@ -128,8 +127,5 @@ def train_bpe(files: Sequence[str | os.PathLike], output: str | os.PathLike,
 def _publish_text(output: str | os.PathLike, text: str) -> storage.Location:
     """Write a trained vocabulary whole: a local file atomically, or one object."""
     where = storage.location(output)
-    if isinstance(where, Path):
-        atomic_write_text(where, text)
-    else:
-        storage.write_bytes(where, text.encode("utf-8"))
+    storage.write_bytes(where, text.encode("utf-8"))
     return where

@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import shutil
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,8 +64,6 @@ def default_run_dir(job: str) -> Path:
     """Where a run given no output directory writes: `runs/<job>-<timestamp>`; under torchrun,
     a restart of a job finds its first attempt's directory again
     (`popbert.distributed.elastic.launched_run_dir`) rather than starting another."""
-    import time
-
     from popbert.distributed.elastic import launched_run_dir
 
     root = Path("runs")

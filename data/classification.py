@@ -25,6 +25,7 @@ import numpy as np
 
 from popbert.data.errors import DataError
 from popbert.data.tokenization import TextTokenizer
+from popbert.textfile import read_text
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +55,7 @@ def _rows(path: Path) -> tuple[list[str], list[tuple[int, dict[str, object]]]]:
     if kind is None:
         raise DataError(f"{path}: unknown format {path.suffix!r}; expected one of "
                         f"{', '.join(sorted(FORMATS))}")
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as error:
-        raise DataError(f"{path}: unreadable ({error})") from None
+    text = read_text(path, "classification rows (.tsv, .csv, .jsonl)", error=DataError)
     if kind == "jsonl":
         rows: list[tuple[int, dict[str, object]]] = []
         columns: list[str] = []

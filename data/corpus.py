@@ -17,6 +17,7 @@ from popbert.data import storage
 from popbert.data.errors import DataError
 from popbert.data.storage import Location
 from popbert.data.tokenization import TextTokenizer
+from popbert.textfile import decode
 
 log = logging.getLogger(__name__)
 
@@ -96,17 +97,17 @@ def read_text_documents(input_files: PathsLike) -> list[list[str]]:
     documents: list[list[str]] = []
     for path in expand_input_files(input_files):
         current: list[str] = []
-        try:
-            with storage.open_input(path, "r", encoding="utf-8") as f:
-                for line in f:
-                    line = line.strip()
-                    if line:
-                        current.append(line)
-                    elif current:
-                        documents.append(current)
-                        current = []
-        except UnicodeDecodeError as exc:
-            raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        offset = 0
+        with storage.open_input(path, "rb") as f:
+            for raw in f:
+                line = decode(raw, path, "text, one sentence a line", offset=offset,
+                              error=DataError).strip()
+                offset += len(raw)
+                if line:
+                    current.append(line)
+                elif current:
+                    documents.append(current)
+                    current = []
         if current:
             documents.append(current)
     return documents

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from popbert.data import storage
 from popbert.data.errors import DataError
+from popbert.textfile import decode
 
 __all__ = ["FORMATS", "Unit", "corpus_format", "plan_units", "read_unit"]
 
@@ -112,11 +113,8 @@ def read_unit(unit: Unit) -> Iterator[str]:
         yield from _parquet_texts(unit)
         return
     for offset, raw in _lines(unit):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise DataError(f"{unit.path}: not UTF-8 text ({exc.reason} at byte "
-                            f"{offset + exc.start})") from None
+        line = decode(raw, unit.path, "text, JSON lines or Parquet", offset=offset,
+                      error=DataError)
         if not line.strip():
             continue
         if unit.format == "lines":

@@ -22,7 +22,8 @@ from popbert.atomic import atomic_write_text
 from popbert.data.errors import DataError
 from popbert.data.squad_metric import evaluate
 from popbert.data.tokenization import Encoding, encode_texts
-from popbert.errors import UsageError, one_line
+from popbert.errors import UsageError
+from popbert.textfile import read_json
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +75,7 @@ def read_squad(path: Path) -> tuple[list[Question], dict[str, Any]]:
     Structural problems are one-line UsageErrors naming the file and where in it.
     """
     path = Path(path)
-    try:
-        dataset = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UsageError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise UsageError(f"{path}: not a SQuAD JSON file ({one_line(error)})"
-                         ) from None
+    dataset = read_json(path, "a SQuAD v1.1 JSON file", error=UsageError)
     if not isinstance(dataset, dict) or not isinstance(dataset.get("data"), list):
         raise UsageError(f"{path}: expected a SQuAD JSON object with a 'data' list")
     questions: list[Question] = []
@@ -434,13 +429,8 @@ def evaluate_files(data: Path, predictions: Path) -> dict[str, float]:
     if version is not None and version != "1.1":
         log.warning("%s: evaluation expects v-1.1, but got dataset with v-%s", data, version)
     path = Path(predictions)
-    try:
-        answers = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise DataError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise DataError(f"{path}: not a predictions JSON file "
-                        f"({one_line(error)})") from None
+    answers = read_json(path, "SQuAD predictions (a JSON object of question id to answer)",
+                        error=DataError)
     if not isinstance(answers, dict) or not all(isinstance(v, str) for v in answers.values()):
         raise DataError(f"{path}: expected a JSON object mapping question ids to answer strings")
     return evaluate(dataset["data"], answers)

@@ -27,6 +27,7 @@ import numpy as np
 from tokenizers import BertWordPieceTokenizer, Tokenizer
 
 from popbert.data.errors import DataError
+from popbert.textfile import read_text
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +68,8 @@ def read_vocab_text(path: str | os.PathLike) -> str:
 
     Text mode turns "\r\n" and a lone "\r" into "\n", as reading the file line by line did.
     """
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        bad = error.object[error.start:error.start + 1].hex()
-        raise DataError(f"{path}: not a vocabulary: expected UTF-8 text, one WordPiece token a "
-                        f"line (byte 0x{bad} at offset {error.start} is not UTF-8)") from None
+    return read_text(path, "a WordPiece vocab.txt (UTF-8 text, one token a line)",
+                     error=DataError)
 
 
 def vocab_tokens(text: str) -> list[str]:
@@ -252,13 +249,7 @@ class JsonTokenizer(TextTokenizer):
     def __init__(self, path: str | os.PathLike, *, text: str | None = None):
         path = Path(path)
         if text is None:
-            if not path.is_file():
-                raise DataError(f"{path}: tokenizer file not found")
-            try:
-                text = path.read_text(encoding="utf-8")
-            except UnicodeDecodeError as error:
-                raise DataError(f"{path}: not a tokenizer.json: expected UTF-8 JSON (byte at "
-                                f"offset {error.start} is not UTF-8)") from None
+            text = read_text(path, "a tokenizer.json", error=DataError)
         try:
             spec = json.loads(text)
             backend = Tokenizer.from_str(text)

@@ -30,6 +30,7 @@ from tqdm import tqdm
 from popbert.data import storage
 from popbert.data.errors import DataError
 from popbert.data.stages import StageDir, atomic_output, part_name, run_units, workers_label
+from popbert.textfile import decode
 
 log = logging.getLogger(__name__)
 
@@ -246,17 +247,18 @@ def extract_dump(dump: str | os.PathLike, output_dir: str | os.PathLike, workers
 def read_articles(path: str | os.PathLike) -> Iterator[dict]:
     """Articles of one extracted part (JSON lines with id, title, text)."""
     path = storage.location(path)
-    try:
-        with storage.open_input(path, "r", encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    article = json.loads(line)
-                    article["text"]  # noqa: B018 - presence check
-                except (ValueError, KeyError, TypeError):
-                    raise DataError(f"{path}:{number}: not an extracted article "
-                                    f"(JSON with a 'text' field)") from None
-                yield article
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    offset = 0
+    with storage.open_input(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            line = decode(raw, path, "extracted articles (JSON lines)", offset=offset,
+                          error=DataError)
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                article = json.loads(line)
+                article["text"]  # noqa: B018 - presence check
+            except (ValueError, KeyError, TypeError):
+                raise DataError(f"{path}:{number}: not an extracted article "
+                                f"(JSON with a 'text' field)") from None
+            yield article

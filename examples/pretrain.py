@@ -13,10 +13,11 @@ door both go through (config → graph → session → steps → checkpoint → 
 import argparse
 import logging
 import sys
-from pathlib import Path
 
 import popbert
+from popbert.cli.main import add_pretrain_arguments
 from popbert.errors import PopbertError, one_line
+from popbert.io.paths import check_arguments, declared_paths
 
 
 def main(args: argparse.Namespace) -> int:
@@ -45,20 +46,12 @@ def main(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
-    parser.add_argument("--config", "-c", help="YAML config or preset (default: tiny)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="SECTION.KEY=VALUE", help="override one config value")
-    parser.add_argument("--output-dir", "-o", type=Path, help="default: runs/pretrain-<time>")
-    start = parser.add_mutually_exclusive_group()
-    start.add_argument("--resume", type=Path, metavar="DIR", help="continue a stopped run")
-    start.add_argument("--init-from", type=Path, metavar="DIR",
-                       help="start from a checkpoint's weights (phase 2)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="delete an earlier run in the output directory first")
+    add_pretrain_arguments(parser)  # --config, --set, -o, --resume, --init-from, --overwrite
     arguments = parser.parse_args()
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("popbert").setLevel(logging.DEBUG if arguments.verbose else logging.INFO)
     try:
+        check_arguments(arguments, declared_paths(parser))  # each path flag, before any work
         sys.exit(main(arguments))
     except PopbertError as error:  # a user's mistake: one line, exit status 2
         print(f"popbert: error: {one_line(error)}", file=sys.stderr)

@@ -31,6 +31,11 @@ class InputError(PopbertError, ValueError):
     id outside the table it indexes (a token id beyond the vocabulary)."""
 
 
+class FileError(PopbertError, ValueError):
+    """A file that is not what its reader needs: missing, unreadable, not UTF-8 text, not the
+    format it should hold (`popbert.textfile` says so in one line)."""
+
+
 class UsageError(PopbertError):
     """A command-line or API call that cannot be honoured as given (e.g. nothing to plot)."""
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from popbert.errors import UsageError
+from popbert.io import paths
 
 logger = logging.getLogger("popbert")
 
@@ -35,8 +36,8 @@ def _output_dir(args: argparse.Namespace):
     """--output-dir (a directory, or a URL prefix on object storage), checked before the stage
     reads anything: a file there (or above it), a missing bucket or refused credentials would
     end the stage in a traceback once it starts writing."""
-    from popbert.cli.paths import check_output_directory
     from popbert.data import storage
+    from popbert.io.paths import check_output_directory
 
     where = storage.location(args.output_dir)
     if isinstance(where, Path):
@@ -173,9 +174,9 @@ def _cmd_sentences(args: argparse.Namespace) -> int:
 
 
 def _cmd_vocab(args: argparse.Namespace) -> int:
-    from popbert.cli.paths import check_output_file
     from popbert.data.tokenization import is_tokenizer_json
     from popbert.data.vocab import train_bpe, train_vocab
+    from popbert.io.paths import check_output_file
 
     if args.vocab_size <= 5:
         raise UsageError(f"--vocab-size must be > 5, got {args.vocab_size}")
@@ -280,7 +281,7 @@ def _cmd_wikipedia(args: argparse.Namespace) -> int:
 
 
 def _add_common(p: argparse.ArgumentParser, output_help: str) -> None:
-    p.add_argument("--output-dir", "-o", required=True, metavar="DIR",
+    p.add_argument("--output-dir", "-o", required=True, metavar="DIR", type=paths.DATA_OUTPUT_DIR,
                    help=output_help)
     p.add_argument("--workers", "-j", type=int, default=None, metavar="N",
                    help="worker processes (default: all cores)")
@@ -332,9 +333,9 @@ def add_commands(subparsers: argparse._SubParsersAction,
 
     p = stages.add_parser("wikipedia", parents=[common_parent],
                           help="all stages: dump -> packed HDF5 shards")
-    p.add_argument("--input", required=True, metavar="DUMP.xml.bz2",
+    p.add_argument("--input", required=True, metavar="DUMP.xml.bz2", type=paths.DUMP,
                    help="a MediaWiki XML dump, e.g. enwiki-latest-pages-articles.xml.bz2")
-    p.add_argument("--vocab", default=None, metavar="VOCAB.txt",
+    p.add_argument("--vocab", default=None, metavar="VOCAB.txt", type=paths.VOCAB,
                    help="an existing WordPiece vocab.txt or tokenizer.json; default: train a "
                         "vocab.txt (--vocab-size)")
     p.add_argument("--vocab-size", type=int, default=30522, metavar="N")
@@ -350,7 +351,7 @@ def add_commands(subparsers: argparse._SubParsersAction,
 
     p = stages.add_parser("extract", parents=[common_parent],
                           help="dump -> plain-text articles (JSON lines), by wikiextractor")
-    p.add_argument("--input", required=True, metavar="DUMP.xml.bz2")
+    p.add_argument("--input", required=True, metavar="DUMP.xml.bz2", type=paths.DUMP)
     _add_common(p, "directory for part-*.jsonl")
     p.add_argument("--part-size-mb", type=float, default=8.0, metavar="MB",
                    help="wikitext per part (default 8)")
@@ -358,7 +359,7 @@ def add_commands(subparsers: argparse._SubParsersAction,
 
     p = stages.add_parser("sentences", parents=[common_parent],
                           help="articles -> one sentence per line, blank line between documents")
-    p.add_argument("--input", required=True, metavar="DIR_OR_GLOB",
+    p.add_argument("--input", required=True, metavar="DIR_OR_GLOB", type=paths.CORPUS,
                    help="the extract stage's directory, or corpus files (comma-separated, "
                         "globs): JSON lines, Parquet, or text with one document a line")
     _add_common(p, "directory for part-*.txt")
@@ -376,9 +377,10 @@ def add_commands(subparsers: argparse._SubParsersAction,
     p = stages.add_parser("vocab", parents=[common_parent],
                           help="train an uncased WordPiece vocab.txt, or a byte-level BPE "
                                "tokenizer.json (--model bpe), with HF tokenizers")
-    p.add_argument("--input", required=True, metavar="DIR_OR_GLOB",
+    p.add_argument("--input", required=True, metavar="DIR_OR_GLOB", type=paths.TEXT,
                    help="the sentences stage's directory, or text files")
-    p.add_argument("--output", "-o", required=True, metavar="VOCAB.txt|TOKENIZER.json")
+    p.add_argument("--output", "-o", required=True, metavar="VOCAB.txt|TOKENIZER.json",
+                   type=paths.DATA_OUTPUT_FILE)
     p.add_argument("--model", choices=("wordpiece", "bpe"), default="wordpiece",
                    help="wordpiece: BERT's uncased vocab.txt (default); bpe: a cased "
                         "byte-level BPE tokenizer.json with BERT's special tokens, "
@@ -389,9 +391,9 @@ def add_commands(subparsers: argparse._SubParsersAction,
 
     p = stages.add_parser("instances", parents=[common_parent],
                           help="sentences -> masked MLM/NSP instances in HDF5 shards")
-    p.add_argument("--input", required=True, metavar="DIR_OR_GLOB",
+    p.add_argument("--input", required=True, metavar="DIR_OR_GLOB", type=paths.TEXT,
                    help="the sentences stage's directory, or Google-format text files")
-    p.add_argument("--vocab", required=True, metavar="VOCAB.txt",
+    p.add_argument("--vocab", required=True, metavar="VOCAB.txt", type=paths.VOCAB,
                    help="a WordPiece vocab.txt or any Hugging Face tokenizer.json")
     _add_common(p, "directory for part-*.h5")
     _add_instance_args(p)
@@ -399,7 +401,7 @@ def add_commands(subparsers: argparse._SubParsersAction,
 
     p = stages.add_parser("pack", parents=[common_parent],
                           help="instance shards -> packed shards (several sequences per row)")
-    p.add_argument("--input", required=True, metavar="DIR_OR_GLOB",
+    p.add_argument("--input", required=True, metavar="DIR_OR_GLOB", type=paths.SHARDS,
                    help="the instances stage's directory, or *.h5 shards")
     _add_common(p, "directory for packed part-*.h5")
     _add_pack_args(p)

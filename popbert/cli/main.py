@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from popbert import __version__
-from popbert.cli.paths import check_output_file
-from popbert.errors import CheckpointError, PopbertError, UsageError, one_line
+from popbert.errors import PopbertError, UsageError, one_line
+from popbert.io import paths
 
 if TYPE_CHECKING:
     from popbert.config import RunConfig
@@ -60,12 +60,6 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     return tuple(types_)
 
 
-def _existing_dir(path: Path | None, what: str) -> Path | None:
-    if path is not None and not path.is_dir():
-        raise CheckpointError(f"{what}: not a directory: {path}")
-    return path
-
-
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """--config (default: the preset tiny, or the resumed run's own config) under --set."""
     from popbert.config import DEFAULT_PRESET, load_config
@@ -93,14 +87,12 @@ def pretrain_output_dir(args: argparse.Namespace) -> Path:
 
 
 def _cmd_pretrain(args: argparse.Namespace) -> int:
-    resume = _existing_dir(args.resume, "--resume")
-    init_from = _existing_dir(args.init_from, "--init-from")
     cfg = config_from_args(args)
     from popbert.train.trainer import Trainer
 
     # A torchrun restart of this job resumes its own run by itself (Trainer.from_config).
-    with Trainer.from_config(cfg, pretrain_output_dir(args), resume=resume,
-                             init_from=init_from, overwrite=args.overwrite) as trainer:
+    with Trainer.from_config(cfg, pretrain_output_dir(args), resume=args.resume,
+                             init_from=args.init_from, overwrite=args.overwrite) as trainer:
         trainer.train()
     return 0
 
@@ -118,8 +110,6 @@ def _names(text: str, known: Sequence[str], flag: str, what: str) -> tuple[str, 
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    checkpoint = _existing_dir(args.checkpoint, "--checkpoint")
-    check_output_file(args.output, "--output")
     from popbert.io.export import export_checkpoint
 
     # Only options the user set are passed, so export_checkpoint's defaults stay the one source.
@@ -140,15 +130,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
         options["keep_float"] = _names(args.keep_float, ALL_ROLES, "--keep-float", "role")
     if args.eval is not None:
-        if not args.eval.is_file():
-            raise UsageError(f"--eval: file not found: {args.eval}")
         options["eval_data"] = args.eval
     if args.max_accuracy_drop is not None:
         if not args.max_accuracy_drop >= 0:
             raise UsageError(f"--max-accuracy-drop: expected points >= 0, got "
                              f"{args.max_accuracy_drop:g}")
         options["max_accuracy_drop"] = args.max_accuracy_drop
-    path = export_checkpoint(checkpoint=checkpoint, task=args.task, output=args.output,
+    path = export_checkpoint(checkpoint=args.checkpoint, task=args.task, output=args.output,
                              **options)
     logger.info("wrote %s", path)
     return 0
@@ -165,10 +153,9 @@ def _cmd_import_hf(args: argparse.Namespace) -> int:
 
 
 def _cmd_export_hf(args: argparse.Namespace) -> int:
-    checkpoint = _existing_dir(args.checkpoint, "--checkpoint")
     from popbert.io.hf_checkpoint import export_hf
 
-    export_hf(checkpoint, args.output_dir, architecture=args.architecture)
+    export_hf(args.checkpoint, args.output_dir, architecture=args.architecture)
     return 0
 
 
@@ -194,7 +181,6 @@ def finetune_config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def _cmd_finetune(args: argparse.Namespace) -> int:
-    _existing_dir(args.checkpoint, "--checkpoint")
     cfg = finetune_config_from_args(args)
     from popbert.train.trainer import Trainer
 
@@ -216,7 +202,6 @@ def _cmd_evaluate_squad(args: argparse.Namespace) -> int:
 def _cmd_predict_squad(args: argparse.Namespace) -> int:
     from popbert.serve.predict import predict_squad  # ONNX Runtime only: no torch on this path
 
-    check_output_file(args.output, "--output")
     predict_squad(args.model, args.data, args.output, n_best_size=args.n_best_size,
                   max_answer_length=args.max_answer_length, batch_size=args.batch_size,
                   threads=args.threads)
@@ -227,7 +212,6 @@ def _cmd_predict_squad(args: argparse.Namespace) -> int:
 def _cmd_predict_classify(args: argparse.Namespace) -> int:
     from popbert.serve.predict import predict_classify  # ONNX Runtime only: no torch
 
-    check_output_file(args.output, "--output")
     metrics = predict_classify(args.model, args.data, args.output, batch_size=args.batch_size,
                                threads=args.threads, text_column=args.text_column,
                                pair_column=args.text_pair_column,
@@ -242,7 +226,6 @@ def _cmd_config(args: argparse.Namespace) -> int:
     from popbert.atomic import atomic_write_text
     from popbert.config import dump_config, warn_config
 
-    check_output_file(args.output, "--output")
     cfg = config_from_args(args)
     warn_config(cfg)
     if args.output is not None:
@@ -274,7 +257,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_plot(args: argparse.Namespace) -> int:
     """One run (its metrics.jsonl or directory): its full plot; several, or --metric: overlaid."""
-    check_output_file(args.output, "--output")
     if len(args.paths) == 1 and not args.metric:
         from popbert.observe.plots import plot_metrics
 
@@ -294,6 +276,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", metavar="FILE_OR_PRESET", default=None,
+                   type=paths.CONFIG_FILE,
                    help="YAML config file or preset name (tiny, base-128, base-384, large-128, "
                         "large-384); default: tiny")
     p.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append",
@@ -304,14 +287,14 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def add_pretrain_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `popbert pretrain` (examples/pretrain.py takes the same)."""
     _add_config_args(p)
-    p.add_argument("--output-dir", "-o", type=Path, default=None, metavar="DIR",
+    p.add_argument("--output-dir", "-o", type=paths.OUTPUT_DIR, default=None, metavar="DIR",
                    help="run directory (checkpoints, metrics); default runs/pretrain-<timestamp>")
     start = p.add_mutually_exclusive_group()
-    start.add_argument("--resume", type=Path, default=None, metavar="DIR",
+    start.add_argument("--resume", type=paths.RUN, default=None, metavar="DIR",
                        help="continue a run (its directory, or one of its checkpoints) from "
                             "the checkpoint: weights, optimizer, data position, RNG; the run "
                             "continues in that directory unless --output-dir says otherwise")
-    start.add_argument("--init-from", type=Path, default=None, metavar="DIR",
+    start.add_argument("--init-from", type=paths.CHECKPOINT, default=None, metavar="DIR",
                        help="start a new run from a checkpoint's weights only (e.g. phase 2)")
     _add_overwrite_arg(p)
 
@@ -335,11 +318,12 @@ def _add_training_args(p: argparse.ArgumentParser, preset: str) -> None:
             raise argparse.ArgumentTypeError(f"expected {DEVICE.expected}, got {value!r}")
         return value
 
-    p.add_argument("--checkpoint", type=Path, required=True, metavar="DIR",
+    p.add_argument("--checkpoint", type=paths.CHECKPOINT, required=True, metavar="DIR",
                    help="checkpoint or run directory (popbert pretrain, import-hf)")
-    p.add_argument("--output-dir", "-o", type=Path, required=True, metavar="DIR")
+    p.add_argument("--output-dir", "-o", type=paths.OUTPUT_DIR, required=True, metavar="DIR")
     _add_overwrite_arg(p)
     p.add_argument("--config", "-c", metavar="FILE_OR_PRESET", default=None,
+                   type=paths.CONFIG_FILE,
                    help=f"YAML config or preset to start from (default: {preset})")
     p.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append",
                    default=[], help="override one config value, e.g. --set optimizer.lr=3e-5")
@@ -376,8 +360,8 @@ def _add_finetune_commands(sub, common: argparse.ArgumentParser) -> None:
                                      "write predictions.json for --predict and, if it has "
                                      "answers, the official EM/F1 (printed as JSON).")
     _add_training_args(p, "finetune-squad")
-    p.add_argument("--train", type=Path, required=True, metavar="FILE.json")
-    p.add_argument("--predict", type=Path, default=None, metavar="FILE.json")
+    p.add_argument("--train", type=paths.SQUAD, required=True, metavar="FILE.json")
+    p.add_argument("--predict", type=paths.SQUAD, default=None, metavar="FILE.json")
     p.add_argument("--doc-stride", type=int)
     p.add_argument("--max-query-length", type=int)
     p.add_argument("--n-best-size", type=int)
@@ -389,8 +373,8 @@ def _add_finetune_commands(sub, common: argparse.ArgumentParser) -> None:
                          description="Fine-tune a pooled-output classifier; report accuracy and "
                                      "F1 on --eval (default: the training file) as JSON.")
     _add_training_args(p, "finetune-classification")
-    p.add_argument("--train", type=Path, required=True, metavar="FILE")
-    p.add_argument("--eval", type=Path, default=None, metavar="FILE")
+    p.add_argument("--train", type=paths.ROWS, required=True, metavar="FILE")
+    p.add_argument("--eval", type=paths.ROWS, default=None, metavar="FILE")
     p.add_argument("--text-column", default=None,
                    help="default: sentence, text, sentence1, question, question1 or premise")
     p.add_argument("--text-pair-column", default=None,
@@ -409,8 +393,8 @@ def _add_evaluate_commands(sub, common: argparse.ArgumentParser) -> None:
                          help="official SQuAD v1.1 exact match and F1",
                          description="Print {\"exact_match\": ..., \"f1\": ...} (percent) as "
                                      "the last line, as the official v1.1 script does.")
-    p.add_argument("--data", type=Path, required=True, metavar="FILE.json")
-    p.add_argument("--predictions", type=Path, required=True, metavar="FILE.json")
+    p.add_argument("--data", type=paths.SQUAD, required=True, metavar="FILE.json")
+    p.add_argument("--predictions", type=paths.PREDICTIONS, required=True, metavar="FILE.json")
     p.set_defaults(handler=_cmd_evaluate_squad)
 
 
@@ -421,9 +405,9 @@ def _add_predict_commands(sub, common: argparse.ArgumentParser) -> None:
     p = tasks.add_parser("squad", parents=[common],
                          help="answer SQuAD-format questions with a squad ONNX export",
                          description="ONNX Runtime only (torch is not imported).")
-    p.add_argument("--model", type=Path, required=True, metavar="FILE.onnx")
-    p.add_argument("--data", type=Path, required=True, metavar="FILE.json")
-    p.add_argument("--output", "-o", type=Path, default=Path("predictions.json"),
+    p.add_argument("--model", type=paths.ONNX_MODEL, required=True, metavar="FILE.onnx")
+    p.add_argument("--data", type=paths.SQUAD, required=True, metavar="FILE.json")
+    p.add_argument("--output", "-o", type=paths.OUTPUT_FILE, default=Path("predictions.json"),
                    metavar="FILE.json")
     p.add_argument("--n-best-size", type=int, default=20)
     p.add_argument("--max-answer-length", type=int, default=30)
@@ -437,9 +421,9 @@ def _add_predict_commands(sub, common: argparse.ArgumentParser) -> None:
                                      "`finetune classify`) or every line of a .txt file; write "
                                      "JSON lines with the label and each label's probability, "
                                      "and print accuracy and F1 if the file has labels.")
-    p.add_argument("--model", type=Path, required=True, metavar="FILE.onnx")
-    p.add_argument("--data", type=Path, required=True, metavar="FILE")
-    p.add_argument("--output", "-o", type=Path, default=Path("predictions.jsonl"),
+    p.add_argument("--model", type=paths.ONNX_MODEL, required=True, metavar="FILE.onnx")
+    p.add_argument("--data", type=paths.ROWS_OR_LINES, required=True, metavar="FILE")
+    p.add_argument("--output", "-o", type=paths.OUTPUT_FILE, default=Path("predictions.jsonl"),
                    metavar="FILE.jsonl")
     p.add_argument("--text-column", default=None,
                    help="text column (default: the first of sentence, text, sentence1, ...)")
@@ -478,13 +462,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", parents=[common], help="export a checkpoint to inference ONNX",
                        description="Write a standard-opset ONNX model with the checkpoint's "
                                    "weights, verified in ONNX Runtime against the torch backend.")
-    p.add_argument("--checkpoint", type=Path, required=True, metavar="DIR")
+    p.add_argument("--checkpoint", type=paths.CHECKPOINT, required=True, metavar="DIR")
     p.add_argument("--task", choices=("pretraining", "encoder", "squad", "classification"),
                    required=True,
                    help="pretraining: MLM + NSP heads; encoder: last hidden state and pooled "
                         "output (like transformers.BertModel); squad: start/end logits; "
                         "classification: logits (the last two need a fine-tuned checkpoint)")
-    p.add_argument("--output", type=Path, required=True, metavar="FILE.onnx")
+    p.add_argument("--output", type=paths.OUTPUT_FILE, required=True, metavar="FILE.onnx")
     p.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                    help="float16: half-precision weights and compute (for GPU providers)")
     batch = p.add_mutually_exclusive_group()
@@ -511,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --quantize: weight roles left in FP32, comma-separated, from "
                         "qkv, attention-out, ffn-in, ffn-out, conv, head, or none "
                         "(default: head)")
-    p.add_argument("--eval", type=Path, default=None, metavar="FILE",
+    p.add_argument("--eval", type=paths.ROWS_OR_SQUAD, default=None, metavar="FILE",
                    help="score the export against the plain FP32 export on this file "
                         "(classification rows or SQuAD JSON): agreement and task metric")
     p.add_argument("--max-accuracy-drop", type=float, default=None, metavar="POINTS",
@@ -524,8 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Read config.json, model.safetensors or pytorch_model.bin "
                                    "(with or without the bert. prefix and heads) and vocab.txt; "
                                    "write a run directory usable as --checkpoint / --init-from.")
-    p.add_argument("--model", type=Path, required=True, metavar="DIR")
-    p.add_argument("--output-dir", "-o", type=Path, required=True, metavar="DIR")
+    p.add_argument("--model", type=paths.HF_MODEL, required=True, metavar="DIR")
+    p.add_argument("--output-dir", "-o", type=paths.OUTPUT_DIR, required=True, metavar="DIR")
     p.add_argument("--sequence-length", type=int, default=None, metavar="N",
                    help="model.sequence_length of the written config (default: min(128, "
                         "max_position_embeddings))")
@@ -535,8 +519,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export-hf", parents=[common],
                        help="write a checkpoint as a Hugging Face model directory")
-    p.add_argument("--checkpoint", type=Path, required=True, metavar="DIR")
-    p.add_argument("--output-dir", "-o", type=Path, required=True, metavar="DIR")
+    p.add_argument("--checkpoint", type=paths.CHECKPOINT, required=True, metavar="DIR")
+    p.add_argument("--output-dir", "-o", type=paths.OUTPUT_DIR, required=True, metavar="DIR")
     p.add_argument("--architecture", default=None,
                    choices=("BertModel", "BertForPreTraining", "BertForMaskedLM",
                             "BertForQuestionAnswering", "BertForSequenceClassification"),
@@ -547,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", parents=[common],
                        help="print (or save) the resolved, validated config")
     _add_config_args(p)
-    p.add_argument("--output", "-o", type=Path, default=None, metavar="FILE.yaml")
+    p.add_argument("--output", "-o", type=paths.OUTPUT_FILE, default=None, metavar="FILE.yaml")
     p.set_defaults(handler=_cmd_config)
 
     p = sub.add_parser("plan", parents=[common],
@@ -568,10 +552,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plot", parents=[common], help="plot a run's metrics, or overlay "
                        "several runs' curves labelled by what differs in their configs")
-    p.add_argument("paths", type=Path, nargs="+", metavar="RUN_DIR",
+    p.add_argument("paths", type=paths.METRICS, nargs="+", metavar="RUN_DIR",
                    help="run directories (or their metrics.jsonl); one: its full plot; "
                         "several: their curves in one PNG")
-    p.add_argument("--output", "-o", type=Path, default=None, metavar="FILE.png",
+    p.add_argument("--output", "-o", type=paths.OUTPUT_FILE, default=None, metavar="FILE.png",
                    help="default: next to one run's metrics file, same name with .png; "
                         "compare.png for several runs")
     p.add_argument("--metric", action="append", default=[], metavar="KEY",
@@ -585,6 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
     from popbert.cli.sweep import add_commands as add_sweep_commands
 
     add_sweep_commands(sub, common)  # sweep create | agent | run | show
+    paths.declare_paths(parser)  # each command checks its path flags before it starts
     return parser
 
 
@@ -594,6 +579,7 @@ def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Nam
     SIGUSR1 with its checkpoint 128 + the signal (143, 138: a job script requeues on it)."""
     _configure_logging(getattr(args, "verbose", False))
     try:
+        paths.check_arguments(args)  # every declared path, before any work
         return int(handler(args))
     except KeyboardInterrupt as interrupt:
         # A run stopped by SIGTERM/SIGUSR1 after its checkpoint (popbert.train.loop.

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from popbert.errors import UsageError
+from popbert.io import paths
 
 logger = logging.getLogger("popbert")
 
@@ -88,7 +89,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_show(args: argparse.Namespace) -> int:
     _optuna_logs_through_logging()
-    from popbert.cli.paths import check_output_directory
+    from popbert.io.paths import check_output_directory
     from popbert.sweep.show import (
         best_so_far,
         check_comparable,
@@ -136,8 +137,8 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
 
     p = verbs.add_parser("create", parents=[common], help="check a sweep file, create the sweep "
                          "and print its id")
-    p.add_argument("file", type=Path, metavar="FILE.yaml")
-    p.add_argument("--output-dir", "-o", type=Path, default=None, metavar="DIR",
+    p.add_argument("file", type=paths.SWEEP_FILE, metavar="FILE.yaml")
+    p.add_argument("--output-dir", "-o", type=paths.OUTPUT_DIR, default=None, metavar="DIR",
                    help="sweep directory (default sweeps/<id>)")
     p.add_argument("--storage", default=None, metavar="URL",
                    help="Optuna RDB store (e.g. postgresql://user:pw@host/db) for agents on "
@@ -151,21 +152,21 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", default=None, metavar="URL")
     p.add_argument("--count", type=int, default=None, metavar="N",
                    help="run at most N trials in this agent")
-    p.add_argument("--file", type=Path, default=None, metavar="FILE.yaml",
+    p.add_argument("--file", type=paths.SWEEP_FILE, default=None, metavar="FILE.yaml",
                    help="a W&B sweep given by entity/project/id: its sweep file (popbert's "
                         "job, config, set, args), where its sweep directory is not here")
     p.add_argument("--device", default=None, metavar="DEVICE",
                    help="pin this agent's trials to a device (cpu, cuda, cuda:1)")
-    p.add_argument("--output-dir", "-o", type=Path, default=None, metavar="DIR",
+    p.add_argument("--output-dir", "-o", type=paths.OUTPUT_DIR, default=None, metavar="DIR",
                    help="where the trials' run directories go for a sweep given by id "
                         "(default: its directory if it exists here, else sweeps/<id>)")
     p.set_defaults(handler=_cmd_agent)
 
     p = verbs.add_parser("run", parents=[common], help="create a sweep and run N local agents "
                          "to the end")
-    p.add_argument("file", type=Path, metavar="FILE.yaml")
+    p.add_argument("file", type=paths.SWEEP_FILE, metavar="FILE.yaml")
     p.add_argument("--agents", type=int, default=1, metavar="N")
-    p.add_argument("--output-dir", "-o", type=Path, default=None, metavar="DIR")
+    p.add_argument("--output-dir", "-o", type=paths.OUTPUT_DIR, default=None, metavar="DIR")
     p.add_argument("--storage", default=None, metavar="URL")
     p.add_argument("--count", type=int, default=None, metavar="N",
                    help="trials per agent (needed without run_cap for random and bayes)")
@@ -178,7 +179,7 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("sweep", metavar="SWEEP", nargs="+",
                    help="sweep directory, or id with --storage")
     p.add_argument("--storage", default=None, metavar="URL")
-    p.add_argument("--plots-dir", type=Path, default=None, metavar="DIR",
+    p.add_argument("--plots-dir", type=paths.OUTPUT_DIR, default=None, metavar="DIR",
                    help="where the PNG plots go (default SWEEP/plots)")
     p.add_argument("--no-plots", action="store_true", help="only the table")
     p.set_defaults(handler=_cmd_show)

@@ -35,6 +35,7 @@ from popbert.config.sections import (
 )
 from popbert.config.yaml_io import DuplicateKeyError, dump_yaml, load_yaml, parse_yaml
 from popbert.errors import ConfigError
+from popbert.textfile import read_text
 
 logger = logging.getLogger(__name__)
 
@@ -172,10 +173,7 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 
 def _read(path: Path, source: str) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{source}: cannot read: {exc.strerror}") from None
+    text = read_text(path, "a YAML config", error=ConfigError)
     return _upgrade_legacy(_check_top_level(parse_yaml(text, source), source))
 
 

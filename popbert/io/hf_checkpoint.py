@@ -33,6 +33,7 @@ from popbert.errors import CheckpointError, UsageError, one_line
 from popbert.io import hf_mapping as hf
 from popbert.io.hf_modernbert import hf_config_from_modernbert, modernbert_config_from_hf
 from popbert.io.run_dir import step_dir
+from popbert.textfile import read_json
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +79,7 @@ class ImportReport:
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
-    if not path.is_file():
-        raise UsageError(f"{path}: not found ({what})")
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise UsageError(f"{path}: unreadable JSON ({one_line(error)})") from None
+    value = read_json(path, what, error=UsageError)
     if not isinstance(value, dict):
         raise UsageError(f"{path}: expected a JSON object")
     return value
@@ -182,7 +178,7 @@ def load_hf_state(model_dir: Path) -> tuple[dict[str, np.ndarray], Path]:
             return _load_file(single), single
         index = model_dir / f"{name}.index.json"
         if index.is_file():
-            weight_map = _read_json(index, "shard index").get("weight_map")
+            weight_map = _read_json(index, "the weights' shard index (JSON)").get("weight_map")
             if not isinstance(weight_map, dict):
                 raise UsageError(f"{index}: no weight_map")
             state: dict[str, np.ndarray] = {}
@@ -200,7 +196,7 @@ def read_lowercase(model_dir: Path) -> bool:
         log.info("%s: no tokenizer_config.json; assuming an uncased (lowercasing) vocabulary",
                  model_dir)
         return True
-    value = _read_json(path, "tokenizer config").get("do_lower_case", True)
+    value = _read_json(path, "a tokenizer_config.json").get("do_lower_case", True)
     return bool(value) if value is not None else True
 
 
@@ -268,7 +264,7 @@ def import_hf(model_dir: Path, output_dir: Path, sequence_length: int | None = N
         raise UsageError(f"--model: not a directory: {model_dir}")
     _prepare_output(output_dir, IMPORT_REPORT, "--output-dir")
     config_path = model_dir / "config.json"
-    hf_config = _read_json(config_path, "model config")
+    hf_config = _read_json(config_path, "a Hugging Face config.json")
     bert = config_from_hf(hf_config, str(config_path), sequence_length)
     vocab = _tokenizer_file(model_dir, bert.architecture)
     try:

@@ -41,6 +41,7 @@ from popbert.data.squad import (
 from popbert.data.tokenization import tokenizer_from_text
 from popbert.errors import UsageError, one_line
 from popbert.graph.annotations import METADATA_PREFIX
+from popbert.textfile import read_text
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +296,8 @@ def read_texts(path: Path, text_column: str | None = None, pair_column: str | No
     if not path.is_file():
         raise UsageError(f"--data: file not found: {path}")
     texts, lines = [], []
-    for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
+    text = read_text(path, "a .txt file, one text a line", error=UsageError)
+    for number, line in enumerate(text.splitlines(), 1):
         if line.strip():
             texts.append(line.strip())
             lines.append(number)

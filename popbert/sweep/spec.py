@@ -20,6 +20,7 @@ from typing import Any
 from popbert.config.sections import FINETUNE_COMMANDS
 from popbert.config.yaml_io import parse_yaml
 from popbert.errors import ConfigError
+from popbert.textfile import read_text
 
 METHODS = ("grid", "random", "bayes")
 BACKENDS = ("optuna", "wandb")  # who runs the search: the Optuna store, or a W&B server
@@ -201,11 +202,7 @@ def load_spec(path: str | os.PathLike[str], check: bool = True) -> SweepSpec:
     """Read and check a sweep file; relative paths in it (config, args) are taken from the
     current directory and made absolute, so agents elsewhere find the same files."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise ConfigError(f"{path}: cannot read the sweep file: "
-                          f"{error.strerror or error}") from None
+    text = read_text(path, "a sweep YAML file", error=ConfigError)
     raw = parse_yaml(text, str(path))
     spec = parse_spec(raw, str(path))
     absolutize(spec)

@@ -47,6 +47,7 @@ from popbert.distributed.elastic import record_launch, restart_arguments
 from popbert.errors import CheckpointError, ConfigError, WriteError, one_line
 from popbert.io import checkpoint as ckpt
 from popbert.io import run_dir
+from popbert.io.paths import check_config_paths
 from popbert.observe.plots import plot_metrics
 from popbert.observe.tracking import MetricsLogger, read_metrics
 from popbert.optimizers import set_lr
@@ -282,6 +283,7 @@ class Trainer:
         directory holding files popbert did not write. Resuming in the run's own directory
         only locks it.
         """
+        check_config_paths(cfg)  # every path the config names, in one line each, first
         if resume is not None:
             # The checkpoint itself, before anything is written: an incomplete one named
             # directly is refused, incomplete newer ones in a run directory are named.

@@ -64,8 +64,7 @@ def test_bad_override_syntax() -> None:
 def test_missing_config_file(tmp_path: Path) -> None:
     assert_one_line_error(
         run_cli("pretrain", "--config", str(tmp_path / "missing.yaml")),
-        "config file not found",
-        "missing.yaml",
+        "--config", "missing.yaml: not found, nor a preset",
     )
 
 
@@ -93,10 +92,11 @@ def test_bad_enum_and_batch_mismatch_via_example(tmp_path: Path) -> None:
 
 def test_missing_checkpoint_directories(tmp_path: Path) -> None:
     assert_one_line_error(
-        run_cli("pretrain", "--resume", str(tmp_path / "none")), "--resume: not a directory"
+        run_cli("pretrain", "--resume", str(tmp_path / "none")), "--resume", "none: not found"
     )
     assert_one_line_error(
-        run_cli("pretrain", "--init-from", str(tmp_path / "none")), "--init-from: not a directory"
+        run_cli("pretrain", "--init-from", str(tmp_path / "none")),
+        "--init-from", "none: not found; expected a checkpoint or run directory"
     )
     assert_one_line_error(
         run_cli(
@@ -108,13 +108,13 @@ def test_missing_checkpoint_directories(tmp_path: Path) -> None:
             "--output",
             str(tmp_path / "m.onnx"),
         ),
-        "--checkpoint: not a directory",
+        "--checkpoint", "none: not found",
     )
 
 
 def test_plot_missing_metrics(tmp_path: Path) -> None:
     assert_one_line_error(
-        run_cli("plot", str(tmp_path / "metrics.jsonl")), "metrics file not found"
+        run_cli("plot", str(tmp_path / "metrics.jsonl")), "metrics.jsonl: not found"
     )
 
 
@@ -188,6 +188,7 @@ def test_pretrain_calls_the_trainer(
     fake_trainer(monkeypatch, lambda cfg, **kw: calls.append((cfg, kw)))
     init = tmp_path / "phase1"
     init.mkdir()
+    (init / "state.json").write_text("{}")  # a checkpoint, as far as the flag's check looks
     rc = cli.main(
         [
             "pretrain",
@@ -230,6 +231,7 @@ def test_resume_without_config_uses_the_runs_config(
     ckpt = tmp_path / "ckpt"
     saved = load_config("tiny", ["training.steps=11"])
     atomic_write_text(ckpt / "config.yaml", dump_config(saved))
+    (ckpt / "state.json").write_text("{}")
     assert cli.main(["pretrain", "--resume", str(ckpt), "-o", str(tmp_path)]) == 0
     assert calls[0][0] == saved and calls[0][1]["resume"] == ckpt
 
@@ -244,6 +246,7 @@ def test_export_calls_export_checkpoint(
         return output
 
     fake_module(monkeypatch, "popbert.io.export", export_checkpoint=export_checkpoint)
+    (tmp_path / "state.json").write_text("{}")
     rc = cli.main(
         [
             "export",
@@ -327,23 +330,22 @@ def binary_vocab(tmp_path: Path) -> Path:
 def test_a_vocabulary_that_is_not_utf8_text(
     tmp_path: Path, binary_vocab: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    expected = ("not a vocabulary: expected UTF-8 text, one WordPiece token a line "
-                "(byte 0xb8 at offset 6 is not UTF-8)")
+    expected = "not UTF-8 text (byte 0xb8 at offset 6); expected a WordPiece vocab.txt"
     run = tmp_path / "run"
     one_line_error(capsys, ["pretrain", "--set", f"data.vocab_file={binary_vocab}", "-o",
-                            str(run)], f"data.vocab_file: {binary_vocab}: {expected}")
+                            str(run)], f"data.vocab_file {binary_vocab}: {expected}")
     assert not run.exists()
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("One sentence. Another one.\nA second line.\n")
     shape = ["--sequence-length", "32", "--max-predictions", "5", "-j", "1"]
     one_line_error(capsys, ["prepare-data", "instances", "--input", str(corpus), "--vocab",
                             str(binary_vocab), "-o", str(tmp_path / "inst"), *shape],
-                   f"--vocab: {binary_vocab}: {expected}")
+                   f"--vocab {binary_vocab}: {expected}")
     dump = tmp_path / "dump.xml.bz2"
     dump.write_bytes(b"BZh9")  # never read: the vocabulary is checked before extraction
     one_line_error(capsys, ["prepare-data", "wikipedia", "--input", str(dump), "--vocab",
                             str(binary_vocab), "-o", str(tmp_path / "wiki"), *shape],
-                   f"--vocab: {binary_vocab}: {expected}")
+                   f"--vocab {binary_vocab}: {expected}")
     assert not (tmp_path / "inst").exists() and not (tmp_path / "wiki").exists()
     hf = tmp_path / "hf"
     assert cli.main(["export-hf", "--checkpoint", str(pretrained_run(tmp_path / "ref")), "-o",
@@ -358,13 +360,13 @@ def test_an_output_file_that_is_a_directory(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     one_line_error(capsys, ["config", "-o", str(tmp_path)],
-                   f"--output {tmp_path}: is a directory; expected a file name")
+                   f"--output {tmp_path}: is a directory, not a file name; expected a file")
     blocker = tmp_path / "file"
-    blocker.write_text("")
+    blocker.write_text("Some text.\n")
     one_line_error(capsys, ["config", "-o", str(blocker / "run.yaml")],
                    f"--output {blocker / 'run.yaml'}: {blocker} is a file, not a directory")
     one_line_error(capsys, ["prepare-data", "vocab", "--input", str(blocker), "-o",
-                            str(tmp_path)], f"--output {tmp_path}: is a directory")
+                            str(tmp_path)], f"--output {tmp_path}: is a directory, not a file")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing half-written
 
 
@@ -390,7 +392,8 @@ def test_prepare_data_output_dir_that_is_a_file(
     blocker.write_text("a file")
     args = [str(bundled_vocab_path()) if a == "VOCAB" else a for a in stage]
     one_line_error(capsys, ["prepare-data", *args, "--input", given, "-j", "1", "-o",
-                            str(blocker)], f"--output-dir {blocker}: is a file, not a directory")
+                            str(blocker)],
+                   f"--output-dir {blocker}: is a text file, not a directory")
     assert blocker.read_text() == "a file"
 
 

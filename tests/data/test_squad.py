@@ -163,6 +163,7 @@ def test_bad_files_and_options_are_one_line_errors(tmp_path: Path,
         read_squad(bad)
     with pytest.raises(UsageError, match="leaves no room"):
         WindowOptions(max_seq_length=32, max_query_length=30).validate()
+    (tmp_path / "p.json").write_text("{}")
     assert cli.main(["evaluate", "squad", "--data", str(bad), "--predictions",
                      str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

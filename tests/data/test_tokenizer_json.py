@@ -107,7 +107,7 @@ def test_an_export_carries_the_tokenizer_text(bpe_file: Path) -> None:
 
 
 @pytest.mark.parametrize("content, expected", [
-    (b"\xff\xfe not utf-8", "expected UTF-8 JSON"),
+    (b"\xff\xfe not utf-8", "not UTF-8 text"),
     (b"{\"model\": ", "not a Hugging Face tokenizer.json"),
     (b"[1, 2]", "not a Hugging Face tokenizer.json"),
 ])

@@ -238,11 +238,11 @@ def test_bad_directories_are_one_line_errors(tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     one_line_error(capsys, ["import-hf", "--model", str(tmp_path / "none"), "--output-dir",
-                            str(out)], "--model", "not a directory")
+                            str(out)], "--model", ": not found")
     empty = tmp_path / "empty"
     empty.mkdir()
     one_line_error(capsys, ["import-hf", "--model", str(empty), "--output-dir", str(out)],
-                   "config.json", "not found")
+                   "--model", "without config.json")
     (empty / "config.json").write_text(json.dumps({"model_type": "bert",
                                                    "hidden_act": "gelu_new"}))
     one_line_error(capsys, ["import-hf", "--model", str(empty), "--output-dir", str(out)],

@@ -158,7 +158,7 @@ def test_squad_export_cost_uses_the_official_metric(tmp_path: Path) -> None:
 @pytest.mark.parametrize("extra,message", [
     (["--task", "encoder", "--eval", "{rows}"], "--eval: a encoder export has no task"),
     (["--task", "classification", "--max-accuracy-drop", "1"], "needs --eval FILE"),
-    (["--task", "classification", "--eval", "{missing}"], "--eval: file not found"),
+    (["--task", "classification", "--eval", "{missing}"], "nope.tsv: not found"),
     (["--task", "classification", "--quantize", "int8", "--keep-float", "ffn"],
      "--keep-float: unknown role 'ffn'"),
     (["--task", "classification", "--optimize", "--fusions", "Attention,Flash"],

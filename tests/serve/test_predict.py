@@ -158,7 +158,7 @@ def test_wrong_models_are_one_line_errors(squad_run, tmp_path: Path) -> None:
     assert cli.main(["export", "--checkpoint", str(squad_run[0]), "--task", "encoder",
                      "--output", str(encoder)]) == 0
     for model, fragment in [(encoder, "is not a popbert squad export"),
-                            (tmp_path / "missing.onnx", "--model: file not found")]:
+                            (tmp_path / "missing.onnx", "missing.onnx: not found")]:
         result = subprocess.run([sys.executable, "-m", "popbert", "predict", "squad",
                                  "--model", str(model), "--data", str(FIXTURE), "--output",
                                  str(tmp_path / "p.json")],
@@ -269,7 +269,7 @@ def test_classify_errors_are_one_line(exported: Path, classify_files, tmp_path: 
     empty.write_text("\n", encoding="utf-8")
     for model, data, extra, fragment in [
             (exported, classify_files["tsv"], [], "is not a popbert classification export"),
-            (classify_files["dynamic"], tmp_path / "missing.tsv", [], "file not found"),
+            (classify_files["dynamic"], tmp_path / "missing.tsv", [], "missing.tsv: not found"),
             (classify_files["dynamic"], empty, [], "no text lines"),
             (classify_files["dynamic"], classify_files["tsv"], ["--batch-size", "0"],
              "--batch-size must be >= 1")]:

@@ -1,0 +1,575 @@
+"""Every path a `popbert` command or a run's config names, declared with what it must be and
+checked before any work.
+
+A flag names a path by taking one of the kinds below as its argparse `type`
+(`p.add_argument("--model", type=ONNX_MODEL)`); a config key by its entry in `CONFIG_PATHS`.
+That declaration is all: `check_arguments` (run by `popbert.cli.main.run_command` before every
+handler) and `check_config_paths` (before a run creates anything) find the declared paths and
+refuse, in one line naming the flag or key, what it got and what it expected: a missing path, a
+directory where a file goes and a file where a directory goes, an empty file, bytes that are not
+UTF-8 where text goes, a file that is not HDF5, ONNX, JSON or YAML where one goes, a file of
+another kind that parses (a checkpoint where a corpus goes, SQuAD where classification rows go),
+a path under a regular file, a URL whose scheme no filesystem handles. An output that is one of
+the command's inputs, or a file a run or checkpoint directory already holds, is refused too.
+
+These are cheap looks at each path's head (a few kilobytes; a JSON input is parsed whole): the
+readers still check every byte as they go, through `popbert.textfile`, in the same words.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob as globlib
+import json
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from popbert.errors import UsageError
+from popbert.textfile import undecodable
+
+HEAD_BYTES = 64 << 10
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+_LOCAL_SCHEMES = ("file", "local")
+
+# File signatures, to say what a file is when it is not what a flag wants.
+_MAGIC = ((b"\x89HDF\r\n\x1a\n", "an HDF5 file"), (b"PAR1", "a Parquet file"),
+          (b"BZh", "a bzip2 file"), (b"\x1f\x8b", "a gzip file"), (b"PK\x03\x04", "a zip file "
+          "(a torch .pt or an archive)"), (b"\x7fELF", "an executable"))
+
+
+def describe(path: Path) -> str:
+    """What `path` is, in a few words, for the line that refuses it."""
+    if path.is_dir():
+        if (path / "state.json").exists():
+            return "a checkpoint directory"
+        if (path / "config.yaml").exists() and (path / "checkpoints").is_dir():
+            return "a run directory"
+        return "a directory"
+    head = _head(path, 512)
+    for magic, name in _MAGIC:
+        if head.startswith(magic):
+            return name
+    if path.suffix == ".safetensors" or head[8:10] == b'{"':
+        return "a safetensors file"
+    if path.suffix == ".onnx":
+        return "an ONNX model"
+    text = head.lstrip(b"\xef\xbb\xbf \t\r\n")
+    if text[:1] in (b"{", b"["):
+        return "a JSON file"
+    return "a text file"
+
+
+def _head(path: Path, size: int = HEAD_BYTES) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(size)
+
+
+# ---------------------------------------------------------------------------------- the sniffs
+# Each takes an existing path of the right type (file or directory) and returns None when it
+# looks like what the kind wants, else what it is instead ("an HDF5 file", "not UTF-8 text ...").
+
+
+def _text(path: Path, args: Any = None) -> str | None:
+    """UTF-8 text (any lines): the head decodes (a character cut at its end is fine)."""
+    head = _head(path)
+    what = describe(path)
+    if what != "a text file" and what != "a JSON file":
+        return what
+    try:
+        head.decode("utf-8") if len(head) < HEAD_BYTES else _decode_prefix(head)
+    except UnicodeDecodeError as error:
+        return undecodable(error)
+    return None
+
+
+def _decode_prefix(head: bytes) -> str:
+    import codecs
+
+    return codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+
+
+def _json(path: Path) -> tuple[Any, str | None]:
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        return None, undecodable(error)
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as error:
+        what = describe(path)
+        return None, (what if what != "a text file" and what != "a JSON file"
+                      else f"not JSON ({error.msg} at line {error.lineno})")
+
+
+def _yaml_keys(path: Path, allowed: tuple[str, ...]) -> str | None:
+    """A YAML mapping whose top-level keys are all among `allowed`."""
+    problem = _text(path)
+    if problem:
+        return problem
+    import yaml
+
+    try:
+        value = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:
+        return undecodable(error)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        return "not YAML" + (f" (line {mark.line + 1})" if mark else "")
+    if not isinstance(value, dict):
+        return f"YAML holding {type(value).__name__}, not a mapping of keys"
+    unknown = [str(key) for key in value if key not in allowed]
+    if unknown:
+        return f"YAML with keys ({', '.join(unknown[:3])}) that are not {', '.join(allowed[:4])}..."
+    return None
+
+
+def _config(path: Path, args: Any = None) -> str | None:
+    from popbert.config.sections import TOP_LEVEL_KEYS
+
+    return _yaml_keys(path, TOP_LEVEL_KEYS)
+
+
+def _sweep(path: Path, args: Any = None) -> str | None:
+    from popbert.sweep.spec import TOP_LEVEL
+
+    return _yaml_keys(path, TOP_LEVEL)
+
+
+def _is_squad(value: Any) -> bool:
+    data = value.get("data") if isinstance(value, dict) else None
+    return isinstance(data, list) and all(isinstance(a, dict) and "paragraphs" in a
+                                          for a in data[:3])
+
+
+def _squad(path: Path, args: Any = None) -> str | None:
+    value, problem = _json(path)
+    if problem:
+        return problem
+    return None if _is_squad(value) else "JSON that is not SQuAD (no 'data' list of articles " \
+                                          "with 'paragraphs')"
+
+
+def _predictions(path: Path, args: Any = None) -> str | None:
+    value, problem = _json(path)
+    if problem:
+        return problem
+    if _is_squad(value):
+        return "a SQuAD data file, not predictions"
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        return "JSON that is not an object of question id to answer text"
+    return None
+
+
+ROW_SUFFIXES = (".tsv", ".csv", ".jsonl", ".json")
+
+
+def _rows(path: Path, args: Any = None, suffixes: tuple[str, ...] = ROW_SUFFIXES) -> str | None:
+    """Rows with a text column: the one `--text-column` names, else one of the reader's
+    defaults (`popbert.data.classification.TEXT_COLUMNS`)."""
+    suffix = path.suffix.lower()
+    if suffix not in suffixes:
+        return f"a {path.suffix or 'suffix-less'} file (the format is read from the suffix)"
+    problem = _text(path)
+    if problem or suffix == ".txt":
+        return problem
+    first = next((line for line in _head(path).decode("utf-8-sig", "ignore").splitlines()
+                  if line.strip()), "")
+    if suffix in (".json", ".jsonl"):
+        try:
+            row = json.loads(first)
+        except json.JSONDecodeError:
+            value, _ = _json(path)
+            return "a SQuAD JSON file" if _is_squad(value) else "not JSON lines (one object a line)"
+        if _is_squad(row):
+            return "a SQuAD JSON file"
+        if not isinstance(row, dict):
+            return "JSON lines whose rows are not objects"
+        columns = list(row)
+    else:
+        import csv
+
+        columns = next(csv.reader([first], delimiter="\t" if suffix == ".tsv" else ","), [])
+    from popbert.data.classification import TEXT_COLUMNS
+
+    wanted = getattr(args, "text_column", None)
+    wanted = (wanted,) if wanted else TEXT_COLUMNS
+    if not any(column in columns for column in wanted):
+        return (f"rows without a text column (columns: {', '.join(map(str, columns[:6]))}; "
+                f"looked for {', '.join(wanted)})")
+    return None
+
+
+def _rows_or_lines(path: Path, args: Any = None) -> str | None:
+    return _rows(path, args, (*ROW_SUFFIXES, ".txt"))
+
+
+def _rows_or_squad(path: Path, args: Any = None) -> str | None:
+    if path.suffix.lower() == ".json" and _squad(path) is None:
+        return None
+    return _rows_or_lines(path, args)
+
+
+def _onnx(path: Path, args: Any = None) -> str | None:
+    what = describe(path)
+    if what not in ("an ONNX model", "a text file"):
+        return what
+    import onnx
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # protobuf's DecodeError and friends: not ONNX, whatever it is
+        return f"{what}, not an ONNX model" if what != "an ONNX model" else "not a valid ONNX model"
+    if not model.graph.output:
+        return "an ONNX file without a graph"
+    return None
+
+
+def _shards(path: Path, args: Any = None) -> str | None:
+    what = describe(path)
+    return None if what == "an HDF5 file" else what
+
+
+def _dump(path: Path, args: Any = None) -> str | None:
+    head = _head(path, 4096)
+    if head.startswith(b"BZh"):
+        return None
+    if b"<mediawiki" in head:
+        return None
+    return describe(path) + " without <mediawiki"
+
+
+def _corpus(path: Path, args: Any = None) -> str | None:
+    """A text corpus, or (sentences stage) JSON lines or Parquet."""
+    return None if describe(path) == "a Parquet file" else _text(path)
+
+
+def _text_or_shards(path: Path, args: Any = None) -> str | None:
+    return None if describe(path) == "an HDF5 file" else _text(path)
+
+
+def _vocab(path: Path, args: Any = None) -> str | None:
+    if path.suffix.lower() == ".json":
+        value, problem = _json(path)
+        if problem:
+            return problem
+        return None if isinstance(value, dict) and "model" in value else \
+            "JSON that is not a tokenizer.json (no 'model')"
+    return _text(path)
+
+
+def _checkpoint(path: Path, args: Any = None) -> str | None:
+    if (path / "state.json").exists():
+        return None
+    if any((step / "state.json").exists() for step in (path / "checkpoints").glob("step-*")):
+        return None
+    return f"{describe(path)} without a checkpoint (no state.json, no checkpoints/step-*/)"
+
+
+def _hf_model(path: Path, args: Any = None) -> str | None:
+    config = path / "config.json"
+    if not config.is_file():
+        return f"{describe(path)} without config.json"
+    value, problem = _json(config)
+    return f"config.json: {problem}" if problem else (
+        None if isinstance(value, dict) else "config.json: not a JSON object")
+
+
+def _metrics(path: Path, args: Any = None) -> str | None:
+    if path.is_dir():
+        return None if (path / "metrics.jsonl").is_file() else \
+            f"{describe(path)} without metrics.jsonl"
+    problem = _text(path)
+    if problem:
+        return problem
+    first = next((line for line in _head(path).decode("utf-8", "ignore").splitlines()
+                  if line.strip()), "")
+    try:
+        return None if isinstance(json.loads(first), dict) else "not metrics JSON lines"
+    except json.JSONDecodeError:
+        return "not metrics JSON lines"
+
+
+# ---------------------------------------------------------------------------------- the kinds
+@dataclass(frozen=True)
+class PathKind:
+    """What a flag's or key's path must be. Used as the flag's argparse `type`: it converts the
+    text (to a `Path`, or text for kinds that take URLs, globs or preset names) and marks the
+    flag for `check_arguments`."""
+
+    expected: str
+    directory: bool | None = False  # a directory; False: a file; None: either
+    output: bool = False
+    urls: bool = False               # fsspec URLs (s3://, gs://...) are accepted
+    globs: bool = False              # comma-separated paths and globs
+    presets: bool = False            # a preset name when no such file exists (--config)
+    sniff: Callable[[Path, Any], str | None] | None = None
+
+    def __call__(self, text: str) -> Path | str:
+        keep = self.urls or self.globs or self.presets or _URL.match(text)  # Path drops "//"
+        return text if keep else Path(text)
+
+    @property
+    def __name__(self) -> str:  # argparse names the type in its own errors
+        return self.expected
+
+
+CONFIG_FILE = PathKind("a YAML config file or a preset name", presets=True, sniff=_config)
+SWEEP_FILE = PathKind("a sweep YAML file", sniff=_sweep)
+RUN = PathKind("a run directory or one of its checkpoints", directory=True, sniff=_checkpoint)
+CHECKPOINT = PathKind("a checkpoint or run directory (popbert pretrain, import-hf)",
+                      directory=True, sniff=_checkpoint)
+HF_MODEL = PathKind("a Hugging Face model directory (config.json and weights)", directory=True,
+                    sniff=_hf_model)
+SQUAD = PathKind("a SQuAD v1.1 JSON file", sniff=_squad)
+PREDICTIONS = PathKind("SQuAD predictions (a JSON object of question id to answer)",
+                       sniff=_predictions)
+ROWS = PathKind("classification rows (.tsv, .csv or .jsonl)", sniff=_rows)
+ROWS_OR_LINES = PathKind("classification rows (.tsv, .csv, .jsonl) or a .txt file of texts",
+                         sniff=_rows_or_lines)
+ROWS_OR_SQUAD = PathKind("classification rows (.tsv, .csv, .jsonl), a .txt file of texts or a "
+                         "SQuAD JSON file", sniff=_rows_or_squad)
+ONNX_MODEL = PathKind("an ONNX model (popbert export)", sniff=_onnx)
+METRICS = PathKind("a run directory or its metrics.jsonl", directory=None, sniff=_metrics)
+DUMP = PathKind("a MediaWiki XML dump (.xml or .xml.bz2)", urls=True, sniff=_dump)
+CORPUS = PathKind("a stage directory or text, JSON-lines or Parquet files (comma-separated, "
+                  "globs)", directory=None, urls=True, globs=True, sniff=_corpus)
+TEXT = PathKind("a stage directory or text files (comma-separated, globs)", directory=None,
+                urls=True, globs=True, sniff=_text)
+SHARDS = PathKind("an instances stage directory or HDF5 shards (comma-separated, globs)",
+                  directory=None, urls=True, globs=True, sniff=_shards)
+TRAINING_DATA = PathKind("text files or HDF5 shards (globs)", urls=True, globs=True,
+                         sniff=_text_or_shards)
+VOCAB = PathKind("a WordPiece vocab.txt or a tokenizer.json", urls=True, sniff=_vocab)
+OUTPUT_FILE = PathKind("a file to write", output=True)
+OUTPUT_DIR = PathKind("a directory to write", directory=True, output=True)
+DATA_OUTPUT_FILE = PathKind("a file to write (or a URL)", output=True, urls=True)
+DATA_OUTPUT_DIR = PathKind("a directory to write (or a URL prefix)", directory=True,
+                           output=True, urls=True)
+
+# Config keys that name paths (lists of them for input_files and validation_files).
+CONFIG_PATHS: dict[str, PathKind] = {
+    "data.input_files": TRAINING_DATA,
+    "data.validation_files": TRAINING_DATA,
+    "data.vocab_file": VOCAB,
+    "data.cache_dir": OUTPUT_DIR,
+    "finetune.checkpoint": CHECKPOINT,
+}
+# The fine-tuning data files depend on the task.
+FINETUNE_DATA_PATHS: dict[str, dict[str, PathKind]] = {
+    "squad": {"finetune.train_file": SQUAD, "finetune.eval_file": SQUAD},
+    "classification": {"finetune.train_file": ROWS, "finetune.eval_file": ROWS},
+}
+
+
+# ---------------------------------------------------------------------------------- checking
+def _url_scheme(text: str) -> str | None:
+    match = _URL.match(text)
+    return match.group(1).lower() if match else None
+
+
+def _refuse(name: str, value: object, problem: str, kind: PathKind) -> UsageError:
+    """The one line: flag or key, the value, what it is (`problem`), what was expected."""
+    if problem.startswith(("a ", "an ")):  # what it is instead ("an HDF5 file")
+        problem = f"is {problem}"
+    return UsageError(f"{name} {value}: {problem}; expected {kind.expected}")
+
+
+def _check_url(name: str, text: str, kind: PathKind) -> None:
+    scheme = _url_scheme(text)
+    if not kind.urls:
+        raise _refuse(name, text, f"a {scheme}:// URL; only the data paths may be URLs", kind)
+    import fsspec
+
+    if scheme not in fsspec.available_protocols():
+        raise _refuse(name, text, f"no filesystem handles {scheme}:// (known: s3, gs, az, "
+                      "file, http, memory and the other fsspec protocols)", kind)
+
+
+def _blocking_file(path: Path) -> Path | None:
+    """A regular file among `path`'s ancestors, if any (the path can then never exist)."""
+    for ancestor in path.parents:
+        if ancestor.is_file():
+            return ancestor
+        if ancestor.is_dir():
+            return None
+    return None
+
+
+def _paths_of(text: str, kind: PathKind) -> Iterator[Path]:
+    """The local paths a value names: itself, or for globs kinds each comma-separated item's
+    matches."""
+    items = [t.strip() for t in text.split(",") if t.strip()] if kind.globs else [text]
+    for item in items:
+        if kind.globs and globlib.has_magic(item):
+            matches = sorted(globlib.glob(item))
+            if not matches:
+                raise UsageError(f"{item}: matches no file")
+            yield from (Path(m) for m in matches[:8])  # a look at the first few is enough
+        else:
+            yield Path(item)
+
+
+def check_path(name: str, value: str | os.PathLike, kind: PathKind,
+               args: argparse.Namespace | None = None) -> None:
+    """Refuse `value` for flag or key `name` unless it can be what `kind` wants: one line.
+    `args`: the command's other options, where a sniff depends on them (`--text-column`)."""
+    text = os.fspath(value)
+    if _url_scheme(text) is not None and _url_scheme(text) not in _LOCAL_SCHEMES:
+        _check_url(name, text, kind)
+        return  # reachability and credentials are the storage layer's (one line too)
+    if _url_scheme(text) in _LOCAL_SCHEMES:
+        text = text.split("://", 1)[1]
+    if kind.presets and not Path(text).exists():
+        from popbert.config import list_presets
+
+        if text in list_presets():
+            return
+        raise _refuse(name, text, f"not found, nor a preset ({', '.join(list_presets())})", kind)
+    try:
+        paths = list(_paths_of(text, kind))
+    except UsageError as error:
+        raise _refuse(name, text, str(error).split(": ", 1)[1], kind) from None
+    for path in paths:
+        blocking = _blocking_file(path)
+        if blocking is not None:
+            raise _refuse(name, path, f"{blocking} is a file, not a directory", kind)
+        if kind.output:
+            _check_output(name, path, kind)
+            continue
+        if not path.exists():
+            raise _refuse(name, path, "not found", kind)
+        if kind.directory is True and not path.is_dir():
+            raise _refuse(name, path, f"{describe(path)}, not a directory", kind)
+        if kind.directory is False and path.is_dir():
+            raise _refuse(name, path, f"{describe(path)}, not a file", kind)
+        if path.is_dir() and kind.globs:
+            continue  # a stage directory: its parts are listed (and refused) by the stage
+        if not os.access(path, os.R_OK):
+            raise _refuse(name, path, "not readable (permission denied)", kind)
+        if path.is_file() and path.stat().st_size == 0:
+            raise _refuse(name, path, "an empty file", kind)
+        problem = kind.sniff(path, args) if kind.sniff else None
+        if problem:
+            raise _refuse(name, path, problem, kind)
+
+
+def _check_output(name: str, path: Path, kind: PathKind) -> None:
+    if kind.directory and path.exists() and not path.is_dir():
+        raise _refuse(name, path, f"{describe(path)}, not a directory", kind)
+    if not kind.directory and path.is_dir():
+        raise _refuse(name, path, f"{describe(path)}, not a file name", kind)
+    if not kind.directory and path.is_file():
+        owner = _run_or_checkpoint_holding(path)
+        if owner is not None:
+            raise _refuse(name, path, f"a file of {owner}, which this command did not write",
+                          kind)
+
+
+def _run_or_checkpoint_holding(path: Path) -> str | None:
+    """'the run DIR' or 'the checkpoint DIR' when `path` is a file popbert wrote into one."""
+    from popbert.io.run_dir import RUN_FILES
+
+    parent = path.parent
+    if (parent / "state.json").exists():
+        return f"the checkpoint {parent}"
+    if (parent / "config.yaml").is_file() and (parent / "metrics.jsonl").exists() \
+            and path.name in RUN_FILES:
+        return f"the run {parent}"
+    return None
+
+
+# ---------------------------------------------------------------------------------- arguments
+def declared_paths(parser: argparse.ArgumentParser) -> list[tuple[str, str, PathKind]]:
+    """(dest, flag, kind) of each of `parser`'s own options that names a path."""
+    return [(a.dest, a.option_strings[0] if a.option_strings else a.metavar or a.dest, a.type)
+            for a in parser._actions if isinstance(a.type, PathKind)]
+
+
+def subparsers(parser: argparse.ArgumentParser) -> Iterator[tuple[tuple[str, ...],
+                                                                   argparse.ArgumentParser]]:
+    """Every parser in the tree under `parser` with its command words, `parser` included."""
+    yield (), parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for word, child in action.choices.items():
+                for words, grandchild in subparsers(child):
+                    yield (word, *words), grandchild
+
+
+def declare_paths(parser: argparse.ArgumentParser) -> None:
+    """Give each command's namespace the list of its path flags (for `check_arguments`)."""
+    for _, p in subparsers(parser):
+        p.set_defaults(path_flags=declared_paths(p))
+
+
+def _values(value: Any) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def check_arguments(args: argparse.Namespace,
+                    flags: Iterable[tuple[str, str, PathKind]] | None = None) -> None:
+    """Check every declared path flag the user gave, then that no output is also an input."""
+    flags = list(getattr(args, "path_flags", []) if flags is None else flags)
+    for dest, flag, kind in flags:
+        for value in _values(getattr(args, dest, None)):
+            check_path(flag, value, kind, args)
+    inputs = {_resolved(v): flag for dest, flag, kind in flags if not kind.output
+              for v in _values(getattr(args, dest, None)) if _resolved(v) is not None}
+    for dest, flag, kind in flags:
+        if not kind.output:
+            continue
+        for value in _values(getattr(args, dest, None)):
+            target = _resolved(value)
+            if target in inputs:
+                raise UsageError(f"{flag} {value}: is also this command's {inputs[target]}; "
+                                 "an output never replaces an input: choose another path")
+
+
+def _resolved(value: Any) -> Path | None:
+    text = os.fspath(value)
+    if _url_scheme(text) is not None or globlib.has_magic(text) or "," in text:
+        return None
+    return Path(text).resolve()
+
+
+def check_config_paths(cfg: Any) -> None:
+    """Check the paths a run's config names (`CONFIG_PATHS`, and its task's data files)."""
+    declared = dict(CONFIG_PATHS)
+    declared.update(FINETUNE_DATA_PATHS.get(cfg.finetune.task or "", {}))
+    for key, kind in declared.items():
+        section, name = key.split(".")
+        for value in _values(getattr(getattr(cfg, section), name)):
+            check_path(key, value, kind)
+
+
+# ---------------------------------------------------------------------------------- older API
+def check_output_file(path: Path | None, flag: str) -> Path | None:
+    """Refuse an output file `path` that cannot be written as a file (a handler's default)."""
+    if path is not None:
+        check_path(flag, path, OUTPUT_FILE)
+    return path
+
+
+def check_output_directory(path: Path | None, flag: str = "--output-dir") -> Path | None:
+    """Refuse an output directory that is a file, sits under one or cannot be written
+    (`popbert.io.run_dir.check_output_dir`, as a run's directory is checked)."""
+    if path is not None:
+        from popbert.io.run_dir import check_output_dir
+
+        check_output_dir(path, flag)
+    return path
+
+
+__all__ = ["CHECKPOINT", "CONFIG_FILE", "CONFIG_PATHS", "CORPUS", "DATA_OUTPUT_DIR",
+           "DATA_OUTPUT_FILE", "DUMP", "FINETUNE_DATA_PATHS", "HF_MODEL", "METRICS",
+           "ONNX_MODEL", "OUTPUT_DIR", "OUTPUT_FILE", "PREDICTIONS", "ROWS", "ROWS_OR_LINES",
+           "ROWS_OR_SQUAD", "RUN", "SHARDS", "SQUAD", "SWEEP_FILE", "TEXT", "TRAINING_DATA",
+           "VOCAB", "PathKind", "check_arguments", "check_config_paths", "check_output_directory",
+           "check_output_file", "check_path", "declare_paths", "declared_paths", "describe",
+           "subparsers"]

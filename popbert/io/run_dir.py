@@ -42,6 +42,8 @@ RUN_FILES = frozenset({
     "model.inference.onnx.data", "vocab.txt", "import.json", "eval_results.json",
     "eval_predictions.jsonl", "predictions.json", "nbest_predictions.json", "wandb_run_id",
     "wandb", ".torchrun.json"})
+# The entries of a run that are directories; every other name in RUN_FILES is a file.
+RUN_DIRECTORIES = frozenset({CHECKPOINTS, "wandb"})
 # Temporary names of popbert's atomic writes, write probes and lock files being created.
 _TEMP_PREFIXES = (".tmp-", ".popbert-write-test-")
 _CHECKPOINT_PREFIXES = (STEP_PREFIX, ".tmp-", ".old-")
@@ -287,6 +289,31 @@ def _inside(path: Path | str, directory: Path) -> bool:
         return False
 
 
+def check_layout(path: Path, flag: str = "--output-dir") -> None:
+    """One line when an entry of the run in `path` is of the wrong type: a directory where
+    popbert writes a file (config.yaml, metrics.jsonl, ...), a file where it keeps a directory
+    (checkpoints/, a checkpoints/step-*/). Checked before the run starts or resumes, so the
+    first checkpoint or metrics line does not end it in a traceback."""
+    path = Path(path)
+    if not path.is_dir():
+        return
+    for name in sorted(RUN_FILES):
+        entry = path / name
+        if entry.exists() and entry.is_dir() != (name in RUN_DIRECTORIES):
+            raise _misplaced(flag, path, entry, name in RUN_DIRECTORIES)
+    checkpoints = path / CHECKPOINTS
+    if checkpoints.is_dir():
+        for entry in sorted(checkpoints.glob(f"{STEP_PREFIX}*")):
+            if not entry.is_dir():
+                raise _misplaced(flag, path, entry, True)
+
+
+def _misplaced(flag: str, run: Path, entry: Path, directory: bool) -> UsageError:
+    has, wants = ("a file", "a directory") if directory else ("a directory", "a file")
+    return UsageError(f"{flag} {run}: {entry.relative_to(run)} is {has} where popbert keeps "
+                      f"{wants}; move it out of the run directory")
+
+
 def claim_run_dir(path: Path, *, new_run: bool = True, overwrite: bool = False,
                   sources: Iterable[tuple[str, Path | str | None]] = (),
                   flag: str = "--output-dir") -> RunClaim:
@@ -299,6 +326,7 @@ def claim_run_dir(path: Path, *, new_run: bool = True, overwrite: bool = False,
     if overwrite and not new_run:
         raise UsageError(f"--overwrite would delete the run --resume continues in {path}; "
                          "resume without it, or start a new run")
+    check_layout(path, flag)
     created = create_output_dir(path, flag)
     lock = lock_directory(path)
     try:
@@ -315,7 +343,8 @@ def claim_run_dir(path: Path, *, new_run: bool = True, overwrite: bool = False,
     return RunClaim(path, lock, created, clear_first)
 
 
-__all__ = ["RUN_FILES", "RUN_MARKERS", "RunClaim", "check_new_run_dir", "check_output_dir",
+__all__ = ["RUN_DIRECTORIES", "RUN_FILES", "RUN_MARKERS", "RunClaim", "check_layout",
+           "check_new_run_dir", "check_output_dir",
            "default_run_dir",
            "checkpoint_dirs", "claim_run_dir", "clean_interrupted", "clear_run_dir",
            "create_output_dir", "foreign_files", "prune_checkpoints", "remove_if_empty_run",

@@ -307,7 +307,8 @@ class Trainer:
             if cfg.finetune.task is None:  # fine-tuning sets its own vocab_file
                 sources.append(("data.vocab_file", cfg.data.vocab_file))
             claim = run_dir.claim_run_dir(output_dir, new_run=not continuing,
-                                          overwrite=overwrite, sources=sources)
+                                          overwrite=overwrite, sources=sources,
+                                          flag="--resume" if continuing else "--output-dir")
         try:
             trainer = cls._assemble(cfg, output_dir, claim, resume=resume, init_from=init_from,
                                     replicas=replicas, on_record=on_record,

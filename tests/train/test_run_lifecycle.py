@@ -269,10 +269,12 @@ def test_a_fine_tuning_run_refuses_another_runs_directory(
                        ("eval_results.json", '{"accuracy": 0.5}')):
         (out / name).write_text(text)
     before = snapshot(out)
-    pre = tmp_path / "pre"
+    squad = sentiment.parents[1] / "squad" / "squad-v1.1-sample.json"
+    pre = tmp_path / "pre"  # a checkpoint as far as the flags' checks look; never read
     pre.mkdir()
-    for task in ("classify", "squad"):
-        assert main(["finetune", task, "--checkpoint", str(pre), "--train", str(sentiment),
+    (pre / "state.json").write_text("{}")
+    for task, train in (("classify", sentiment), ("squad", squad)):
+        assert main(["finetune", task, "--checkpoint", str(pre), "--train", str(train),
                      "-o", str(out)]) == 2
         line = error_line(capsys)
         assert f"--output-dir {out}: holds another run (" in line and "--overwrite" in line

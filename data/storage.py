@@ -279,9 +279,16 @@ def publish(local: Path, destination: Location) -> None:
     fsync, or one PUT of the object (retried; the store shows it whole or not at all).
     `local` is gone afterwards either way."""
     if isinstance(destination, Path):
-        with open(local, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(local, destination)
+        from popbert.atomic import reported
+
+        try:
+            with reported(destination):  # a full disk: one line naming the output
+                with open(local, "rb") as f:
+                    os.fsync(f.fileno())
+                os.replace(local, destination)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                local.unlink()
         return
     fs, inner = filesystem(destination)
     try:

@@ -316,3 +316,17 @@ def test_config_keys_that_name_paths(key: str, inputs: Inputs, tmp_path: Path, c
         assert status == 2 and len(err) == 1, (cell, err)
         assert_refused(err[0], key, value)
         assert not out.exists() and snapshot(inputs.root) == before, cell
+
+
+def test_the_docs_name_every_checked_path() -> None:
+    """docs/checks.md's table has a row for each command naming each of its path flags."""
+    rows = [line for line in (Path(__file__).parents[2] / "docs" / "checks.md").read_text()
+            .splitlines() if line.startswith("| `")]
+    for words, parser in commands():
+        if words[0].startswith("examples/"):
+            continue
+        names = (f"`popbert {' '.join(words)}`", f"`{' '.join(words)}`")
+        row = next((r for r in rows if any(n in r.split(" | ")[0] for n in names)), None)
+        assert row is not None, f"docs/checks.md: no row for popbert {' '.join(words)}"
+        for _, flag, _ in paths.declared_paths(parser):
+            assert f"`{flag}`" in row, f"docs/checks.md: {' '.join(words)} lacks {flag}"

@@ -119,8 +119,10 @@ def _yaml_keys(path: Path, allowed: tuple[str, ...]) -> str | None:
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         return "not YAML" + (f" (line {mark.line + 1})" if mark else "")
+    if value is None:
+        return "YAML without any key"
     if not isinstance(value, dict):
-        return f"YAML holding {type(value).__name__}, not a mapping of keys"
+        return f"YAML holding a {type(value).__name__}, not a mapping of keys"
     unknown = [str(key) for key in value if key not in allowed]
     if unknown:
         return f"YAML with keys ({', '.join(unknown[:3])}) that are not {', '.join(allowed[:4])}..."

@@ -18,6 +18,16 @@ from popbert.io import paths
 logger = logging.getLogger("popbert")
 
 
+def _sweep_file(path: Path, args: object = None) -> str | None:
+    from popbert.sweep.spec import TOP_LEVEL
+
+    return paths.yaml_keys(path, TOP_LEVEL)
+
+
+# A sweep file, as its path flags declare it (`popbert.io.paths`).
+SWEEP_FILE = paths.PathKind("a sweep YAML file", sniff=_sweep_file)
+
+
 def _optuna_logs_through_logging() -> None:
     """Optuna's own lines ("Trial 3 finished ...") through the CLI's log handler, like ours,
     instead of Optuna's separate stderr handler."""
@@ -137,7 +147,7 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
 
     p = verbs.add_parser("create", parents=[common], help="check a sweep file, create the sweep "
                          "and print its id")
-    p.add_argument("file", type=paths.SWEEP_FILE, metavar="FILE.yaml")
+    p.add_argument("file", type=SWEEP_FILE, metavar="FILE.yaml")
     p.add_argument("--output-dir", "-o", type=paths.OUTPUT_DIR, default=None, metavar="DIR",
                    help="sweep directory (default sweeps/<id>)")
     p.add_argument("--storage", default=None, metavar="URL",
@@ -152,7 +162,7 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", default=None, metavar="URL")
     p.add_argument("--count", type=int, default=None, metavar="N",
                    help="run at most N trials in this agent")
-    p.add_argument("--file", type=paths.SWEEP_FILE, default=None, metavar="FILE.yaml",
+    p.add_argument("--file", type=SWEEP_FILE, default=None, metavar="FILE.yaml",
                    help="a W&B sweep given by entity/project/id: its sweep file (popbert's "
                         "job, config, set, args), where its sweep directory is not here")
     p.add_argument("--device", default=None, metavar="DEVICE",
@@ -164,7 +174,7 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
 
     p = verbs.add_parser("run", parents=[common], help="create a sweep and run N local agents "
                          "to the end")
-    p.add_argument("file", type=paths.SWEEP_FILE, metavar="FILE.yaml")
+    p.add_argument("file", type=SWEEP_FILE, metavar="FILE.yaml")
     p.add_argument("--agents", type=int, default=1, metavar="N")
     p.add_argument("--output-dir", "-o", type=paths.OUTPUT_DIR, default=None, metavar="DIR")
     p.add_argument("--storage", default=None, metavar="URL")

@@ -105,7 +105,7 @@ def _json(path: Path) -> tuple[Any, str | None]:
                       else f"not JSON ({error.msg} at line {error.lineno})")
 
 
-def _yaml_keys(path: Path, allowed: tuple[str, ...]) -> str | None:
+def yaml_keys(path: Path, allowed: tuple[str, ...]) -> str | None:
     """A YAML mapping whose top-level keys are all among `allowed`."""
     problem = _text(path)
     if problem:
@@ -132,13 +132,7 @@ def _yaml_keys(path: Path, allowed: tuple[str, ...]) -> str | None:
 def _config(path: Path, args: Any = None) -> str | None:
     from popbert.config.sections import TOP_LEVEL_KEYS
 
-    return _yaml_keys(path, TOP_LEVEL_KEYS)
-
-
-def _sweep(path: Path, args: Any = None) -> str | None:
-    from popbert.sweep.spec import TOP_LEVEL
-
-    return _yaml_keys(path, TOP_LEVEL)
+    return yaml_keys(path, TOP_LEVEL_KEYS)
 
 
 def _is_squad(value: Any) -> bool:
@@ -320,7 +314,6 @@ class PathKind:
 
 
 CONFIG_FILE = PathKind("a YAML config file or a preset name", presets=True, sniff=_config)
-SWEEP_FILE = PathKind("a sweep YAML file", sniff=_sweep)
 RUN = PathKind("a run directory or one of its checkpoints", directory=True, sniff=_checkpoint)
 CHECKPOINT = PathKind("a checkpoint or run directory (popbert pretrain, import-hf)",
                       directory=True, sniff=_checkpoint)
@@ -571,7 +564,7 @@ def check_output_directory(path: Path | None, flag: str = "--output-dir") -> Pat
 __all__ = ["CHECKPOINT", "CONFIG_FILE", "CONFIG_PATHS", "CORPUS", "DATA_OUTPUT_DIR",
            "DATA_OUTPUT_FILE", "DUMP", "FINETUNE_DATA_PATHS", "HF_MODEL", "METRICS",
            "ONNX_MODEL", "OUTPUT_DIR", "OUTPUT_FILE", "PREDICTIONS", "ROWS", "ROWS_OR_LINES",
-           "ROWS_OR_SQUAD", "RUN", "SHARDS", "SQUAD", "SWEEP_FILE", "TEXT", "TRAINING_DATA",
+           "ROWS_OR_SQUAD", "RUN", "SHARDS", "SQUAD", "TEXT", "TRAINING_DATA",
            "VOCAB", "PathKind", "check_arguments", "check_config_paths", "check_output_directory",
            "check_output_file", "check_path", "declare_paths", "declared_paths", "describe",
-           "subparsers"]
+           "subparsers", "yaml_keys"]

@@ -29,6 +29,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from popbert.cli.main import build_parser, run_command
+from popbert.cli.sweep import SWEEP_FILE
 from popbert.data.tokenization import bundled_vocab_path
 from popbert.io import paths
 from popbert.io.paths import CONFIG_PATHS, PathKind
@@ -103,7 +104,7 @@ class Inputs:
         if kind.output:
             return str(self.root / f"new-output-{n}" / ("dir" if kind.directory else "f.out"))
         return str({
-            paths.CONFIG_FILE: "tiny", paths.SWEEP_FILE: self.sweep, paths.RUN: self.checkpoint,
+            paths.CONFIG_FILE: "tiny", SWEEP_FILE: self.sweep, paths.RUN: self.checkpoint,
             paths.CHECKPOINT: self.checkpoint, paths.HF_MODEL: self.hf, paths.SQUAD: self.squad,
             paths.PREDICTIONS: self.predictions, paths.ROWS: self.rows,
             paths.ROWS_OR_LINES: self.rows, paths.ROWS_OR_SQUAD: self.rows,
@@ -115,7 +116,7 @@ class Inputs:
     def impostor(self, kind: PathKind) -> Path:
         """A file or directory of another kind that parses, for `kind`."""
         return {
-            paths.CONFIG_FILE: self.sweep, paths.SWEEP_FILE: self.config, paths.RUN: self.hf,
+            paths.CONFIG_FILE: self.sweep, SWEEP_FILE: self.config, paths.RUN: self.hf,
             paths.CHECKPOINT: self.hf, paths.HF_MODEL: self.checkpoint,
             paths.SQUAD: self.rows_json, paths.PREDICTIONS: self.squad,
             paths.ROWS: self.squad, paths.ROWS_OR_LINES: self.squad,
@@ -154,7 +155,7 @@ class Inputs:
 
 SUFFIX = {paths.SQUAD: ".json", paths.PREDICTIONS: ".json", paths.ROWS: ".tsv",
           paths.ROWS_OR_LINES: ".tsv", paths.ROWS_OR_SQUAD: ".json", paths.ONNX_MODEL: ".onnx",
-          paths.SHARDS: ".h5", paths.CONFIG_FILE: ".yaml", paths.SWEEP_FILE: ".yaml",
+          paths.SHARDS: ".h5", paths.CONFIG_FILE: ".yaml", SWEEP_FILE: ".yaml",
           paths.VOCAB: ".txt", paths.DUMP: ".xml.bz2", paths.METRICS: ".jsonl"}
 
 

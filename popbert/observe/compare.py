@@ -22,6 +22,7 @@ from popbert.atomic import atomic_write_bytes
 from popbert.errors import UsageError
 from popbert.observe.plots import metric_series, one_record_per_step
 from popbert.observe.tracking import METRICS_FILE, read_metrics
+from popbert.textfile import read_text
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def load_run(path: str | os.PathLike[str]) -> RunCurves:
     config: dict[str, Any] = {}
     config_path = run_dir / CONFIG_FILE
     if config_path.is_file():
-        loaded = parse_yaml(config_path.read_text(encoding="utf-8"), str(config_path))
+        loaded = parse_yaml(read_text(config_path, "a run's config.yaml"), str(config_path))
         config = loaded if isinstance(loaded, dict) else {}
     else:
         logger.warning("%s has no %s: labelled by its directory name only", run_dir,

@@ -22,6 +22,7 @@ from popbert.atomic import DISK_ERRNOS, atomic_write_text, write_error
 from popbert.config.sections import TrackingConfig
 from popbert.errors import ConfigError, one_line
 from popbert.rules import rule_of
+from popbert.textfile import decode
 
 logger = logging.getLogger(__name__)
 
@@ -233,9 +234,11 @@ def truncate_metrics(path: str | os.PathLike[str], last_step: int) -> int:
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Records of a metrics.jsonl, skipping a torn last line left by a killed run."""
     records: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = decode(raw, path, "metrics JSON lines", offset=offset).strip()
+            offset += len(raw)
             if not line:
                 continue
             try:

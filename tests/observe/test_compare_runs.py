@@ -130,16 +130,16 @@ def test_bad_input_is_one_line(runs: tuple[Path, Path], tmp_path: Path,
                                capsys: pytest.CaptureFixture[str]) -> None:
     out = str(tmp_path / "out.png")
     missing = tmp_path / "missing"
-    assert "not a run directory (does not exist)" in _one_line_error(
+    assert "missing: not found" in _one_line_error(
         capsys, ["plot", str(runs[0]), str(missing), "-o", out])
     a_file = tmp_path / "notes.txt"
     a_file.write_text("x")
-    assert "not a run directory (a file)" in _one_line_error(
+    assert "notes.txt: not metrics JSON lines" in _one_line_error(
         capsys, ["plot", str(runs[0]), str(a_file), "-o", out])
     empty = tmp_path / "empty-run"
     empty.mkdir()
     line = _one_line_error(capsys, ["plot", str(empty), str(runs[1]), "-o", out])
-    assert str(empty) in line and "no metrics.jsonl" in line
+    assert str(empty) in line and "without metrics.jsonl" in line
     line = _one_line_error(capsys, ["plot", str(runs[0]), str(runs[1]), "--metric",
                                     "val_bleu", "-o", out])
     assert "--metric val_bleu: no run logged it" in line and "val_mlm_loss" in line

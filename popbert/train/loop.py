@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,6 +135,7 @@ class LoopResult:
     record: dict[str, float] = field(default_factory=dict)
     checkpoint: Path | None = None  # the last good checkpoint
     stop_signal: int = 0  # the signal (`StopSignals`) that ended the loop early, 0 if none
+    evaluation_s: float = 0.0  # of `seconds`, spent evaluating (outside a time budget)
 
 
 @dataclass(frozen=True)
@@ -174,19 +176,29 @@ class TrainingClock:
     and the budget they may reach (`training.time_budget`, None: none). Steps, checkpoints and
     logging count; validation does not (`skip`).
 
-    The loop stops before a run of steps would end past `budget - reserve`: it expects each
-    run to take as long as the longest so far, and the caller keeps `reserve` seconds for what
-    it writes after the loop (the final checkpoint and export; an estimate).
+    Under a budget the loop stops before the next run of steps would end past
+    `budget - reserve` (`out_of_time`), where the caller keeps `reserve` seconds for what it
+    writes after the loop (the final checkpoint and export: measured by a rehearsal). The next
+    run's seconds are predicted from the measured ones (`expect`): runs of the same work (`work`,
+    set by the caller: what the next run carries, e.g. micro-batches x row length, so a growing
+    batch or a longer curriculum stage is known before it is run) take the longest of their
+    recent ones; a run of work not measured yet is scaled up from the runs measured.
     """
+
+    RECENT = 8  # runs of one work remembered: the prediction follows a machine that slows down
 
     def __init__(self, budget: float | None = None, elapsed: float = 0.0,
                  now: Callable[[], float] = time.perf_counter):
         self.budget = budget
         self.elapsed = float(elapsed)
         self.reserve = 0.0
-        self.longest_run = 0.0
+        # The next run's work (relative: only ratios matter); None: every run the same.
+        self.work: Callable[[], float] | None = None
         self._now = now
         self._mark: float | None = None
+        self._runs: dict[float, deque[float]] = {}  # recent seconds of runs, by their work
+        self._counts: dict[float, int] = {}
+        self._next_work = 1.0
 
     def start(self) -> None:
         self._mark = self._now()
@@ -208,10 +220,36 @@ class TrainingClock:
         """The fraction of the budget spent (0 without a budget)."""
         return min(1.0, self.elapsed / self.budget) if self.budget else 0.0
 
+    def expect(self) -> float:
+        """The predicted seconds of the next run of steps (0 before any was measured): the
+        longest recent run of the same work, else the measured runs scaled up to its work (a
+        run of twice the micro-batches, or of rows twice as long, as twice the time: an upper
+        bound, since per-step costs do not grow and attention grows at most so)."""
+        work = self.work() if self.work is not None else 1.0
+        self._next_work = work
+        same = self._runs.get(work)
+        if same:
+            return max(same)
+        return max((max(seconds) * max(1.0, work / done)
+                    for done, seconds in self._runs.items()), default=0.0)
+
+    def measured(self, seconds: float) -> None:
+        """Record the run just done (its steps and logging; not its checkpoint, evaluation or
+        rehearsal) under the work `expect` saw before it. The first run of each work pays what
+        is done once (allocations, kernels chosen or compiled for its shapes), so the second
+        replaces it."""
+        work = self._next_work
+        count = self._counts[work] = self._counts.get(work, 0) + 1
+        runs = self._runs.setdefault(work, deque(maxlen=self.RECENT))
+        if count == 2:
+            runs.clear()
+        runs.append(seconds)
+
     def out_of_time(self) -> bool:
-        """Whether another run of steps would overrun the budget (never without one)."""
+        """Whether the next run of steps, as long as `expect` predicts, would end past the
+        budget less the reserve (never without a budget)."""
         return self.budget is not None and \
-            self.elapsed + self.longest_run + self.reserve > self.budget
+            self.elapsed + self.expect() + self.reserve > self.budget
 
 
 def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
@@ -223,7 +261,8 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
                validation: Sequence[Batch] | None = None,
                on_record: RecordHook | None = None,
                clock: TrainingClock | None = None,
-               stop: StopSignals | None = None) -> LoopResult:
+               stop: StopSignals | None = None,
+               rehearse: Callable[[float], None] | None = None) -> LoopResult:
     """Train until the session reaches `settings.steps` optimizer steps, or, when `clock` has a
     budget, until the next run of steps would overrun it (or until `batches` runs out).
 
@@ -240,7 +279,10 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
     `clock` counts the training seconds (`elapsed_s` in every record; a resumed run's clock
     starts where the checkpoint's stopped). A signal `stop` caught on any replica ends the loop
     after the current step on all of them (the largest signal number, agreed once a step) unless
-    that step was the last; `LoopResult.stop_signal` says which.
+    that step was the last; `LoopResult.stop_signal` says which. `rehearse(step_seconds)` is
+    called once, right after the first run of steps (under a budget: the caller measures its
+    finish there, on the weights and optimizer state of a trained step, and may refuse the
+    budget); its seconds, and a due checkpoint's, are not part of the run's measured time.
     """
     clock = clock if clock is not None else TrainingClock()
     budgeted = clock.budget is not None
@@ -268,12 +310,14 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
     last_step = sys.maxsize if budgeted else steps  # the final checkpoint's step, when known
     stop_signal = 0
     told_eval_cost = False
+    evaluation_s = 0.0
     try:
         while _more(session, steps, clock):
             batch = next(batches, None)
             if batch is None:
                 break
             run_started = clock.elapsed
+            excluded = 0.0  # seconds of this turn that are not its steps' (rehearsal, saving)
             if isinstance(batch, PartialBatch):
                 outputs = session.run(batch.tensors, micro_batches=batch.micro_batches)
                 size, warming = batch.samples, True
@@ -301,6 +345,12 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
                                        checkpoints.diverged() if checkpoints else None)
             if checkpoints is not None:
                 checkpoints.confirm()
+            if rehearse is not None:
+                before, rehearsal_started = clock.tick(), time.perf_counter()
+                rehearse(before - run_started)  # ends with a tick of the clock
+                rehearse = None
+                excluded += clock.elapsed - before
+                window_start += time.perf_counter() - rehearsal_started  # seq_per_s: training
             if not budgeted:
                 bar.update(steps_done)
             evaluated = None
@@ -316,15 +366,19 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
                 eval_started = time.perf_counter()
                 evaluated = evaluate(session, validation)
                 eval_seconds = time.perf_counter() - eval_started
+                evaluation_s += eval_seconds
                 window_start += eval_seconds  # seq_per_s: training only
                 clock.skip()  # measuring is not training: curves against elapsed_s stay fair
                 if budgeted and not told_eval_cost:  # what the budget leaves out, said once
                     told_eval_cost = True
-                    total = (f" (about {eval_seconds * (points + 1):.0f} s in all at "
-                             f"{points + 1} evaluations)" if points else "")
-                    log.info("evaluation: %d micro-batches took %.1f s; evaluations are not "
-                             "counted in training.time_budget%s", len(validation), eval_seconds,
-                             total)
+                    # With eval_points: at k / points of the budget for k < points (the run
+                    # stops before all of it is spent), and once on the final weights.
+                    total = (f" (about {eval_seconds * points:.0f} s in all at {points} "
+                             "evaluations)" if points else "")
+                    rows = sum(len(next(iter(b.values()))) for b in validation)
+                    log.info("evaluation: %d micro-batches (%d rows) took %.1f s; evaluations "
+                             "are not counted in training.time_budget%s", len(validation), rows,
+                             eval_seconds, total)
             if session.step % log_every < steps_done or session.step >= last_step or evaluated:
                 record = _log(session, window, session.step, schedule, tracker, sizes,
                               warming, time.perf_counter() - window_start, clock.tick(),
@@ -341,10 +395,13 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
                         raise RunStopped(session.step, reason or "another replica stopped")
             if save is not None and checkpoints is not None \
                     and checkpoints.due(session.step, steps_done, last_step):
+                before = clock.tick()
                 save()
-            clock.tick()
-            clock.longest_run = max(clock.longest_run, clock.elapsed - run_started)
+                excluded += clock.tick() - before
+            else:
+                clock.tick()
             if budgeted:
+                clock.measured(clock.elapsed - run_started - excluded)
                 bar.update(round(clock.elapsed) - bar.n)
             if stop is not None and session.step < last_step:
                 # Each replica may catch the signal at a different step: all stop at the first
@@ -357,7 +414,9 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
                                                               for k in record)
         if points and not measured and not stop_signal:
             clock.tick()  # with eval_points the run's final weights are measured too
+            eval_started = time.perf_counter()
             evaluated = evaluate(session, validation)
+            evaluation_s += time.perf_counter() - eval_started
             clock.skip()
         if budgeted and (window or evaluated):  # the budget ended the run between two logs
             record = _log(session, window, session.step, schedule, tracker, sizes, warming,
@@ -370,7 +429,7 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
              seconds, f" ({clock.elapsed:.1f} s of the {clock.budget:g} s budget)"
              if budgeted else "")
     return LoopResult(trained, seconds, record,
-                      checkpoints.last_good if checkpoints else None, stop_signal)
+                      checkpoints.last_good if checkpoints else None, stop_signal, evaluation_s)
 
 
 def _more(session: Session, steps: int, clock: TrainingClock) -> bool:

@@ -84,6 +84,12 @@ from popbert.train.pretrain import PretrainingJob
 
 log = logging.getLogger(__name__)
 
+# Under a time budget: the seconds kept for the final checkpoint, plot and export are this many
+# times their rehearsal's (which, the first of its kind in the process, is rarely faster than
+# the real ones), plus this share of the budget (for a disk that slows down).
+RESERVE_FACTOR = 1.2
+RESERVE_SHARE = 0.005
+
 
 @dataclass
 class RunResult:
@@ -100,7 +106,9 @@ class RunResult:
     plot: Path | None = None
     fresh: list[str] = field(default_factory=list)  # weights the starting checkpoint lacked
     seconds: float = 0.0  # spent in the training loop by this call (evaluation included)
-    elapsed_s: float = 0.0  # the run's training seconds, summed over resumes
+    # The run's training seconds, summed over resumes: what a time budget counts (the steps,
+    # checkpoints and logging, and this call's final checkpoint, plot and export).
+    elapsed_s: float = 0.0
 
 
 class CheckpointManager:
@@ -216,6 +224,9 @@ class Trainer:
         self.curriculum = (SequenceCurriculum(cfg, replicas.rank)
                            if cfg.training.sequence_curriculum else None)
         self.clock = TrainingClock(cfg.training.time_budget, elapsed)
+        self.clock.work = self._next_work  # what the next run of steps carries: its prediction
+        self.setup_seconds = 0.0  # from_config's: assembling the run (outside a time budget)
+        self._elapsed_before = elapsed  # training seconds before this train() call
         self.lr = 0.0  # the rate the last step was given
         session.step_hook = self._set_lr
         self.fresh = fresh
@@ -284,6 +295,7 @@ class Trainer:
         only locks it.
         """
         check_config_paths(cfg)  # every path the config names, in one line each, first
+        setup_started = time.perf_counter()
         if resume is not None:
             # The checkpoint itself, before anything is written: an incomplete one named
             # directly is refused, incomplete newer ones in a run directory are named.
@@ -322,6 +334,7 @@ class Trainer:
         except BaseException:
             trainer.close()
             raise
+        trainer.setup_seconds = time.perf_counter() - setup_started
         return trainer
 
     @classmethod
@@ -413,23 +426,32 @@ class Trainer:
         evaluation, plot and export. A full disk is a one-line `WriteError` saying which
         checkpoint to resume from."""
         session, main = self.session, self.replicas.is_main
-        started, wall = session.step, time.perf_counter()
+        started = session.step
+        budget = self.clock.budget
         final: Path | None = None
         scores: dict[str, float] = {}
+        scoring = 0.0  # seconds of the end-of-run evaluation (outside the budget)
+        if budget is not None and not self.finishing:
+            log.info("time budget: %g s%s for the steps, checkpoints, the final checkpoint and "
+                     "the export; setup (%.1f s) and evaluations are outside it", budget,
+                     f" ({self.clock.elapsed:.0f} s spent before this resume)"
+                     if self.clock.elapsed else "", self.setup_seconds)
+        self._elapsed_before = self.clock.elapsed
+        self.clock.start()
         with StopSignals() as stop:
             try:
                 if self.finishing:
                     result = LoopResult(0, 0.0)
                 else:
-                    if self.clock.budget is not None:
-                        self._rehearse_finish()
                     result = train_loop(session, self.batches(), self.loop_settings(),
                                         schedule=self._logged_lr,
                                         tracker=self.metrics, checkpoints=self.checkpoints,
                                         save=self.save_checkpoint, validation=self.validation,
-                                        on_record=self.on_record, clock=self.clock, stop=stop)
+                                        on_record=self.on_record, clock=self.clock, stop=stop,
+                                        rehearse=(self._rehearse_finish if budget is not None
+                                                  else None))
                 # The checkpoint saved next (unless the loop's last turn saved it) ends the budget.
-                self._budget_done = self.clock.budget is not None and not result.stop_signal
+                self._budget_done = budget is not None and not result.stop_signal
                 here = run_dir.step_dir(self.output_dir, session.step)
                 if session.step == started and self.resumed_from is not None \
                         and _same_dir(self.resumed_from, here):
@@ -442,11 +464,16 @@ class Trainer:
                                          resumable=self.cfg.finetune.task is None)
                 final = self.checkpoints.finalize()
                 if main:
+                    self.clock.tick()
+                    scored = time.perf_counter()
                     scores = self.job.score(self)
+                    scoring = time.perf_counter() - scored
+                    self.clock.skip()  # evaluation, as in the loop, is not training
                     if scores and self.metrics is not None:
                         self.metrics.summarize(scores)
                 plot = self._close_metrics(final)
                 inference = self.job.export(self) if main else None
+                self.clock.tick()
             except WriteError as error:
                 self._close_metrics(None, failing=True)
                 raise WriteError(f"{error}; {self.checkpoints.resume_hint()}") from None
@@ -458,10 +485,10 @@ class Trainer:
         if main:
             log.info("output: %s (checkpoint %s%s)", self.output_dir, final.name,
                      f", {inference.name}" if inference is not None else "")
-        if self.clock.budget is not None:  # the budget includes the final checkpoint and export
-            spent = self.clock.elapsed + time.perf_counter() - wall - result.seconds
-            log.info("time budget: %.1f s of %g s spent, final checkpoint and export included",
-                     spent, self.clock.budget)
+        if budget is not None:  # the budget includes the final checkpoint and export
+            log.info("time budget: %.1f s of %g s spent, final checkpoint and export included "
+                     "(outside it: setup %.1f s, evaluation %.1f s)", self.clock.elapsed, budget,
+                     self.setup_seconds, result.evaluation_s + scoring)
         return RunResult(self.output_dir, final, session.step, session.step - started,
                          {k: v for k, v in result.record.items() if k in self.job.metric_keys},
                          scores, inference, plot, list(self.fresh), result.seconds,
@@ -522,14 +549,18 @@ class Trainer:
                                    self.checkpoints.diverged())
         return self.checkpoints.save(session.step, self.job.checkpoint_state(self))
 
-    def _rehearse_finish(self) -> None:
-        """Under a time budget: write a checkpoint, the export and a plot once, into a scratch
-        directory
+    def _rehearse_finish(self, step_seconds: float) -> None:
+        """Under a time budget, right after the run's first step (`train_loop`'s `rehearse`):
+        write a checkpoint of that step (so it holds what the final one will: the optimizer's
+        moments too), the export and a plot once, into a scratch directory
         (`checkpoints/.tmp-rehearsal-*`: what a kill leaves is tidied at the next start), and
-        keep 1.5 times as long, plus 1% of the budget, for the real ones after the loop. The
-        rehearsal's seconds count against the budget."""
+        keep `RESERVE_FACTOR` times as long, plus `RESERVE_SHARE` of the budget, for the real
+        ones after the loop. The rehearsal's seconds count against the budget. A budget that
+        leaves no room for them after this first step is refused in one line naming the least
+        budget (nothing is kept: the step trained in memory only)."""
+        budget = self.clock.budget
+        assert budget is not None
         before = self.clock.elapsed
-        self.clock.start()
         state = self.job.checkpoint_state(self)  # every replica: sharded state is gathered
         if self.replicas.is_main:
             root = self.output_dir / "checkpoints"
@@ -545,17 +576,34 @@ class Trainer:
                 metrics.write_text(json.dumps({"step": 1, "loss": 1.0, "lr": 0.0}) + "\n")
                 plot_if_logged(metrics, Path(scratch) / "metrics.png")
         seconds = self.clock.tick() - before
-        self.clock.reserve = 1.5 * seconds + 0.01 * self.clock.budget
-        if self.clock.elapsed + self.clock.reserve >= self.clock.budget:
-            # Not one step would fit: refuse rather than export an untrained model late.
-            least = self.clock.elapsed + self.clock.reserve
-            raise ConfigError(f"training.time_budget is {self.clock.budget:g} s, but this run's "
-                              f"final checkpoint and export alone take about {seconds:.3g} s "
-                              f"(measured{', after ' if before else ''}"
-                              f"{f'{before:.0f} s already trained' if before else ''}): give "
-                              f"it more than {least:.3g} s, plus the time of the steps")
-        log.info("time budget: %.1f s kept for the final checkpoint and export",
-                 self.clock.reserve)
+        self.clock.reserve = RESERVE_FACTOR * seconds + RESERVE_SHARE * budget
+        least = self.clock.elapsed + self.clock.reserve
+        if not all_replicas(self.session, least < budget):
+            # Not even this step fits with its finish: refuse rather than export it late.
+            earlier = self._elapsed_before  # trained before this resume
+            raise ConfigError(f"training.time_budget is {budget:g} s, but this run's first step "
+                              f"took {step_seconds:.3g} s and its final checkpoint and export "
+                              f"take about {seconds:.3g} s (measured"
+                              f"{f', after {earlier:.0f} s already trained' if earlier else ''}"
+                              f"): give it more than {least:.3g} s")
+        log.info("time budget: the first step took %.2f s, the final checkpoint and export "
+                 "%.2f s: %.2f s kept for them", step_seconds, seconds, self.clock.reserve)
+
+    def _next_work(self) -> float:
+        """What the next run of steps carries, for the clock's prediction of its seconds
+        (relative: only ratios count): the micro-batches per run (fewer while the global batch
+        warms up, `micro_batches_per_step`) times the row length (the curriculum's stage,
+        `SequenceCurriculum.length_at`). Local to this replica (no collective): the stop
+        itself is agreed by the loop."""
+        t = self.cfg.training
+        step = min(t.steps - 1, int(self.clock.progress() * t.steps))  # schedule_step's
+        per_run = self.session.micro_batches_per_run()
+        if t.batch_warmup:
+            per_run = min(per_run, warmup_micro_batches(
+                step, self.cfg.execution.gradient_accumulation, t.batch_warmup, t.steps))
+        length = (self.curriculum.length_at(step / t.steps) if self.curriculum is not None
+                  else self.cfg.model.sequence_length)
+        return float(per_run * length)
 
     # -- state ----------------------------------------------------------------------------------
 

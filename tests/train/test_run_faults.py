@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import safetensors.numpy
-from trainer_helpers import count_budget_time
+from trainer_helpers import ModelledTime, count_budget_time, model_budget_time
 
 from popbert import atomic
 from popbert.cli.main import main
@@ -384,23 +384,33 @@ def test_a_budgeted_run_stopped_after_its_final_checkpoint_is_finished_by_resume
 def test_a_budget_too_small_to_train_is_refused_saying_the_least(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    """On the counting clock the finish's rehearsal takes one tick (0.05 s), so it keeps
-    0.075 s + 1% of the budget: a 0.1 s budget has no room for a step and is refused in one
-    line naming the least budget, leaving nothing; 0.5 s trains steps and ends within it."""
-    count_budget_time(monkeypatch)
+    """On a modelled machine (a step 0.2 s, a checkpoint 0.3 s, the export 0.2 s, the plot
+    0.1 s) the first step and the rehearsal of the finish after it take 0.8 s, and 1.2 x 0.6 s
+    + 0.5% of the budget is kept for the real finish: a 1 s budget has no room for it and is
+    refused in one line naming the least budget (0.8 + 0.725 s), leaving nothing; 1.6 s trains
+    that one step and ends within it (0.8 + 0.6 s), 5 s trains more, also within it."""
+    model_budget_time(monkeypatch, ModelledTime(lambda rows, length: 0.2, checkpoint=0.3,
+                                                export=0.2, plot=0.1))
     run = tmp_path / "run"
     capsys.readouterr()
-    assert pretrain("-o", str(run), "--set", "training.time_budget=0.1",
+    assert pretrain("-o", str(run), "--set", "training.time_budget=1",
                     "--set", "training.steps=100") == 2
     line = error_line(capsys)
-    assert line.startswith("popbert: error: training.time_budget is 0.1 s, but this run's final "
-                           "checkpoint and export alone take about 0.05 s"), line
-    assert "give it more than 0.126 s" in line  # 0.05 s spent + 0.076 s kept
+    assert line == ("popbert: error: training.time_budget is 1 s, but this run's first step "
+                    "took 0.2 s and its final checkpoint and export take about 0.6 s "
+                    "(measured): give it more than 1.52 s"), line
     assert not run.exists()
-    assert pretrain("-o", str(run), "--set", "training.time_budget=0.5",
-                    "--set", "training.steps=100") == 0
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert records and records[-1]["step"] >= 1 and records[-1]["elapsed_s"] <= 0.5
+    for budget, steps, spent in (("1.6", [1], 1.4), ("5", range(2, 100), None)):
+        assert pretrain("-o", str(run), "--set", f"training.time_budget={budget}", "--overwrite",
+                        "--set", "training.steps=100") == 0
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert records[-1]["step"] in steps and records[-1]["elapsed_s"] <= float(budget)
+        final = checkpoint_dirs(run)[-1]
+        saved = json.loads((final / "state.json").read_text())["trainer"]["elapsed_s"]
+        assert saved <= float(budget)
+        if spent is not None:  # 1 step + rehearsal, then the final checkpoint, export and plot
+            assert saved == pytest.approx(0.8) and \
+                f"time budget: {spent} s of {budget} s spent" in capsys.readouterr().err
 
 
 def test_under_a_budget_the_first_evaluation_says_what_evaluations_cost(
@@ -413,7 +423,7 @@ def test_under_a_budget_the_first_evaluation_says_what_evaluations_cost(
                         "--set", "data.validation_fraction=0.05") == 0
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("evaluation:")]
     assert len(said) == 1, said
-    assert said[0].startswith("evaluation: 2 micro-batches took ") and \
+    assert said[0].startswith("evaluation: 2 micro-batches (16 rows) took ") and \
         said[0].endswith("evaluations are not counted in training.time_budget "
                          f"(about {said[0].split('about ')[1].split(' s')[0]} s in all at "
-                         "5 evaluations)")
+                         "4 evaluations)")

@@ -1,0 +1,204 @@
+"""A time budget is kept at every size: a budgeted run's training seconds (its steps, checkpoints
+and logging, then the final checkpoint, plot and export) end within 3% under the budget and
+never past it, also when its steps grow in the middle of the run (a sequence-length
+curriculum's full rows, a warming global batch), with evaluations outside it.
+
+No test here depends on the machine's speed: the loop's tests run a session whose steps take
+scripted seconds, the whole runs keep their budget in `ModelledTime`'s seconds (a machine whose
+steps, checkpoints and exports take what the test writes down)."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_helpers import ModelledTime, model_budget_time
+
+import popbert
+from popbert.distributed import Replicas
+from popbert.io.run_dir import checkpoint_dirs
+from popbert.train.loop import LoopSettings, TrainingClock, train_loop
+from popbert.train.trainer import RESERVE_FACTOR, RESERVE_SHARE
+
+BUDGETS = (60, 150, 400, 1000, 3600)
+
+
+class TimedSession:
+    """What the loop reads of a session; a run of work `w` (the batch's `work`) takes
+    `seconds(w)` on the session's clock `now`."""
+
+    loss_name = "loss"
+    loss_scaler = None
+    device = torch.device("cpu")
+
+    def __init__(self, seconds: Callable[[float], float]):
+        self.seconds = seconds
+        self.now = 0.0
+        self.step = 0
+        self.replicas = Replicas.single()
+
+    def run(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.step += 1
+        self.now += self.seconds(float(batch["work"]))
+        return {"loss": torch.tensor([1.0])}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {"w": torch.ones(2)}
+
+
+def budgeted_loop(budget: float, work: Callable[[float], float],
+                  seconds: Callable[[float], float], finish: float,
+                  hint: bool = True) -> tuple[float, TimedSession]:
+    """A budgeted loop whose run at progress p carries `work(p)` and takes `seconds` of it,
+    with the caller's finish (final checkpoint and export) taking `finish` seconds, kept as the
+    Trainer keeps it; the seconds the whole run spends (`hint`: the clock is told each run's
+    work before it, as the Trainer tells it)."""
+    session = TimedSession(seconds)
+    clock = TrainingClock(budget, now=lambda: session.now)
+    clock.reserve = RESERVE_FACTOR * finish + RESERVE_SHARE * budget
+    if hint:
+        clock.work = lambda: work(clock.progress())
+
+    def batches() -> Iterator[dict[str, torch.Tensor]]:
+        while True:  # drawn as the loop asks: the work of the progress at that moment
+            yield {"work": torch.tensor(work(clock.progress()))}
+
+    train_loop(session, batches(), LoopSettings(steps=100, log_every=10), clock=clock)
+    return clock.elapsed + finish, session
+
+
+def curriculum(progress: float) -> float:
+    """Rows of 64 tokens for the first 60% of the run, then of 128."""
+    return 64.0 if progress < 0.6 else 128.0
+
+
+def warming(progress: float) -> float:
+    """1 to 8 micro-batches over the first 20% of the run (`training.batch_warmup: 0.2`)."""
+    return float(min(8, 1 + int(progress / 0.2 * 8)))
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize(("work", "seconds"), [
+    (curriculum, lambda w: 0.2 + 0.004 * w),  # full rows 0.71 s, short 0.46 s
+    (curriculum, lambda w: 0.006 * w),  # all of it attention-like: full rows twice as long
+    (warming, lambda w: 0.05 + 0.1 * w),  # 0.15 s to 0.85 s a step
+], ids=["curriculum", "curriculum-worst", "batch-warmup"])
+def test_a_budget_is_kept_within_3_percent_when_steps_grow(
+        budget: float, work: Callable[[float], float],
+        seconds: Callable[[float], float]) -> None:
+    end, session = budgeted_loop(budget, work, seconds, finish=2.0)
+    assert 0.97 * budget <= end <= budget, (end, session.step)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_on_a_loaded_machine_it_is_over_by_at_most_the_noise_of_one_step(budget: float) -> None:
+    """Step times that vary by up to +-30% (seeded) around a curriculum: past the budget, if
+    ever, by less than one step's noise."""
+    rng = random.Random(budget)
+    end, session = budgeted_loop(budget, curriculum,
+                                 lambda w: (0.2 + 0.004 * w) * rng.uniform(0.7, 1.3), finish=2.0)
+    assert 0.97 * budget <= end <= 1.03 * budget, (end, session.step)
+    assert end <= budget + 0.3 * 0.72  # one step's noise, at most
+
+
+def test_a_late_longer_step_is_foreseen_from_its_work_and_not_without() -> None:
+    """The negative control: the step time grows tenfold at 96.8% of a 60 s budget (a last
+    curriculum stage of long rows). Told each run's work the clock stops in time; left to the
+    runs it measured, its first long step ends past the budget."""
+    work = lambda p: 1.0 if p < 0.968 else 10.0  # noqa: E731
+    seconds = lambda w: 0.25 * w  # noqa: E731
+    told, _ = budgeted_loop(60, work, seconds, finish=0.5)
+    assert 0.97 * 60 <= told <= 60
+    blind, _ = budgeted_loop(60, work, seconds, finish=0.5, hint=False)
+    assert blind > 60.5
+
+
+def test_the_clock_predicts_from_recent_runs_of_the_same_work() -> None:
+    """The longest of the recent runs of the next run's work, the first of each work (which
+    pays for what is done once) dropped when a second comes; work not run yet is scaled up
+    from what was measured; nothing measured, nothing predicted."""
+    clock = TrainingClock(100.0)
+    work = [1.0]
+    clock.work = lambda: work[0]
+    assert clock.expect() == 0.0
+    clock.measured(5.0)  # the first run: slow (compilation, allocation)
+    assert clock.expect() == 5.0
+    clock.measured(1.0)
+    assert clock.expect() == 1.0  # the first one is forgotten
+    clock.measured(1.2)
+    assert clock.expect() == 1.2
+    work[0] = 3.0
+    assert clock.expect() == pytest.approx(3.6)  # not run yet: 1.2 x 3
+    clock.measured(2.0)
+    clock.measured(2.5)
+    assert clock.expect() == 2.5
+    work[0] = 2.0
+    assert clock.expect() == pytest.approx(2.5)  # less work than measured: as the longest
+    for _ in range(TrainingClock.RECENT):
+        work[0] = 3.0
+        clock.expect()
+        clock.measured(2.2)
+    assert clock.expect() == 2.2  # 2.5 is no longer recent
+    clock.elapsed, clock.reserve = 95.0, 2.0
+    assert not clock.out_of_time()  # 95 + 2.2 + 2 <= 100
+    clock.elapsed = 96.0
+    assert clock.out_of_time()
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole runs, on modelled seconds
+
+# A tiny MLM-only BERT on the bundled corpus, rows of 32 tokens.
+SMALL = ["model.num_layers=1", "model.hidden_size=32", "model.num_heads=2",
+         "model.intermediate_size=64", "model.sequence_length=32",
+         "model.max_position_embeddings=32", "model.max_predictions_per_seq=8",
+         "model.next_sentence_prediction=false", "data.dynamic_masking=true",
+         "data.masked_lm_prob=0.25", "execution.device=cpu", "training.log_every=10",
+         "optimizer.warmup_steps=10", "training.steps=100", "training.checkpoint_every=100",
+         "execution.threads=1"]
+CURRICULUM = [*SMALL, "execution.micro_batch_size=4", "training.sequence_curriculum=[[0.5, 16]]"]
+WARMUP = [*SMALL, "execution.micro_batch_size=2", "execution.gradient_accumulation=4",
+          "training.batch_warmup=0.3"]
+
+
+def machine() -> ModelledTime:
+    """A step costs 0.05 s plus attention-like work (rows x length^2 / 27000 s): 4 full rows of
+    32 tokens 0.2 s and 8 of 16 0.13 s (the curriculum), 2 to 8 full rows 0.13 to 0.35 s (the
+    warming batch); a checkpoint 0.3 s, the export 0.2 s, the plot 0.1 s, an evaluated
+    micro-batch 0.05 s; every reading of the clock 0.1 ms."""
+    return ModelledTime(lambda rows, length: 0.05 + rows * length ** 2 / 27000,
+                        checkpoint=0.3, export=0.2, plot=0.1, evaluation=0.05, reading=1e-4)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("budget", [20, 90])
+@pytest.mark.parametrize("schedule", ["curriculum", "batch-warmup"])
+def test_a_whole_budgeted_run_ends_within_3_percent_under_its_budget(
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, budget: float, schedule: str) -> None:
+    """`Trainer.train` on the modelled machine, steps that grow mid-run: the training seconds,
+    final checkpoint, plot and export included, end within 3% under the budget; what the
+    machine spent besides is the evaluations (eval_points), which the budget leaves out."""
+    model = model_budget_time(monkeypatch, machine())
+    overrides = CURRICULUM if schedule == "curriculum" else WARMUP
+    cfg = popbert.load_config("tiny", [*overrides, f"training.time_budget={budget}",
+                                       "training.eval_points=4", "training.eval_batches=2",
+                                       "data.validation_fraction=0.05"])
+    with popbert.Trainer.from_config(cfg, tmp_path / "run") as trainer:
+        started = model.now
+        result = trainer.train()
+        wall = model.now - started
+    assert 0.97 * budget <= result.elapsed_s <= budget, (result.elapsed_s, result.steps)
+    # At 1/4, 2/4 and 3/4 of the budget and on the final weights, as the log said it would.
+    assert model.evaluated == pytest.approx(4 * 2 * 0.05)
+    assert wall - model.evaluated == pytest.approx(result.elapsed_s, abs=0.01)
+    if schedule == "curriculum":  # short rows, then full ones
+        assert list(dict.fromkeys(length for _, length in model.shapes)) == [16, 32]
+    else:  # the global batch grew from 1 micro-batch of 2 rows to 4
+        assert list(dict.fromkeys(rows for rows, _ in model.shapes)) == [2, 4, 6, 8]
+    state = json.loads((checkpoint_dirs(tmp_path / "run")[-1] / "state.json").read_text())
+    assert state["trainer"]["elapsed_s"] <= result.elapsed_s

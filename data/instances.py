@@ -93,17 +93,31 @@ class TrainingInstance:
 
 
 def truncate_seq_pair(tokens_a: list[int], tokens_b: list[int], max_num_tokens: int,
-                      rng: random.Random) -> None:
-    """Trim the longer segment in place, one token at a time from a random end.
+                      rng: random.Random) -> int:
+    """Trim the longer segment in place, one token at a time from a random end; returns the
+    number of tokens removed.
 
-    Random ends (not always the tail) avoid biasing the model towards sentence starts.
+    Random ends (not always the tail) avoid biasing the model towards sentence starts. One
+    draw per removed token, as Google's loop makes, but each segment is cut once at the end
+    (deleting from the front token by token is quadratic in a segment's length: a sentence
+    of millions of tokens would take hours).
     """
-    while len(tokens_a) + len(tokens_b) > max_num_tokens:
-        trunc = tokens_a if len(tokens_a) > len(tokens_b) else tokens_b
-        if rng.random() < 0.5:
-            del trunc[0]
+    len_a, len_b = len(tokens_a), len(tokens_b)
+    excess = len_a + len_b - max_num_tokens
+    if excess <= 0:
+        return 0
+    front_a = front_b = 0
+    while len_a + len_b > max_num_tokens:
+        front = rng.random() < 0.5
+        if len_a > len_b:
+            len_a -= 1
+            front_a += front
         else:
-            trunc.pop()
+            len_b -= 1
+            front_b += front
+    for tokens, start, keep in ((tokens_a, front_a, len_a), (tokens_b, front_b, len_b)):
+        tokens[:] = tokens[start:start + keep]
+    return excess
 
 
 class InstanceCreator:

@@ -120,6 +120,14 @@ def truncate_seq_pair(tokens_a: list[int], tokens_b: list[int], max_num_tokens: 
     return excess
 
 
+def non_special_ids(tokenizer: TextTokenizer) -> np.ndarray:
+    """The ids a random replacement may take (every id but the special ones), ascending; in
+    numpy because a stage makes it once per part, and parts may be many and tiny."""
+    keep = np.ones(tokenizer.vocab_size, dtype=bool)
+    keep[sorted(tokenizer.special_ids)] = False
+    return np.flatnonzero(keep).astype(np.int64)
+
+
 class InstanceCreator:
     """Google's instance algorithm bound to one vocabulary and one set of options.
 
@@ -137,8 +145,7 @@ class InstanceCreator:
         # Never chosen for prediction: structure tokens, padding and a literal mask.
         self.unmaskable = frozenset(
             {tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id, tokenizer.mask_id})
-        self.random_pool = [i for i in range(tokenizer.vocab_size)
-                            if i not in tokenizer.special_ids]
+        self.random_pool = non_special_ids(tokenizer).tolist()
         if not self.random_pool:
             raise DataError(f"{tokenizer.vocab_path}: vocabulary has no non-special tokens")
         self.is_continuation = tokenizer.is_continuation.tolist()
@@ -421,8 +428,7 @@ def mask_arrays(arrays: dict[str, np.ndarray], tokenizer: TextTokenizer,
     original = ids[rows, cols].copy()
     roll = rng.random(len(rows))
     keep = rng.random(len(rows)) < 0.5
-    pool = np.fromiter((i for i in range(tokenizer.vocab_size) if i not in tokenizer.special_ids),
-                       dtype=np.int64)
+    pool = non_special_ids(tokenizer)
     random_tokens = pool[rng.integers(0, len(pool), len(rows))]
     replaced = np.where(roll < 0.8, tokenizer.mask_id, np.where(keep, original, random_tokens))
     ids[rows, cols] = replaced

@@ -7,6 +7,7 @@ docs/design.md, section "popbert.data.prepare".
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass, replace
@@ -37,7 +38,7 @@ from popbert.data.stages import (
     workers_label,
 )
 from popbert.data.storage import Location
-from popbert.data.tokenization import load_tokenizer
+from popbert.data.tokenization import TextTokenizer, file_sha256, load_tokenizer
 from popbert.data.vocab import DEFAULT_VOCAB_SIZE, train_vocab
 from popbert.data.wikipedia import DEFAULT_PART_BYTES, EXTRACT_SUFFIX, extract_dump
 
@@ -54,11 +55,24 @@ def packed_dir_name(options: InstanceOptions) -> str:
     return f"packed-s{options.sequence_length}-p{options.max_predictions_per_seq}"
 
 
+@functools.lru_cache(maxsize=2)
+def _loaded_tokenizer(path: str, sha256: str) -> TextTokenizer:
+    return load_tokenizer(path)
+
+
+def part_tokenizer(vocab_path: str) -> TextTokenizer:
+    """The vocabulary's tokenizer, built once per process and content (keyed by its sha256):
+    building it costs ~15 ms, more than all the rest of a part of a few sentences, so a stage
+    over many tiny parts spent most of its time rebuilding it."""
+    local = storage.local_file(storage.location(vocab_path))
+    return _loaded_tokenizer(str(local), file_sha256(local))
+
+
 def instances_part(in_path: str, out_path: str, vocab_path: str, options: dict,
                    run_seed: int, index: int, strict: bool = False) -> dict:
     """One sentence part → one HDF5 shard of masked instances; returns counts. The
     vocabulary may be a URL (read from this worker's cache)."""
-    tokenizer = load_tokenizer(storage.local_file(storage.location(vocab_path)))
+    tokenizer = part_tokenizer(vocab_path)
     opts = InstanceOptions(**options)
     text = read_text_documents([in_path])
     documents = tokenize_documents(text, tokenizer)
@@ -68,8 +82,7 @@ def instances_part(in_path: str, out_path: str, vocab_path: str, options: dict,
     counts = {"documents": len(documents), "sentences": sum(len(d) for d in documents),
               "instances": 0, "tokens": 0, "predictions": 0, "random_next": 0,
               "text_tokens": total, "unknown_tokens": unknown}
-    if not documents:
-        log.warning("%s: no documents; no shard written", in_path)
+    if not documents:  # said once for the stage, with the count (`create_instances`)
         return counts
     arrays = create_instance_arrays(documents, tokenizer, opts)
     write_shard(out_path, arrays, vocab_size=tokenizer.vocab_size,
@@ -122,11 +135,16 @@ def create_instances(sentence_parts: list[Location], vocab: str | os.PathLike,
                             f"a blank line between documents)")
     totals = {key: sum(r[key] for r in results) for key in
               ("documents", "sentences", "instances", "tokens", "predictions", "random_next")}
+    empty = sum(1 for r in results if not r["documents"])
+    if empty:
+        log.warning("instances: %d of %d parts hold no documents; no shard written for them",
+                    empty, len(results))
     unknown = sum(r["unknown_tokens"] for r in results)
     text_tokens = sum(r["text_tokens"] for r in results)
     share = check_unknown_share(unknown, text_tokens, name_files(sentence_parts))
     stats = {"parts": len(sentence_parts), "parts_skipped": len(sentence_parts) - len(jobs),
              **{f"{k}_written_now": v for k, v in totals.items()},
+             "parts_without_documents_now": empty,
              "unknown_token_share_now": round(share, 6)}
     return stage.finish([storage.name_of(p) for p in stage.parts(SHARD_SUFFIX)], stats)
 

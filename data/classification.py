@@ -44,6 +44,7 @@ class ClassificationData:
     pairs: list[str] | None
     labels: list[str] | None
     lines: list[int]  # line number of each row, for error messages
+    unlabelled: int = 0  # rows left out for having no label (`read_classification_file`)
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -115,8 +116,16 @@ def _as_text(value: object) -> str:
 
 def read_classification_file(path: Path, text_column: str | None = None,
                              pair_column: str | None = None, label_column: str = LABEL_COLUMN,
-                             require_labels: bool = True) -> ClassificationData:
-    """Read one file; a missing column or cell is a DataError naming it."""
+                             require_labels: bool = True,
+                             strict: bool = False) -> ClassificationData:
+    """Read one file; a missing column or text cell is a DataError naming it.
+
+    With `require_labels` (training and evaluation files) a row without a label (an empty
+    cell, a JSON null or a missing key) cannot be learnt or scored: such rows are left out,
+    counted (`unlabelled`) and said once in a warning naming the file and the first lines,
+    or under `strict` (`data.strict`) refused in one line. A file whose every row lacks a
+    label is a DataError either way. Without `require_labels` (prediction) every row stays.
+    """
     path = Path(path)
     columns, rows = _rows(path)
     if not rows:
@@ -129,7 +138,12 @@ def read_classification_file(path: Path, text_column: str | None = None,
         raise DataError(f"{path}: no label column {label_column!r} (columns: "
                         f"{', '.join(columns)}); name it with --label-column")
     texts, pairs, labels, lines = [], [], [], []
+    unlabelled: list[int] = []
     for number, row in rows:
+        label = row.get(label_column)
+        if require_labels and has_labels and (label is None or not _as_text(label).strip()):
+            unlabelled.append(number)
+            continue
         for column in (first, second, label_column if has_labels else None):
             if column is not None and (column not in row or row[column] is None):
                 raise DataError(f"{path}:{number}: missing value in column {column!r}")
@@ -139,8 +153,17 @@ def read_classification_file(path: Path, text_column: str | None = None,
         if has_labels:
             labels.append(_as_text(row[label_column]).strip())
         lines.append(number)
+    if unlabelled:
+        shown = ", ".join(map(str, unlabelled[:5])) + (", ..." if len(unlabelled) > 5 else "")
+        message = (f"{path}: {len(unlabelled):,} of {len(rows):,} rows have no label in column "
+                   f"{label_column!r} (line{'s' if len(unlabelled) > 1 else ''} {shown})")
+        if not texts:
+            raise DataError(f"{message}: no labelled rows")
+        if strict:
+            raise DataError(f"{message}; refused (strict)")
+        log.warning("%s: left out", message)
     return ClassificationData(path, texts, pairs if second is not None else None,
-                              labels if has_labels else None, lines)
+                              labels if has_labels else None, lines, len(unlabelled))
 
 
 def label_list(data: ClassificationData) -> list[str]:

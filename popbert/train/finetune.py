@@ -381,12 +381,13 @@ class ClassificationJob(FinetuneJob):
         f = cfg.finetune
         tokenizer = load_tokenizer(self.pretrained.vocab, self.pretrained.lowercase)
         columns = (f.text_column, f.pair_column, f.label_column)
-        train = read_classification_file(Path(f.train_file), *columns)
+        train = read_classification_file(Path(f.train_file), *columns, strict=cfg.data.strict)
         self.labels = list(f.labels) if f.labels else label_list(train)
         if len(self.labels) < 2 or len(set(self.labels)) != len(self.labels):
             raise UsageError(f"finetune.labels: need at least two distinct labels, got "
                              f"{self.labels}")
-        self.eval_data = (read_classification_file(Path(f.eval_file), *columns)
+        self.eval_data = (read_classification_file(Path(f.eval_file), *columns,
+                                                   strict=cfg.data.strict)
                           if f.eval_file else train)
         if (self.eval_data.pairs is None) != (train.pairs is None):
             raise UsageError(f"{self.eval_data.path}: its text columns differ from "

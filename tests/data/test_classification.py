@@ -99,7 +99,11 @@ def test_label_and_column_errors_name_the_problem(tmp_path: Path) -> None:
         read_classification_file(ragged)
     one = tmp_path / "one.jsonl"
     one.write_text('{"text": "a", "label": "x"}\n{"text": "b"}\n')
-    with pytest.raises(DataError, match=r"one.jsonl:2: missing value in column 'label'"):
+    with pytest.raises(DataError, match=r"one.jsonl: 1 of 2 rows have no label in column "
+                                        r"'label' \(line 2\); refused \(strict\)"):
+        read_classification_file(one, strict=True)  # without strict: left out, said once
+    one.write_text('{"text": "a", "label": "x"}\n{"label": "y"}\n')
+    with pytest.raises(DataError, match=r"one.jsonl:2: missing value in column 'text'"):
         read_classification_file(one)
     with pytest.raises(DataError, match="unknown format '.txt'"):
         read_classification_file(tmp_path / "data.txt")

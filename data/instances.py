@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -120,6 +120,71 @@ def truncate_seq_pair(tokens_a: list[int], tokens_b: list[int], max_num_tokens: 
     return excess
 
 
+@dataclass
+class Cuts:
+    """What pairing cut to make `[CLS] A [SEP] B [SEP]` fit the sequence, summed over every
+    pass (with `dupe_factor` d a corpus is paired d times, each time anew).
+
+    `tokens_truncated`: tokens `truncate_seq_pair` removed from `pairs_truncated` of the
+    `pairs`. Google's pairing overshoots its target length by design (a chunk ends with the
+    sentence that crosses it, a random B is filled past its target), so most pairs of a real
+    corpus lose a few tokens; a sentence longer than a sequence loses all but what fits.
+    `tail_tokens_dropped`: tokens of single sentences split in two whose second half was
+    replaced by a random next segment (that half is not a whole segment to put back).
+    `tokens_kept`: the tokens of A and B in the pairs made.
+    """
+
+    pairs: int = 0
+    pairs_truncated: int = 0
+    tokens_truncated: int = 0
+    tail_tokens_dropped: int = 0
+    tokens_kept: int = 0
+
+    def add(self, other: Cuts) -> None:
+        for name, value in asdict(other).items():
+            setattr(self, name, getattr(self, name) + value)
+
+    def say(self, where: str, sequence_length: int) -> None:
+        """One log line for what pairing cut from `where` (nothing when nothing was paired)."""
+        if not self.pairs:
+            return
+        lost = self.tokens_truncated + self.tail_tokens_dropped
+        log.info("%s: %s of %s pairs truncated to %d tokens (%s tokens cut) and %s tokens of "
+                 "split sentences left out: %.2f%% of the paired tokens", where,
+                 f"{self.pairs_truncated:,}", f"{self.pairs:,}", sequence_length - 3,
+                 f"{self.tokens_truncated:,}", f"{self.tail_tokens_dropped:,}",
+                 100 * lost / max(1, lost + self.tokens_kept))
+
+
+def long_sentences(documents: Iterable[Sequence[Sequence[int]]], sequence_length: int
+                   ) -> tuple[int, int]:
+    """(sentences longer than a pair can hold, the longest's token count): a sentence of more
+    than `sequence_length - 3` tokens cannot be whole in any instance, so pairing cuts it."""
+    limit = sequence_length - 3
+    count = longest = 0
+    for document in documents:
+        for sentence in document:
+            if len(sentence) > limit:
+                count += 1
+                longest = max(longest, len(sentence))
+    return count, longest
+
+
+def check_long_sentences(count: int, longest: int, sentences: int, sequence_length: int,
+                         where: str, strict: bool = False) -> None:
+    """Say once that `count` sentences of `where` are longer than a sequence holds (a
+    warning), or under `strict` refuse them (a DataError)."""
+    if not count:
+        return
+    message = (f"{where}: {count:,} of {sentences:,} sentences are longer than a sequence holds "
+               f"({sequence_length - 3} tokens at sequence length {sequence_length}; the "
+               f"longest has {longest:,}): only that many tokens of each can be in an "
+               f"instance, the rest are cut (split such text into sentences first)")
+    if strict:
+        raise DataError(f"{message}; refused (strict)")
+    log.warning(message)
+
+
 def non_special_ids(tokenizer: TextTokenizer) -> np.ndarray:
     """The ids a random replacement may take (every id but the special ones), ascending; in
     numpy because a stage makes it once per part, and parts may be many and tiny."""
@@ -135,9 +200,12 @@ class InstanceCreator:
     `create_masked_lm_predictions`) so variants (packing, other masking) reuse the rest.
     """
 
-    def __init__(self, tokenizer: TextTokenizer, options: InstanceOptions):
+    def __init__(self, tokenizer: TextTokenizer, options: InstanceOptions,
+                 cuts: Cuts | None = None):
         options.validate()
         self.options = options
+        # What pairing cut, counted as it goes (`Cuts`); pass one to sum over creators.
+        self.cuts = cuts if cuts is not None else Cuts()
         self.tokenizer = tokenizer
         self.cls_id = tokenizer.cls_id
         self.sep_id = tokenizer.sep_id
@@ -236,12 +304,19 @@ class InstanceCreator:
                         # tail of a split sentence is not a whole segment: it is dropped).
                         if not split:
                             i -= len(current_chunk) - a_end
+                        else:
+                            self.cuts.tail_tokens_dropped += len(current_chunk[1])
                     else:
                         is_random_next = False
                         for j in range(a_end, len(current_chunk)):
                             tokens_b.extend(current_chunk[j])
 
-                    truncate_seq_pair(tokens_a, tokens_b, max_num_tokens, rng)
+                    cut = truncate_seq_pair(tokens_a, tokens_b, max_num_tokens, rng)
+                    cuts = self.cuts
+                    cuts.pairs += 1
+                    cuts.pairs_truncated += cut > 0
+                    cuts.tokens_truncated += cut
+                    cuts.tokens_kept += len(tokens_a) + len(tokens_b)
                     if not tokens_a or not tokens_b:
                         raise DataError("internal error: empty segment after truncation")
                     yield tokens_a, tokens_b, is_random_next
@@ -326,11 +401,13 @@ def instances_to_arrays(instances: Sequence[TrainingInstance], sequence_length: 
 
 
 def create_pretraining_arrays(documents: Sequence[Document], tokenizer: TextTokenizer,
-                              options: InstanceOptions) -> dict[str, np.ndarray]:
-    """Tokenized documents -> instances -> NVIDIA-layout arrays, in one seeded call."""
+                              options: InstanceOptions, cuts: Cuts | None = None
+                              ) -> dict[str, np.ndarray]:
+    """Tokenized documents -> instances -> NVIDIA-layout arrays, in one seeded call; `cuts`,
+    if given, gets what pairing cut (MLM-only rows cut nothing)."""
     if not options.next_sentence:
         return create_chunk_arrays(documents, tokenizer, options)
-    creator = InstanceCreator(tokenizer, options)
+    creator = InstanceCreator(tokenizer, options, cuts)
     instances = creator.create_training_instances(documents)
     log.info("created %d instances (seq %d, %d predictions, dupe %d, seed %d)", len(instances),
              options.sequence_length, options.max_predictions_per_seq, options.dupe_factor,
@@ -441,7 +518,8 @@ def mask_arrays(arrays: dict[str, np.ndarray], tokenizer: TextTokenizer,
 
 
 def create_instance_arrays(documents: Sequence[Document], tokenizer: TextTokenizer,
-                           options: InstanceOptions) -> dict[str, np.ndarray]:
+                           options: InstanceOptions, cuts: Cuts | None = None
+                           ) -> dict[str, np.ndarray]:
     """The pipeline's fast path: Google's pairing per document, then `mask_arrays` in bulk.
 
     Same steps as `InstanceCreator.create_training_instances` (documents shuffled once with
@@ -450,9 +528,10 @@ def create_instance_arrays(documents: Sequence[Document], tokenizer: TextTokeniz
     out in bulk: no `TrainingInstance` per pair), the final shuffle is a numpy permutation, and
     masking is vectorised, all from a numpy generator seeded with `seed`. Deterministic for a
     seed; several times faster than `create_pretraining_arrays`, whose per-token Python masking
-    dominates its run time.
+    dominates its run time. `cuts`, if given, gets what pairing cut (MLM-only rows cut
+    nothing).
     """
-    creator = InstanceCreator(tokenizer, options)
+    creator = InstanceCreator(tokenizer, options, cuts)
     cls_id, sep_id = creator.cls_id, creator.sep_id
     rng = random.Random(options.seed)
     all_documents = [d for d in documents if d]

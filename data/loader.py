@@ -49,8 +49,11 @@ from popbert.data.hdf5 import (
 )
 from popbert.data.instances import (
     FEATURE_NAMES,
+    Cuts,
     InstanceOptions,
+    check_long_sentences,
     create_pretraining_arrays,
+    long_sentences,
     unmask_rows,
 )
 from popbert.data.packing import PACKED_FEATURE_NAMES
@@ -373,6 +376,11 @@ def split_documents(documents: Sequence[T], fraction: float, seed: int
             [d for i, d in enumerate(documents) if i in chosen])
 
 
+#: The `instances.Cuts` counts a cached instance file keeps (as `cut_<name>` attributes).
+CUT_COUNTS = ("pairs", "pairs_truncated", "tokens_truncated", "tail_tokens_dropped",
+              "tokens_kept")
+
+
 def load_or_create_instances(input_files: PathsLike | None, vocab_path: str | os.PathLike | None,
                              sequence_length: int, max_predictions_per_seq: int, seed: int,
                              cache_dir: str | os.PathLike | None = None, *,
@@ -389,8 +397,9 @@ def load_or_create_instances(input_files: PathsLike | None, vocab_path: str | os
     `validation_fraction` > 0 holds that fraction of the documents out (`split_documents`):
     `split="train"` gives the instances of the rest, `split="validation"` those of the held-out
     documents; the split is part of the cache key. `strict`: a corpus whose share of `[UNK]`
-    tokens is above `corpus.UNKNOWN_SHARE_LIMIT` is a DataError, not a warning (the cache keeps
-    the counts, so a cached corpus is checked too).
+    tokens is above `corpus.UNKNOWN_SHARE_LIMIT`, or that holds a sentence longer than a
+    sequence holds, is a DataError, not a warning (the cache keeps the counts, so a cached
+    corpus is checked too). What pairing truncated is said once (`instances.Cuts`).
     """
     if split not in ("train", "validation"):
         raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
@@ -414,6 +423,7 @@ def load_or_create_instances(input_files: PathsLike | None, vocab_path: str | os
         material["split"] = [split, validation_fraction]
     key_material = json.dumps(material, sort_keys=True)
     key = hashlib.sha256(key_material.encode("utf-8")).hexdigest()[:20]
+    where = name_files(files) + (f" ({split})" if validation_fraction else "")
     cache_path = None
     if use_cache:
         root = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "instances"
@@ -428,6 +438,13 @@ def load_or_create_instances(input_files: PathsLike | None, vocab_path: str | os
                 if "unknown_tokens" in counts:
                     check_unknown_share(int(counts["unknown_tokens"]), int(counts["tokens"]),
                                         name_files(files), strict)
+                if "long_sentences" in counts:  # caches made before the count have none
+                    check_long_sentences(int(counts["long_sentences"]),
+                                         int(counts["longest_sentence"]),
+                                         int(counts["sentences"]), sequence_length,
+                                         name_files(files), strict)
+                    Cuts(**{name: int(counts[f"cut_{name}"]) for name in CUT_COUNTS}).say(
+                        where, sequence_length)
                 log.info("loaded cached instances %s", cache_path)
                 return arrays
             except DataError as exc:
@@ -435,16 +452,24 @@ def load_or_create_instances(input_files: PathsLike | None, vocab_path: str | os
 
     documents = read_documents(files, tokenizer, strict)
     unknown, total = unknown_tokens(documents, tokenizer)
+    sentences = sum(len(d) for d in documents)
+    long, longest = long_sentences(documents, sequence_length) if next_sentence else (0, 0)
+    check_long_sentences(long, longest, sentences, sequence_length, name_files(files), strict)
     if validation_fraction:
         train, held_out = split_documents(documents, validation_fraction, seed)
         documents = held_out if split == "validation" else train
-    arrays = create_pretraining_arrays(documents, tokenizer, options)
+    cuts = Cuts()
+    arrays = create_pretraining_arrays(documents, tokenizer, options, cuts)
+    cuts.say(where, sequence_length)
     if cache_path is not None:
         try:
             write_shard(cache_path, arrays, vocab_size=tokenizer.vocab_size,
                         vocab_sha256=tokenizer.vocab_sha256, options=options,
                         extra_attrs={"cache_key": key, "unknown_tokens": unknown,
-                                     "tokens": total})
+                                     "tokens": total, "sentences": sentences,
+                                     "long_sentences": long, "longest_sentence": longest,
+                                     **{f"cut_{name}": getattr(cuts, name)
+                                        for name in CUT_COUNTS}})
         except OSError as exc:
             log.warning("could not write instance cache %s: %s", cache_path, exc)
     return arrays

@@ -23,7 +23,13 @@ from popbert.data.corpus import (
 )
 from popbert.data.errors import DataError
 from popbert.data.hdf5 import read_shard, read_shard_info, write_shard
-from popbert.data.instances import InstanceOptions, create_instance_arrays
+from popbert.data.instances import (
+    Cuts,
+    InstanceOptions,
+    check_long_sentences,
+    create_instance_arrays,
+    long_sentences,
+)
 from popbert.data.packing import (
     DEFAULT_MAX_SEQUENCES_PER_PACK,
     PackingStats,
@@ -77,14 +83,20 @@ def instances_part(in_path: str, out_path: str, vocab_path: str, options: dict,
     text = read_text_documents([in_path])
     documents = tokenize_documents(text, tokenizer)
     unknown, total = unknown_tokens(documents, tokenizer)
+    sentences = sum(len(d) for d in documents)
+    long, longest = long_sentences(documents, opts.sequence_length) if opts.next_sentence \
+        else (0, 0)  # MLM-only rows run across sentences: nothing is cut
     if strict:  # before the shard is written: a refused part leaves nothing
         check_unknown_share(unknown, total, in_path, strict=True)
-    counts = {"documents": len(documents), "sentences": sum(len(d) for d in documents),
+        check_long_sentences(long, longest, sentences, opts.sequence_length, in_path, True)
+    cuts = Cuts()
+    counts = {"documents": len(documents), "sentences": sentences,
               "instances": 0, "tokens": 0, "predictions": 0, "random_next": 0,
-              "text_tokens": total, "unknown_tokens": unknown}
+              "text_tokens": total, "unknown_tokens": unknown, "long_sentences": long,
+              "longest_sentence": longest, "cuts": cuts}
     if not documents:  # said once for the stage, with the count (`create_instances`)
         return counts
-    arrays = create_instance_arrays(documents, tokenizer, opts)
+    arrays = create_instance_arrays(documents, tokenizer, opts, cuts)
     write_shard(out_path, arrays, vocab_size=tokenizer.vocab_size,
                 vocab_sha256=tokenizer.vocab_sha256, options=opts,
                 extra_attrs={"run_seed": run_seed, "part": index,
@@ -101,10 +113,14 @@ def create_instances(sentence_parts: list[Location], vocab: str | os.PathLike,
                      workers: int = 1, strict: bool = False) -> dict:
     """Stage `instances`: sentence parts → `output_dir/part-*.h5`; returns the record.
 
-    A part without documents writes no shard (logged), but a stage without any shard is a
-    DataError naming the input, with no completion marker and no directory left behind. The
-    share of `[UNK]` tokens goes into the record and above `corpus.UNKNOWN_SHARE_LIMIT` is
-    warned about once; with `strict` a part above it stops the stage, leaving nothing.
+    A part without documents writes no shard (counted, said once), but a stage without any
+    shard is a DataError naming the input, with no completion marker and no directory left
+    behind. What the stage cuts is counted in the record and said once: the share of `[UNK]`
+    tokens (warned about above `corpus.UNKNOWN_SHARE_LIMIT`), sentences longer than a sequence
+    holds (warned about: all but `sequence_length - 3` of their tokens are cut), and the pairs
+    and tokens pairing truncated (`instances.Cuts`, a log line). With `strict` a part with too
+    many `[UNK]` tokens or any over-long sentence stops the stage, leaving nothing; ordinary
+    truncation is Google's algorithm working and is never refused.
     """
     options.validate()
     if not sentence_parts:
@@ -141,11 +157,23 @@ def create_instances(sentence_parts: list[Location], vocab: str | os.PathLike,
                     empty, len(results))
     unknown = sum(r["unknown_tokens"] for r in results)
     text_tokens = sum(r["text_tokens"] for r in results)
-    share = check_unknown_share(unknown, text_tokens, name_files(sentence_parts))
+    where = name_files(sentence_parts)
+    share = check_unknown_share(unknown, text_tokens, where)
+    long = sum(r["long_sentences"] for r in results)
+    check_long_sentences(long, max((r["longest_sentence"] for r in results), default=0),
+                         totals["sentences"], options.sequence_length, where)
+    cuts = Cuts()
+    for r in results:
+        cuts.add(r["cuts"])
+    cuts.say(where, options.sequence_length)
     stats = {"parts": len(sentence_parts), "parts_skipped": len(sentence_parts) - len(jobs),
              **{f"{k}_written_now": v for k, v in totals.items()},
              "parts_without_documents_now": empty,
-             "unknown_token_share_now": round(share, 6)}
+             "unknown_token_share_now": round(share, 6),
+             "sentences_over_length_now": long,
+             "pairs_truncated_now": cuts.pairs_truncated,
+             "tokens_truncated_now": cuts.tokens_truncated,
+             "split_tail_tokens_dropped_now": cuts.tail_tokens_dropped}
     return stage.finish([storage.name_of(p) for p in stage.parts(SHARD_SUFFIX)], stats)
 
 

@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 SPLITTERS = ("nupunkt", "pysbd")
 SENTENCES_SUFFIX = "txt"
 DEFAULT_MIN_SENTENCES = 2
+#: pysbd's time grows with the square of a paragraph's length (40 KB: 2 s, 200 KB: 33 s; a
+#: one-line document of megabytes would take hours), so a longer paragraph is segmented a
+#: window of this many characters at a time (`windowed_sentences`).
+PYSBD_WINDOW = 10_000
 
 Splitter = Callable[[str], list[str]]
 
@@ -47,10 +51,13 @@ def make_splitter(name: str = "nupunkt") -> Splitter:
         except ImportError:
             raise DataError("sentence splitter 'pysbd' is not installed: "
                             "pip install 'popbert[data]'") from None
-        segmenter = pysbd.Segmenter(language="en", clean=False)
+        segmenter = pysbd.Segmenter(language="en", clean=False, char_span=True)
+
+        def spans(text: str) -> list[tuple[str, int]]:
+            return [(span.sent, span.start) for span in segmenter.segment(text)]
 
         def raw(text: str) -> list[str]:
-            return segmenter.segment(text)
+            return windowed_sentences(text, spans, PYSBD_WINDOW)
     else:
         raise DataError(f"unknown sentence splitter {name!r}; choose one of {', '.join(SPLITTERS)}")
 
@@ -58,6 +65,36 @@ def make_splitter(name: str = "nupunkt") -> Splitter:
         return [s for s in (" ".join(x.split()) for x in raw(paragraph)) if s]
 
     return split
+
+
+def windowed_sentences(text: str, spans: Callable[[str], list[tuple[str, int]]],
+                       window: int) -> list[str]:
+    """The sentences `spans` (text → (sentence, start offset) pairs) finds in `text`, asked of
+    at most `window` characters at a time, so a splitter whose time is quadratic in its input
+    stays linear in a paragraph's length. A text that fits is asked whole (the same result).
+    Otherwise each window's last sentence, which the window may cut, is left for the next
+    window to start with, so every boundary is decided with the sentence after it in view. A
+    single sentence longer than a window is cut at its last space (it is longer than any
+    sequence holds: the instances stage says so when a piece still is)."""
+    if len(text) <= window:
+        return [sentence for sentence, _ in spans(text)]
+    sentences: list[str] = []
+    position = 0
+    while position < len(text):
+        piece = text[position:position + window]
+        found = spans(piece)
+        if position + window >= len(text):
+            sentences.extend(sentence for sentence, _ in found)
+            break
+        if len(found) > 1 and found[-1][1] > 0:
+            sentences.extend(sentence for sentence, _ in found[:-1])
+            position += found[-1][1]
+        else:
+            cut = piece.rfind(" ")
+            cut = cut if cut >= window // 2 else window
+            sentences.append(piece[:cut])
+            position += cut
+    return sentences
 
 
 def document_sentences(text: str, split: Splitter) -> list[str]:

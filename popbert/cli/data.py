@@ -311,7 +311,9 @@ def _add_instance_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=12345)
     p.add_argument("--strict", action="store_true",
                    help="stop, leaving nothing, when a part's share of [UNK] tokens shows the "
-                        "vocabulary does not fit the text (above 2%%; without: a warning)")
+                        "vocabulary does not fit the text (above 2%%), or a sentence is longer "
+                        "than a sequence holds (S - 3 tokens; the rest would be cut); without: "
+                        "a warning")
 
 
 def _add_pack_args(p: argparse.ArgumentParser) -> None:

@@ -129,6 +129,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
         from popbert.io.quantize import ALL_ROLES
 
         options["keep_float"] = _names(args.keep_float, ALL_ROLES, "--keep-float", "role")
+    if args.runtime != "onnxruntime":
+        options["runtime"] = args.runtime
+    if args.precision != "auto":
+        options["precision"] = args.precision
     if args.eval is not None:
         options["eval_data"] = args.eval
     if args.max_accuracy_drop is not None:
@@ -459,16 +463,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_evaluate_commands(sub, common)
     _add_predict_commands(sub, common)
 
-    p = sub.add_parser("export", parents=[common], help="export a checkpoint to inference ONNX",
+    p = sub.add_parser("export", parents=[common], help="export a checkpoint to inference ONNX "
+                       "(or OpenVINO IR)",
                        description="Write a standard-opset ONNX model with the checkpoint's "
-                                   "weights, verified in ONNX Runtime against the torch backend.")
+                                   "weights, verified in ONNX Runtime against the torch backend "
+                                   "(--runtime openvino: an OpenVINO IR, verified in OpenVINO).")
     p.add_argument("--checkpoint", type=paths.CHECKPOINT, required=True, metavar="DIR")
     p.add_argument("--task", choices=("pretraining", "encoder", "squad", "classification"),
                    required=True,
                    help="pretraining: MLM + NSP heads; encoder: last hidden state and pooled "
                         "output (like transformers.BertModel); squad: start/end logits; "
                         "classification: logits (the last two need a fine-tuned checkpoint)")
-    p.add_argument("--output", type=paths.OUTPUT_FILE, required=True, metavar="FILE.onnx")
+    p.add_argument("--output", type=paths.EXPORT_OUTPUT, required=True, metavar="FILE.onnx|DIR",
+                   help="the ONNX file; with --runtime openvino, the IR directory")
+    p.add_argument("--runtime", choices=("onnxruntime", "openvino"), default="onnxruntime",
+                   help="onnxruntime: an ONNX file (default); openvino: an OpenVINO IR "
+                        "directory (model.xml, model.bin) converted from the FP32 export, for "
+                        "Intel and AMD CPUs (pip install 'popbert[openvino]')")
+    p.add_argument("--precision", choices=("auto", "f32", "bf16"), default="auto",
+                   help="with --runtime openvino: the precision OpenVINO runs at; auto: BF16 "
+                        "on CPUs with AVX512-BF16 or AMX, else f32")
     p.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                    help="float16: half-precision weights and compute (for GPU providers)")
     batch = p.add_mutually_exclusive_group()

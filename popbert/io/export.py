@@ -346,8 +346,11 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
                       optimize: bool = False, fusions: Collection[str] | None = None,
                       quantize: str | None = None, keep_float: Collection[str] | None = None,
                       eval_data: Path | None = None, max_accuracy_drop: float | None = None,
+                      runtime: str = "onnxruntime", precision: str = "auto",
                       external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> Path:
-    """`popbert export`: a checkpoint directory (or run directory) → inference ONNX file.
+    """`popbert export`: a checkpoint directory (or run directory) → inference ONNX file, or
+    with `runtime="openvino"` an OpenVINO IR directory converted from the verified FP32 ONNX
+    file and run at `precision` (`auto`, `f32`, `bf16`: `popbert.io.openvino_ir`).
 
     With `eval_data` the export is scored against the plain FP32 export on that file
     (`popbert.serve.accuracy`) before it is moved into place, and refused (AccuracyError,
@@ -356,7 +359,23 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
     from popbert.config import config_from_dict
     from popbert.io.checkpoint import find_checkpoint, load_checkpoint
     from popbert.io.hf_checkpoint import checkpoint_vocab
+    from popbert.io.openvino_ir import RUNTIMES, resolve_precision
 
+    if runtime not in RUNTIMES:
+        raise UsageError(f"--runtime: expected one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    if runtime == "openvino":
+        ignored = [flag for flag, given in (("--optimize", optimize or fusions is not None),
+                                            ("--quantize", quantize), ("--keep-float",
+                                                                       keep_float is not None),
+                                            ("--dtype float16", dtype != "float32")) if given]
+        if ignored:
+            raise UsageError(f"{ignored[0]} writes ONNX Runtime's operators; the OpenVINO "
+                             "export is converted from the plain FP32 graph and runs at "
+                             "--precision (auto, f32, bf16)")
+        precision = resolve_precision(precision)
+    elif precision != "auto":
+        raise UsageError("--precision applies to --runtime openvino; ONNX Runtime's precision "
+                         "is the file's (--dtype, --quantize)")
     if max_accuracy_drop is not None and eval_data is None:
         raise UsageError("--max-accuracy-drop needs --eval FILE: the data to measure the drop on")
     if eval_data is not None:
@@ -374,14 +393,18 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
         raise UsageError(f"--eval: {checkpoint} has no vocabulary (its {cfg.data.vocab_file} is "
                          f"gone and the run directory has no vocab.txt) to encode {eval_data}")
 
-    def export(target: Path, **chosen: object) -> Path:
+    def export(target: Path, runtime: str = "onnxruntime", precision: str = "f32",
+               **chosen: object) -> Path:
+        if runtime == "openvino":
+            return _export_openvino(export, cfg.model, task, target, precision, batch_size,
+                                    sequence_length)
         return export_weights(restored.weights, cfg.model, task, target,
                               batch_size=batch_size, sequence_length=sequence_length,
                               metadata=metadata,
                               external_data_threshold=external_data_threshold, **chosen)
 
     chosen = {"dtype": dtype, "optimize": optimize, "fusions": fusions, "quantize": quantize,
-              "keep_float": keep_float}
+              "keep_float": keep_float, "runtime": runtime, "precision": precision}
     if eval_data is None:
         path = export(Path(output), **chosen)
     else:
@@ -393,6 +416,30 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
                     "vocabulary from the model's metadata)", checkpoint, cfg.data.vocab_file,
                     path)
     return path
+
+
+def _export_openvino(export: Callable[..., Path], config: BertConfig, task: str, output: Path,
+                     precision: str, batch_size: int | None,
+                     sequence_length: int | None) -> Path:
+    """The FP32 ONNX export (verified in ONNX Runtime), converted to an OpenVINO IR directory
+    at `output` and verified again, at `precision`, against the torch backend."""
+    from popbert.io.openvino_ir import write_ir
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".tmp-{output.name}-") as tmp:
+        source = export(Path(tmp) / "model.onnx")
+        model = onnx.load(str(source))
+        shapes = check_shapes(inference_config(config, sequence_length), batch_size,
+                              sequence_length)
+        batches = [sample_batch(inference_config(config, sequence_length), task,
+                                batch_size=rows, seed=index, sequence_length=length)
+                   for index, (rows, length) in enumerate(shapes)]
+        references = [torch_outputs(model, batch) for batch in batches]
+        worst = write_ir(source, output, precision, batches, references)
+    log.info("exported %s (OpenVINO IR, %s, precision %s): OpenVINO matches the torch backend "
+             "to %.2g of the outputs' scale at batch x length %s", output, task, precision,
+             worst, ", ".join(f"{rows}x{length}" for rows, length in shapes))
+    return output
 
 
 def _export_scored(export: Callable[..., Path], chosen: Mapping[str, object], task: str,

@@ -224,6 +224,15 @@ def _onnx(path: Path, args: Any = None) -> str | None:
     return None
 
 
+def _model(path: Path, args: Any = None) -> str | None:
+    """An ONNX file, or an OpenVINO IR (its directory or its .xml)."""
+    if path.is_dir():
+        return None if (path / "model.xml").is_file() else f"{describe(path)} without model.xml"
+    if path.suffix.lower() == ".xml":
+        return None if b"<net" in _head(path, 4096) else "an XML file that is not an OpenVINO IR"
+    return _onnx(path)
+
+
 def _shards(path: Path, args: Any = None) -> str | None:
     what = describe(path)
     return None if what == "an HDF5 file" else what
@@ -327,7 +336,8 @@ ROWS_OR_LINES = PathKind("classification rows (.tsv, .csv, .jsonl) or a .txt fil
                          sniff=_rows_or_lines)
 ROWS_OR_SQUAD = PathKind("classification rows (.tsv, .csv, .jsonl), a .txt file of texts or a "
                          "SQuAD JSON file", sniff=_rows_or_squad)
-ONNX_MODEL = PathKind("an ONNX model (popbert export)", sniff=_onnx)
+ONNX_MODEL = PathKind("an ONNX model or an OpenVINO IR directory (popbert export)",
+                      directory=None, sniff=_model)
 METRICS = PathKind("a run directory or its metrics.jsonl", directory=None, sniff=_metrics)
 DUMP = PathKind("a MediaWiki XML dump (.xml or .xml.bz2)", urls=True, sniff=_dump)
 CORPUS = PathKind("a stage directory or text, JSON-lines or Parquet files (comma-separated, "
@@ -340,6 +350,8 @@ TRAINING_DATA = PathKind("text files or HDF5 shards (globs)", urls=True, globs=T
                          sniff=_text_or_shards)
 VOCAB = PathKind("a WordPiece vocab.txt or a tokenizer.json", urls=True, sniff=_vocab)
 OUTPUT_FILE = PathKind("a file to write", output=True)
+EXPORT_OUTPUT = PathKind("a file to write (an IR directory with --runtime openvino)",
+                         directory=None, output=True)
 OUTPUT_DIR = PathKind("a directory to write", directory=True, output=True)
 DATA_OUTPUT_FILE = PathKind("a file to write (or a URL)", output=True, urls=True)
 DATA_OUTPUT_DIR = PathKind("a directory to write (or a URL prefix)", directory=True,
@@ -455,9 +467,9 @@ def check_path(name: str, value: str | os.PathLike, kind: PathKind,
 def _check_output(name: str, path: Path, kind: PathKind) -> None:
     if kind.directory and path.exists() and not path.is_dir():
         raise _refuse(name, path, f"{describe(path)}, not a directory", kind)
-    if not kind.directory and path.is_dir():
+    if kind.directory is False and path.is_dir():
         raise _refuse(name, path, f"{describe(path)}, not a file name", kind)
-    if not kind.directory and path.is_file():
+    if kind.directory is not True and path.is_file():
         owner = _run_or_checkpoint_holding(path)
         if owner is not None:
             raise _refuse(name, path, f"a file of {owner}, which this command did not write",
@@ -562,7 +574,8 @@ def check_output_directory(path: Path | None, flag: str = "--output-dir") -> Pat
 
 
 __all__ = ["CHECKPOINT", "CONFIG_FILE", "CONFIG_PATHS", "CORPUS", "DATA_OUTPUT_DIR",
-           "DATA_OUTPUT_FILE", "DUMP", "FINETUNE_DATA_PATHS", "HF_MODEL", "METRICS",
+           "DATA_OUTPUT_FILE", "DUMP", "EXPORT_OUTPUT", "FINETUNE_DATA_PATHS", "HF_MODEL",
+           "METRICS",
            "ONNX_MODEL", "OUTPUT_DIR", "OUTPUT_FILE", "PREDICTIONS", "ROWS", "ROWS_OR_LINES",
            "ROWS_OR_SQUAD", "RUN", "SHARDS", "SQUAD", "TEXT", "TRAINING_DATA",
            "VOCAB", "PathKind", "check_arguments", "check_config_paths", "check_output_directory",

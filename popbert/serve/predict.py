@@ -1,4 +1,5 @@
-"""Serve exported squad and classification models in ONNX Runtime alone (no torch).
+"""Serve exported squad and classification models in ONNX Runtime, or OpenVINO for an IR
+directory (`popbert export --runtime openvino`), alone (no torch).
 
 `popbert predict squad|classify` reads the model's `popbert.*` metadata, encodes the inputs with
 the same `popbert.data` code fine-tuning uses (so serving cannot drift from training) and runs
@@ -41,6 +42,7 @@ from popbert.data.squad import (
 from popbert.data.tokenization import tokenizer_from_text
 from popbert.errors import UsageError, one_line
 from popbert.graph.annotations import METADATA_PREFIX
+from popbert.io.openvino_ir import is_ir
 from popbert.textfile import read_text
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ class PredictStats:
     truncated: int | None = None  # classification: rows truncated to fit
     multi_window: int | None = None  # SQuAD: questions whose context took more than one window
     query_truncated: int | None = None  # SQuAD: questions cut to max_query_length
+    runtime: str = "ONNX Runtime"  # or OpenVINO, for an IR
 
     @property
     def padding_share(self) -> float:
@@ -104,7 +107,7 @@ class PredictStats:
         batches = f"{self.batches} batch" + ("" if self.batches == 1 else "es")
         text = (f"{counted} in {batches}, {self.seconds:.2f} s: "
                 f"{per_second['examples_per_second']} {examples}/s end to end (read, tokenize, "
-                f"run, decode), {per_second['model_rows_per_second']} {rows}/s in ONNX Runtime; "
+                f"run, decode), {per_second['model_rows_per_second']} {rows}/s in {self.runtime}; "
                 f"padding {100 * self.padding_share:.1f}% of {self.computed} computed tokens "
                 f"({shape})")
         if self.truncated is not None:
@@ -121,7 +124,8 @@ def length_order(input_mask: np.ndarray) -> np.ndarray:
 
 
 class ExportedModel:
-    """A popbert `task` export in ONNX Runtime's CPU provider, with its metadata.
+    """A popbert `task` export in ONNX Runtime's CPU provider (an OpenVINO IR in OpenVINO's CPU
+    plugin, at the precision it was verified at), with its metadata.
 
     `batch_size` is the export's fixed batch (None: symbolic); `sequence_length` its fixed
     length, or for a symbolic sequence axis the length it was trained at (metadata
@@ -129,22 +133,14 @@ class ExportedModel:
     """
 
     def __init__(self, model: Path, task: str, threads: int | None = None) -> None:
-        import onnxruntime as ort
-
         model = Path(model)
-        if not model.is_file():
+        if not model.exists():
             raise UsageError(f"--model: file not found: {model}")
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        try:
-            self.session = ort.InferenceSession(str(model), options,
-                                                providers=["CPUExecutionProvider"])
-        except Exception as error:  # ORT's own exception types: report, no traceback
-            raise UsageError(f"--model: {model}: ONNX Runtime cannot load it "
-                             f"({one_line(error, 200)})") from None
         self.path = model
-        self.meta = self.session.get_modelmeta().custom_metadata_map
+        if is_ir(model):  # an OpenVINO IR directory (popbert export --runtime openvino)
+            self._load_openvino(model, threads)
+        else:
+            self._load_onnxruntime(model, threads)
         if self.meta.get(f"{METADATA_PREFIX}task") != task:
             raise UsageError(f"--model: {model} is not a popbert {task} export (export it with "
                              f"`popbert export --task {task}` from a fine-tuned checkpoint)")
@@ -156,17 +152,53 @@ class ExportedModel:
         self.vocab = self.text_tokenizer.roles
         # The inputs the model reads: a family without segments (ModernBERT) has no
         # segment_ids, which the encoders still produce for BERT.
-        self.input_names = {i.name for i in self.session.get_inputs()}
-        shape = self.session.get_inputs()[0].shape
+        shape = self.input_shape
         self.batch_size = shape[0] if isinstance(shape[0], int) else None
         self.dynamic_sequence = not isinstance(shape[1], int)
         self.sequence_length = (int(json.loads(self.text("sequence_length")))
                                 if self.dynamic_sequence else int(shape[1]))
-        self.output_names = [o.name for o in self.session.get_outputs()]
         if not self.dynamic_sequence:
             log.info("%s has a fixed sequence length of %d: every row is padded to it (an "
                      "export with a symbolic sequence axis cuts each batch to its longest row)",
                      model, self.sequence_length)
+
+    def _load_onnxruntime(self, model: Path, threads: int | None) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        try:
+            session = ort.InferenceSession(str(model), options,
+                                           providers=["CPUExecutionProvider"])
+        except Exception as error:  # ORT's own exception types: report, no traceback
+            raise UsageError(f"--model: {model}: ONNX Runtime cannot load it "
+                             f"({one_line(error, 200)})") from None
+        self.runtime = "ONNX Runtime"
+        self.meta = session.get_modelmeta().custom_metadata_map
+        self.input_names = {i.name for i in session.get_inputs()}
+        self.input_shape = session.get_inputs()[0].shape
+        self.output_names = [o.name for o in session.get_outputs()]
+        self._run = lambda feeds: session.run(None, feeds)
+
+    def _load_openvino(self, model: Path, threads: int | None) -> None:
+        from popbert.io.openvino_ir import compile_model, ir_file, metadata, openvino, run
+
+        ov = openvino()
+        try:
+            network = ov.Core().read_model(str(ir_file(model)))
+        except Exception as error:  # OpenVINO's own exception types
+            raise UsageError(f"--model: {model}: OpenVINO cannot read it "
+                             f"({one_line(error, 200)})") from None
+        self.runtime = "OpenVINO"
+        self.meta = metadata(network)
+        precision = self.meta.get(f"{METADATA_PREFIX}precision", "f32")
+        compiled = compile_model(network, precision, threads)
+        self.input_names = {i.get_any_name() for i in network.inputs}
+        dims = network.inputs[0].get_partial_shape()
+        self.input_shape = [d.get_length() if d.is_static else None for d in dims]
+        self.output_names = [o.get_any_name() for o in network.outputs]
+        self._run = lambda feeds: [run(compiled, feeds)[name] for name in self.output_names]
 
     def text(self, key: str) -> str:
         """Metadata `popbert.<key>`; a one-line error naming the model if it is missing."""
@@ -213,7 +245,7 @@ class ExportedModel:
             feeds = {name: np.ascontiguousarray(np.asarray(value)[chosen, :width])
                      for name, value in arrays.items() if name in self.input_names}
             started = time.perf_counter()
-            outputs = self.session.run(None, feeds)
+            outputs = self._run(feeds)
             seconds += time.perf_counter() - started
             batches += 1
             computed += len(chosen) * width
@@ -230,6 +262,7 @@ class ExportedModel:
             stats.tokens += int(lengths.sum())
             stats.computed += computed
             stats.model_seconds += seconds
+            stats.runtime = self.runtime
             stats.sequence_length = full
             stats.bucketed = bucketed
             stats.cut = self.dynamic_sequence

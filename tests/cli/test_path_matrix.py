@@ -134,7 +134,8 @@ class Inputs:
             if kind.directory:
                 yield "a file for a directory", str(self.text)
             else:
-                yield "a directory for a file", str(self.directory)
+                if kind.directory is False:
+                    yield "a directory for a file", str(self.directory)
                 yield "a file of a run", str(self.run / "config.yaml")
             return
         yield "missing", str(self.root / f"missing{suffix}")
@@ -266,10 +267,12 @@ def test_outputs_never_replace_inputs(inputs: Inputs, capsys, monkeypatch) -> No
     for words, parser in commands():
         declared = paths.declared_paths(parser)
         outputs = [(d, f, k) for d, f, k in declared if k.output and not k.directory]
-        sources = [(d, f, k) for d, f, k in declared if not k.output and k.directory is False]
+        sources = [(d, f, k) for d, f, k in declared if not k.output and k.directory is not True]
         for out_dest, out_flag, _ in outputs:
             for in_dest, in_flag, in_kind in sources:
                 value = inputs.valid(in_kind, 0)
+                if not Path(value).is_file():
+                    continue  # a directory (a run) is refused as an output file anyway
                 argv = argv_for(words, parser, inputs, {in_dest: value, out_dest: value})
                 status, err = run_cell(words, parser, argv, capsys, monkeypatch)
                 assert status == 2 and f"{out_flag} {value}: is also this command's {in_flag}" \

@@ -133,6 +133,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
         options["runtime"] = args.runtime
     if args.precision != "auto":
         options["precision"] = args.precision
+    if args.calibration is not None:
+        options["calibration"] = args.calibration
     if args.eval is not None:
         options["eval_data"] = args.eval
     if args.max_accuracy_drop is not None:
@@ -480,6 +482,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="onnxruntime: an ONNX file (default); openvino: an OpenVINO IR "
                         "directory (model.xml, model.bin) converted from the FP32 export, for "
                         "Intel and AMD CPUs (pip install 'popbert[openvino]')")
+    p.add_argument("--calibration", type=paths.ROWS_OR_SQUAD, default=None, metavar="FILE",
+                   help="with --runtime openvino --quantize int8: the rows static INT8 "
+                        "calibrates on (the formats of --eval; default: the first 300 rows of "
+                        "the checkpoint's training file)")
     p.add_argument("--precision", choices=("auto", "f32", "bf16"), default="auto",
                    help="with --runtime openvino: the precision OpenVINO runs at; auto: BF16 "
                         "on CPUs with AVX512-BF16 or AMX, else f32")
@@ -503,8 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "SkipLayerNormalization, BiasGelu, or all (for GPU providers)")
     p.add_argument("--quantize", choices=("int8",), default=None,
                    help="int8: dynamic INT8 weight matrices (per channel) on the optimized "
-                        "graph, for CPUs with AVX-512 VNNI or AMX; checked against the torch "
-                        "backend")
+                        "graph, for CPUs with AVX-512 VNNI or AMX; with --runtime openvino, "
+                        "NNCF's static INT8 calibrated on --calibration; checked against the "
+                        "torch backend")
     p.add_argument("--keep-float", default=None, metavar="ROLES",
                    help="with --quantize: weight roles left in FP32, comma-separated, from "
                         "qkv, attention-out, ffn-in, ffn-out, conv, head, or none "

@@ -15,6 +15,7 @@ import os
 import tempfile
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -347,6 +348,7 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
                       quantize: str | None = None, keep_float: Collection[str] | None = None,
                       eval_data: Path | None = None, max_accuracy_drop: float | None = None,
                       runtime: str = "onnxruntime", precision: str = "auto",
+                      calibration: Path | None = None,
                       external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> Path:
     """`popbert export`: a checkpoint directory (or run directory) → inference ONNX file, or
     with `runtime="openvino"` an OpenVINO IR directory converted from the verified FP32 ONNX
@@ -365,14 +367,16 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
         raise UsageError(f"--runtime: expected one of {', '.join(RUNTIMES)}, got {runtime!r}")
     if runtime == "openvino":
         ignored = [flag for flag, given in (("--optimize", optimize or fusions is not None),
-                                            ("--quantize", quantize), ("--keep-float",
-                                                                       keep_float is not None),
+                                            ("--keep-float", keep_float is not None),
                                             ("--dtype float16", dtype != "float32")) if given]
         if ignored:
             raise UsageError(f"{ignored[0]} writes ONNX Runtime's operators; the OpenVINO "
                              "export is converted from the plain FP32 graph and runs at "
-                             "--precision (auto, f32, bf16)")
+                             "--precision (auto, f32, bf16), INT8 with --quantize int8")
         precision = resolve_precision(precision)
+    elif calibration is not None:
+        raise UsageError("--calibration applies to --runtime openvino --quantize int8 (ONNX "
+                         "Runtime's INT8 export quantizes activations as it runs)")
     elif precision != "auto":
         raise UsageError("--precision applies to --runtime openvino; ONNX Runtime's precision "
                          "is the file's (--dtype, --quantize)")
@@ -396,8 +400,11 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
     def export(target: Path, runtime: str = "onnxruntime", precision: str = "f32",
                **chosen: object) -> Path:
         if runtime == "openvino":
+            rows = None
+            if chosen.get("quantize"):
+                rows = _calibration_file(calibration, cfg, task)
             return _export_openvino(export, cfg.model, task, target, precision, batch_size,
-                                    sequence_length)
+                                    sequence_length, rows)
         return export_weights(restored.weights, cfg.model, task, target,
                               batch_size=batch_size, sequence_length=sequence_length,
                               metadata=metadata,
@@ -418,11 +425,31 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
     return path
 
 
+# Rows of the training file static INT8 calibrates on when no --calibration file is given.
+CALIBRATION_ROWS = 300
+
+
+def _calibration_file(given: Path | None, cfg: Any, task: str) -> Path:
+    """--calibration, else the training file the checkpoint was fine-tuned on (said once)."""
+    if given is not None:
+        return Path(given)
+    stored = cfg.finetune.train_file
+    if task not in TASK_NAMES or not stored or not Path(stored).is_file():
+        where = (f"its training file {stored} is not here" if stored
+                 else "the checkpoint names no training file")
+        raise UsageError(f"--quantize int8 --runtime openvino calibrates on rows of the task's "
+                         f"data: give --calibration FILE ({where})")
+    log.info("calibrating INT8 on the first %d rows of %s, the checkpoint's training file "
+             "(--calibration FILE to choose)", CALIBRATION_ROWS, stored)
+    return Path(stored)
+
+
 def _export_openvino(export: Callable[..., Path], config: BertConfig, task: str, output: Path,
-                     precision: str, batch_size: int | None,
-                     sequence_length: int | None) -> Path:
+                     precision: str, batch_size: int | None, sequence_length: int | None,
+                     calibration: Path | None = None) -> Path:
     """The FP32 ONNX export (verified in ONNX Runtime), converted to an OpenVINO IR directory
-    at `output` and verified again, at `precision`, against the torch backend."""
+    at `output` (INT8 by NNCF, calibrated on `calibration`'s rows, when given) and verified
+    again, at `precision`, against the torch backend."""
     from popbert.io.openvino_ir import write_ir
 
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -435,10 +462,17 @@ def _export_openvino(export: Callable[..., Path], config: BertConfig, task: str,
                                 batch_size=rows, seed=index, sequence_length=length)
                    for index, (rows, length) in enumerate(shapes)]
         references = [torch_outputs(model, batch) for batch in batches]
-        worst = write_ir(source, output, precision, batches, references)
-    log.info("exported %s (OpenVINO IR, %s, precision %s): OpenVINO matches the torch backend "
-             "to %.2g of the outputs' scale at batch x length %s", output, task, precision,
-             worst, ", ".join(f"{rows}x{length}" for rows, length in shapes))
+        rows = None
+        if calibration is not None:
+            from popbert.serve.accuracy import calibration_rows
+
+            rows = calibration_rows(source, task, calibration, CALIBRATION_ROWS)
+        worst = write_ir(source, output, precision, batches, references, rows)
+    log.info("exported %s (OpenVINO IR, %s, precision %s%s): OpenVINO matches the torch backend "
+             "to %.2g of the outputs' scale%s at batch x length %s", output, task, precision,
+             f", INT8 calibrated on {len(rows)} rows" if rows else "", worst,
+             " (relative RMS)" if rows else "",
+             ", ".join(f"{rows_}x{length}" for rows_, length in shapes))
     return output
 
 

@@ -90,25 +90,46 @@ def run(compiled: Any, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]
     return {port.get_any_name(): np.asarray(result[port]) for port in compiled.outputs}
 
 
+def quantize(model: Any, calibration: list[Mapping[str, np.ndarray]]) -> Any:
+    """`model` with static INT8 weights and activations by NNCF's post-training quantization
+    (its transformer preset, SmoothQuant as NNCF chooses), its ranges calibrated on the rows of
+    `calibration`."""
+    try:
+        import nncf
+    except ImportError:
+        raise UsageError(f"--quantize int8 with --runtime openvino needs NNCF: {INSTALL}"
+                         ) from None
+    return nncf.quantize(model, nncf.Dataset(list(calibration)),
+                         model_type=nncf.ModelType.TRANSFORMER, subset_size=len(calibration))
+
+
 def write_ir(onnx_model: Path, output: Path, precision: str,
              batches: list[Mapping[str, np.ndarray]],
-             references: list[Mapping[str, np.ndarray]]) -> float:
+             references: list[Mapping[str, np.ndarray]],
+             calibration: list[Mapping[str, np.ndarray]] | None = None) -> float:
     """Convert the verified ONNX file `onnx_model` to an IR directory `output` (written whole),
-    store its metadata and `precision`, and check it on `batches` against the torch backend's
-    `references`; returns the largest difference (RuntimeError beyond the tolerance)."""
+    INT8 by `quantize` when `calibration` rows are given, store its metadata and `precision`,
+    and check it on `batches` against the torch backend's `references`; returns the largest
+    difference (RuntimeError beyond the tolerance)."""
     import onnx
 
     from popbert.atomic import atomic_directory, reported
 
     ov = openvino()
     model = ov.convert_model(str(onnx_model))
+    if calibration is not None:
+        model = quantize(model, calibration)
     props = {p.key: p.value for p in onnx.load(str(onnx_model), load_external_data=False)
              .metadata_props}
-    for key, value in {**props, f"{RT_INFO}.precision": precision}.items():
+    props[f"{RT_INFO}.precision"] = precision
+    if calibration is not None:
+        props[f"{RT_INFO}.quantized"] = f"int8 (NNCF, {len(calibration)} calibration rows)"
+    for key, value in props.items():
         if key.startswith(f"{RT_INFO}."):
             model.set_rt_info(value, [RT_INFO, key.split(".", 1)[1]])
     compiled = compile_model(model, precision)
-    worst = max(_compare(reference, run(compiled, batch), precision)
+    measure = _compare if calibration is None else _compare_int8
+    worst = max(measure(reference, run(compiled, batch), precision)
                 for reference, batch in zip(references, batches))
     with reported(output), atomic_directory(output) as tmp:
         ov.save_model(model, str(tmp / IR_FILE), compress_to_fp16=False)
@@ -132,5 +153,25 @@ def _compare(reference: Mapping[str, np.ndarray], theirs: Mapping[str, np.ndarra
     return worst
 
 
+def _compare_int8(reference: Mapping[str, np.ndarray], theirs: Mapping[str, np.ndarray],
+                  precision: str) -> float:
+    """Static INT8 moves each output by a share of its size, as ONNX Runtime's INT8 export does
+    (`popbert.io.export.INT8_TOLERANCE`, RMS difference over the output's RMS)."""
+    from popbert.io.export import INT8_TOLERANCE
+
+    worst = 0.0
+    for name, expected in reference.items():
+        rms = float(np.sqrt(np.mean(np.square(expected, dtype=np.float64))))
+        difference = float(np.sqrt(np.mean(np.square(expected - theirs[name],
+                                                      dtype=np.float64)))) / max(1.0, rms)
+        worst = max(worst, difference)
+        if not difference <= INT8_TOLERANCE:
+            raise RuntimeError(f"export check failed: output {name!r} of the INT8 IR differs "
+                               f"from the torch backend by {difference:.3g} relative RMS "
+                               f"(> {INT8_TOLERANCE})")
+    return worst
+
+
 __all__ = ["BF16_TOLERANCE", "INSTALL", "IR_FILE", "PRECISIONS", "RUNTIMES", "compile_model",
-           "ir_file", "is_ir", "metadata", "openvino", "resolve_precision", "run", "write_ir"]
+           "ir_file", "is_ir", "metadata", "openvino", "quantize", "resolve_precision", "run",
+           "write_ir"]

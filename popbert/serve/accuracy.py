@@ -78,6 +78,28 @@ def _squad(reference: Path, candidate: Path, data: Path, threads: int | None) ->
                         scores[1], scores[0]["f1"] - scores[1]["f1"])
 
 
+def calibration_rows(model: Path, task: str, data: Path, rows: int) -> list[dict[str, np.ndarray]]:
+    """Up to `rows` model rows of `data` (classification rows, or SQuAD windows), encoded as
+    the export `model` is served, one row each cut to its length: what static quantization
+    (`popbert.io.openvino_ir.quantize`) calibrates its activation ranges on."""
+    from popbert.data.classification import encode_classification_counted
+    from popbert.data.squad import build_windows, window_arrays
+
+    if task == "classification":
+        predictor = ClassifyPredictor(model)
+        arrays, _ = encode_classification_counted(read_texts(data), predictor.tokenizer,
+                                                  predictor.sequence_length)
+    else:
+        predictor = SquadPredictor(model)
+        questions, _ = read_squad(data)
+        arrays = window_arrays(build_windows(questions, predictor.tokenizer, predictor.vocab,
+                                             predictor.options))
+    lengths = np.asarray(arrays["input_mask"]).sum(axis=1)
+    return [{name: np.ascontiguousarray(np.asarray(value)[i:i + 1, :max(1, int(lengths[i]))])
+             for name, value in arrays.items() if name in predictor.input_names}
+            for i in range(min(rows, len(lengths)))]
+
+
 def check_eval_task(task: str) -> None:
     """UsageError (one line) unless exports of `task` can be scored."""
     if task not in EVAL_TASKS:
@@ -104,5 +126,5 @@ def check_drop(cost: AccuracyCost, max_drop: float | None, output: Path) -> None
                             f"{100 * cost.agreement:.2f}%")
 
 
-__all__ = ["EVAL_TASKS", "AccuracyCost", "AccuracyError", "accuracy_cost", "check_drop",
-           "check_eval_task"]
+__all__ = ["EVAL_TASKS", "AccuracyCost", "AccuracyError", "accuracy_cost", "calibration_rows",
+           "check_drop", "check_eval_task"]

@@ -151,10 +151,11 @@ def test_the_accuracy_guard_works_on_the_ir(runs: dict[str, Path], tmp_path: Pat
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--quantize", "int8"], "--quantize writes ONNX Runtime's operators"),
+    (["--quantize", "int8", "--keep-float", "head"], "--keep-float writes ONNX Runtime's"),
     (["--dtype", "float16"], "--dtype float16 writes ONNX Runtime's operators"),
+    (["--quantize", "int8"], "give --calibration FILE (the checkpoint names no training file)"),
 ])
-def test_what_the_ir_export_does_not_take(flags: list[str], message: str,
+def test_what_the_ir_export_refuses(flags: list[str], message: str,
                                           runs: dict[str, Path], tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     capsys.readouterr()
@@ -176,3 +177,67 @@ def test_without_openvino_one_line_says_how_to_install(
     assert err == ["popbert: error: OpenVINO is not installed: "
                    "pip install 'popbert[openvino]'"]
     assert not (tmp_path / "ir").exists()
+
+
+WORDS = "the film was long and far too slow good bad fine an pleasant afternoon cinema".split()
+
+
+def test_static_int8_and_a_wrong_calibration_file_refused(tmp_path: Path, capsys) -> None:
+    """NNCF's static INT8 (`--quantize int8`), calibrated on the user's rows, and the negative
+    control: the classifier's bias is moved by the median logit margin of a random model, so
+    its labels sit on a knife's edge (margins within a few 1e-3) and quantization noise flips
+    some; calibrated on the texts themselves about 12% change, calibrated on rows of "!" alone
+    (activation ranges of nothing like them) half do, and the guard refuses that export."""
+    import torch
+
+    from popbert.config import dump_config
+    from popbert.io.checkpoint import Checkpoint, save_checkpoint
+    from popbert.io.export import export_checkpoint
+    from popbert.serve.predict import ClassifyPredictor, read_texts
+
+    cfg = task_config("classification")
+    weights = random_task_run(tmp_path / "random", cfg, "classification", seed=5)
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)]
+                                        for j in range(3 + i % 18)) for i in range(60)) + "\n")
+    wrong = tmp_path / "wrong.txt"
+    wrong.write_text("!\n" * 20)
+    reference = export_checkpoint(tmp_path / "random", "classification", tmp_path / "fp32.onnx")
+    p = ClassifyPredictor(reference).probabilities(read_texts(texts))
+    bias = np.array(weights["Classifier/B"], copy=True)
+    bias[1] -= float(np.median(np.log(p[:, 1] / p[:, 0])))
+    weights["Classifier/B"] = bias
+    save_checkpoint(tmp_path / "edge" / "checkpoints" / "step-000001",
+                    Checkpoint(step=1, weights={k: torch.from_numpy(np.asarray(v))
+                                                for k, v in weights.items()}), dump_config(cfg))
+
+    def int8(calibration: Path, output: str) -> int:
+        return export(tmp_path / "edge", "classification", tmp_path / output, "--runtime",
+                      "openvino", "--quantize", "int8", "--calibration", str(calibration),
+                      "--eval", str(texts), "--max-accuracy-drop", "30")
+
+    assert int8(texts, "good") == 0 and (tmp_path / "good" / "model.xml").is_file()
+    assert main(["predict", "classify", "--model", str(tmp_path / "good"), "--data",
+                 str(texts), "-o", str(tmp_path / "p.jsonl")]) == 0
+    capsys.readouterr()
+    assert int8(wrong, "bad") == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("popbert")]
+    assert len(err) == 1 and "30" in err[0], err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_calibration_defaults_to_the_training_file(tmp_path: Path, caplog,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = task_config("classification")
+    # as `popbert finetune classify --checkpoint ... --train ...` stores them
+    cfg.finetune.task, cfg.finetune.train_file = "classification", str(SENTIMENT)
+    cfg.finetune.checkpoint = str(tmp_path / "pre-trained")
+    random_task_run(tmp_path / "run", cfg, "classification", seed=3)
+    with caplog.at_level("INFO"):
+        assert export(tmp_path / "run", "classification", tmp_path / "ir", "--runtime",
+                      "openvino", "--quantize", "int8") == 0
+    assert any(f"first 300 rows of {SENTIMENT}" in r.getMessage() for r in caplog.records)
+    capsys.readouterr()
+    assert export(tmp_path / "run", "classification", tmp_path / "m.onnx", "--calibration",
+                  str(SENTIMENT)) == 2  # ONNX Runtime's INT8 calibrates nothing
+    assert "--calibration applies to --runtime openvino" in capsys.readouterr().err

@@ -7,7 +7,7 @@ Each shape runs the real stages at n and 4n, in this process, one worker, and co
 seconds (`time.process_time`: this process's threads only, so a loaded machine slows the
 clock on the wall, not this one): linear work takes about 4x, a quadratic step 16x, and the
 bound is 8x. Sizes are chosen so that the quadratic steps this file was written against took
-10x-16x (a 4 MB sentence: 38 s of truncation, against 2.4 s at 1 MB). Where a step's cost is
+10x-13x (a 4 MB sentence: 19 s of CPU, against 1.8 s at 1 MB). Where a step's cost is
 countable it is counted instead: the characters a sentence splitter is given, the listings
 and tokenizer builds of a stage over many files. Rates at realistic sizes:
 benchmarks/extreme_shapes.py, benchmarks/RESULTS_data.md.
@@ -158,7 +158,7 @@ def test_one_line_of_megabytes(tmp_path):
 @pytest.mark.e2e
 def test_one_sentence_of_a_million_tokens(tmp_path):
     """A document of one unbroken sentence (no sentence ends): instance creation truncates
-    it to a sequence; that truncation was quadratic (4 MB: 38 s of it)."""
+    it to a sequence; that truncation was quadratic (4 MB: 19 s against 1.8 s at 1 MB)."""
     def run(megabytes: int, tag: str) -> float:
         work = tmp_path / tag
         work.mkdir()
@@ -189,7 +189,7 @@ def test_one_enormous_document_of_paragraphs(tmp_path):
 
 @pytest.mark.e2e
 def test_one_line_for_pysbd(tmp_path):
-    """pysbd on one long paragraph was quadratic (160 KB: ~35 s); now windowed."""
+    """pysbd on one long paragraph was quadratic (160 KB: ~28 s); now windowed."""
     def run(kilobytes: int, tag: str) -> float:
         work = tmp_path / tag
         work.mkdir()

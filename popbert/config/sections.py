@@ -362,6 +362,12 @@ class FinetuneConfig:
     # Batches of rows of similar length (pools of 50 batches sorted, as transformers'
     # group_by_length): with execution.trim_padding, short batches cost less.
     group_by_length: bool = False
+    # Which of the learning rate and epochs (lr, epochs) popbert chose for the checkpoint's size:
+    # `popbert finetune` and `popbert.finetune_config` choose those the user did not name and
+    # list them here (the run says so when it starts). [] in a config made by hand:
+    # optimizer.lr and finetune.epochs are then taken as they are.
+    chosen_by_size: list[str] = setting(
+        factory=list, rule=Rule(lambda v: set(v) <= {"lr", "epochs"}, "a list of lr, epochs"))
 
     def validate(self) -> None:
         check_fields(self, "finetune")

@@ -34,7 +34,13 @@ from popbert.atomic import atomic_write_bytes, atomic_write_text
 from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import BertConfig, TaskConfig
 from popbert.builders.families import FAMILIES, family_of
-from popbert.config import RunConfig, config_from_dict, load_config
+from popbert.config import (
+    RunConfig,
+    config_from_dict,
+    load_config,
+    parse_override,
+    preset_path,
+)
 from popbert.config.sections import FINETUNE_TASKS
 from popbert.data.classification import (
     classification_metrics,
@@ -95,12 +101,84 @@ COMMON_FLAGS = ("checkpoint", "train", "epochs", "warmup_proportion", "max_seq_l
                 "eval_batch_size", "dropout")
 
 
+# The learning rate and epochs a fine-tuning run takes when neither the command line nor a
+# config file names them (`finetune_config`), by the checkpoint's width: BERT-Base (hidden 768)
+# and wider keep the BERT paper's recipe (the finetune-* presets' values); a small model needs
+# far more. Measured for classification (`benchmarks/finetune_defaults.py`, RESULTS.md
+# "Fine-tuning defaults by model size"); between the two widths the rate is log-linear in the
+# width and the epochs linear. SQuAD's small-model values are classification's rate and the
+# preset's epochs: not measured here (no SQuAD-sized data in the repository).
+SMALL_WIDTH, BASE_WIDTH = 256, 768
+SIZE_DEFAULTS: dict[str, tuple[tuple[float, int], tuple[float, int]]] = {
+    # task: ((lr, epochs) at hidden <= SMALL_WIDTH, (lr, epochs) at hidden >= BASE_WIDTH)
+    "classification": ((1e-3, 10), (2e-5, 3)),
+    "squad": ((1e-3, 2), (5e-5, 2)),
+}
+# What names each of them (a key a --config file or an override sets is the user's choice).
+SIZE_DEFAULT_KEYS = {"lr": "optimizer.lr", "epochs": "finetune.epochs"}
+
+
+def finetune_defaults(task: str, model: BertConfig) -> tuple[float, int]:
+    """The fine-tuning learning rate and epochs for a checkpoint of this `model` (its
+    `hidden_size`): `SIZE_DEFAULTS`' small values at `SMALL_WIDTH` and narrower, BERT-Base's at
+    `BASE_WIDTH` and wider, log-linear in the width between (the rate to 2 significant
+    digits)."""
+    (small_lr, small_epochs), (base_lr, base_epochs) = SIZE_DEFAULTS[task]
+    width = max(SMALL_WIDTH, min(BASE_WIDTH, model.hidden_size))
+    t = math.log(width / SMALL_WIDTH) / math.log(BASE_WIDTH / SMALL_WIDTH)
+    lr = float(f"{small_lr * (base_lr / small_lr) ** t:.2g}")
+    return lr, round(small_epochs + (base_epochs - small_epochs) * t)
+
+
+def checkpoint_model(checkpoint: str | Path) -> BertConfig:
+    """A checkpoint's model config, from its config.yaml alone (no weight is read)."""
+    step_dir = ckpt.find_checkpoint(Path(checkpoint), warn=False)
+    if not (step_dir / "config.yaml").is_file():
+        raise CheckpointError(f"{step_dir / 'config.yaml'}: missing from the checkpoint")
+    return load_config(step_dir / "config.yaml").model
+
+
+def _named_in_file(config: str | Path, task: str) -> set[str]:
+    """The `SIZE_DEFAULT_KEYS` a user's --config file sets, itself or through a `preset:` it is
+    laid over other than the task's own (whose values are BERT-Base's recipe)."""
+    import yaml
+
+    named: set[str] = set()
+    for _ in range(8):  # a chain of files laid over presets, never a cycle of them
+        path = Path(config)
+        if not path.is_file():
+            try:
+                path = preset_path(str(config))
+            except ConfigError:
+                return named  # load_config says what is wrong with it
+        if path.resolve() == preset_path(f"finetune-{task}").resolve():
+            return named
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError):
+            return named  # load_config says what is wrong with it
+        if not isinstance(raw, dict):
+            return named
+        for key in SIZE_DEFAULT_KEYS.values():
+            section, name = key.split(".")
+            if isinstance(raw.get(section), dict) and name in raw[section]:
+                named.add(key)
+        if not raw.get("preset"):
+            return named
+        config = raw["preset"]
+    return named
+
+
 def finetune_config(task: str, checkpoint: str | Path, train_file: str | Path,
                     eval_file: str | Path | None = None, overrides: Sequence[str] = (),
                     config: str | Path | None = None) -> RunConfig:
     """The config of a fine-tuning run: `config` (default: the task's preset,
     `finetune-squad` or `finetune-classification`) with the run's inputs, under `overrides`
-    (`section.key=value`, as `--set`; `finetune.epochs=3`, `optimizer.lr=3e-5`, ...)."""
+    (`section.key=value`, as `--set`; `finetune.epochs=3`, `optimizer.lr=3e-5`, ...).
+
+    The learning rate and the epochs that neither `overrides` nor a `config` file names are
+    chosen for the checkpoint's size (`finetune_defaults`; `finetune.chosen_by_size` lists
+    them, and the run says so in one line when it starts)."""
     if task not in FINETUNE_TASKS:
         raise UsageError(f"unknown fine-tuning task {task!r}; expected one of "
                          f"{', '.join(FINETUNE_TASKS)}")
@@ -111,8 +189,31 @@ def finetune_config(task: str, checkpoint: str | Path, train_file: str | Path,
     if eval_file is not None:
         inputs["finetune.eval_file"] = os.path.abspath(eval_file)
     given = [f"{k}={json.dumps(v)}" for k, v in inputs.items()]
+    parsed = {".".join(path): value for path, value in map(parse_override, overrides)}
+    named = set(parsed) | (_named_in_file(config, task) if config is not None else set())
+    sized = parsed.get("finetune.checkpoint", checkpoint)  # the one the run will start from
+    chosen = _size_defaults(task, sized if isinstance(sized, (str, Path)) else checkpoint,
+                            named)  # before the overrides: a user's chosen_by_size wins
     return load_config(config if config is not None else f"finetune-{task}",
-                       [*given, *overrides])
+                       [*given, *chosen, *overrides])
+
+
+def _size_defaults(task: str, checkpoint: str | Path, named: set[str]) -> list[str]:
+    """Overrides for the learning rate and epochs `named` lacks, chosen for the checkpoint's
+    size, and `finetune.chosen_by_size` naming them (the job says so when the run starts). A
+    checkpoint that cannot be read chooses nothing here: the run says what is wrong with it
+    where it always has."""
+    missing = {flag: key for flag, key in SIZE_DEFAULT_KEYS.items() if key not in named}
+    chosen: dict[str, Any] = {}
+    if missing:
+        try:
+            lr, epochs = finetune_defaults(task, checkpoint_model(checkpoint))
+        except (CheckpointError, ConfigError, OSError):
+            missing = {}
+        else:
+            chosen = {key: {"lr": lr, "epochs": epochs}[flag] for flag, key in missing.items()}
+    return [f"{key}={json.dumps(value)}" for key, value in chosen.items()] + [
+        f"finetune.chosen_by_size={json.dumps(list(missing))}"]
 
 
 @dataclass
@@ -234,6 +335,22 @@ class FinetuneJob(Job):
         self.name = f"finetune {self.task}"
         log.info("%s: %d training examples of %d tokens; %d steps", self.task, examples,
                  self.max_seq_length, steps)
+        self.say_chosen_by_size()
+
+    def say_chosen_by_size(self) -> None:
+        """One line on the learning rate and epochs chosen for the checkpoint's size
+        (`finetune.chosen_by_size`), and how to choose them."""
+        chosen = self.config.finetune.chosen_by_size
+        if not chosen:
+            return
+        values = {"lr": f"lr {self.config.optimizer.lr:g}",
+                  "epochs": f"epochs {self.config.finetune.epochs}"}
+        parameters = sum(w.numel() for w in self.pretrained.weights.values())
+        log.info("%s: %s for a checkpoint of hidden size %d (%.3gM parameters); %s to choose",
+                 ", ".join(values[name] for name in chosen),
+                 "defaults" if len(chosen) > 1 else "the default",
+                 self.pretrained.config.model.hidden_size, parameters / 1e6,
+                 "/".join(f"--{name}" for name in chosen))
 
     def resolve(self, cfg: RunConfig, model: BertConfig, steps: int) -> RunConfig:
         """The run's config: the checkpoint's model (with the task head) and data (with the

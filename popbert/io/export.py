@@ -374,6 +374,9 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
                              "export is converted from the plain FP32 graph and runs at "
                              "--precision (auto, f32, bf16), INT8 with --quantize int8")
         precision = resolve_precision(precision)
+    elif Path(output).is_dir():
+        raise UsageError(f"--output {output}: is a directory; expected the ONNX file to write "
+                         "(a directory is what --runtime openvino writes)")
     elif calibration is not None:
         raise UsageError("--calibration applies to --runtime openvino --quantize int8 (ONNX "
                          "Runtime's INT8 export quantizes activations as it runs)")

@@ -529,8 +529,8 @@ def check_arguments(args: argparse.Namespace,
     inputs = {_resolved(v): flag for dest, flag, kind in flags if not kind.output
               for v in _values(getattr(args, dest, None)) if _resolved(v) is not None}
     for dest, flag, kind in flags:
-        if not kind.output:
-            continue
+        if not kind.output or kind.directory is True:
+            continue  # a run's own directory is where --resume continues it
         for value in _values(getattr(args, dest, None)):
             target = _resolved(value)
             if target in inputs:

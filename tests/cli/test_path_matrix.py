@@ -334,3 +334,11 @@ def test_the_docs_name_every_checked_path() -> None:
         assert row is not None, f"docs/checks.md: no row for popbert {' '.join(words)}"
         for _, flag, _ in paths.declared_paths(parser):
             assert f"`{flag}`" in row, f"docs/checks.md: {' '.join(words)} lacks {flag}"
+
+
+def test_a_run_resumes_in_its_own_directory(inputs: Inputs) -> None:
+    """An output directory that is also an input (`--resume RUN -o RUN`) is where the run goes
+    on, not an input overwritten: only output files are held against the inputs."""
+    parser = dict(commands())[("pretrain",)]
+    args = parser.parse_args(["--resume", str(inputs.checkpoint), "-o", str(inputs.checkpoint)])
+    paths.check_arguments(args, paths.declared_paths(parser))

@@ -27,6 +27,24 @@ attention masks, each runtime limited to each of `--threads` intra-op threads, a
   ORTQuantizer can quantize (O2 and O3 it cannot: their fused operators defeat its shape
   inference); `optimum-best-int8` is the fastest.
 
+- `popbert-ov-fp32`, `popbert-ov-bf16`, `popbert-ov-int8` (where OpenVINO is installed; not by
+  default otherwise): popbert's OpenVINO IR (`popbert export --runtime openvino`): the FP32
+  export above converted by `openvino.convert_model`, compiled at `INFERENCE_PRECISION_HINT` f32
+  and bf16, and NNCF's static INT8 of it (`popbert.io.openvino_ir.quantize`, calibrated on
+  `--ov-calibration-rows` rows of random token ids at the timed length: the fixed part has no
+  real rows), compiled at `--ov-int8-precision` (`auto`: what `popbert export` stores, BF16
+  where the CPU computes in it);
+- `optimum-intel-fp32`, `optimum-intel-int8` (`--variants ... optimum-intel`): optimum-intel's
+  `OVModelForFeatureExtraction` (export=True) and its static INT8 by `OVQuantizer` with
+  `OVQuantizationConfig()`'s defaults, calibrated on the same rows, made in optimum-intel's own
+  environment (`benchmarks/optimum_env.sh --intel`), timed here like popbert's IRs at f32 and at
+  the INT8 precision.
+
+Every IR is reshaped to the timed shape and compiled once per shape and thread count, with
+`INFERENCE_NUM_THREADS` = the thread count and one stream (`PERFORMANCE_HINT` LATENCY,
+`NUM_STREAMS` 1), so it uses the cores ONNX Runtime's intra-op threads use; compiling is not
+timed.
+
 Optimum runs in its own environment (`benchmarks/optimum_env.sh`; popbert does not depend on
 it) through `benchmarks/optimum_side.py`, which writes the ONNX files; this process times all of
 them with the same ONNX Runtime session options and thread counts, in blocks of calls whose order
@@ -49,12 +67,19 @@ to its longest row), the others through `transformers.pipeline("text-classificat
 batch_size=32, truncation=True, max_length=128)` (each batch padded to its longest row, in the
 order given; fast tokenizer) on Optimum's `ORTModelForSequenceClassification` (Optimum's
 environment) or on `BertForSequenceClassification` in PyTorch eager mode (`hf`, this
-environment). Loading is not timed.
+environment). Loading is not timed. popbert's OpenVINO IRs (`popbert-ov-*`: `export_checkpoint(...,
+runtime="openvino")` at f32 and bf16, and `quantize="int8"` calibrated on the first 300 rows of
+topic-train.jsonl) run through the same `ClassifyPredictor`; optimum-intel's IRs (`optimum-intel-*`,
+`OVModelForSequenceClassification`, INT8 calibrated on the same 300 training texts) through
+transformers' pipeline in optimum-intel's environment, with the thread count and one stream.
 
     benchmarks/optimum_env.sh                              # once: Optimum's environment
     python benchmarks/inference.py --work-dir runs/inference --output results.md --json r.json
     python benchmarks/inference.py --parts fixed --models minilm --threads 2 --rounds 10
     python benchmarks/inference.py --parts classify --work-dir runs/inference   # cached fine-tune
+    benchmarks/optimum_env.sh --intel                      # once: optimum-intel's environment
+    python benchmarks/inference.py --parts fixed --threads 2 --rounds 10 \
+        --variants hf popbert-int8 popbert-ov-fp32 popbert-ov-bf16 popbert-ov-int8 optimum-intel
 """
 
 from __future__ import annotations
@@ -89,15 +114,23 @@ DEFAULT_OPTIMUM_PYTHON = ROOT / "benchmarks" / ".optimum-venv" / "bin" / "python
 
 POPBERT_VARIANTS = {"popbert-fp32": {}, "popbert-fused": {"optimize": True},
                     "popbert-int8": {"optimize": True, "quantize": "int8"}}
-VARIANT_CHOICES = ("hf", "compile", *POPBERT_VARIANTS, "optimum")
+# popbert's OpenVINO IRs → the precision each is compiled at (`int8`: --ov-int8-precision).
+OV_VARIANTS = {"popbert-ov-fp32": "f32", "popbert-ov-bf16": "bf16", "popbert-ov-int8": "int8"}
+INTEL_VARIANTS = {"optimum-intel-fp32": "f32", "optimum-intel-int8": "int8"}
+VARIANT_CHOICES = ("hf", "compile", *POPBERT_VARIANTS, *OV_VARIANTS, "optimum", "optimum-intel")
 DEFAULT_VARIANTS = ("hf", *POPBERT_VARIANTS, "optimum")
+DEFAULT_INTEL_PYTHON = ROOT / "benchmarks" / ".optimum-intel-venv" / "bin" / "python"
 OPTIMUM_LEVELS = ("O1", "O2", "O3")
 # Input names: popbert's exports, and transformers' (Optimum's exports), by role.
 INPUT_ROLES = {"input_ids": "ids", "segment_ids": "segments", "token_type_ids": "segments",
                "input_mask": "mask", "attention_mask": "mask"}
 # The issue's goals (sequence 128, 2 threads; ratios over hf eager FP32).
 GOALS = {"int8_batch1": 5.0, "int8_batch32": 4.5, "fused_batch1": 2.5, "mix_over_optimum": 1.5,
-         "accuracy_points": 1.0}
+         "accuracy_points": 1.0,
+         # issue 32 (the OpenVINO export): its INT8 over HF eager, per model and batch; over
+         # popbert's ONNX Runtime INT8; its BF16 (no calibration) over eager on BERT-Base.
+         "ov_base_batch1": 6.0, "ov_base_batch32": 5.0, "ov_minilm_batch1": 4.0,
+         "ov_minilm_batch32": 4.5, "ov_over_ort_int8": 1.3, "ov_bf16_base": 4.0}
 GOAL_THREADS = 2
 PAUSE_S = 0.25  # before each block of calls: the last runtime's threads stop spinning
 
@@ -124,6 +157,11 @@ def machine() -> dict:
     info["versions"] = {"popbert": getattr(popbert, "__version__", "?"),
                         "torch": torch.__version__, "transformers": transformers.__version__,
                         "onnxruntime": onnxruntime.__version__, "numpy": np.__version__}
+    with contextlib.suppress(ImportError):
+        import nncf
+        import openvino
+
+        info["versions"] |= {"openvino": openvino.__version__, "nncf": nncf.__version__}
     return info
 
 
@@ -206,6 +244,74 @@ def encoder_exports(model, state: dict[str, np.ndarray], directory: Path, seq: i
     return popbert_exports(weights, config, "encoder", directory, names)
 
 
+def ov_int8_precision(args: argparse.Namespace) -> str:
+    from popbert.io.openvino_ir import resolve_precision
+
+    return resolve_precision(args.ov_int8_precision)
+
+
+def calibration_ids(path: Path, rows: int, seq: int, vocab: int) -> Path:
+    """`rows` rows of random token ids ([CLS] ... [SEP], full masks) at length `seq` under
+    both input-name sets (popbert's, transformers'), as an .npz: the fixed part's calibration
+    data for static INT8 (popbert's and optimum-intel's alike)."""
+    arrays = batch(rows, seq, vocab, seed=1)
+    np.savez(path, input_ids=arrays["ids"], segment_ids=arrays["segments"],
+             input_mask=arrays["mask"], token_type_ids=arrays["segments"],
+             attention_mask=arrays["mask"])
+    return path
+
+
+def popbert_irs(onnx_fp32: Path, directory: Path, names: list[str], calibration: Path | None,
+                rows: int) -> tuple[dict[str, Path], dict]:
+    """popbert's OpenVINO IRs of the encoder, as `popbert export --runtime openvino` converts
+    them (`openvino.convert_model` of the FP32 ONNX export; `quantize`, NNCF's static INT8, on
+    `rows` rows of `calibration`), each `<name>/model.xml`; cached in `directory`."""
+    import openvino as ov
+
+    from popbert.io.openvino_ir import quantize
+
+    files, notes = {}, {}
+    model = None
+    for name in names:
+        target = directory / name / "model.xml"
+        files[name] = target
+        if target.is_file():
+            continue
+        started = time.perf_counter()
+        if model is None:
+            model = ov.convert_model(str(onnx_fp32))
+        if name == "popbert-ov-int8":
+            arrays = np.load(calibration)
+            inputs = [i.get_any_name() for i in model.inputs]
+            converted = quantize(ov.convert_model(str(onnx_fp32)),
+                                 [{k: arrays[k][i:i + 1] for k in inputs} for i in range(rows)])
+            ov.save_model(converted, str(target), compress_to_fp16=False)
+        else:
+            ov.save_model(model, str(target), compress_to_fp16=False)
+        notes[f"{name}_export_s"] = round(time.perf_counter() - started, 1)
+    return files, notes
+
+
+def intel_export(python: Path, hf_dir: Path, task: str, output: Path, calibration: list[str],
+                 log_file: Path) -> dict:
+    """optimum-intel's IR and static INT8 IR (`optimum_side.py export-ov`, in its
+    environment); reuses an earlier manifest of the same source."""
+    manifest_file = output / "manifest.json"
+    if manifest_file.is_file():
+        manifest = json.loads(manifest_file.read_text())
+        if manifest.get("source") == str(hf_dir):
+            return manifest
+    shutil.rmtree(output, ignore_errors=True)
+    command = [str(python), str(OPTIMUM_SIDE), "export-ov", "--model", str(hf_dir), "--task",
+               task, "--output", str(output), *calibration]
+    print(f"$ {' '.join(command)}", flush=True)
+    with open(log_file, "w") as log:
+        done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT)
+    if done.returncode or not manifest_file.is_file():
+        sys.exit(f"optimum-intel's export failed ({done.returncode}): see {log_file}")
+    return json.loads(manifest_file.read_text())
+
+
 # ------------------------------------------------------------------------------ Optimum's side
 def optimum_export(python: Path, hf_dir: Path, task: str, output: Path, int8: list[str],
                    log_file: Path) -> dict:
@@ -265,6 +371,8 @@ def ort_session(onnx_file: Path, threads: int):
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if os.environ.get("POPBERT_BENCH_NO_SPIN"):  # --no-spin
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(str(onnx_file), options, providers=["CPUExecutionProvider"])
 
 
@@ -299,9 +407,29 @@ def agreement(hidden: np.ndarray, reference: np.ndarray) -> dict[str, float]:
     return {"max_abs_diff": float(np.abs(a - b).max()), "min_cosine": float(cosine.min())}
 
 
+OV_PROPERTIES = ("INFERENCE_PRECISION_HINT", "INFERENCE_NUM_THREADS", "NUM_STREAMS",
+                 "PERFORMANCE_HINT")
+
+
+def ov_compiled(xml: Path, precision: str, threads: int, shape: tuple[int, int] | None):
+    """The IR `xml` reshaped to `shape` (batch, sequence) and compiled for the CPU at
+    `precision` with `threads` threads and one stream; with its settings as compiled."""
+    import openvino as ov
+
+    core = ov.Core()
+    model = core.read_model(str(xml))
+    if shape is not None:
+        model.reshape({i.get_any_name(): list(shape) for i in model.inputs})
+    compiled = core.compile_model(model, "CPU", {
+        "INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": int(threads),
+        "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": "1"})
+    return compiled, {k: str(compiled.get_property(k)) for k in OV_PROPERTIES}
+
+
 def measure(model, compiled, files: dict[str, Path], batch_size: int, seq: int, rounds: int,
-            threads: int) -> dict[str, dict]:
-    """Per variant: median and p90 latency (ms), and its agreement with `hf`."""
+            threads: int, irs: dict[str, tuple[Path, str]] | None = None) -> dict[str, dict]:
+    """Per variant: median and p90 latency (ms), and its agreement with `hf`; `irs`: OpenVINO
+    IRs (name → (model.xml, precision)), compiled for this shape and thread count."""
     import torch
 
     sessions = {name: ort_session(path, threads) for name, path in files.items()}
@@ -323,7 +451,17 @@ def measure(model, compiled, files: dict[str, Path], batch_size: int, seq: int, 
     if compiled is not None:
         runners["compile"] = torch_runner(compiled)
     runners.update({name: ort_runner(session) for name, session in sessions.items()})
+    settings = {}
+    for name, (xml, precision) in (irs or {}).items():
+        started = time.perf_counter()
+        network, settings[name] = ov_compiled(xml, precision, threads, (batch_size, seq))
+        settings[name]["compile_s"] = round(time.perf_counter() - started, 2)
+        feeds = {i.get_any_name(): arrays[INPUT_ROLES[i.get_any_name()]] for i in network.inputs}
+        port = network.output("last_hidden_state")
+        runners[name] = (lambda n, f, o: lambda: n(f)[o])(network, feeds, port)
     result: dict[str, dict] = {name: {} for name in runners}
+    for name, values in settings.items():
+        result[name]["openvino"] = values
     reference = runners["hf"]()
     for name, run in runners.items():
         start = time.perf_counter()
@@ -344,7 +482,7 @@ def measure(model, compiled, files: dict[str, Path], batch_size: int, seq: int, 
 def best_of(result: dict[str, dict], prefix: str, int8: bool) -> str | None:
     """The fastest variant named `prefix...` (INT8 ones, or FP32 ones)."""
     names = [n for n in result if n.startswith(prefix) and ("-int8" in n) == int8
-             and "ms" in result[n]]
+             and "ms" in result[n] and not n.startswith("optimum-intel")]
     return min(names, key=lambda n: result[n]["ms"]) if names else None
 
 
@@ -363,8 +501,37 @@ def fixed_part(args: argparse.Namespace, work: Path, report: dict) -> list[str]:
         model, state, hf_dir = load(directory)
         model.eval()
         assert model.config._attn_implementation == "sdpa"
+        ov_names = [n for n in OV_VARIANTS if n in variants]
+        intel = "optimum-intel" in variants
+        exported = popbert_names + (["popbert-fp32"] if (ov_names or intel)
+                                    and "popbert-fp32" not in popbert_names else [])
         files, notes = encoder_exports(model, state, directory / "popbert", args.sequence_length,
-                                       popbert_names)
+                                       exported)
+        irs: dict[str, tuple[Path, str]] = {}
+        if ov_names or intel:
+            calibration = calibration_ids(directory / "calibration.npz",
+                                          args.ov_calibration_rows, args.sequence_length,
+                                          model.config.vocab_size)
+            int8 = ov_int8_precision(args)
+            ir_files, ir_notes = popbert_irs(files["popbert-fp32"], directory / "popbert-ov",
+                                             ov_names, calibration, args.ov_calibration_rows)
+            notes.update(ir_notes)
+            irs = {n: (ir_files[n], int8 if OV_VARIANTS[n] == "int8" else OV_VARIANTS[n])
+                   for n in ov_names}
+            if intel:
+                manifest = intel_export(
+                    args.optimum_intel_python, hf_dir, "feature-extraction",
+                    directory / "optimum-intel", ["--calibration-ids", str(calibration),
+                                                  "--calibration-rows",
+                                                  str(args.ov_calibration_rows)],
+                    directory / "optimum-intel-export.log")
+                report["fixed"].setdefault("optimum_intel", {})[key] = manifest
+                for name, precision in INTEL_VARIANTS.items():
+                    entry = manifest["files"][name.replace("optimum-intel-", "ov-")]
+                    irs[name] = (Path(entry["dir"]) / entry["file_name"],
+                                 int8 if precision == "int8" else precision)
+            if "popbert-fp32" not in popbert_names:
+                del files["popbert-fp32"]
         report["fixed"]["notes"][key] = notes
         if "optimum" in variants:
             manifest = optimum_export(args.optimum_python, hf_dir, "feature-extraction",
@@ -382,7 +549,7 @@ def fixed_part(args: argparse.Namespace, work: Path, report: dict) -> list[str]:
                 rounds = (args.rounds if batch_size == 1 else
                           args.large_rounds or max(3, args.rounds // 5))
                 result = measure(model, compiled, files, batch_size, args.sequence_length,
-                                 rounds, threads)
+                                 rounds, threads, irs)
                 row = {"model": key, "title": title, "threads": threads, "batch": batch_size,
                        "sequence": args.sequence_length, "variants": result,
                        "optimum-best-fp32": best_of(result, "optimum-", False),
@@ -390,7 +557,44 @@ def fixed_part(args: argparse.Namespace, work: Path, report: dict) -> list[str]:
                        "load": os.getloadavg()[0]}
                 rows.append(row)
                 print(fixed_line(row, variants), flush=True)
-    return fixed_tables(rows, variants)
+                if irs:
+                    print(ov_line(row), flush=True)
+    return fixed_tables(rows, variants) + (ov_table(rows) if any(
+        n in row["variants"] for row in rows for n in (*OV_VARIANTS, *INTEL_VARIANTS)) else [])
+
+
+def ov_header() -> list[str]:
+    return ["| model | threads | batch | load (1 min) | HF eager (ms) | popbert ORT INT8 | "
+            "popbert OV FP32 | popbert OV BF16 | popbert OV INT8 | optimum-intel FP32 | "
+            "optimum-intel INT8 | OV INT8 / ORT INT8 | popbert OV INT8 / optimum-intel INT8 |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+            "| ---: |"]
+
+
+def ratio(v: dict, slower: str, faster: str) -> str:
+    return (f"{v[slower]['ms'] / v[faster]['ms']:.2f}x" if slower in v and faster in v
+            else "n/a")
+
+
+def ov_line(row: dict) -> str:
+    v = row["variants"]
+    return (f"| {row['title']} | {row['threads']} | {row['batch']} | {row['load']:.2f} | "
+            f"{v['hf']['ms']:.1f} | {cell(row, 'popbert-int8')} | "
+            f"{cell(row, 'popbert-ov-fp32')} | {cell(row, 'popbert-ov-bf16')} | "
+            f"{cell(row, 'popbert-ov-int8')} | {cell(row, 'optimum-intel-fp32')} | "
+            f"{cell(row, 'optimum-intel-int8')} | {ratio(v, 'popbert-int8', 'popbert-ov-int8')}"
+            f" | {ratio(v, 'optimum-intel-int8', 'popbert-ov-int8')} |")
+
+
+def ov_table(rows: list[dict]) -> list[str]:
+    settings = sorted({f"{name}: " + ", ".join(f"{k} {v}" for k, v in r["openvino"].items()
+                                                 if k != "compile_s")
+                       for row in rows for name, r in row["variants"].items()
+                       if "openvino" in r})
+    return ["", "## OpenVINO: milliseconds per call (speed-up over HF eager)", "",
+            *ov_header(), *[ov_line(row) for row in rows], "",
+            "OpenVINO's settings as compiled (per shape; `compile_s` not timed): "
+            + "; ".join(settings) + "."]
 
 
 def cell(row: dict, name: str | None, label: bool = False) -> str:
@@ -550,13 +754,13 @@ class OptimumWorker:
     """`optimum_side.py worker` in Optimum's environment: its pipeline on one Optimum file."""
 
     def __init__(self, python: Path, entry: dict, texts_file: Path, threads: int,
-                 batch_size: int, max_length: int, log: Path) -> None:
+                 batch_size: int, max_length: int, log: Path, extra: list[str] = ()) -> None:
         self.log = open(log, "w")
         self.process = subprocess.Popen(
             [str(python), str(OPTIMUM_SIDE), "worker", "--model", entry["dir"],
              "--file-name", entry["file_name"], "--texts", str(texts_file),
              "--threads", str(threads), "--batch-size", str(batch_size),
-             "--max-length", str(max_length)],
+             "--max-length", str(max_length), *extra],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=ROOT)
         self.info = self.ask(None)
 
@@ -638,6 +842,24 @@ def classify_part(args: argparse.Namespace, work: Path, report: dict) -> list[st
     if "hf" in args.variants:
         runners["hf"] = HFPipelineRunner(hf_dir, args.mix_threads, list(data.texts),
                                          args.batch_size, args.sequence_length)
+    ov_names = [n for n in OV_VARIANTS if n in args.variants]
+    if ov_names:
+        from popbert.io.export import export_checkpoint
+
+        for name in ov_names:
+            target = directory / "popbert-ov" / name
+            if not (target / "model.xml").is_file():
+                started = time.perf_counter()
+                precision = OV_VARIANTS[name]
+                export_checkpoint(run, "classification", target, runtime="openvino",
+                                  precision=(args.ov_int8_precision if precision == "int8"
+                                             else precision),
+                                  quantize="int8" if precision == "int8" else None,
+                                  calibration=(DATA / "topic-train.jsonl"
+                                               if precision == "int8" else None))
+                notes[f"{name}_export_s"] = round(time.perf_counter() - started, 1)
+            files[name] = target
+        part["openvino_serving"] = ov_serving_settings(files[ov_names[0]], args.mix_threads)
     for name, path in files.items():
         runners[name] = PopbertRunner(path, args.mix_threads, data, args.batch_size)
     if "optimum" in args.variants:
@@ -651,6 +873,25 @@ def classify_part(args: argparse.Namespace, work: Path, report: dict) -> list[st
                 args.sequence_length, directory / f"optimum-{name}.log")
         part["optimum_worker"] = next(r.info for n, r in runners.items()
                                       if n.startswith("optimum-"))
+    if "optimum-intel" in args.variants:
+        train_texts = directory / "calibration-texts.json"
+        train_texts.write_text(json.dumps(list(read_texts(DATA / "topic-train.jsonl").texts)))
+        manifest = intel_export(args.optimum_intel_python, hf_dir, "text-classification",
+                                directory / "optimum-intel",
+                                ["--calibration-texts", str(train_texts),
+                                 "--calibration-rows", "300", "--max-length",
+                                 str(args.sequence_length)],
+                                directory / "optimum-intel-export.log")
+        part["optimum_intel"] = manifest
+        int8 = ov_int8_precision(args)
+        for name, precision in INTEL_VARIANTS.items():
+            runners[name] = OptimumWorker(
+                args.optimum_intel_python, manifest["files"][name.replace("optimum-intel-", "ov-")],
+                texts_file, args.mix_threads, args.batch_size, args.sequence_length,
+                directory / f"{name}.log",
+                ["--runtime", "openvino", "--precision",
+                 int8 if precision == "int8" else precision])
+        part["optimum_intel_worker"] = runners["optimum-intel-int8"].info
     try:
         # The first pass labels (accuracy) and warms up; then timed passes in rotating order.
         labels = {name: runner.labels() for name, runner in runners.items()}
@@ -681,9 +922,23 @@ def fp32_of(name: str) -> str:
     """The FP32 model a variant's accuracy and labels are compared with: Optimum's own export
     for Optimum's optimized and quantized files, popbert's FP32 export for the rest (for `hf`
     and `optimum-plain` that checks `popbert export-hf`)."""
+    if name.startswith("optimum-intel"):
+        return "optimum-intel-fp32"
     if name.startswith("optimum-") and name != "optimum-plain":
         return "optimum-plain"
     return "popbert-fp32"
+
+
+def ov_serving_settings(ir: Path, threads: int) -> dict[str, str]:
+    """The OpenVINO settings `ClassifyPredictor` compiles an IR with (its compile_model: the
+    stored precision and the thread count; streams and hint are OpenVINO's defaults)."""
+    import openvino as ov
+
+    from popbert.io.openvino_ir import compile_model, ir_file
+
+    compiled = compile_model(ov.Core().read_model(str(ir_file(ir))), "f32", threads)
+    return {k: str(compiled.get_property(k)) for k in OV_PROPERTIES if k !=
+            "INFERENCE_PRECISION_HINT"}
 
 
 def within(results: dict, name: str, points: float) -> bool:
@@ -697,7 +952,7 @@ def best_optimum(results: dict, points: float) -> str | None:
     """The fastest Optimum variant on the mix whose accuracy is within `points` of Optimum's
     FP32 export."""
     names = [n for n in results if n.startswith("optimum-") and within(results, n, points)
-             and results[n]["examples_per_s"]]
+             and results[n]["examples_per_s"] and not n.startswith("optimum-intel")]
     return max(names, key=lambda n: results[n]["examples_per_s"]) if names else None
 
 
@@ -734,7 +989,8 @@ def classify_table(part: dict) -> list[str]:
                      f"{r['accuracy']:.4f} ± {r['accuracy_se']:.4f} | {delta} | {agree} | "
                      f"{speed:.1f} | {over_hf} | {over_best} |")
     lines += ["", "FP32 reference: Optimum's plain export for Optimum's optimized and quantized "
-              "files, popbert's FP32 export for the others. Best Optimum: the Optimum variant "
+              "files, optimum-intel's FP32 IR for its INT8 IR, popbert's FP32 export for the "
+              "others. Best Optimum: the Optimum variant "
               f"with the most examples/s on the mix among those within "
               f"{GOALS['accuracy_points']:g} point of Optimum's FP32 export's accuracy."]
     return lines
@@ -776,17 +1032,47 @@ def goal_lines(report: dict) -> list[str]:
         else:
             say(f"{where}: popbert INT8 / HF eager", speed_up(v, "popbert-int8"),
                 GOALS["int8_batch32"])
-        rivals = [n for n in v if n.startswith("optimum-")
+        rivals = [n for n in v if n.startswith("optimum-") and not n.startswith("optimum-intel")
                   and (same_accuracy is None or n in same_accuracy)]
         if rivals and "popbert-int8" in v:
             fastest = min(rivals, key=lambda n: v[n]["ms"])
             say(f"{where}: popbert INT8 faster than Optimum's fastest at the same accuracy "
                 f"({fastest}), ratio", v[fastest]["ms"] / v["popbert-int8"]["ms"], 1.0)
+    for row in report.get("fixed", {}).get("rows", []):
+        v = row["variants"]
+        if row["threads"] != GOAL_THREADS or "popbert-ov-int8" not in v and \
+                "popbert-ov-bf16" not in v:
+            continue
+        where = f"{row['model']}, batch {row['batch']}"
+        goal = GOALS.get(f"ov_{row['model']}_batch{row['batch']}")
+        if goal is not None and "popbert-ov-int8" in v:
+            say(f"{where}: popbert OpenVINO INT8 / HF eager", speed_up(v, "popbert-ov-int8"),
+                goal)
+        if "popbert-ov-int8" in v and "popbert-int8" in v:
+            say(f"{where}: popbert OpenVINO INT8 / popbert ONNX Runtime INT8",
+                v["popbert-int8"]["ms"] / v["popbert-ov-int8"]["ms"], GOALS["ov_over_ort_int8"])
+        if row["model"] == "base" and "popbert-ov-bf16" in v:
+            say(f"{where}: popbert OpenVINO BF16 (no calibration) / HF eager",
+                speed_up(v, "popbert-ov-bf16"), GOALS["ov_bf16_base"])
     if classify:
         if "popbert-int8" in classify:
             r, ref = classify["popbert-int8"], classify["popbert-fp32"]
             say("topic task: popbert INT8 accuracy below FP32 (points)",
                 100 * (ref["accuracy"] - r["accuracy"]), GOALS["accuracy_points"], higher=False)
+        for name in ("popbert-ov-bf16", "popbert-ov-int8"):
+            if name in classify:
+                say(f"topic task: {name} accuracy below FP32 (points)",
+                    100 * (classify["popbert-fp32"]["accuracy"] - classify[name]["accuracy"])
+                    if "popbert-fp32" in classify else None, GOALS["accuracy_points"],
+                    higher=False)
+        if "popbert-ov-int8" in classify and "hf" in classify:
+            lines.append(f"- real-length mix: popbert predict on the OpenVINO INT8 IR / HF "
+                         f"pipeline: {classify['popbert-ov-int8']['examples_per_s'] / classify['hf']['examples_per_s']:.2f}x"  # noqa: E501
+                         " (no goal of its own)")
+        for rival in ("popbert-int8", "optimum-intel-int8"):
+            if "popbert-ov-int8" in classify and rival in classify:
+                lines.append(f"- real-length mix: popbert-ov-int8 examples/s / {rival}: "
+                             f"{classify['popbert-ov-int8']['examples_per_s'] / classify[rival]['examples_per_s']:.2f}x")  # noqa: E501
         best = best_optimum(classify, GOALS["accuracy_points"])
         if "popbert-int8" in classify and best:
             say(f"real-length mix: popbert predict (popbert-int8) examples/s / best Optimum "
@@ -812,7 +1098,16 @@ LEGEND = [
     "- optimum-<graph>-int8 / -int8-pc: ORTQuantizer, AutoQuantizationConfig.avx512_vnni("
     "is_static=False, per_channel=False / True), on that graph; on the mix (and for accuracy) "
     "through transformers' pipeline on ORTModelForSequenceClassification in Optimum's "
-    "environment.",
+    "environment;",
+    "- popbert-ov-fp32 / -bf16 / -int8: popbert's OpenVINO IR (openvino.convert_model of the FP32 "
+    "export; NNCF static INT8 for -int8), compiled at INFERENCE_PRECISION_HINT f32 / bf16 / "
+    "--ov-int8-precision, INFERENCE_NUM_THREADS = the threads, one stream (PERFORMANCE_HINT "
+    "LATENCY, NUM_STREAMS 1), reshaped to each timed shape; on the mix through ClassifyPredictor "
+    "(dynamic shapes, OpenVINO's default hint and streams, recorded);",
+    "- optimum-intel-fp32 / -int8: optimum-intel's OVModelFor... export and OVQuantizer with "
+    "OVQuantizationConfig() (its defaults) on the same calibration rows, in its own environment; "
+    "timed at fixed shapes as popbert's IRs are, on the mix through transformers' pipeline on "
+    "OVModelForSequenceClassification with the same OpenVINO settings.",
 ]
 
 
@@ -878,6 +1173,15 @@ def main() -> None:
                              "avx512_vnni's default), or both")
     parser.add_argument("--optimum-python", type=Path, default=DEFAULT_OPTIMUM_PYTHON,
                         help="the Optimum environment's python (benchmarks/optimum_env.sh)")
+    parser.add_argument("--optimum-intel-python", type=Path, default=DEFAULT_INTEL_PYTHON,
+                        help="optimum-intel's environment's python (benchmarks/optimum_env.sh "
+                             "--intel)")
+    parser.add_argument("--ov-calibration-rows", type=int, default=300,
+                        help="rows static INT8 (popbert's and optimum-intel's OpenVINO IRs) "
+                             "calibrates on in the fixed part (random token ids)")
+    parser.add_argument("--ov-int8-precision", choices=["auto", "f32", "bf16"], default="auto",
+                        help="INFERENCE_PRECISION_HINT of the INT8 IRs' remaining float "
+                             "operations (auto: what popbert export stores)")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="exports and the fine-tuned model, kept for a later run (default: "
                              "a temporary directory)")
@@ -891,11 +1195,23 @@ def main() -> None:
                         help="batch size of the real-length mix")
     parser.add_argument("--output", type=Path, default=None, help="also write the tables here")
     parser.add_argument("--json", type=Path, default=None, help="every number, as JSON")
+    parser.add_argument("--no-spin", action="store_true",
+                        help="worker threads sleep instead of spinning while they wait: "
+                             "OMP_WAIT_POLICY=PASSIVE for PyTorch, ONNX Runtime's "
+                             "session.intra_op.allow_spinning=0 (for a host where other work "
+                             "holds some of the cores: a spinning thread pool then waits for "
+                             "its descheduled threads by the scheduler's time slice)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.no_spin:  # before torch is imported
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.environ["POPBERT_BENCH_NO_SPIN"] = "1"
     if "optimum" in args.variants and not Path(args.optimum_python).is_file():
         sys.exit(f"{args.optimum_python}: no Optimum environment; make one with "
                  f"benchmarks/optimum_env.sh (or leave `optimum` out of --variants)")
+    if "optimum-intel" in args.variants and not Path(args.optimum_intel_python).is_file():
+        sys.exit(f"{args.optimum_intel_python}: no optimum-intel environment; make one with "
+                 f"benchmarks/optimum_env.sh --intel (or leave `optimum-intel` out of --variants)")
 
     import torch
 

@@ -14,9 +14,28 @@
 #   TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu benchmarks/optimum_env.sh
 # onnxruntime is pinned to the version popbert's benchmark environment runs, so the files
 # Optimum writes are timed by the same ONNX Runtime that made them (inference.py reports both).
+#
+# With --intel it builds optimum-intel's environment instead (OVModelFor..., OVQuantizer; the
+# OpenVINO peer of popbert's `--runtime openvino` export), a separate virtualenv because
+# optimum-intel 2.2 needs optimum 2.3 and the ONNX Runtime side is pinned to optimum 2.1:
+#   benchmarks/optimum_env.sh --intel [DIR]   # into benchmarks/.optimum-intel-venv
+#   python benchmarks/inference.py --variants ... optimum-intel --optimum-intel-python DIR/bin/python
+# OpenVINO and NNCF are pinned to the versions popbert's environment times the IRs with.
+# torchvision (an optimum-intel requirement) is removed again: pip's resolver picks one not built
+# against torch 2.13's CPU wheel, whose operators fail to load and break transformers' imports;
+# text models never use it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${1:-benchmarks/.optimum-venv}"
+INTEL=0
+if [[ "${1:-}" == "--intel" ]]; then
+    INTEL=1
+    shift
+fi
+if (( INTEL )); then
+    VENV="${1:-benchmarks/.optimum-intel-venv}"
+else
+    VENV="${1:-benchmarks/.optimum-venv}"
+fi
 PYTHON="${PYTHON:-python3}"
 TORCH="torch==2.13.0+cpu"
 
@@ -32,6 +51,28 @@ fi
 CONSTRAINTS="$(mktemp)"
 trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "$TORCH" > "$CONSTRAINTS"
+if (( INTEL )); then
+    # optimum-intel with what it pulls in (the versions this benchmark was measured with).
+    "${PIP[@]}" install --quiet -c "$CONSTRAINTS" "$TORCH" \
+        optimum-intel==2.2.0 optimum==2.3.0 openvino==2026.4.1 openvino-tokenizers==2026.4.1.0 \
+        nncf==3.4.0 transformers==5.5.4 tokenizers==0.22.2 huggingface_hub==1.21.0 \
+        numpy==2.4.6
+    "${PIP[@]}" uninstall --quiet -y torchvision
+    "$VENV/bin/python" - <<'EOF'
+import importlib.metadata as md
+import sys
+
+import torch
+from optimum.intel import OVModelForSequenceClassification, OVQuantizer  # noqa: F401
+
+if torch.version.cuda is not None:
+    sys.exit(f"a CUDA torch in optimum-intel's environment: {torch.__version__}")
+print(f"optimum-intel environment ready: {sys.prefix}: " + ", ".join(
+    f"{name} {md.version(name)}" for name in ("optimum-intel", "optimum", "openvino", "nncf",
+                                              "transformers", "torch")))
+EOF
+    exit 0
+fi
 # torch's own dependencies, then Optimum's ONNX Runtime extra (`optimum[onnxruntime]`) with every
 # package it pulls in pinned (the versions this benchmark was measured with).
 "${PIP[@]}" install --quiet -c "$CONSTRAINTS" \

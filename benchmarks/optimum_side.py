@@ -10,7 +10,16 @@ Python (benchmarks/optimum_env.sh); it imports neither popbert nor anything of t
              ORTModelForSequenceClassification file, answering JSON commands on stdin, one
              per line, with one JSON line each on stdout:
              {"cmd": "time"} classifies every text once and returns the seconds it took;
-             {"cmd": "labels"} returns the label of every text; {"cmd": "quit"}
+             {"cmd": "labels"} returns the label of every text; {"cmd": "quit"};
+             with --runtime openvino the model is optimum-intel's OVModelForSequenceClassification
+             (an `export-ov` directory) compiled with --threads threads and one stream
+    export-ov  (optimum-intel's environment, `benchmarks/optimum_env.sh --intel`) a Hugging Face
+             model directory → optimum-intel's OpenVINO IR (`OVModelFor...`, export=True,
+             saved as optimum-intel saves it) and its static INT8 IR by `OVQuantizer` with
+             `OVQuantizationConfig()`'s defaults (NNCF under optimum-intel's settings),
+             calibrated on --calibration-texts (tokenized by the model's own tokenizer, each
+             row at its own length, cut to --max-length) or --calibration-ids (an .npz of
+             input_ids / attention_mask / token_type_ids rows); writes a JSON manifest
 
 Optimum's levels: O1 basic graph optimisations; O2 adds the transformer fusions (Attention,
 SkipLayerNormalization, BiasGelu, EmbedLayerNormalization); O3 adds the GELU approximation
@@ -51,6 +60,83 @@ def versions() -> dict[str, str]:
     return {name: md.version(name) for name in ("optimum", "optimum-onnx", "transformers",
                                                 "torch", "onnx", "tokenizers")} | {
         "onnxruntime": onnxruntime.__version__, "python": sys.version.split()[0]}
+
+
+def intel_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    return {name: md.version(name) for name in ("optimum-intel", "optimum", "openvino", "nncf",
+                                                "transformers", "torch", "tokenizers")} | {
+        "python": sys.version.split()[0]}
+
+
+def constant_types(xml: Path) -> dict[str, int]:
+    """Element types of an IR's constants (its weights: f32, f16, i8...), counted."""
+    from collections import Counter
+
+    import openvino as ov
+
+    model = ov.Core().read_model(str(xml))
+    return dict(Counter(op.get_output_element_type(0).get_type_name()
+                        for op in model.get_ops() if op.get_type_name() == "Constant"))
+
+
+def export_ov(args: argparse.Namespace) -> None:
+    import nncf
+    import numpy as np
+    from optimum.intel import (
+        OVConfig,
+        OVModelForFeatureExtraction,
+        OVModelForSequenceClassification,
+        OVQuantizationConfig,
+        OVQuantizer,
+    )
+    from transformers import AutoTokenizer
+
+    cls = {"feature-extraction": OVModelForFeatureExtraction,
+           "text-classification": OVModelForSequenceClassification}[args.task]
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest: dict = {"task": args.task, "source": str(args.model), "versions": intel_versions(),
+                      "files": {}, "seconds": {}}
+
+    def record(name: str, directory: Path, started: float) -> None:
+        for tokenizer_file in TOKENIZER_FILES:
+            if (Path(args.model) / tokenizer_file).is_file():
+                shutil.copy(Path(args.model) / tokenizer_file, directory / tokenizer_file)
+        xml = directory / "openvino_model.xml"
+        manifest["files"][name] = {"dir": str(directory), "file_name": xml.name,
+                                   "constants": constant_types(xml)}
+        manifest["seconds"][name] = round(time.perf_counter() - started, 2)
+
+    started = time.perf_counter()
+    model = cls.from_pretrained(args.model, export=True, compile=False)
+    model.save_pretrained(out / "ov-fp32")
+    record("ov-fp32", out / "ov-fp32", started)
+    names = [i.get_any_name() for i in model.model.inputs]
+    if args.calibration_texts:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        texts = json.loads(Path(args.calibration_texts).read_text())[:args.calibration_rows]
+        rows = [{k: np.asarray(v, np.int64)[None] for k, v in tokenizer(
+            text, truncation=True, max_length=args.max_length).items() if k in names}
+            for text in texts]
+    else:
+        arrays = np.load(args.calibration_ids)
+        rows = [{k: arrays[k][i:i + 1].astype(np.int64) for k in names}
+                for i in range(min(args.calibration_rows, len(arrays["input_ids"])))]
+    started = time.perf_counter()
+    quantizer = OVQuantizer.from_pretrained(model)
+    qconfig = OVQuantizationConfig()
+    quantizer.quantize(calibration_dataset=nncf.Dataset(rows),
+                       ov_config=OVConfig(quantization_config=qconfig),
+                       save_directory=out / "ov-int8")
+    record("ov-int8", out / "ov-int8", started)
+    manifest["quantization"] = {"config": "OVQuantizationConfig()", **{
+        k: str(v) for k, v in qconfig.to_dict().items() if not k.startswith("_")},
+        "calibration_rows": len(rows),
+        "calibration": "texts" if args.calibration_texts else "random token ids"}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    say(manifest)
 
 
 def op_counts(path: Path) -> dict[str, int]:
@@ -135,24 +221,36 @@ def export(args: argparse.Namespace) -> None:
 
 
 def worker(args: argparse.Namespace) -> None:
-    import onnxruntime as ort
-    from optimum.onnxruntime import ORTModelForSequenceClassification
     from transformers import AutoTokenizer, pipeline
 
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = args.threads
-    options.inter_op_num_threads = 1
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    model = ORTModelForSequenceClassification.from_pretrained(
-        args.model, file_name=args.file_name, session_options=options,
-        provider="CPUExecutionProvider")
+    if args.runtime == "openvino":
+        from optimum.intel import OVModelForSequenceClassification
+
+        model = OVModelForSequenceClassification.from_pretrained(
+            args.model, file_name=args.file_name, ov_config={
+                "INFERENCE_NUM_THREADS": args.threads, "PERFORMANCE_HINT": "LATENCY",
+                "NUM_STREAMS": "1", **({"INFERENCE_PRECISION_HINT": args.precision}
+                                       if args.precision else {})})
+        info = {"versions": intel_versions()}
+    else:
+        import onnxruntime as ort
+        from optimum.onnxruntime import ORTModelForSequenceClassification
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = args.threads
+        options.inter_op_num_threads = 1
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        model = ORTModelForSequenceClassification.from_pretrained(
+            args.model, file_name=args.file_name, session_options=options,
+            provider="CPUExecutionProvider")
+        info = {"versions": versions()}
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     classify = pipeline("text-classification", model=model, tokenizer=tokenizer,
                         batch_size=args.batch_size, truncation=True, max_length=args.max_length,
                         device="cpu")
     texts = json.loads(Path(args.texts).read_text())
-    reply: dict = {"ready": True, "versions": versions(), "fast_tokenizer": tokenizer.is_fast,
-             "texts": len(texts)}
+    reply: dict = {"ready": True, **info, "fast_tokenizer": tokenizer.is_fast,
+                   "texts": len(texts)}
     say(reply)
     for line in sys.stdin:
         command = json.loads(line)["cmd"]
@@ -188,6 +286,18 @@ def main() -> None:
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-length", type=int, default=128)
+    p.add_argument("--runtime", choices=["onnxruntime", "openvino"], default="onnxruntime")
+    p.add_argument("--precision", default=None,
+                   help="OpenVINO's INFERENCE_PRECISION_HINT (f32, bf16; default: OpenVINO's)")
+    p = sub.add_parser("export-ov")
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--task", choices=["feature-extraction", "text-classification"],
+                   required=True)
+    p.add_argument("--output", required=True)
+    p.add_argument("--calibration-texts", default=None, help="JSON list of strings")
+    p.add_argument("--calibration-ids", default=None, help=".npz of token id rows")
+    p.add_argument("--calibration-rows", type=int, default=300)
+    p.add_argument("--max-length", type=int, default=128)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     # Replies go to the real stdout only: whatever the libraries print goes to stderr.
@@ -195,7 +305,7 @@ def main() -> None:
     REPLY = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    {"export": export, "worker": worker}[args.command](args)
+    {"export": export, "worker": worker, "export-ov": export_ov}[args.command](args)
 
 
 if __name__ == "__main__":

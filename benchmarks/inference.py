@@ -30,7 +30,7 @@ attention masks, each runtime limited to each of `--threads` intra-op threads, a
 - `popbert-ov-fp32`, `popbert-ov-bf16`, `popbert-ov-int8` (where OpenVINO is installed; not by
   default otherwise): popbert's OpenVINO IR (`popbert export --runtime openvino`): the FP32
   export above converted by `openvino.convert_model`, compiled at `INFERENCE_PRECISION_HINT` f32
-  and bf16, and NNCF's static INT8 of it (`popbert.io.openvino_ir.quantize`, calibrated on
+  and bf16, and NNCF's static INT8 of it (`popbert.serve.openvino_ir.quantize`, calibrated on
   `--ov-calibration-rows` rows of random token ids at the timed length: the fixed part has no
   real rows), compiled at `--ov-int8-precision` (`auto`: what `popbert export` stores, BF16
   where the CPU computes in it);
@@ -245,7 +245,7 @@ def encoder_exports(model, state: dict[str, np.ndarray], directory: Path, seq: i
 
 
 def ov_int8_precision(args: argparse.Namespace) -> str:
-    from popbert.io.openvino_ir import resolve_precision
+    from popbert.serve.openvino_ir import resolve_precision
 
     return resolve_precision(args.ov_int8_precision)
 
@@ -268,7 +268,7 @@ def popbert_irs(onnx_fp32: Path, directory: Path, names: list[str], calibration:
     `rows` rows of `calibration`), each `<name>/model.xml`; cached in `directory`."""
     import openvino as ov
 
-    from popbert.io.openvino_ir import quantize
+    from popbert.serve.openvino_ir import quantize
 
     files, notes = {}, {}
     model = None
@@ -934,7 +934,7 @@ def ov_serving_settings(ir: Path, threads: int) -> dict[str, str]:
     stored precision and the thread count; streams and hint are OpenVINO's defaults)."""
     import openvino as ov
 
-    from popbert.io.openvino_ir import compile_model, ir_file
+    from popbert.serve.openvino_ir import compile_model, ir_file
 
     compiled = compile_model(ov.Core().read_model(str(ir_file(ir))), "f32", threads)
     return {k: str(compiled.get_property(k)) for k in OV_PROPERTIES if k !=

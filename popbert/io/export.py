@@ -352,7 +352,7 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
                       external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> Path:
     """`popbert export`: a checkpoint directory (or run directory) → inference ONNX file, or
     with `runtime="openvino"` an OpenVINO IR directory converted from the verified FP32 ONNX
-    file and run at `precision` (`auto`, `f32`, `bf16`: `popbert.io.openvino_ir`).
+    file and run at `precision` (`auto`, `f32`, `bf16`: `popbert.serve.openvino_ir`).
 
     With `eval_data` the export is scored against the plain FP32 export on that file
     (`popbert.serve.accuracy`) before it is moved into place, and refused (AccuracyError,
@@ -361,7 +361,7 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
     from popbert.config import config_from_dict
     from popbert.io.checkpoint import find_checkpoint, load_checkpoint
     from popbert.io.hf_checkpoint import checkpoint_vocab
-    from popbert.io.openvino_ir import RUNTIMES, resolve_precision
+    from popbert.serve.openvino_ir import RUNTIMES, resolve_precision
 
     if runtime not in RUNTIMES:
         raise UsageError(f"--runtime: expected one of {', '.join(RUNTIMES)}, got {runtime!r}")
@@ -453,7 +453,7 @@ def _export_openvino(export: Callable[..., Path], config: BertConfig, task: str,
     """The FP32 ONNX export (verified in ONNX Runtime), converted to an OpenVINO IR directory
     at `output` (INT8 by NNCF, calibrated on `calibration`'s rows, when given) and verified
     again, at `precision`, against the torch backend."""
-    from popbert.io.openvino_ir import write_ir
+    from popbert.serve.openvino_ir import write_ir
 
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".tmp-{output.name}-") as tmp:
@@ -470,7 +470,8 @@ def _export_openvino(export: Callable[..., Path], config: BertConfig, task: str,
             from popbert.serve.accuracy import calibration_rows
 
             rows = calibration_rows(source, task, calibration, CALIBRATION_ROWS)
-        worst = write_ir(source, output, precision, batches, references, rows)
+        worst = write_ir(source, output, precision, batches, references, rows,
+                         f32_tolerance=VERIFY_ATOL, int8_tolerance=INT8_TOLERANCE)
     log.info("exported %s (OpenVINO IR, %s, precision %s%s): OpenVINO matches the torch backend "
              "to %.2g of the outputs' scale%s at batch x length %s", output, task, precision,
              f", INT8 calibrated on {len(rows)} rows" if rows else "", worst,

@@ -269,6 +269,10 @@ def _vocab(path: Path, args: Any = None) -> str | None:
 def _checkpoint(path: Path, args: Any = None) -> str | None:
     if (path / "state.json").exists():
         return None
+    incomplete = (path.name.startswith("step-") and path.parent.name == "checkpoints") or any(
+        (path / name).exists() for name in ("weights.safetensors", "optimizer.pt", "rng.pt"))
+    if incomplete:
+        return None  # a checkpoint copied in part: find_checkpoint says what to do instead
     if any((step / "state.json").exists() for step in (path / "checkpoints").glob("step-*")):
         return None
     return f"{describe(path)} without a checkpoint (no state.json, no checkpoints/step-*/)"

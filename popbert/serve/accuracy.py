@@ -81,7 +81,7 @@ def _squad(reference: Path, candidate: Path, data: Path, threads: int | None) ->
 def calibration_rows(model: Path, task: str, data: Path, rows: int) -> list[dict[str, np.ndarray]]:
     """Up to `rows` model rows of `data` (classification rows, or SQuAD windows), encoded as
     the export `model` is served, one row each cut to its length: what static quantization
-    (`popbert.io.openvino_ir.quantize`) calibrates its activation ranges on."""
+    (`popbert.serve.openvino_ir.quantize`) calibrates its activation ranges on."""
     from popbert.data.classification import encode_classification_counted
     from popbert.data.squad import build_windows, window_arrays
 

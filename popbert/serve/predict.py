@@ -42,7 +42,7 @@ from popbert.data.squad import (
 from popbert.data.tokenization import tokenizer_from_text
 from popbert.errors import UsageError, one_line
 from popbert.graph.annotations import METADATA_PREFIX
-from popbert.io.openvino_ir import is_ir
+from popbert.serve.openvino_ir import is_ir
 from popbert.textfile import read_text
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ class ExportedModel:
         self._run = lambda feeds: session.run(None, feeds)
 
     def _load_openvino(self, model: Path, threads: int | None) -> None:
-        from popbert.io.openvino_ir import compile_model, ir_file, metadata, openvino, run
+        from popbert.serve.openvino_ir import compile_model, ir_file, metadata, openvino, run
 
         ov = openvino()
         try:

@@ -126,7 +126,7 @@ def test_the_check_refuses_other_weights(runs: dict[str, Path], tmp_path: Path) 
     import onnx
 
     from popbert.io.export import export_checkpoint, sample_batch, torch_outputs
-    from popbert.io.openvino_ir import write_ir
+    from popbert.serve.openvino_ir import write_ir
 
     other = task_run(tmp_path / "other", "classification", seed=99)
     mine = export_checkpoint(runs["classification"], "classification", tmp_path / "mine.onnx")

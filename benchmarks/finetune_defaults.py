@@ -167,8 +167,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="another checkpoint to measure (repeatable)")
     parser.add_argument("--budget", type=float, default=120,
                         help="pre-training seconds of the fast model (default 120)")
-    parser.add_argument("--lrs", type=float, nargs="+", default=[2e-5, 1e-4, 3e-4, 1e-3])
-    parser.add_argument("--epochs", type=int, nargs="+", default=[3, 10])
+    parser.add_argument("--lrs", type=float, nargs="*", default=[2e-5, 1e-4, 3e-4, 1e-3],
+                        help="the grid's learning rates (none: only the defaults' run)")
+    parser.add_argument("--epochs", type=int, nargs="*", default=[3, 10])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1])
     parser.add_argument("--no-defaults", action="store_true",
                         help="skip the run with popbert's own lr and epochs")

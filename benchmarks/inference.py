@@ -29,10 +29,11 @@ attention masks, each runtime limited to each of `--threads` intra-op threads, a
 
 - `popbert-ov-fp32`, `popbert-ov-bf16`, `popbert-ov-int8` (where OpenVINO is installed; not by
   default otherwise): popbert's OpenVINO IR (`popbert export --runtime openvino`): the FP32
-  export above converted by `openvino.convert_model`, compiled at `INFERENCE_PRECISION_HINT` f32
-  and bf16, and NNCF's static INT8 of it (`popbert.serve.openvino_ir.quantize`, calibrated on
-  `--ov-calibration-rows` rows of random token ids at the timed length: the fixed part has no
-  real rows), compiled at `--ov-int8-precision` (`auto`: what `popbert export` stores, BF16
+  export above converted by `popbert.serve.openvino_ir.convert` (fused projections split, NaN
+  guards dropped), compiled at `INFERENCE_PRECISION_HINT` f32 and bf16, and NNCF's static
+  INT8 of it (`popbert.serve.openvino_ir.quantize`, calibrated on `--ov-calibration-rows`
+  rows of random token ids at the timed length: the fixed part has no real rows), compiled
+  at `--ov-int8-precision` (`auto`: what `popbert export` stores, BF16
   where the CPU computes in it);
 - `optimum-intel-fp32`, `optimum-intel-int8` (`--variants ... optimum-intel`): optimum-intel's
   `OVModelForFeatureExtraction` (export=True) and its static INT8 by `OVQuantizer` with
@@ -264,11 +265,12 @@ def calibration_ids(path: Path, rows: int, seq: int, vocab: int) -> Path:
 def popbert_irs(onnx_fp32: Path, directory: Path, names: list[str], calibration: Path | None,
                 rows: int) -> tuple[dict[str, Path], dict]:
     """popbert's OpenVINO IRs of the encoder, as `popbert export --runtime openvino` converts
-    them (`openvino.convert_model` of the FP32 ONNX export; `quantize`, NNCF's static INT8, on
-    `rows` rows of `calibration`), each `<name>/model.xml`; cached in `directory`."""
+    them (`popbert.serve.openvino_ir.convert` of the FP32 ONNX export; `quantize`, NNCF's
+    static INT8, on `rows` rows of `calibration`), each `<name>/model.xml`; cached in
+    `directory`."""
     import openvino as ov
 
-    from popbert.serve.openvino_ir import quantize
+    from popbert.serve.openvino_ir import convert, quantize
 
     files, notes = {}, {}
     model = None
@@ -279,11 +281,11 @@ def popbert_irs(onnx_fp32: Path, directory: Path, names: list[str], calibration:
             continue
         started = time.perf_counter()
         if model is None:
-            model = ov.convert_model(str(onnx_fp32))
+            model = convert(onnx_fp32)
         if name == "popbert-ov-int8":
             arrays = np.load(calibration)
             inputs = [i.get_any_name() for i in model.inputs]
-            converted = quantize(ov.convert_model(str(onnx_fp32)),
+            converted = quantize(convert(onnx_fp32),
                                  [{k: arrays[k][i:i + 1] for k in inputs} for i in range(rows)])
             ov.save_model(converted, str(target), compress_to_fp16=False)
         else:
@@ -1099,11 +1101,11 @@ LEGEND = [
     "is_static=False, per_channel=False / True), on that graph; on the mix (and for accuracy) "
     "through transformers' pipeline on ORTModelForSequenceClassification in Optimum's "
     "environment;",
-    "- popbert-ov-fp32 / -bf16 / -int8: popbert's OpenVINO IR (openvino.convert_model of the FP32 "
-    "export; NNCF static INT8 for -int8), compiled at INFERENCE_PRECISION_HINT f32 / bf16 / "
-    "--ov-int8-precision, INFERENCE_NUM_THREADS = the threads, one stream (PERFORMANCE_HINT "
-    "LATENCY, NUM_STREAMS 1), reshaped to each timed shape; on the mix through ClassifyPredictor "
-    "(dynamic shapes, OpenVINO's default hint and streams, recorded);",
+    "- popbert-ov-fp32 / -bf16 / -int8: popbert's OpenVINO IR (popbert.serve.openvino_ir.convert "
+    "of the FP32 export; NNCF static INT8 for -int8), compiled at INFERENCE_PRECISION_HINT "
+    "f32 / bf16 / --ov-int8-precision, INFERENCE_NUM_THREADS = the threads, one stream "
+    "(PERFORMANCE_HINT LATENCY, NUM_STREAMS 1), reshaped to each timed shape; on the mix "
+    "through ClassifyPredictor (dynamic shapes, OpenVINO's default hint and streams, recorded);",
     "- optimum-intel-fp32 / -int8: optimum-intel's OVModelFor... export and OVQuantizer with "
     "OVQuantizationConfig() (its defaults) on the same calibration rows, in its own environment; "
     "timed at fixed shapes as popbert's IRs are, on the mix through transformers' pipeline on "

@@ -31,6 +31,7 @@ from popbert.errors import CheckpointError, UsageError
 from popbert.graph.annotations import METADATA_PREFIX, strip_annotations, trainable_initializers
 from popbert.io.fused import CPU_FUSIONS, fuse_for_ort
 from popbert.io.quantize import DEFAULT_KEEP_FLOAT, QUANTIZE_MODES, quantize_int8
+from popbert.serve.agreement import check_agreement
 
 log = logging.getLogger(__name__)
 
@@ -140,26 +141,12 @@ def ort_outputs(source: bytes | Path, batch: Mapping[str, np.ndarray]) -> dict[s
 
 def compare(reference: Mapping[str, np.ndarray], theirs: Mapping[str, np.ndarray],
             dtype: str = "float32", quantize: str | None = None) -> float:
-    """Largest difference over outputs (for an INT8 export: the largest RMS difference relative
-    to the output's RMS, at least 1); RuntimeError above the tolerance for `dtype`/`quantize`."""
-    worst = 0.0
-    for name, value in theirs.items():
-        expected = reference[name]
-        if quantize:
-            rms = float(np.sqrt(np.mean(np.square(expected, dtype=np.float64))))
-            difference = float(np.sqrt(np.mean(np.square(expected - value, dtype=np.float64))))
-            difference /= max(1.0, rms)
-            allowed = INT8_TOLERANCE
-        else:
-            difference = float(np.abs(expected - value).max())
-            scale = max(1.0, float(np.abs(expected).max()))
-            allowed = (VERIFY_ATOL if dtype == "float32" else FP16_TOLERANCE) * scale
-        worst = max(worst, difference)
-        if not difference <= allowed:
-            raise RuntimeError(f"export check failed: output {name!r} differs between ONNX "
-                               f"Runtime and the torch backend by {difference:.3g} "
-                               f"(> {allowed:.3g}{' relative RMS' if quantize else ''})")
-    return worst
+    """`check_agreement` of ONNX Runtime's outputs at the tolerance for `dtype`/`quantize`."""
+    if quantize:
+        return check_agreement(reference, theirs, "ONNX Runtime", INT8_TOLERANCE,
+                               relative_rms=True)
+    return check_agreement(reference, theirs, "ONNX Runtime",
+                           VERIFY_ATOL if dtype == "float32" else FP16_TOLERANCE)
 
 
 def check_shapes(config: BertConfig, batch_size: int | None,
@@ -473,7 +460,7 @@ def _export_openvino(export: Callable[..., Path], config: BertConfig, task: str,
         worst = write_ir(source, output, precision, batches, references, rows,
                          f32_tolerance=VERIFY_ATOL, int8_tolerance=INT8_TOLERANCE)
     log.info("exported %s (OpenVINO IR, %s, precision %s%s): OpenVINO matches the torch backend "
-             "to %.2g of the outputs' scale%s at batch x length %s", output, task, precision,
+             "to %.2g%s at batch x length %s", output, task, precision,
              f", INT8 calibrated on {len(rows)} rows" if rows else "", worst,
              " (relative RMS)" if rows else "",
              ", ".join(f"{rows_}x{length}" for rows_, length in shapes))

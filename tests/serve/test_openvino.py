@@ -85,6 +85,42 @@ def test_a_modernbert_exports_too(tmp_path: Path) -> None:
                   "f32") == 0
 
 
+@pytest.mark.parametrize("preset, extra", [
+    ("tiny", ()),
+    ("fast", ("model.modernbert.local_attention=16", "model.num_heads=2")),
+], ids=["bert", "modernbert"])
+def test_the_runtime_rewrite_changes_no_output(preset: str, extra: tuple,
+                                               tmp_path: Path) -> None:
+    """`convert` splits the fused projections and drops the NaN guards after attention (for
+    OpenVINO's speed); the outputs must be the converter's own model's, on rows with padding,
+    and nothing of either pattern may be left."""
+    import openvino as ov
+
+    from popbert.io.export import export_checkpoint
+    from popbert.serve.openvino_ir import compile_model, convert, run
+
+    run_dir = task_run(tmp_path / "run", "encoder", preset, extra)
+    source = export_checkpoint(run_dir, "encoder", tmp_path / "m.onnx")
+    plain = ov.convert_model(str(source))
+    types = [op.get_type_name() for op in plain.get_ordered_ops()]
+    assert "IsNaN" in types and "Split" in types  # the patterns are there to remove
+    rewritten = convert(source)
+    left = [op for op in rewritten.get_ordered_ops() if op.get_type_name() in ("IsNaN", "Split")
+            and op.input_value(0).get_node().get_type_name() in ("MatMul", "Add",
+                                                               "ScaledDotProductAttention")]
+    assert left == []
+    rng = np.random.default_rng(0)
+    names = {i.get_any_name() for i in plain.inputs}
+    feeds = {"input_ids": rng.integers(5, 100, (3, 40)), "input_mask": np.ones((3, 40)),
+             "segment_ids": np.zeros((3, 40))}
+    feeds["input_mask"][1, 9:] = 0
+    feeds = {k: v.astype(np.int64) for k, v in feeds.items() if k in names}
+    expected = run(compile_model(plain, "f32"), feeds)
+    got = run(compile_model(rewritten, "f32"), feeds)
+    for name, value in expected.items():
+        np.testing.assert_allclose(got[name], value, rtol=0, atol=1e-5 * np.abs(value).max())
+
+
 def predictions(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 

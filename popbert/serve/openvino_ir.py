@@ -108,10 +108,9 @@ def split_fused_projections(model: Any) -> int:
     part, on the matching slices of the constant `W` and `b`; returns how many were split.
 
     popbert fuses them for ONNX Runtime, which runs one wide GEMM faster than three. OpenVINO
-    copies each part out of the wide output instead, and its INT8 kernels run three narrow
-    GEMMs faster: BERT-Base's INT8 call took 3-5% less time split
-    (benchmarks/RESULTS_inference.md). The slices hold the same numbers, so the outputs do
-    not change."""
+    copies each part out of the wide output instead. With `drop_nan_guards`, INT8 calls at batch
+    32 ran 1.03-1.08x faster on an AMD EPYC, batch 1 1.00-1.06x (benchmarks/openvino_rewrite.py,
+    RESULTS_inference.md). The slices hold the same numbers, so the outputs do not change."""
     import openvino.opset13 as opset
 
     split_count = 0
@@ -170,8 +169,8 @@ def drop_nan_guards(model: Any) -> int:
     every key is masked with -inf. popbert's masks add a finite -10000 (`MASK_VALUE` in the
     builders), so a row of masked keys averages them instead and the guard is dead, but it
     costs a pass over every layer's attention output and stands between the attention and the
-    quantized output projection. Removing it measured 1.0x-1.1x faster INT8 calls for
-    BERT-Base (benchmarks/RESULTS_inference.md)."""
+    quantized output projection (with `split_fused_projections`: benchmarks/openvino_rewrite.py).
+    """
     float_types = {"f32", "f16", "bf16"}
     dropped = 0
     for op in model.get_ordered_ops():

@@ -8,6 +8,8 @@ attention masks, each runtime limited to each of `--threads` intra-op threads, a
 
 - `hf`: `transformers.BertModel` in PyTorch eager mode (SDPA attention), `torch.no_grad()`
   (always run: the reference);
+- `hf-bf16` (not by default): the same module under `torch.autocast("cpu", torch.bfloat16)`,
+  the BF16 route PyTorch users take on a CPU with AVX512-BF16 or AMX;
 - `compile` (not by default: `--variants ... compile`): the same module under `torch.compile`
   (Inductor, static shapes, recompiled per thread count; compile time reported, not timed);
 - `popbert-fp32`: `popbert.io.export.export_weights(..., "encoder", ...)`, the verified standard-
@@ -118,7 +120,8 @@ POPBERT_VARIANTS = {"popbert-fp32": {}, "popbert-fused": {"optimize": True},
 # popbert's OpenVINO IRs → the precision each is compiled at (`int8`: --ov-int8-precision).
 OV_VARIANTS = {"popbert-ov-fp32": "f32", "popbert-ov-bf16": "bf16", "popbert-ov-int8": "int8"}
 INTEL_VARIANTS = {"optimum-intel-fp32": "f32", "optimum-intel-int8": "int8"}
-VARIANT_CHOICES = ("hf", "compile", *POPBERT_VARIANTS, *OV_VARIANTS, "optimum", "optimum-intel")
+VARIANT_CHOICES = ("hf", "hf-bf16", "compile", *POPBERT_VARIANTS, *OV_VARIANTS, "optimum",
+                   "optimum-intel")
 DEFAULT_VARIANTS = ("hf", *POPBERT_VARIANTS, "optimum")
 DEFAULT_INTEL_PYTHON = ROOT / "benchmarks" / ".optimum-intel-venv" / "bin" / "python"
 OPTIMUM_LEVELS = ("O1", "O2", "O3")
@@ -429,19 +432,21 @@ def ov_compiled(xml: Path, precision: str, threads: int, shape: tuple[int, int] 
 
 
 def measure(model, compiled, files: dict[str, Path], batch_size: int, seq: int, rounds: int,
-            threads: int, irs: dict[str, tuple[Path, str]] | None = None) -> dict[str, dict]:
+            threads: int, irs: dict[str, tuple[Path, str]] | None = None,
+            bf16_autocast: bool = False) -> dict[str, dict]:
     """Per variant: median and p90 latency (ms), and its agreement with `hf`; `irs`: OpenVINO
-    IRs (name → (model.xml, precision)), compiled for this shape and thread count."""
+    IRs (name → (model.xml, precision)), compiled for this shape and thread count;
+    `bf16_autocast`: also `hf-bf16`, the eager model under CPU BF16 autocast."""
     import torch
 
     sessions = {name: ort_session(path, threads) for name, path in files.items()}
     arrays = batch(batch_size, seq, model.config.vocab_size)
     inputs = hf_inputs(arrays)
 
-    def torch_runner(module):
+    def torch_runner(module, bf16: bool = False):
         def run():
-            with torch.no_grad():
-                return module(**inputs).last_hidden_state.numpy()
+            with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+                return module(**inputs).last_hidden_state.float().numpy()
         return run
 
     def ort_runner(session):
@@ -450,6 +455,8 @@ def measure(model, compiled, files: dict[str, Path], batch_size: int, seq: int, 
         return lambda: session.run(None, feeds)[index]
 
     runners = {"hf": torch_runner(model)}
+    if bf16_autocast:
+        runners["hf-bf16"] = torch_runner(model, bf16=True)
     if compiled is not None:
         runners["compile"] = torch_runner(compiled)
     runners.update({name: ort_runner(session) for name, session in sessions.items()})
@@ -551,7 +558,7 @@ def fixed_part(args: argparse.Namespace, work: Path, report: dict) -> list[str]:
                 rounds = (args.rounds if batch_size == 1 else
                           args.large_rounds or max(3, args.rounds // 5))
                 result = measure(model, compiled, files, batch_size, args.sequence_length,
-                                 rounds, threads, irs)
+                                 rounds, threads, irs, "hf-bf16" in variants)
                 row = {"model": key, "title": title, "threads": threads, "batch": batch_size,
                        "sequence": args.sequence_length, "variants": result,
                        "optimum-best-fp32": best_of(result, "optimum-", False),
@@ -566,11 +573,12 @@ def fixed_part(args: argparse.Namespace, work: Path, report: dict) -> list[str]:
 
 
 def ov_header() -> list[str]:
-    return ["| model | threads | batch | load (1 min) | HF eager (ms) | popbert ORT INT8 | "
+    return ["| model | threads | batch | load (1 min) | HF eager (ms) | HF eager BF16 autocast | "
+            "popbert ORT INT8 | "
             "popbert OV FP32 | popbert OV BF16 | popbert OV INT8 | optimum-intel FP32 | "
             "optimum-intel INT8 | OV INT8 / ORT INT8 | popbert OV INT8 / optimum-intel INT8 |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-            "| ---: |"]
+            "| ---: | ---: |"]
 
 
 def ratio(v: dict, slower: str, faster: str) -> str:
@@ -581,7 +589,7 @@ def ratio(v: dict, slower: str, faster: str) -> str:
 def ov_line(row: dict) -> str:
     v = row["variants"]
     return (f"| {row['title']} | {row['threads']} | {row['batch']} | {row['load']:.2f} | "
-            f"{v['hf']['ms']:.1f} | {cell(row, 'popbert-int8')} | "
+            f"{v['hf']['ms']:.1f} | {cell(row, 'hf-bf16')} | {cell(row, 'popbert-int8')} | "
             f"{cell(row, 'popbert-ov-fp32')} | {cell(row, 'popbert-ov-bf16')} | "
             f"{cell(row, 'popbert-ov-int8')} | {cell(row, 'optimum-intel-fp32')} | "
             f"{cell(row, 'optimum-intel-int8')} | {ratio(v, 'popbert-int8', 'popbert-ov-int8')}"
@@ -1091,7 +1099,8 @@ LEGEND = [
     "Runtime: CPU provider, ORT_ENABLE_ALL, the same intra-op threads, 1 inter-op thread; on the "
     "mix each runs where its users run it, with the same thread count):",
     "- hf: transformers BertModel / BertForSequenceClassification in PyTorch eager mode (SDPA), "
-    "FP32; on the mix through transformers' text-classification pipeline;",
+    "FP32 (hf-bf16: under torch.autocast to BF16); on the mix through transformers' "
+    "text-classification pipeline;",
     "- popbert-fp32 / -fused / -int8: popbert.io.export.export_weights, plain / optimize=True "
     "(ONNX Runtime's fused contrib operators) / quantize=\"int8\" (dynamic INT8 on the fused "
     "graph); on the mix through ClassifyPredictor (popbert predict classify);",

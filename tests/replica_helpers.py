@@ -1,4 +1,5 @@
-"""Helpers of the multi-process tests: a free TCP port for gloo, and comparing trained weights.
+"""Helpers of the multi-process tests: a rendezvous for gloo, a free TCP port for servers, and
+comparing trained weights.
 
 "Relative" is ||a - b|| / ||b|| over all weights (see tests/distributed/test_distributed.py for
 why the per-tensor bound is 100x the model-wide one).
@@ -7,6 +8,7 @@ why the per-tensor bound is 100x the model-wide one).
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import numpy as np
 
@@ -15,6 +17,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rendezvous(directory: Path) -> str:
+    """An `init_method` for spawned gloo replicas: a file store in `directory` (which must not
+    hold one yet). A file cannot be taken by another process between choosing it and binding
+    it, as a port from `free_port` can on a busy machine."""
+    store = Path(directory) / "rendezvous"
+    assert not store.exists(), store
+    return f"file://{store}"
 
 
 def relative(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[float, float]:

@@ -31,7 +31,7 @@ import torch
 from bert_helpers import one_thread, padded_batch, small_config  # noqa: F401 (autouse)
 from checkpoint_helpers import final_step_weights, run_records
 from packing_helpers import K, match_rows, only_sequence, sequences
-from replica_helpers import assert_same, free_port
+from replica_helpers import assert_same, rendezvous
 from test_popart_dialect import assert_gradients_close
 
 from popbert.builders.bert import build_bert
@@ -147,7 +147,7 @@ def train_replica(cfg, rank: int, replicas=None) -> tuple[dict[str, np.ndarray],
     return {n: w.float().numpy() for n, w in session.weights().items()}, losses
 
 
-def _replica_worker(rank: int, world: int, port: int, out: str) -> None:
+def _replica_worker(rank: int, world: int, init_method: str, out: str) -> None:
     """Two gloo replicas: data parallel, sharded (RTS), sharded with BF16 weights (spawned:
     importable, no pytest state)."""
     import logging
@@ -158,8 +158,7 @@ def _replica_worker(rank: int, world: int, port: int, out: str) -> None:
 
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     replicas = Replicas.from_group(None, owns_process_group=True)
     runs = {"dp": {}, "rts": {"execution__replicated_tensor_sharding": True},
             "rts-bf16": {"execution__replicated_tensor_sharding": True,
@@ -177,7 +176,7 @@ def replica_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("groupbert-replicas")
-    mp.spawn(_replica_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_replica_worker, args=(2, rendezvous(out), str(out)), nprocs=2, join=True)
     weights, losses = train_replica(replica_config(1, 2), 0)
     np.savez(out / "single.npz", **weights)
     (out / "single.json").write_text(json.dumps(losses))

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import safetensors.numpy
-from replica_helpers import assert_same, free_port, relative
+from replica_helpers import assert_same, free_port, relative, rendezvous
 
 STEPS = 10
 SMALL = {
@@ -53,7 +53,7 @@ def config(replicas: int, accumulation: int, **values: object):
                                             **values}))
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, init_method: str, out: str) -> None:
     """Every scenario, in one 4-process job (spawned: must be importable, no pytest state)."""
     import logging
 
@@ -62,8 +62,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     from memory_helpers import gradient_shard_bytes, optimizer_state_bytes
     from trainer_helpers import run_pretraining
 
@@ -190,7 +189,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     load_training_data(config(1, 4))  # the instance cache, once, before the replicas read it
     out = tmp_path_factory.mktemp("replicas")
     started = time.perf_counter()
-    mp.spawn(_worker, args=(4, free_port(), str(out)), nprocs=4, join=True)
+    mp.spawn(_worker, args=(4, rendezvous(out), str(out)), nprocs=4, join=True)
     print(f"\n4-process scenarios: {time.perf_counter() - started:.1f} s")
     return out
 

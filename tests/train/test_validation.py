@@ -222,7 +222,7 @@ def replicated_config(replicas: int, eval_batches: int):
                                 f"training.eval_batches={eval_batches}"])
 
 
-def _replica(rank: int, port: int, out: str) -> None:
+def _replica(rank: int, init_method: str, out: str) -> None:
     """One of two replicas (spawned: importable, no pytest state)."""
     import torch.distributed as dist
     from trainer_helpers import run_pretraining
@@ -230,8 +230,7 @@ def _replica(rank: int, port: int, out: str) -> None:
     from popbert.distributed import Replicas
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     run_pretraining(replicated_config(2, 2), Path(out),
                     replicas=Replicas.from_group(None, owns_process_group=True))
 
@@ -239,16 +238,12 @@ def _replica(rank: int, port: int, out: str) -> None:
 @pytest.mark.e2e
 def test_replicas_evaluate_their_shares_and_average(tmp_path: Path) -> None:
     """Two replicas × 2 validation batches each = one replica × the same 4 batches."""
-    import socket
-
     import torch.multiprocessing as mp
+    from replica_helpers import rendezvous
     from trainer_helpers import run_pretraining
 
     run_pretraining(replicated_config(1, 4), tmp_path / "one")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_replica, args=(port, str(tmp_path / "two")), nprocs=2, join=True)
+    mp.spawn(_replica, args=(rendezvous(tmp_path), str(tmp_path / "two")), nprocs=2, join=True)
     one = {r["step"]: r for r in read_metrics(tmp_path / "one" / "metrics.jsonl")}
     two = {r["step"]: r for r in read_metrics(tmp_path / "two" / "metrics.jsonl")}
     assert val_steps(tmp_path / "one") == val_steps(tmp_path / "two") == [2, 4]

@@ -306,14 +306,21 @@ def intel_export(python: Path, hf_dir: Path, task: str, output: Path, calibratio
         manifest = json.loads(manifest_file.read_text())
         if manifest.get("source") == str(hf_dir):
             return manifest
+    return side_export([str(python), str(OPTIMUM_SIDE), "export-ov", "--model", str(hf_dir),
+                        "--task", task, "--output", str(output), *calibration],
+                       output, log_file, "optimum-intel's export")
+
+
+def side_export(command: list[str], output: Path, log_file: Path, what: str) -> dict:
+    """Run `command` (an `optimum_side.py` export into `output`, made afresh) with its stderr
+    in `log_file`; the manifest it writes, or exit naming `what` failed."""
     shutil.rmtree(output, ignore_errors=True)
-    command = [str(python), str(OPTIMUM_SIDE), "export-ov", "--model", str(hf_dir), "--task",
-               task, "--output", str(output), *calibration]
     print(f"$ {' '.join(command)}", flush=True)
     with open(log_file, "w") as log:
         done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT)
+    manifest_file = output / "manifest.json"
     if done.returncode or not manifest_file.is_file():
-        sys.exit(f"optimum-intel's export failed ({done.returncode}): see {log_file}")
+        sys.exit(f"{what} failed ({done.returncode}): see {log_file}")
     return json.loads(manifest_file.read_text())
 
 
@@ -328,15 +335,9 @@ def optimum_export(python: Path, hf_dir: Path, task: str, output: Path, int8: li
         if manifest.get("int8") == int8 and manifest.get("source") == str(hf_dir) \
                 and manifest.get("levels") == list(OPTIMUM_LEVELS):
             return manifest
-    shutil.rmtree(output, ignore_errors=True)
-    command = [str(python), str(OPTIMUM_SIDE), "export", "--model", str(hf_dir), "--task", task,
-               "--output", str(output), "--levels", *OPTIMUM_LEVELS, "--int8", *int8]
-    print(f"$ {' '.join(command)}", flush=True)
-    with open(log_file, "w") as log:
-        done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT)
-    if done.returncode or not manifest_file.is_file():
-        sys.exit(f"Optimum's export failed ({done.returncode}): see {log_file}")
-    return json.loads(manifest_file.read_text())
+    return side_export([str(python), str(OPTIMUM_SIDE), "export", "--model", str(hf_dir),
+                        "--task", task, "--output", str(output), "--levels", *OPTIMUM_LEVELS,
+                        "--int8", *int8], output, log_file, "Optimum's export")
 
 
 def optimum_files(manifest: dict) -> dict[str, Path]:

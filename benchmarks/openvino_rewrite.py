@@ -51,6 +51,12 @@ def int8_irs(onnx_fp32: Path, calibration: Path, rows: int, directory: Path
     return files
 
 
+def feeds_for(compiled, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`inference.batch`'s arrays under the input names of the compiled IR."""
+    return {i.get_any_name(): arrays[inference.INPUT_ROLES[i.get_any_name()]]
+            for i in compiled.inputs}
+
+
 def fp32_difference(onnx_fp32: Path, seq: int, vocab: int) -> float:
     """Largest absolute output difference between the two FP32 conversions, padded rows
     included."""
@@ -60,12 +66,9 @@ def fp32_difference(onnx_fp32: Path, seq: int, vocab: int) -> float:
 
     arrays = inference.batch(4, seq, vocab, seed=3)
     arrays["mask"][1, seq // 3:] = 0
-    feeds = {"input_ids": arrays["ids"], "segment_ids": arrays["segments"],
-             "input_mask": arrays["mask"]}
     plain = compile_model(ov.convert_model(str(onnx_fp32)), "f32")
     rewritten = compile_model(convert(onnx_fp32), "f32")
-    names = {i.get_any_name() for i in plain.inputs}
-    feeds = {k: v for k, v in feeds.items() if k in names}
+    feeds = feeds_for(plain, arrays)
     expected, got = run(plain, feeds), run(rewritten, feeds)
     return max(float(np.abs(expected[k] - got[k]).max()) for k in expected)
 
@@ -117,15 +120,12 @@ def main() -> None:
         difference = fp32_difference(onnx_fp32, args.sequence_length, vocab)
         for batch_size in args.batch_sizes:
             arrays = inference.batch(batch_size, args.sequence_length, vocab)
-            feeds = {"input_ids": arrays["ids"], "segment_ids": arrays["segments"],
-                     "input_mask": arrays["mask"]}
             runners = {}
             for name in VARIANTS:
                 compiled, _ = inference.ov_compiled(files[name], precision, args.threads,
                                                     (batch_size, args.sequence_length))
-                mine = {k: v for k, v in feeds.items()
-                        if k in {i.get_any_name() for i in compiled.inputs}}
-                runners[name] = (lambda c=compiled, f=mine: c(f))
+                feeds = feeds_for(compiled, arrays)
+                runners[name] = (lambda c=compiled, f=feeds: c(f))
             rounds = args.rounds if batch_size == 1 else max(3, args.rounds // 4)
             times = inference.time_rotating(runners, rounds)
             median = {name: statistics.median(values) for name, values in times.items()}

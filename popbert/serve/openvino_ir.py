@@ -14,7 +14,6 @@ OpenVINO is an optional extra (`pip install 'popbert[openvino]'`); training neve
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,6 @@ import numpy as np
 
 from popbert.errors import UsageError
 from popbert.serve.agreement import check_agreement
-
-log = logging.getLogger(__name__)
 
 IR_FILE = "model.xml"
 RUNTIMES = ("onnxruntime", "openvino")
@@ -234,10 +231,10 @@ def write_ir(onnx_model: Path, output: Path, precision: str,
         if key.startswith(f"{RT_INFO}."):
             model.set_rt_info(value, [RT_INFO, key.split(".", 1)[1]])
     compiled = compile_model(model, precision)
-    runtime = f"OpenVINO ({'INT8' if calibration is not None else precision})"
     if calibration is not None:
-        tolerance = int8_tolerance
+        runtime, tolerance = "OpenVINO (INT8)", int8_tolerance
     else:
+        runtime = f"OpenVINO ({precision})"
         tolerance = f32_tolerance if precision == "f32" else BF16_TOLERANCE
     worst = max(check_agreement(reference, run(compiled, batch), runtime, tolerance,
                                 relative_rms=calibration is not None)

@@ -55,11 +55,16 @@ def expand_input_files(input_files: PathsLike) -> list[Location]:
             matches = sorted(glob.glob(item))
             if not matches:
                 raise DataError(f"{item}: no input files match this pattern")
+            directory = next((m for m in matches if os.path.isdir(m)), None)
+            if directory is not None:  # read as a file it would fail mid-stage
+                raise DataError(f"{item}: matches the directory {directory}; a glob must "
+                                f"match files only")
             files.extend(Path(m) for m in matches)
         else:
             path = Path(item)
             if not path.is_file():
-                raise DataError(f"{path}: input file not found")
+                found = "a directory, not a file" if path.is_dir() else "input file not found"
+                raise DataError(f"{path}: {found}")
             files.append(path)
     seen: set[Location] = set()
     unique = []

@@ -84,7 +84,7 @@ class StageDir:
         """Create the directory, or check that an existing one was made with these parameters;
         either way, lock it."""
         if isinstance(self.path, str):  # a prefix: nothing to create, nothing to lock
-            self._fresh_prefix = not storage.list_parts(self.path, "*")
+            self._fresh_prefix = not storage.list_parts(self.path, "*", directories=True)
         else:
             missing = [d for d in (self.path, *self.path.parents) if not d.exists()]
             self.path.mkdir(parents=True, exist_ok=True)

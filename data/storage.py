@@ -17,6 +17,7 @@ where it stopped), and what still fails is one `DataError` line naming the URL.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import logging
@@ -126,6 +127,7 @@ def filesystem(url: str) -> tuple[Any, str]:
     """(fsspec filesystem, path within it) for a URL, built with the configured options."""
     import fsspec
 
+    check_bucket(url)
     try:
         return fsspec.core.url_to_fs(url, **_options)
     except ImportError as exc:
@@ -139,41 +141,95 @@ def filesystem(url: str) -> tuple[Any, str]:
                         f"({one_line(exc, 200)})") from None
 
 
+#: Schemes whose URL's first component is a bucket (or container), named, never a pattern.
+BUCKET_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss"})
+
+
+def check_bucket(url: str) -> None:
+    """Refuse a bucket (container) name holding a glob character: stores list keys, not
+    buckets, so `s3://logs-*/x` can only fail, and no retry makes it pass."""
+    import glob as globlib
+
+    found = scheme(url)
+    if found not in BUCKET_SCHEMES:
+        return
+    bucket = url.split("://", 1)[1].split("/", 1)[0]
+    if not bucket:
+        raise DataError(f"{url}: no bucket named ({found}://BUCKET/KEY expected)")
+    if globlib.has_magic(bucket):
+        raise DataError(f"{url}: the bucket name {bucket!r} holds a glob character (* ? [); "
+                        f"only the key after it may be a pattern")
+
+
 def full_url(fs: Any, path: str) -> str:
     """A filesystem path as a URL again (`fs.glob` returns paths without the scheme)."""
     return fs.unstrip_protocol(path)
 
 
 # ---------------------------------------------------------------------------------- retries
-_FINAL = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
-          DataError, ValueError, TypeError, KeyError)
+#: Exception class names (anywhere in an error's class hierarchy) that mean the connection or
+#: the server failed for now: botocore's, aiohttp's, requests', Azure's and fsspec's, matched
+#: by name so that none of those optional packages is imported to classify an error.
+_TRANSIENT_NAMES = frozenset({
+    "ConnectionError", "ConnectionClosedError", "EndpointConnectionError",
+    "ConnectTimeoutError", "ReadTimeoutError", "ClientConnectionError", "ClientPayloadError",
+    "ServerDisconnectedError", "ServerTimeoutError", "IncompleteRead", "FSTimeoutError",
+    "ResponseStreamingError", "ServiceRequestError", "ServiceResponseError", "ProtocolError",
+    "Timeout", "TimeoutError", "ChunkedEncodingError"})
+#: errno values of an OSError that a later attempt can pass: the server's 5xx (s3fs says EIO),
+#: a busy or unreachable peer.
+_TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT,
+                               errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED,
+                               errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN,
+                               errno.EPIPE})
+#: Class names of refused or missing credentials (botocore's `NoCredentialsError`, ...).
+_CREDENTIAL_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError",
+                               "CredentialRetrievalError", "ClientAuthenticationError",
+                               "DefaultCredentialsError", "RefreshError"})
 
 
-def _explain(url: str, exc: BaseException) -> DataError:
+def transient(exc: BaseException) -> bool:
+    """Whether `exc` can pass on a retry: a dropped or refused connection, a timeout, a server
+    error. A malformed URL, a missing bucket or object and refused or missing credentials
+    cannot, and are never retried."""
+    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError,
+                        NotADirectoryError, DataError)):
+        return False
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if names & _CREDENTIAL_NAMES:
+        return False
+    if isinstance(exc, (ConnectionError, TimeoutError)) or names & _TRANSIENT_NAMES:
+        return True
+    return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
+
+
+def _explain(url: str, exc: BaseException, what: str, attempts: int) -> DataError:
     """The one line for an operation that failed for good."""
     reason = one_line(exc, 300)
-    if isinstance(exc, PermissionError):
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if isinstance(exc, PermissionError) or names & _CREDENTIAL_NAMES:
         return DataError(f"{url}: access refused ({reason}); check the credentials (for S3 "
                          f"AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or data.storage_options)")
     if isinstance(exc, FileNotFoundError):
         return DataError(f"{url}: not found ({reason})")
     if isinstance(exc, DataError):
         return exc
-    return DataError(f"{url}: the storage failed after {ATTEMPTS} attempts ({reason})")
+    if attempts > 1:
+        return DataError(f"{url}: the storage failed after {attempts} attempts ({reason})")
+    return DataError(f"{url}: {what} failed ({reason})")
 
 
 def with_retries(operation: Callable[[], T], url: str, what: str = "reading") -> T:
-    """`operation()`, retried with backoff while the connection fails; a missing object, refused
-    credentials or a last failure is one `DataError` naming `url`."""
+    """`operation()`, retried with backoff while the failure is `transient` (the connection,
+    a timeout, the server); anything else, or the last transient failure, is one `DataError`
+    naming `url`."""
     pause = FIRST_PAUSE_S
     for attempt in range(1, ATTEMPTS + 1):
         try:
             return operation()
-        except _FINAL as exc:
-            raise _explain(url, exc) from None
-        except Exception as exc:  # connection refused or dropped, timeouts, 5xx
-            if attempt == ATTEMPTS:
-                raise _explain(url, exc) from None
+        except Exception as exc:
+            if attempt == ATTEMPTS or not transient(exc):
+                raise _explain(url, exc, what, attempt) from None
             log.warning("%s %s failed (%s); retrying in %.1f s (attempt %d of %d)", what, url,
                         one_line(exc, 200), pause, attempt + 1, ATTEMPTS)
             time.sleep(pause)
@@ -183,21 +239,29 @@ def with_retries(operation: Callable[[], T], url: str, what: str = "reading") ->
 
 # ---------------------------------------------------------------------------------- reading
 def expand(pattern: str) -> list[str]:
-    """The URLs a remote path or glob names, sorted; none is a `DataError`."""
+    """The URLs a remote path or glob names, sorted: files only. None, or a directory (a
+    prefix holding objects) among a glob's matches, is a `DataError` naming it."""
     fs, path = _fresh(pattern)
     import glob as globlib
 
     if globlib.has_magic(path):
-        found = with_retries(lambda: sorted(fs.glob(path)), pattern, "listing")
-        files = [full_url(fs, p) for p in found if not fs.isdir(p)]
-        if not files:
+        found = with_retries(lambda: fs.glob(path, detail=True), pattern, "listing")
+        directories = sorted(p for p, info in found.items() if _is_dir(info))
+        if directories:
+            raise DataError(f"{pattern}: matches the directory {full_url(fs, directories[0])}; "
+                            f"a glob must match files only")
+        if not found:
             raise DataError(f"{pattern}: no input files match this pattern")
-        return files
+        return [full_url(fs, p) for p in sorted(found)]
     if not with_retries(lambda: fs.isfile(path), pattern, "checking"):
         exists = with_retries(lambda: fs.exists(path), pattern, "checking")
         found = "a directory, not a file" if exists else "input file not found"
         raise DataError(f"{pattern}: {found}")
     return [pattern]
+
+
+def _is_dir(info: Mapping[str, Any]) -> bool:
+    return info.get("type") == "directory"
 
 
 def exists(path: Location) -> bool:
@@ -208,13 +272,24 @@ def exists(path: Location) -> bool:
     return bool(with_retries(lambda: fs.isfile(inner), path, "checking"))
 
 
-def list_parts(directory: Location, pattern: str) -> list[Location]:
-    """Files named `pattern` (a glob) in a local directory or under a URL prefix, sorted."""
+def list_parts(directory: Location, pattern: str, directories: bool = False
+               ) -> list[Location]:
+    """Files named `pattern` (a glob) in a local directory or under a URL prefix, sorted. A
+    directory matching it is a `DataError` naming it (`directories=True`: listed too)."""
     if isinstance(directory, Path):
-        return sorted(directory.glob(pattern))
+        found = sorted(directory.glob(pattern))
+        stray = next((p for p in found if p.is_dir()), None) if not directories else None
+        if stray is not None:
+            raise DataError(f"{stray}: a directory where {directory} holds {pattern} files")
+        return found
     fs, inner = _fresh(directory)
-    found = with_retries(lambda: fs.glob(f"{inner.rstrip('/')}/{pattern}"), directory, "listing")
-    return sorted(full_url(fs, p) for p in found)
+    listed = with_retries(lambda: fs.glob(f"{inner.rstrip('/')}/{pattern}", detail=True),
+                          directory, "listing")
+    stray = next((p for p, info in sorted(listed.items()) if _is_dir(info)), None)
+    if stray is not None and not directories:
+        raise DataError(f"{full_url(fs, stray)}: a directory where {directory} holds "
+                        f"{pattern} files")
+    return sorted(full_url(fs, p) for p in listed)
 
 
 def size(path: Location) -> int:
@@ -474,8 +549,9 @@ def shard_cache() -> ShardCache:
         return _cache
 
 
-__all__ = ["ATTEMPTS", "CHUNK_BYTES", "DEFAULT_CACHE_LIMIT", "Location", "ShardCache",
-           "check_reachable", "configure", "default_cache_dir", "exists", "expand", "filesystem",
-           "is_directory", "is_url", "join", "list_parts", "local_file", "location", "name_of",
-           "open_input", "open_metadata", "publish", "read_bytes", "remove", "scheme",
-           "shard_cache", "size", "spool_dir", "temp_path", "with_retries", "write_bytes"]
+__all__ = ["ATTEMPTS", "BUCKET_SCHEMES", "CHUNK_BYTES", "DEFAULT_CACHE_LIMIT", "Location",
+           "ShardCache", "check_bucket", "check_reachable", "configure", "default_cache_dir",
+           "exists", "expand", "filesystem", "is_directory", "is_url", "join", "list_parts",
+           "local_file", "location", "name_of", "open_input", "open_metadata", "publish",
+           "read_bytes", "remove", "scheme", "shard_cache", "size", "spool_dir", "temp_path",
+           "transient", "with_retries", "write_bytes"]

@@ -419,6 +419,11 @@ def _paths_of(text: str, kind: PathKind) -> Iterator[Path]:
             matches = sorted(globlib.glob(item))
             if not matches:
                 raise UsageError(f"{item}: matches no file")
+            # A glob names files: a directory among them would be read as one mid-stage.
+            directory = next((m for m in matches if os.path.isdir(m)), None)
+            if directory is not None:
+                raise UsageError(f"{item}: matches the directory {directory}; a glob must "
+                                 f"match files only")
             yield from (Path(m) for m in matches[:8])  # a look at the first few is enough
         else:
             yield Path(item)

@@ -268,6 +268,11 @@ class TrainingConfig:
     # end (0 = not by time), so runs of different speeds are measured at the same seconds.
     # Only when there is validation data (a preset may set it for runs that bring none).
     eval_points: int = setting(0, at_least(0, " (0 = not by time)"))
+    # Under a time budget: the evaluations (which the budget leaves out) may take at most this
+    # share of it; they are sized to fit before the run trains (fewer batches, then fewer
+    # points), from one validation batch timed then. null: 0.25. Above 1: longer than the
+    # training itself.
+    eval_share: float | None = setting(None, above(0).or_null())
     # Train for this long instead of to `steps` (seconds; `30m`, `2h` on the command line): the
     # run stops when the budget is spent, leaving time for the final checkpoint and export, and
     # the learning-rate schedule is laid over the budget (`steps` then sets its resolution: at a
@@ -530,6 +535,10 @@ def _check_across(cfg: RunConfig) -> None:
     if t.eval_points and t.time_budget is None:
         raise Invalid("training.eval_points spaces evaluations over training.time_budget; set "
                       "a budget, or use training.eval_every (steps)", "training.eval_points",
+                      "training.time_budget")
+    if t.eval_share is not None and t.time_budget is None:
+        raise Invalid("training.eval_share sizes evaluations to training.time_budget; set a "
+                      "budget, or remove training.eval_share", "training.eval_share",
                       "training.time_budget")
     if e.trim_padding and (m.packed or m.dialect != "onnx"):
         raise Invalid("execution.trim_padding cuts unpadded rows to their longest; it needs "

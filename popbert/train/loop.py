@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from popbert.errors import PopbertError
+from popbert.errors import ConfigError, PopbertError
 from popbert.observe.tracking import MetricsLogger
 from popbert.runtime.protocol import Session
 
@@ -150,6 +150,44 @@ class PartialBatch:
     samples: int
 
 
+EVAL_SHARE = 0.25  # training.eval_share's default: the most of a budget evaluations may take
+FEWEST_BATCHES = 4  # a budget's evaluations lose points before they fall below these batches
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """What a budgeted run evaluates, sized to `training.eval_share` of its budget before it
+    trains (`plan_evaluations`): at `points` fractions of the budget (0: by `eval_every`
+    instead) on the first `batches` validation micro-batches, about `seconds` each."""
+
+    points: int
+    batches: int
+    seconds: float
+
+
+def plan_evaluations(points: int, batches: int, batch_seconds: float, allowed: float
+                     ) -> EvalPlan:
+    """The evaluations that fit in `allowed` seconds, a validation batch taking
+    `batch_seconds`. With `points`: all of them on all `batches` when they fit; else fewer
+    batches, down to `FEWEST_BATCHES` (fewer make a noisy measure), then fewer points, down to
+    one (the final weights'), then fewer batches, down to one. By `eval_every` (`points` 0)
+    how many evaluations a budget holds is not known before it is run: one of them is made to
+    fit, and the loop stops evaluating once the share is spent. A plan whose one evaluation of
+    one batch does not fit has `seconds` above `allowed` (the caller refuses it)."""
+    def most(evaluations: int) -> int:  # batches that many evaluations fit in `allowed`
+        return math.floor(allowed / (evaluations * batch_seconds) + 1e-9)
+
+    p, b = points, batches
+    if batch_seconds > 0 and max(p, 1) * b * batch_seconds > allowed:
+        if p:
+            b = max(min(batches, FEWEST_BATCHES), most(p))
+            if p * b * batch_seconds > allowed:
+                p = max(1, math.floor(allowed / (b * batch_seconds) + 1e-9))
+        if b * batch_seconds > allowed:
+            b = max(1, most(1))
+    return EvalPlan(p, b, b * batch_seconds)
+
+
 @dataclass(frozen=True)
 class LoopSettings:
     """How long the loop runs and how often it logs and evaluates (`training.*`)."""
@@ -158,6 +196,7 @@ class LoopSettings:
     log_every: int = 10
     eval_every: int = 0
     eval_points: int = 0  # under a budget: evaluate at k / eval_points of it, and at the end
+    eval_share: float = EVAL_SHARE  # under a budget: the most of it evaluations may take
     divergence_factor: float = 0.0  # 0: only a non-finite loss counts as diverged
     samples_per_step: int = 0  # sequences per optimizer step, for seq_per_s (0: not logged)
     desc: str = "train"  # the progress bar's label
@@ -167,6 +206,7 @@ class LoopSettings:
         t = cfg.training
         return cls(steps=t.steps, log_every=t.log_every, eval_every=t.eval_every,
                    eval_points=t.eval_points if t.time_budget else 0,
+                   eval_share=t.eval_share if t.eval_share is not None else EVAL_SHARE,
                    divergence_factor=t.divergence_factor,
                    samples_per_step=cfg.global_batch_size, desc=desc)
 
@@ -202,6 +242,10 @@ class TrainingClock:
 
     def start(self) -> None:
         self._mark = self._now()
+
+    def read(self) -> float:
+        """The clock's time now (seconds; what `tick` counts from), without counting it."""
+        return self._now()
 
     def tick(self) -> float:
         """Add the seconds since the last tick (or `start`); the elapsed seconds."""
@@ -283,6 +327,9 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
     called once, right after the first run of steps (under a budget: the caller measures its
     finish there, on the weights and optimizer state of a trained step, and may refuse the
     budget); its seconds, and a due checkpoint's, are not part of the run's measured time.
+    Under a budget, evaluations are outside it but sized to `settings.eval_share` of it before
+    the first step (`_size_evaluations`: fewer points or batches, said in one line), and one
+    that would take them past the share on a machine that slowed down is left out.
     """
     clock = clock if clock is not None else TrainingClock()
     budgeted = clock.budget is not None
@@ -291,7 +338,18 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
     if (eval_every or settings.eval_points) and not validation:
         raise ValueError("eval_every (or eval_points) needs validation batches")
     points = settings.eval_points if budgeted else 0
+    allowed = math.inf  # the seconds evaluations may take (training.eval_share of a budget)
+    evaluation_s = 0.0
+    each = 0.0  # the longest evaluation's seconds (planned, then measured)
+    if budgeted and validation and (points or eval_every):
+        assert clock.budget is not None
+        allowed = settings.eval_share * clock.budget
+        plan, evaluation_s = _size_evaluations(session, validation, clock, points, eval_every,
+                                               settings.eval_share)
+        validation, points, each = validation[:plan.batches], plan.points, plan.seconds
     next_point = _next_point(clock.progress(), points)  # a resumed run: the next one ahead
+    spent = 0.0  # seconds of this loop's evaluations that count against `allowed`
+    told_share = False
     replicas = session.replicas
     first_step = session.step
     window: dict[str, list[float]] = {}
@@ -309,8 +367,6 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
     shown: dict[str, float] = {}  # the bar keeps the last validation loss between evaluations
     last_step = sys.maxsize if budgeted else steps  # the final checkpoint's step, when known
     stop_signal = 0
-    told_eval_cost = False
-    evaluation_s = 0.0
     try:
         while _more(session, steps, clock):
             batch = next(batches, None)
@@ -359,26 +415,33 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
             if points:
                 # Each replica's clock reads a little differently; evaluation is collective,
                 # so all evaluate when any one reached the point.
-                at_point = not all_replicas(session, clock.progress() < next_point)
+                at_point = not all_replicas(session, clock.progress() < next_point) \
+                    and next_point < 1 - 1e-9  # the last point is the final weights' (below)
                 if at_point:  # a replica short of the point moves past it with the others
                     next_point = _next_point(max(clock.progress(), next_point), points)
-            if at_point or (eval_every and session.step % eval_every < steps_done):
-                eval_started = time.perf_counter()
+            due = at_point or bool(eval_every and session.step % eval_every < steps_done)
+            if due and allowed < math.inf:
+                # A machine that got slower: an evaluation that would take them past the share
+                # (with eval_points, keeping one for the final weights) is left out.
+                room = spent + each * (2 if points else 1) <= allowed * (1 + 1e-9)
+                due = all_replicas(session, room)
+                if not due and not told_share:
+                    told_share = True
+                    log.info("evaluation: none after step %d: another would take the %.1f s "
+                             "spent evaluating past %g%% of the %g s budget "
+                             "(training.eval_share)%s", session.step, spent,
+                             100 * settings.eval_share, clock.budget,
+                             "; the final weights are still measured" if points else "")
+            if due:
+                clock.tick()
+                eval_started, eval_read = time.perf_counter(), clock.read()
                 evaluated = evaluate(session, validation)
-                eval_seconds = time.perf_counter() - eval_started
+                eval_seconds = clock.read() - eval_read
+                spent += eval_seconds
                 evaluation_s += eval_seconds
-                window_start += eval_seconds  # seq_per_s: training only
+                each = max(each, eval_seconds)
+                window_start += time.perf_counter() - eval_started  # seq_per_s: training only
                 clock.skip()  # measuring is not training: curves against elapsed_s stay fair
-                if budgeted and not told_eval_cost:  # what the budget leaves out, said once
-                    told_eval_cost = True
-                    # With eval_points: at k / points of the budget for k < points (the run
-                    # stops before all of it is spent), and once on the final weights.
-                    total = (f" (about {eval_seconds * points:.0f} s in all at {points} "
-                             "evaluations)" if points else "")
-                    rows = sum(len(next(iter(b.values()))) for b in validation)
-                    log.info("evaluation: %d micro-batches (%d rows) took %.1f s; evaluations "
-                             "are not counted in training.time_budget%s", len(validation), rows,
-                             eval_seconds, total)
             if session.step % log_every < steps_done or session.step >= last_step or evaluated:
                 record = _log(session, window, session.step, schedule, tracker, sizes,
                               warming, time.perf_counter() - window_start, clock.tick(),
@@ -414,9 +477,9 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
                                                               for k in record)
         if points and not measured and not stop_signal:
             clock.tick()  # with eval_points the run's final weights are measured too
-            eval_started = time.perf_counter()
+            eval_read = clock.read()
             evaluated = evaluate(session, validation)
-            evaluation_s += time.perf_counter() - eval_started
+            evaluation_s += clock.read() - eval_read
             clock.skip()
         if budgeted and (window or evaluated):  # the budget ended the run between two logs
             record = _log(session, window, session.step, schedule, tracker, sizes, warming,
@@ -449,6 +512,61 @@ def evaluate(session: Session, validation: Sequence[Batch]) -> dict[str, float]:
             if value is not None and value.dim() == 0:
                 values.setdefault(f"val_{key}", []).append(float(value.float()))
     return _window_means(values, session)
+
+
+def _size_evaluations(session: Session, validation: Sequence[Batch], clock: TrainingClock,
+                      points: int, eval_every: int, share: float) -> tuple[EvalPlan, float]:
+    """Before a budgeted run trains: time one validation batch (the second evaluated: the first
+    pays what is done once), the slowest replica's, and size the evaluations to `share` of the
+    budget (`plan_evaluations`), said in one line; the plan and the seconds this took. One
+    evaluation of one batch that does not fit is refused (`ConfigError`): such a run would
+    measure nothing it was asked to."""
+    budget = clock.budget
+    assert budget is not None
+    started = clock.read()
+    session.evaluate(validation[0])
+    probed = clock.read()
+    session.evaluate(validation[min(1, len(validation) - 1)])
+    finished = clock.read()
+    batch_seconds = _agreed_max_seconds(session, finished - probed)
+    allowed = share * budget
+    plan = plan_evaluations(points, len(validation), batch_seconds, allowed)
+    knob = "training.eval_points" if points else "training.eval_every"
+    if plan.seconds > allowed:
+        raise ConfigError(
+            f"training.time_budget is {budget:g} s, but one evaluation of a single validation "
+            f"batch takes {batch_seconds:.3g} s, more than training.eval_share {share:g} of it "
+            f"({allowed:.3g} s): give a budget of at least {math.ceil(batch_seconds / share)} s, "
+            f"a training.eval_share of at least {math.ceil(100 * batch_seconds / budget) / 100:g}"
+            f", or set {knob}=0")
+    asked = f"{100 * share:g}% of the {budget:g} s budget ({allowed:.3g} s)"
+    if points:
+        total = plan.points * plan.seconds
+        smaller = (f"; the {points} points of {len(validation)} batches asked for would take "
+                   f"{points * len(validation) * batch_seconds:.0f} s"
+                   if (plan.points, plan.batches) != (points, len(validation)) else "")
+        over = total > budget
+        (log.warning if over else log.info)(
+            "evaluation: %d points of %d batches, about %.1f s in all (a batch %.2g s), %s %s"
+            "%s; evaluations are outside the budget", plan.points, plan.batches, total,
+            batch_seconds, "longer than the budget itself: at most" if over else "at most",
+            asked, smaller)
+    else:
+        log.info("evaluation: every %d steps on %d batches, about %.2g s each (a batch %.2g s); "
+                 "they stop once they take %s%s; evaluations are outside the budget",
+                 eval_every, plan.batches, plan.seconds, batch_seconds, asked,
+                 f" (of {len(validation)} batches)" if plan.batches < len(validation) else "")
+    return plan, finished - started
+
+
+def _agreed_max_seconds(session: Session, seconds: float) -> float:
+    """The largest `seconds` over the replicas (one small all-reduce under replicas)."""
+    replicas = session.replicas
+    if not replicas.distributed:
+        return seconds
+    tensor = torch.tensor([seconds], dtype=torch.float64, device=_collective_device(session))
+    replicas.all_reduce_(tensor, op="max")
+    return float(tensor.item())
 
 
 def _first_bad(losses: torch.Tensor, limit: float | None, session: Session
@@ -533,6 +651,7 @@ def _window_means(window: dict[str, list[float]], session: Session) -> dict[str,
     return dict(zip(means, (values / replicas.size).tolist()))
 
 
-__all__ = ["STOP_SIGNALS", "LoopResult", "LoopSettings", "PartialBatch", "RecordHook",
-           "RunInterrupted", "RunStopped", "StopSignals", "TrainingClock", "TrainingDiverged",
-           "agreed_max", "all_replicas", "evaluate", "train_loop"]
+__all__ = ["EVAL_SHARE", "STOP_SIGNALS", "EvalPlan", "LoopResult", "LoopSettings", "PartialBatch",
+           "RecordHook", "RunInterrupted", "RunStopped", "StopSignals", "TrainingClock",
+           "TrainingDiverged", "agreed_max", "all_replicas", "evaluate", "plan_evaluations",
+           "train_loop"]

@@ -151,6 +151,9 @@ def test_validation_files_hdf5_shard(tmp_path: Path) -> None:
      "data.input_files are HDF5 shards"),
     (["data.validation_fraction=0.02", "data.validation_files=[v.txt]"], "both given"),
     (["training.eval_every=-1"], "training.eval_every must be >= 0"),
+    (["training.eval_share=0.5"], "training.eval_share sizes evaluations to "
+                                  "training.time_budget; set a budget"),
+    (["training.time_budget=60", "training.eval_share=0"], "training.eval_share must be > 0"),
 ])
 def test_config_errors_are_one_line(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as error:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 import safetensors.torch
 import torch
@@ -174,6 +175,7 @@ def load_checkpoint(path: Path, weights_only: bool = False) -> Checkpoint:
     except Exception as error:
         raise CheckpointError(f"{directory / 'weights.safetensors'}: unreadable "
                               f"({type(error).__name__}: {error})") from None
+    check_finite(weights, directory / "weights.safetensors")
     try:
         state = json.loads((directory / "state.json").read_text())
         step = int(state["step"])
@@ -193,6 +195,32 @@ def load_checkpoint(path: Path, weights_only: bool = False) -> Checkpoint:
         checkpoint.optimizer = _torch_load(directory / "optimizer.pt")
         checkpoint.rng = _torch_load(directory / "rng.pt")
     return checkpoint
+
+
+def non_finite_weights(weights: Mapping[str, Any]) -> list[str]:
+    """Names of the floating-point tensors (torch or numpy) holding a NaN or an Inf."""
+    bad = []
+    for name, value in weights.items():
+        if isinstance(value, torch.Tensor):
+            finite = not value.is_floating_point() or bool(torch.isfinite(value).all())
+        else:
+            array = np.asarray(value)
+            finite = array.dtype.kind not in "fc" or bool(np.isfinite(array).all())
+        if not finite:
+            bad.append(name)
+    return bad
+
+
+def check_finite(weights: Mapping[str, Any], source: str | Path,
+                 error: type[Exception] = CheckpointError) -> None:
+    """Refuse weights holding NaN or Inf, naming the tensors (one line): loaded, they would
+    train until the loss diverges and the run would blame the learning rate."""
+    bad = non_finite_weights(weights)
+    if bad:
+        shown = ", ".join(bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
+        raise error(f"{source}: {len(bad)} of {len(weights)} weight tensors are not finite "
+                    f"(NaN or Inf): {shown}; the checkpoint is damaged or was saved by a "
+                    "diverged run")
 
 
 def _torch_load(path: Path) -> Any:

@@ -169,13 +169,21 @@ def _load_file(path: Path) -> dict[str, np.ndarray]:
     return _to_numpy({k: v for k, v in state.items() if hasattr(v, "is_floating_point")})
 
 
+def _finite(state: dict[str, np.ndarray], path: Path) -> dict[str, np.ndarray]:
+    """`state`, refused in one line naming its NaN/Inf tensors (`checkpoint.check_finite`)."""
+    from popbert.io.checkpoint import check_finite
+
+    check_finite(state, path, UsageError)
+    return state
+
+
 def load_hf_state(model_dir: Path) -> tuple[dict[str, np.ndarray], Path]:
     """All tensors of a Hugging Face directory (safetensors preferred; sharded indexes too)."""
     model_dir = Path(model_dir)
     for name in (SAFETENSORS, PYTORCH_BIN):
         single = model_dir / name
         if single.is_file():
-            return _load_file(single), single
+            return _finite(_load_file(single), single), single
         index = model_dir / f"{name}.index.json"
         if index.is_file():
             weight_map = _read_json(index, "the weights' shard index (JSON)").get("weight_map")
@@ -183,7 +191,7 @@ def load_hf_state(model_dir: Path) -> tuple[dict[str, np.ndarray], Path]:
                 raise UsageError(f"{index}: no weight_map")
             state: dict[str, np.ndarray] = {}
             for shard in sorted(set(weight_map.values())):
-                state.update(_load_file(model_dir / str(shard)))
+                state.update(_finite(_load_file(model_dir / str(shard)), model_dir / str(shard)))
             return state, index
     raise UsageError(f"{model_dir}: no {SAFETENSORS} or {PYTORCH_BIN} (nor a sharded index of "
                      "either) in this directory")

@@ -260,6 +260,9 @@ class TrainingConfig:
     divergence_factor: float = setting(100.0, Rule(lambda v: v == 0 or v > 1, "0 (off) or > 1"))
     log_every: int = setting(10, at_least(1))
     seed: int = 42
+    # `--init-from` naming another family's checkpoint, or carrying over fewer than half of the
+    # run's encoder weights (another size's), is refused; true starts from whatever fits.
+    allow_partial_init_from: bool = False
     # Evaluate on the validation data every this many steps (0 = never), over the same
     # `eval_batches` micro-batches (per replica) each time.
     eval_every: int = setting(0, at_least(0, " (0 = no evaluation)"))

@@ -7,6 +7,7 @@ batches, the graph saved with each checkpoint, the ONNX export).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -117,4 +118,47 @@ def matching_weights(weights: dict[str, torch.Tensor], session: Session) -> dict
     return kept
 
 
-__all__ = ["METRIC_KEYS", "PretrainingJob", "check_supported", "matching_weights"]
+# The weights of the encoder (embeddings, layers, final norm), as against its task heads: what
+# `--init-from` must carry over for the new run to start from the checkpoint at all.
+ENCODER_PREFIXES = ("Embedding/", "Layer", "FinalNorm/")
+# `--init-from` carrying over less than this share of the encoder's weights (a checkpoint of
+# another size, by mistake), or another family's, is refused unless
+# `training.allow_partial_init_from`.
+MIN_CARRIED_SHARE = 0.5
+
+
+def check_carried_over(cfg: RunConfig, names: Iterable[str], fresh: Iterable[str],
+                       checkpoint_config: dict, source: str | Path) -> None:
+    """ConfigError (one line, naming both families) when `--init-from` names another family's
+    checkpoint (weights that fit by name and shape are a coincidence there: the layers differ)
+    or carries over fewer than `MIN_CARRIED_SHARE` of the run's encoder weights (another
+    size): such a run starts from scratch in all but name, and would say nothing."""
+    encoder = [n for n in names if n.startswith(ENCODER_PREFIXES)]
+    fresh = set(fresh)
+    carried = [n for n in encoder if n not in fresh]
+    model = checkpoint_config.get("model") if isinstance(checkpoint_config, dict) else None
+    theirs = str(model.get("architecture") or "bert") if isinstance(model, dict) else "bert"
+    ours = cfg.model.architecture
+    if theirs == ours and len(carried) >= MIN_CARRIED_SHARE * len(encoder):
+        return
+    said = (f"the checkpoint's {_title(theirs)} (model.architecture {theirs}) fits "
+            f"{len(carried)} of the {len(encoder)} encoder weights of this run's {_title(ours)} "
+            f"(model.architecture {ours}")
+    if cfg.training.allow_partial_init_from:
+        log.warning("--init-from %s: %s); starting from what fits "
+                    "(training.allow_partial_init_from)", source, said)
+        return
+    why = "another family" if theirs != ours else "names or shapes differ"
+    raise ConfigError(f"--init-from {source}: {said}; {why}); drop --init-from, or set "
+                      "training.allow_partial_init_from=true to start from what fits")
+
+
+def _title(architecture: str) -> str:
+    from popbert.builders.families import FAMILIES
+
+    family = FAMILIES.get(architecture)
+    return family.title if family is not None else str(architecture)
+
+
+__all__ = ["ENCODER_PREFIXES", "METRIC_KEYS", "MIN_CARRIED_SHARE", "PretrainingJob",
+           "check_carried_over", "check_supported", "matching_weights"]

@@ -80,7 +80,7 @@ from popbert.train.loop import (
     all_replicas,
     train_loop,
 )
-from popbert.train.pretrain import PretrainingJob
+from popbert.train.pretrain import PretrainingJob, check_carried_over
 
 log = logging.getLogger(__name__)
 
@@ -394,6 +394,9 @@ class Trainer:
             validation = job.validation(replicas.rank, replicas.size)
             fresh = job.load_initial_weights(session,
                                              initial.weights if initial is not None else None)
+            if initial is not None:  # a load that carries over almost nothing: one line
+                check_carried_over(cfg, dict(session.named_parameters), fresh, initial.config,
+                                   init_from)
             if restored is not None:
                 _restore(session, loader, restored.state())
                 log.info("resumed from step %d", restored.step)

@@ -1,0 +1,112 @@
+"""Nothing is accepted that does nothing: `--init-from` that carries over almost nothing, a
+`--set` key fine-tuning would override with the checkpoint's, a family's own settings on
+another family, `--calibration` the export would not read. Each is one line and exit 2 through
+the real CLI, before any work; what can take effect does."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+
+import popbert.builders.tasks  # noqa: F401 (registers the task heads)
+from popbert.builders.bert import build_bert
+from popbert.config import dump_config, load_config
+from popbert.graph.annotations import trainable_initializers
+from popbert.io.checkpoint import Checkpoint, save_checkpoint
+
+FIXTURES = Path(__file__).parent.parent / "fixtures"
+SENTIMENT = FIXTURES / "classification" / "sentiment.tsv"
+SQUAD = FIXTURES / "squad" / "squad-v1.1-sample.json"
+# Small shapes of each family, on the bundled corpus and vocabulary, a few steps.
+SMALL = ["model.hidden_size=32", "model.num_heads=2", "model.intermediate_size=48",
+         "model.num_layers=2", "model.sequence_length=32", "model.max_position_embeddings=64",
+         "model.max_predictions_per_seq=5", "execution.micro_batch_size=4",
+         "execution.device=cpu", "training.steps=1", "training.log_every=1",
+         "training.time_budget=null", "training.eval_points=0", "optimizer.warmup_steps=0"]
+PRESETS = {"bert": "tiny", "modernbert": "fast", "groupbert": "groupbert-fast"}
+FAMILY_KEYS = {"bert": [], "groupbert": ["model.groupbert.ffn_groups=2",
+                                         "model.groupbert.conv_group_size=8"],
+               "modernbert": ["model.modernbert.local_attention=16"]}
+
+
+def overrides(family: str) -> list[str]:
+    return [*SMALL, *FAMILY_KEYS[family]]
+
+
+def set_args(keys: list[str]) -> list[str]:
+    return [a for key in keys for a in ("--set", key)]
+
+
+def save_random(directory: Path, family: str, task: str = "pretraining",
+                extra: tuple[str, ...] = ()) -> Path:
+    """A pre-training run's checkpoint of `family` at small shapes, random weights (as a run
+    saves one; nothing trained)."""
+    cfg = load_config(PRESETS[family], [*overrides(family), *extra])
+    model = build_bert(cfg.model, task=task, seed=0).model()
+    values = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    weights = {n: torch.from_numpy(values[n].copy()) for n in trainable_initializers(model)}
+    save_checkpoint(directory / "checkpoints" / "step-000001",
+                    Checkpoint(step=1, weights=weights), dump_config(cfg))
+    return directory
+
+
+def one_line(capsys: pytest.CaptureFixture[str], *fragments: str) -> str:
+    """The one error line (the last thing on stderr; the run's own log lines may precede it)."""
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("popbert: error: ")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == errors[0], err
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.fixture(autouse=True)
+def quiet_cli(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+
+
+# ------------------------------------------------------------------------ --init-from across
+
+
+@pytest.mark.parametrize(("ours", "theirs"), [("bert", "modernbert"), ("modernbert", "bert"),
+                                              ("groupbert", "bert")])
+def test_init_from_another_family_is_refused(ours: str, theirs: str, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from popbert.cli.main import main
+
+    checkpoint = save_random(tmp_path / "theirs", theirs)
+    run = tmp_path / "run"
+    assert main(["pretrain", "--config", PRESETS[ours], *set_args(overrides(ours)),
+                 "--init-from", str(checkpoint), "--output-dir", str(run)]) == 2
+    line = one_line(capsys, "--init-from", f"model.architecture {theirs}",
+                    f"model.architecture {ours}", "training.allow_partial_init_from=true")
+    assert "encoder weights" in line
+    assert not run.exists()  # nothing half-written
+
+
+def test_init_from_another_family_when_asked_for(tmp_path: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    from popbert.cli.main import main
+
+    checkpoint = save_random(tmp_path / "theirs", "modernbert")
+    run = tmp_path / "run"
+    assert main(["pretrain", "--config", "tiny", *set_args(overrides("bert")),
+                 "--set", "training.allow_partial_init_from=true",
+                 "--init-from", str(checkpoint), "--output-dir", str(run)]) == 0
+    assert "training.allow_partial_init_from" in caplog.text
+    assert load_config(run / "config.yaml").training.allow_partial_init_from
+
+
+def test_init_from_the_same_family_carries_over(tmp_path: Path) -> None:
+    """Phase 1 → 2 (a longer sequence): every encoder weight fits, nothing is refused."""
+    from popbert.cli.main import main
+
+    checkpoint = save_random(tmp_path / "phase1", "bert")
+    assert main(["pretrain", "--config", "tiny", *set_args(overrides("bert")),
+                 "--set", "model.sequence_length=64", "--init-from", str(checkpoint),
+                 "--output-dir", str(tmp_path / "phase2")]) == 0

@@ -11,10 +11,12 @@ import glob
 import logging
 import os
 from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from popbert.data import storage
 from popbert.data.errors import DataError
+from popbert.data.instances import check_long_sentences, long_sentences
 from popbert.data.storage import Location
 from popbert.data.tokenization import TextTokenizer
 from popbert.textfile import decode
@@ -161,23 +163,77 @@ def check_unknown_share(unknown: int, total: int, where: str, strict: bool = Fal
     return share
 
 
-def read_documents(input_files: PathsLike, tokenizer: TextTokenizer,
-                   strict: bool = False) -> list[list[list[int]]]:
-    """Google-format files -> documents -> sentences -> token ids (no special tokens).
+@dataclass
+class TextCounts:
+    """What a corpus (or one part of it) holds that instance creation cannot use whole: the
+    one set of checks both data roads (text files, `prepare-data instances`) make.
+
+    `unknown_tokens` of `tokens` are `[UNK]`; `long_sentences` of `sentences` are longer than
+    a pair holds (`instances.long_sentences`; none with `next_sentence` off, whose rows run
+    across sentences), the longest of `longest_sentence` tokens."""
+
+    documents: int = 0
+    sentences: int = 0
+    tokens: int = 0
+    unknown_tokens: int = 0
+    long_sentences: int = 0
+    longest_sentence: int = 0
+
+    @classmethod
+    def of(cls, documents: Sequence[Sequence[Sequence[int]]], tokenizer: TextTokenizer,
+           sequence_length: int, next_sentence: bool = True) -> TextCounts:
+        unknown, total = unknown_tokens(documents, tokenizer)
+        long, longest = (long_sentences(documents, sequence_length) if next_sentence
+                         else (0, 0))
+        return cls(len(documents), sum(len(d) for d in documents), total, unknown, long,
+                   longest)
+
+    def add(self, other: TextCounts) -> None:
+        for name, value in asdict(other).items():
+            combine = max if name == "longest_sentence" else int.__add__
+            setattr(self, name, combine(getattr(self, name), value))
+
+    def check(self, where: str, sequence_length: int, strict: bool = False) -> float:
+        """Say once what does not fit (`check_unknown_share`, then
+        `instances.check_long_sentences`), or under `strict` refuse it (a DataError); returns
+        the `[UNK]` share."""
+        share = check_unknown_share(self.unknown_tokens, self.tokens, where, strict)
+        check_long_sentences(self.long_sentences, self.longest_sentence, self.sentences,
+                             sequence_length, where, strict)
+        return share
+
+
+def read_document_parts(input_files: PathsLike, tokenizer: TextTokenizer
+                        ) -> list[list[list[list[int]]]]:
+    """Google-format files -> per file, documents -> sentences -> token ids (no special
+    tokens): a file is a part, as a sentence part is to `prepare-data instances`, so both
+    roads make the same instances of it (`instances.create_corpus_arrays`).
 
     An empty corpus is a DataError naming the file(s): pointing a run at an empty or wrong file
-    is a day-one mistake, and "no documents to create instances from" would not say which. The
-    share of `[UNK]` tokens is logged, and checked (`check_unknown_share`, `strict`).
-    """
+    is a day-one mistake, and "no documents to create instances from" would not say which.
+    Files without documents are said once (they make no instances)."""
     files = expand_input_files(input_files)
-    text = read_text_documents(files)
-    if not text:
+    texts = [read_text_documents([f]) for f in files]
+    if not any(texts):
         raise DataError(f"{name_files(files)}: empty corpus: no text to make pre-training "
                         f"instances from (expected UTF-8 text, one sentence per line, a blank "
                         f"line between documents)")
-    documents = tokenize_documents(text, tokenizer)
-    if not documents:
+    parts = [tokenize_documents(text, tokenizer) for text in texts]
+    if not any(parts):
         raise DataError(f"{name_files(files)}: empty corpus: its text has no WordPiece tokens")
+    empty = [f for f, part in zip(files, parts, strict=True) if not part]
+    if empty:
+        log.warning("%s: %d of %d files hold no documents; no instances from them",
+                    name_files(empty), len(empty), len(files))
+    return parts
+
+
+def read_documents(input_files: PathsLike, tokenizer: TextTokenizer,
+                   strict: bool = False) -> list[list[list[int]]]:
+    """`read_document_parts`' documents, all files' in order; the share of `[UNK]` tokens is
+    logged, and checked (`check_unknown_share`, `strict`)."""
+    files = expand_input_files(input_files)
+    documents = [d for part in read_document_parts(files, tokenizer) for d in part]
     unknown, total = unknown_tokens(documents, tokenizer)
     share = check_unknown_share(unknown, total, name_files(files), strict)
     log.info("read %d documents, %d sentences, %d tokens (%.2f%% [UNK])", len(documents),

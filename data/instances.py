@@ -1,9 +1,12 @@
 """Pre-training instances (MLM + NSP) by Google BERT's `create_pretraining_data.py` algorithm.
 
 Documents of tokenized sentences become `[CLS] A [SEP] B [SEP]` pairs with masked-LM targets and
-next-sentence labels, then fixed-shape arrays in NVIDIA's BERT HDF5 layout, following Google's
-script call for call so that the statistics are theirs. The steps, and the departures from
-Google: docs/design.md, section "popbert.data.instances".
+next-sentence labels, then fixed-shape arrays in NVIDIA's BERT HDF5 layout. Google's pairing
+runs call for call; masking follows Google's rule vectorised (`mask_arrays`). Both data roads
+(pre-training on text files, and `prepare-data` shards) make instances with
+`create_corpus_arrays` / `create_instance_arrays` only, so one corpus, seed and settings give the
+same instances either way. The steps, and the departures from Google: docs/design.md, section
+"popbert.data.instances".
 """
 
 from __future__ import annotations
@@ -11,11 +14,12 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
 from popbert.data.errors import DataError
+from popbert.data.stages import derive_seed
 from popbert.data.tokenization import TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -196,8 +200,10 @@ def non_special_ids(tokenizer: TextTokenizer) -> np.ndarray:
 class InstanceCreator:
     """Google's instance algorithm bound to one vocabulary and one set of options.
 
-    Split into overridable steps (`create_instances_from_document`,
-    `create_masked_lm_predictions`) so variants (packing, other masking) reuse the rest.
+    `document_pairs` is the pairing both data roads use. `create_training_instances` (with
+    `create_instances_from_document`, `create_masked_lm_predictions`) is Google's per-instance
+    Python masking, kept as the reference only: no road uses it; the tests check the
+    vectorised masking against its statistics and the benchmarks time against it.
     """
 
     def __init__(self, tokenizer: TextTokenizer, options: InstanceOptions,
@@ -403,16 +409,44 @@ def instances_to_arrays(instances: Sequence[TrainingInstance], sequence_length: 
 def create_pretraining_arrays(documents: Sequence[Document], tokenizer: TextTokenizer,
                               options: InstanceOptions, cuts: Cuts | None = None
                               ) -> dict[str, np.ndarray]:
-    """Tokenized documents -> instances -> NVIDIA-layout arrays, in one seeded call; `cuts`,
+    """Tokenized documents -> instances -> NVIDIA-layout arrays, in one seeded call: the same
+    algorithm as `create_instance_arrays` (the name kept for callers of the library); `cuts`,
     if given, gets what pairing cut (MLM-only rows cut nothing)."""
-    if not options.next_sentence:
-        return create_chunk_arrays(documents, tokenizer, options)
-    creator = InstanceCreator(tokenizer, options, cuts)
-    instances = creator.create_training_instances(documents)
-    log.info("created %d instances (seq %d, %d predictions, dupe %d, seed %d)", len(instances),
-             options.sequence_length, options.max_predictions_per_seq, options.dupe_factor,
-             options.seed)
+    return create_instance_arrays(documents, tokenizer, options, cuts)
+
+
+def reference_instance_arrays(documents: Sequence[Document], tokenizer: TextTokenizer,
+                              options: InstanceOptions) -> dict[str, np.ndarray]:
+    """Google's per-instance algorithm (Python masking on one `random.Random`), as arrays:
+    the reference the tests compare the data roads' statistics with; no road uses it."""
+    instances = InstanceCreator(tokenizer, options).create_training_instances(documents)
     return instances_to_arrays(instances, options.sequence_length, options.max_predictions_per_seq)
+
+
+def part_options(options: InstanceOptions, index: int) -> InstanceOptions:
+    """The options of a corpus's part `index` (an input file of the text road, a sentence
+    part of `prepare-data instances`): its seed derived from the run's seed and the index, so
+    each part is made alone (by any worker) and both roads agree part by part."""
+    return replace(options, seed=derive_seed(options.seed, index))
+
+
+def create_corpus_arrays(parts: Sequence[Sequence[Document]], tokenizer: TextTokenizer,
+                         options: InstanceOptions, cuts: Cuts | None = None
+                         ) -> dict[str, np.ndarray]:
+    """The instances of a corpus in parts, part after part: each part's by
+    `create_instance_arrays` with `part_options(options, index)`, concatenated; a part without
+    documents makes none. Exactly the rows of `prepare-data instances`' shards of the same
+    parts, in part order (random next segments come from the same part on both roads)."""
+    made = [create_instance_arrays(documents, tokenizer, part_options(options, index), cuts)
+            for index, documents in enumerate(parts) if any(documents)]
+    if not made:
+        raise DataError("no non-empty documents to create instances from")
+    arrays = made[0] if len(made) == 1 else {
+        name: np.concatenate([m[name] for m in made]) for name in FEATURE_NAMES}
+    log.info("created %d instances from %d part(s) (seq %d, %d predictions, dupe %d, seed %d)",
+             len(arrays["input_ids"]), len(made), options.sequence_length,
+             options.max_predictions_per_seq, options.dupe_factor, options.seed)
+    return arrays
 
 
 def _pairs_to_arrays(flat: list[int], lengths_a: list[int], lengths_b: list[int],
@@ -527,8 +561,8 @@ def create_instance_arrays(documents: Sequence[Document], tokenizer: TextTokeniz
     pass becomes compact int32 arrays before the next starts (one flat token list per pass, laid
     out in bulk: no `TrainingInstance` per pair), the final shuffle is a numpy permutation, and
     masking is vectorised, all from a numpy generator seeded with `seed`. Deterministic for a
-    seed; several times faster than `create_pretraining_arrays`, whose per-token Python masking
-    dominates its run time. `cuts`, if given, gets what pairing cut (MLM-only rows cut
+    seed; several times faster than Google's per-token Python masking
+    (`reference_instance_arrays`). `cuts`, if given, gets what pairing cut (MLM-only rows cut
     nothing).
     """
     creator = InstanceCreator(tokenizer, options, cuts)

@@ -24,6 +24,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import TypeVar
 
@@ -31,11 +32,10 @@ import numpy as np
 
 from popbert.data.corpus import (
     PathsLike,
-    check_unknown_share,
+    TextCounts,
     expand_input_files,
     name_files,
-    read_documents,
-    unknown_tokens,
+    read_document_parts,
 )
 from popbert.data.errors import DataError
 from popbert.data.hdf5 import (
@@ -51,14 +51,13 @@ from popbert.data.instances import (
     FEATURE_NAMES,
     Cuts,
     InstanceOptions,
-    check_long_sentences,
-    create_pretraining_arrays,
-    long_sentences,
+    create_corpus_arrays,
     unmask_rows,
 )
 from popbert.data.packing import PACKED_FEATURE_NAMES
 from popbert.data.storage import Location, default_cache_dir, local_file
 from popbert.data.tokenization import (
+    TextTokenizer,
     bundled_corpus_path,
     bundled_vocab_path,
     file_sha256,
@@ -70,7 +69,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Bump when instance creation changes its output for the same inputs: invalidates caches.
-INSTANCES_ALGORITHM_VERSION = 2
+# 3: the text road makes its instances as `prepare-data instances` does (a part per file,
+# seeds derived per part, masking vectorised: `instances.create_corpus_arrays`).
+INSTANCES_ALGORITHM_VERSION = 3
 
 
 def _check_arrays(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], tuple]:
@@ -377,8 +378,32 @@ def split_documents(documents: Sequence[T], fraction: float, seed: int
 
 
 #: The `instances.Cuts` counts a cached instance file keeps (as `cut_<name>` attributes).
-CUT_COUNTS = ("pairs", "pairs_truncated", "tokens_truncated", "tail_tokens_dropped",
-              "tokens_kept")
+CUT_COUNTS = tuple(f.name for f in fields(Cuts))
+#: The `corpus.TextCounts` a cached instance file keeps (as attributes of those names), so a
+#: cached corpus is checked (and under strict refused) as a fresh one is.
+TEXT_COUNTS = tuple(f.name for f in fields(TextCounts))
+
+
+def _read_instance_cache(path: Path, tokenizer: TextTokenizer, sequence_length: int,
+                         max_predictions_per_seq: int
+                         ) -> tuple[dict[str, np.ndarray], TextCounts, Cuts] | None:
+    """A cached instance file's arrays and counts; None (said) when absent or unusable."""
+    if not path.is_file():
+        return None
+    try:
+        arrays = read_shard(path, sequence_length=sequence_length,
+                            max_predictions_per_seq=max_predictions_per_seq,
+                            vocab_size=tokenizer.vocab_size, vocab_sha256=tokenizer.vocab_sha256)
+        attrs = read_shard_info(path).attrs
+        try:
+            counts = TextCounts(**{k: int(attrs[k]) for k in TEXT_COUNTS})
+            cuts = Cuts(**{k: int(attrs[f"cut_{k}"]) for k in CUT_COUNTS})
+        except KeyError as exc:
+            raise DataError(f"{path}: no count {exc}") from None
+    except DataError as exc:
+        log.warning("ignoring unusable cache (%s); recreating", exc)
+        return None
+    return arrays, counts, cuts
 
 
 def load_or_create_instances(input_files: PathsLike | None, vocab_path: str | os.PathLike | None,
@@ -391,6 +416,9 @@ def load_or_create_instances(input_files: PathsLike | None, vocab_path: str | os
                              strict: bool = False) -> dict[str, np.ndarray]:
     """Pre-training arrays for Google-format text files, created once and cached as a shard.
 
+    The instances are those `prepare-data instances` makes of the same files with the same
+    seed and settings, in file order (`instances.create_corpus_arrays`: a file is a part), and
+    the corpus is checked as that stage checks it (`corpus.TextCounts`).
     `input_files=None` / `vocab_path=None` mean the bundled corpus / vocabulary. The cache key
     hashes the input files' and vocabulary's contents and every creation parameter, so a
     stale cache is never used; `cache_dir=None` means `default_cache_dir() / "instances"`.
@@ -428,46 +456,36 @@ def load_or_create_instances(input_files: PathsLike | None, vocab_path: str | os
     if use_cache:
         root = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "instances"
         cache_path = root / f"instances-s{sequence_length}-p{max_predictions_per_seq}-{key}.h5"
-        if cache_path.is_file():
-            try:
-                arrays = read_shard(cache_path, sequence_length=sequence_length,
-                                    max_predictions_per_seq=max_predictions_per_seq,
-                                    vocab_size=tokenizer.vocab_size,
-                                    vocab_sha256=tokenizer.vocab_sha256)
-                counts = read_shard_info(cache_path).attrs
-                if "unknown_tokens" in counts:
-                    check_unknown_share(int(counts["unknown_tokens"]), int(counts["tokens"]),
-                                        name_files(files), strict)
-                if "long_sentences" in counts:  # caches made before the count have none
-                    check_long_sentences(int(counts["long_sentences"]),
-                                         int(counts["longest_sentence"]),
-                                         int(counts["sentences"]), sequence_length,
-                                         name_files(files), strict)
-                    Cuts(**{name: int(counts[f"cut_{name}"]) for name in CUT_COUNTS}).say(
-                        where, sequence_length)
-                log.info("loaded cached instances %s", cache_path)
-                return arrays
-            except DataError as exc:
-                log.warning("ignoring unusable cache (%s); recreating", exc)
+        cached = _read_instance_cache(cache_path, tokenizer, sequence_length,
+                                      max_predictions_per_seq)
+        if cached is not None:
+            arrays, counts, cuts = cached
+            counts.check(name_files(files), sequence_length, strict)
+            cuts.say(where, sequence_length)
+            log.info("loaded cached instances %s", cache_path)
+            return arrays
 
-    documents = read_documents(files, tokenizer, strict)
-    unknown, total = unknown_tokens(documents, tokenizer)
-    sentences = sum(len(d) for d in documents)
-    long, longest = long_sentences(documents, sequence_length) if next_sentence else (0, 0)
-    check_long_sentences(long, longest, sentences, sequence_length, name_files(files), strict)
-    if validation_fraction:
-        train, held_out = split_documents(documents, validation_fraction, seed)
-        documents = held_out if split == "validation" else train
+    parts = read_document_parts(files, tokenizer)
+    counts = TextCounts.of([d for part in parts for d in part], tokenizer, sequence_length,
+                           next_sentence)
+    share = counts.check(name_files(files), sequence_length, strict)
+    log.info("read %d documents, %d sentences, %d tokens (%.2f%% [UNK])", counts.documents,
+             counts.sentences, counts.tokens, 100 * share)
+    if validation_fraction:  # whole documents held out, each staying in its part
+        tagged = [(index, d) for index, part in enumerate(parts) for d in part]
+        train, held_out = split_documents(tagged, validation_fraction, seed)
+        chosen = held_out if split == "validation" else train
+        parts = [[] for _ in parts]
+        for index, document in chosen:
+            parts[index].append(document)
     cuts = Cuts()
-    arrays = create_pretraining_arrays(documents, tokenizer, options, cuts)
+    arrays = create_corpus_arrays(parts, tokenizer, options, cuts)
     cuts.say(where, sequence_length)
     if cache_path is not None:
         try:
             write_shard(cache_path, arrays, vocab_size=tokenizer.vocab_size,
                         vocab_sha256=tokenizer.vocab_sha256, options=options,
-                        extra_attrs={"cache_key": key, "unknown_tokens": unknown,
-                                     "tokens": total, "sentences": sentences,
-                                     "long_sentences": long, "longest_sentence": longest,
+                        extra_attrs={"cache_key": key, **asdict(counts),
                                      **{f"cut_{name}": getattr(cuts, name)
                                         for name in CUT_COUNTS}})
         except OSError as exc:

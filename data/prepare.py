@@ -10,26 +10,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from popbert.data import storage
-from popbert.data.corpus import (
-    check_unknown_share,
-    name_files,
-    read_text_documents,
-    tokenize_documents,
-    unknown_tokens,
-)
+from popbert.data.corpus import TextCounts, name_files, read_text_documents, tokenize_documents
 from popbert.data.errors import DataError
 from popbert.data.hdf5 import read_shard, read_shard_info, write_shard
-from popbert.data.instances import (
-    Cuts,
-    InstanceOptions,
-    check_long_sentences,
-    create_instance_arrays,
-    long_sentences,
-)
+from popbert.data.instances import Cuts, InstanceOptions, create_instance_arrays, part_options
 from popbert.data.packing import (
     DEFAULT_MAX_SEQUENCES_PER_PACK,
     PackingStats,
@@ -82,18 +70,14 @@ def instances_part(in_path: str, out_path: str, vocab_path: str, options: dict,
     opts = InstanceOptions(**options)
     text = read_text_documents([in_path])
     documents = tokenize_documents(text, tokenizer)
-    unknown, total = unknown_tokens(documents, tokenizer)
-    sentences = sum(len(d) for d in documents)
-    long, longest = long_sentences(documents, opts.sequence_length) if opts.next_sentence \
-        else (0, 0)  # MLM-only rows run across sentences: nothing is cut
+    # The checks the text road makes too (`corpus.TextCounts`).
+    text = TextCounts.of(documents, tokenizer, opts.sequence_length, opts.next_sentence)
     if strict:  # before the shard is written: a refused part leaves nothing
-        check_unknown_share(unknown, total, in_path, strict=True)
-        check_long_sentences(long, longest, sentences, opts.sequence_length, in_path, True)
+        text.check(in_path, opts.sequence_length, strict=True)
     cuts = Cuts()
-    counts = {"documents": len(documents), "sentences": sentences,
+    counts = {"documents": len(documents), "sentences": text.sentences,
               "instances": 0, "tokens": 0, "predictions": 0, "random_next": 0,
-              "text_tokens": total, "unknown_tokens": unknown, "long_sentences": long,
-              "longest_sentence": longest, "cuts": cuts}
+              "text": text, "cuts": cuts}
     if not documents:  # said once for the stage, with the count (`create_instances`)
         return counts
     arrays = create_instance_arrays(documents, tokenizer, opts, cuts)
@@ -134,7 +118,7 @@ def create_instances(sentence_parts: list[Location], vocab: str | os.PathLike,
         log.info("%s: instances already complete", stage.path)
         return stage.success()
     jobs = [(str(src), str(out), str(vocab.absolute() if isinstance(vocab, Path) else vocab),
-             replace(options, seed=derive_seed(options.seed, index)).as_dict(), options.seed,
+             part_options(options, index).as_dict(), options.seed,
              index, strict)
             for index, src, out in stage.pending(sentence_parts, SHARD_SUFFIX)]
     log.info("creating instances from %d parts (seq %d, %d predictions, dupe %d, %s; "
@@ -155,13 +139,11 @@ def create_instances(sentence_parts: list[Location], vocab: str | os.PathLike,
     if empty:
         log.warning("instances: %d of %d parts hold no documents; no shard written for them",
                     empty, len(results))
-    unknown = sum(r["unknown_tokens"] for r in results)
-    text_tokens = sum(r["text_tokens"] for r in results)
+    text = TextCounts()
+    for r in results:
+        text.add(r["text"])
     where = name_files(sentence_parts)
-    share = check_unknown_share(unknown, text_tokens, where)
-    long = sum(r["long_sentences"] for r in results)
-    check_long_sentences(long, max((r["longest_sentence"] for r in results), default=0),
-                         totals["sentences"], options.sequence_length, where)
+    share = text.check(where, options.sequence_length)
     cuts = Cuts()
     for r in results:
         cuts.add(r["cuts"])
@@ -170,7 +152,7 @@ def create_instances(sentence_parts: list[Location], vocab: str | os.PathLike,
              **{f"{k}_written_now": v for k, v in totals.items()},
              "parts_without_documents_now": empty,
              "unknown_token_share_now": round(share, 6),
-             "sentences_over_length_now": long,
+             "sentences_over_length_now": text.long_sentences,
              "pairs_truncated_now": cuts.pairs_truncated,
              "tokens_truncated_now": cuts.tokens_truncated,
              "split_tail_tokens_dropped_now": cuts.tail_tokens_dropped}

@@ -14,6 +14,7 @@ micro-batches every evaluation sees.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,11 +86,29 @@ def _instances(cfg: RunConfig, inputs: list[str] | None, vocab_path: Path, fract
                split: str) -> dict[str, np.ndarray]:
     return load_or_create_instances(
         inputs, vocab_path, cfg.model.sequence_length,
-        cfg.model.max_predictions_per_seq, cfg.data.seed,
+        cfg.model.max_predictions_per_seq, cfg.data.seed, instance_cache_dir(cfg),
         dupe_factor=cfg.data.duplication_factor, masked_lm_prob=cfg.data.masked_lm_prob,
         short_seq_prob=cfg.data.short_seq_prob, whole_word_mask=cfg.data.whole_word_masking,
         validation_fraction=fraction, split=split,
         next_sentence=cfg.model.next_sentence_prediction, strict=cfg.data.strict)
+
+
+def instance_cache_dir(cfg: RunConfig) -> Path | None:
+    """Where the text road caches its instances: `data.cache_dir`/instances (a folder the
+    shard cache, which keeps its files at the top of `data.cache_dir`, never evicts from),
+    made and checked writable now; None (the default cache) when `data.cache_dir` is unset."""
+    if cfg.data.cache_dir is None:
+        return None
+    path = Path(cfg.data.cache_dir) / "instances"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"data.cache_dir: {path} cannot be written "
+                          f"({exc.strerror or exc}); set it to a writable directory") from None
+    return path
 
 
 def load_validation_data(cfg: RunConfig) -> dict[str, np.ndarray] | ShardSet | None:

@@ -248,7 +248,7 @@ def test_load_or_create_instances_caches(tmp_path, small_corpus, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("cache not used")
 
-    monkeypatch.setattr(loader_mod, "create_pretraining_arrays", fail)
+    monkeypatch.setattr(loader_mod, "create_corpus_arrays", fail)
     cached = load_or_create_instances(small_corpus, None, 64, 10, seed=3, cache_dir=cache)
     for name in FEATURE_NAMES:
         assert np.array_equal(cached[name], arrays[name])

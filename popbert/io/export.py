@@ -372,10 +372,16 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
                          "is the file's (--dtype, --quantize)")
     if max_accuracy_drop is not None and eval_data is None:
         raise UsageError("--max-accuracy-drop needs --eval FILE: the data to measure the drop on")
+    if calibration is not None and not quantize:
+        raise UsageError("--calibration is the data static INT8 calibrates on: it needs "
+                         "--quantize int8 (with --runtime openvino)")
     if eval_data is not None:
         from popbert.serve.accuracy import check_eval_task
 
         check_eval_task(task)
+    # The data files as the task reads them, before anything is exported.
+    check_task_data("--calibration", calibration, task)
+    check_task_data("--eval", eval_data, task)
     restored = load_checkpoint(checkpoint, weights_only=True)
     cfg = config_from_dict(restored.config,
                            source=str(find_checkpoint(checkpoint, warn=False)))  # said once
@@ -413,6 +419,20 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
                     "vocabulary from the model's metadata)", checkpoint, cfg.data.vocab_file,
                     path)
     return path
+
+
+def check_task_data(flag: str, path: Path | None, task: str) -> None:
+    """Refuse (one line) a data file `task` would not read: a classification export reads
+    rows or a .txt file of texts, a SQuAD export SQuAD JSON (`popbert.io.paths`' kinds)."""
+    if path is None:
+        return
+    from popbert.io import paths
+
+    kinds = {"classification": paths.ROWS_OR_LINES, "squad": paths.SQUAD}
+    if task not in kinds:
+        raise UsageError(f"{flag} {path}: the {task} export reads no task data; {flag} applies "
+                         "to classification and squad exports")
+    paths.check_path(f"{flag} (a {task} export)", path, kinds[task])
 
 
 # Rows of the training file static INT8 calibrates on when no --calibration file is given.

@@ -110,3 +110,65 @@ def test_init_from_the_same_family_carries_over(tmp_path: Path) -> None:
     assert main(["pretrain", "--config", "tiny", *set_args(overrides("bert")),
                  "--set", "model.sequence_length=64", "--init-from", str(checkpoint),
                  "--output-dir", str(tmp_path / "phase2")]) == 0
+
+
+# ------------------------------------------------------------------- export --calibration
+
+
+@pytest.fixture(scope="module")
+def bert_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_random(tmp_path_factory.mktemp("bert") / "run", "bert")
+
+
+@pytest.fixture
+def no_export(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any export started is a failure: the refusals come before the work."""
+    import popbert.io.export as export
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the export ran before its inputs were checked")
+
+    monkeypatch.setattr(export, "export_weights", refuse)
+
+
+TXT_ROWS = "a fine film\nnot good at all\n"
+EXPORT_CASES = {
+    # (task, extra flags, the data file's kind, fragments of the one line)
+    "classification reads no SQuAD": ("classification", ["--quantize", "int8"], "squad",
+                                      ["--calibration (a classification export)",
+                                       "SQuAD JSON file"]),
+    "squad reads no rows": ("squad", ["--quantize", "int8"], "rows",
+                            ["--calibration (a squad export)", "SQuAD v1.1 JSON"]),
+    "encoder reads no data": ("encoder", ["--quantize", "int8"], "rows",
+                              ["the encoder export reads no task data"]),
+    "without --quantize": ("classification", [], "rows", ["--calibration", "--quantize int8"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXPORT_CASES))
+def test_export_calibration_is_read_as_its_task_reads_it(
+        case: str, bert_checkpoint: Path, tmp_path: Path, no_export: None,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from popbert.cli.main import main
+
+    task, extra, kind, fragments = EXPORT_CASES[case]
+    data = SQUAD if kind == "squad" else SENTIMENT
+    out = tmp_path / "ir"
+    assert main(["export", "--checkpoint", str(bert_checkpoint), "--task", task, "--runtime",
+                 "openvino", "--precision", "f32", *extra, "--calibration", str(data),
+                 "--output", str(out)]) == 2
+    one_line(capsys, *fragments)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("task", "kind"), [("classification", "squad"), ("squad", "rows")])
+def test_export_eval_is_read_as_its_task_reads_it(task: str, kind: str, bert_checkpoint: Path,
+                                                  tmp_path: Path, no_export: None,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from popbert.cli.main import main
+
+    out = tmp_path / "m.onnx"
+    assert main(["export", "--checkpoint", str(bert_checkpoint), "--task", task, "--eval",
+                 str(SQUAD if kind == "squad" else SENTIMENT), "--output", str(out)]) == 2
+    one_line(capsys, f"--eval (a {task} export)")
+    assert not out.exists()

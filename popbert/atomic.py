@@ -17,6 +17,7 @@ import errno
 import functools
 import logging
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -77,6 +78,57 @@ def _temp_name(path: Path) -> Path:
     return path.with_name(f".tmp-{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+def clear_leftovers(path: str | os.PathLike[str]) -> list[Path]:
+    """Remove what an earlier, killed attempt at writing `path` left beside it: the staging
+    names of this module (`.tmp-<name>-<pid>` and `.tmp-<name>-<pid>-<hex>`) whose process is
+    gone. A live writer's staging (another process, or this one) is left alone. Returns what
+    was removed."""
+    path = Path(path)
+    parent = path.parent
+    if not parent.is_dir():
+        return []
+    pattern = re.compile(rf"^\.tmp-{re.escape(path.name)}-(\d+)(?:-[0-9a-f]{{8}})?$")
+    removed = []
+    for entry in parent.iterdir():
+        match = pattern.match(entry.name)
+        if match is None or int(match.group(1)) == os.getpid() or _alive(int(match.group(1))):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                entry.unlink()
+        removed.append(entry)
+    if removed:
+        logger.info("removed %d unfinished earlier write(s) of %s (%s)", len(removed), path,
+                    ", ".join(p.name for p in removed))
+    return removed
+
+
+@contextlib.contextmanager
+def staging_directory(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A scratch directory beside `path` for building it (`.tmp-<name>-<pid>-<hex>`), removed
+    on leaving; one a killed attempt left is removed by the next (`clear_leftovers`)."""
+    path = Path(path)
+    clear_leftovers(path)
+    tmp = _temp_name(path)
+    tmp.mkdir()
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def write_file(path: str | os.PathLike[str], data: bytes) -> None:
     """Create `path` (it must not exist) holding `data`, fsynced: how popbert's files reach the
     disk, inside `atomic_directory` or through `atomic_write_bytes`."""
@@ -99,6 +151,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     tmp = _temp_name(path)
     with reported(path):
         path.parent.mkdir(parents=True, exist_ok=True)
+        clear_leftovers(path)
         try:
             _create(tmp, data)
             os.replace(tmp, path)
@@ -198,6 +251,7 @@ def atomic_directory(final_dir: str | os.PathLike[str]) -> Iterator[Path]:
     parent = final_dir.parent
     parent.mkdir(parents=True, exist_ok=True)
     restore_interrupted(final_dir)
+    clear_leftovers(final_dir)
     tmp = parent / f".tmp-{final_dir.name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -248,4 +302,5 @@ def remove_tree(path: str | os.PathLike[str]) -> None:
 
 
 __all__ = ["DISK_ERRNOS", "atomic_directory", "atomic_write_bytes", "atomic_write_text",
-           "remove_tree", "reported", "restore_interrupted", "write_error", "write_file"]
+           "clear_leftovers", "remove_tree", "reported", "restore_interrupted",
+           "staging_directory", "write_error", "write_file"]

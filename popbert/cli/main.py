@@ -413,7 +413,8 @@ def _add_predict_commands(sub, common: argparse.ArgumentParser) -> None:
                          description="ONNX Runtime only (torch is not imported).")
     p.add_argument("--model", type=paths.ONNX_MODEL, required=True, metavar="FILE.onnx")
     p.add_argument("--data", type=paths.SQUAD, required=True, metavar="FILE.json")
-    p.add_argument("--output", "-o", type=paths.OUTPUT_FILE, default=Path("predictions.json"),
+    p.add_argument("--output", "-o", type=paths.SQUAD_PREDICTIONS_OUTPUT,
+                   default=Path("predictions.json"),
                    metavar="FILE.json")
     p.add_argument("--n-best-size", type=int, default=20)
     p.add_argument("--max-answer-length", type=int, default=30)
@@ -429,7 +430,7 @@ def _add_predict_commands(sub, common: argparse.ArgumentParser) -> None:
                                      "and print accuracy and F1 if the file has labels.")
     p.add_argument("--model", type=paths.ONNX_MODEL, required=True, metavar="FILE.onnx")
     p.add_argument("--data", type=paths.ROWS_OR_LINES, required=True, metavar="FILE")
-    p.add_argument("--output", "-o", type=paths.OUTPUT_FILE, default=Path("predictions.jsonl"),
+    p.add_argument("--output", "-o", type=paths.LABELS_OUTPUT, default=Path("predictions.jsonl"),
                    metavar="FILE.jsonl")
     p.add_argument("--text-column", default=None,
                    help="text column (default: the first of sentence, text, sentence1, ...)")
@@ -530,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(with or without the bert. prefix and heads) and vocab.txt; "
                                    "write a run directory usable as --checkpoint / --init-from.")
     p.add_argument("--model", type=paths.HF_MODEL, required=True, metavar="DIR")
-    p.add_argument("--output-dir", "-o", type=paths.OUTPUT_DIR, required=True, metavar="DIR")
+    p.add_argument("--output-dir", "-o", type=paths.IMPORT_OUTPUT, required=True, metavar="DIR")
     p.add_argument("--sequence-length", type=int, default=None, metavar="N",
                    help="model.sequence_length of the written config (default: min(128, "
                         "max_position_embeddings))")
@@ -541,7 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export-hf", parents=[common],
                        help="write a checkpoint as a Hugging Face model directory")
     p.add_argument("--checkpoint", type=paths.CHECKPOINT, required=True, metavar="DIR")
-    p.add_argument("--output-dir", "-o", type=paths.OUTPUT_DIR, required=True, metavar="DIR")
+    p.add_argument("--output-dir", "-o", type=paths.HF_EXPORT_OUTPUT, required=True,
+                   metavar="DIR")
     p.add_argument("--architecture", default=None,
                    choices=("BertModel", "BertForPreTraining", "BertForMaskedLM",
                             "BertForQuestionAnswering", "BertForSequenceClassification"),
@@ -552,7 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", parents=[common],
                        help="print (or save) the resolved, validated config")
     _add_config_args(p)
-    p.add_argument("--output", "-o", type=paths.OUTPUT_FILE, default=None, metavar="FILE.yaml")
+    p.add_argument("--output", "-o", type=paths.CONFIG_OUTPUT, default=None, metavar="FILE.yaml")
     p.set_defaults(handler=_cmd_config)
 
     p = sub.add_parser("plan", parents=[common],
@@ -576,7 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", type=paths.METRICS, nargs="+", metavar="RUN_DIR",
                    help="run directories (or their metrics.jsonl); one: its full plot; "
                         "several: their curves in one PNG")
-    p.add_argument("--output", "-o", type=paths.OUTPUT_FILE, default=None, metavar="FILE.png",
+    p.add_argument("--output", "-o", type=paths.PLOT_OUTPUT, default=None, metavar="FILE.png",
                    help="default: next to one run's metrics file, same name with .png; "
                         "compare.png for several runs")
     p.add_argument("--metric", action="append", default=[], metavar="KEY",

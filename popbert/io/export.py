@@ -12,7 +12,6 @@ import dataclasses
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import torch
 from onnx import TensorProto, numpy_helper
 
 import popbert.builders.tasks  # noqa: F401  (registers the squad and classification heads)
-from popbert.atomic import atomic_write_bytes, reported
+from popbert.atomic import atomic_write_bytes, reported, staging_directory
 from popbert.builders.bert import BATCH, SEQUENCE, build_bert
 from popbert.builders.bert_config import TASK_NAMES, BertConfig
 from popbert.builders.families import family_of
@@ -213,12 +212,12 @@ def _write(model: onnx.ModelProto, output: Path, external_data_threshold: int) -
     # directory next to the output, checked there, then renamed into place (data file first).
     data_name = output.name + ".data"
     with reported(output), \
-            tempfile.TemporaryDirectory(dir=output.parent, prefix=f".tmp-{output.name}-") as tmp:
-        staged = Path(tmp) / output.name
+            staging_directory(output) as tmp:
+        staged = tmp / output.name
         onnx.save_model(model, str(staged), save_as_external_data=True,
                         all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
         onnx.checker.check_model(str(staged), full_check=True)
-        os.replace(Path(tmp) / data_name, output.parent / data_name)
+        os.replace(tmp / data_name, output.parent / data_name)
         os.replace(staged, output)
     log.info("weights over %.1f GB: wrote them to %s next to the model",
              external_data_threshold / 1e9, data_name)
@@ -463,8 +462,8 @@ def _export_openvino(export: Callable[..., Path], config: BertConfig, task: str,
     from popbert.serve.openvino_ir import write_ir
 
     output.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".tmp-{output.name}-") as tmp:
-        source = export(Path(tmp) / "model.onnx")
+    with staging_directory(output) as tmp:
+        source = export(tmp / "model.onnx")
         model = onnx.load(str(source))
         shapes = check_shapes(inference_config(config, sequence_length), batch_size,
                               sequence_length)
@@ -495,9 +494,9 @@ def _export_scored(export: Callable[..., Path], chosen: Mapping[str, object], ta
 
     output.parent.mkdir(parents=True, exist_ok=True)
     with reported(output), \
-            tempfile.TemporaryDirectory(dir=output.parent, prefix=f".tmp-{output.name}-") as tmp:
-        staged = export(Path(tmp) / output.name, **chosen)
-        reference = export(Path(tmp) / "reference-fp32.onnx")
+            staging_directory(output) as tmp:
+        staged = export(tmp / output.name, **chosen)
+        reference = export(tmp / "reference-fp32.onnx")
         cost = accuracy_cost(reference, staged, task, eval_data)
         log.info("accuracy cost %s", cost.line())
         check_drop(cost, max_drop, output)

@@ -302,6 +302,73 @@ def _metrics(path: Path, args: Any = None) -> str | None:
         return "not metrics JSON lines"
 
 
+# ---------------------------------------------------------------------------------- the owners
+# Each takes an existing output path and says whether it holds what the command writes there (a
+# previous export, prediction, plot...): only such a path is replaced. An empty directory is
+# anyone's; every other path is refused (`_check_output`).
+
+IR_FILES = frozenset({"model.xml", "model.bin"})
+HF_EXPORT_FILES = frozenset({"config.json", "model.safetensors", "vocab.txt", "tokenizer.json",
+                             "tokenizer_config.json"})
+
+
+def _entries(path: Path) -> set[str]:
+    return {p.name for p in path.iterdir()}
+
+
+def _owns_export(path: Path) -> bool:
+    """An ONNX model, or an OpenVINO IR directory (`popbert export --runtime openvino`)."""
+    if path.is_dir():
+        return _entries(path) <= IR_FILES
+    return _onnx(path) is None
+
+
+def _owns_squad_predictions(path: Path) -> bool:
+    return path.is_file() and _predictions(path) is None
+
+
+def _owns_nbest(path: Path) -> bool:
+    value, problem = _json(path) if path.is_file() else (None, "not a file")
+    return problem is None and isinstance(value, dict) and all(
+        isinstance(v, list) for v in value.values())
+
+
+def _owns_labelled_rows(path: Path) -> bool:
+    """`popbert predict classify`'s JSON lines: a `label` and `probabilities` in each."""
+    if not path.is_file() or _text(path) is not None:
+        return False
+    first = next((line for line in _head(path).decode("utf-8", "ignore").splitlines()
+                  if line.strip()), "")
+    try:
+        row = json.loads(first)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(row, dict) and {"label", "probabilities"} <= set(row)
+
+
+def _owns_config(path: Path) -> bool:
+    return path.is_file() and _config(path) is None
+
+
+def _owns_plot(path: Path) -> bool:
+    return path.is_file() and _head(path, 8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _owns_vocab(path: Path) -> bool:
+    return path.is_file() and _vocab(path) is None
+
+
+def _owns_hf_export(path: Path) -> bool:
+    return path.is_dir() and _entries(path) <= HF_EXPORT_FILES
+
+
+def _owns_import(path: Path) -> bool:
+    """A run directory `popbert import-hf` wrote (its import.json, nothing foreign)."""
+    from popbert.io.run_dir import foreign_files
+
+    return path.is_dir() and (path / "import.json").is_file() and not foreign_files(path)
+
+
 # ---------------------------------------------------------------------------------- the kinds
 @dataclass(frozen=True)
 class PathKind:
@@ -316,9 +383,17 @@ class PathKind:
     globs: bool = False              # comma-separated paths and globs
     presets: bool = False            # a preset name when no such file exists (--config)
     sniff: Callable[[Path, Any], str | None] | None = None
+    # Outputs: whether an existing path holds what the command writes (then it is replaced);
+    # None: the command's own rule decides (a run directory: `popbert.io.run_dir`).
+    owns: Callable[[Path], bool] | None = None
+    # Outputs: files the command writes beside the output ("{name}" is the output's name), each
+    # with its owner test: an existing one that is not the command's is refused too.
+    companions: tuple[tuple[str, Callable[[Path], bool]], ...] = ()
+    into_runs: bool = False          # may be written inside a run (the run's own plot)
 
     def __call__(self, text: str) -> Path | str:
-        keep = self.urls or self.globs or self.presets or _URL.match(text)  # Path drops "//"
+        # Path drops "//" of a URL, and makes "" the working directory: both stay text.
+        keep = self.urls or self.globs or self.presets or _URL.match(text) or not text.strip()
         return text if keep else Path(text)
 
     @property
@@ -354,10 +429,25 @@ TRAINING_DATA = PathKind("text files or HDF5 shards (globs)", urls=True, globs=T
                          sniff=_text_or_shards)
 VOCAB = PathKind("a WordPiece vocab.txt or a tokenizer.json", urls=True, sniff=_vocab)
 OUTPUT_FILE = PathKind("a file to write", output=True)
-EXPORT_OUTPUT = PathKind("a file to write (an IR directory with --runtime openvino)",
-                         directory=None, output=True)
+EXPORT_OUTPUT = PathKind("a new file or an earlier export (an IR directory with --runtime "
+                         "openvino)", directory=None, output=True, owns=_owns_export,
+                         companions=(("{name}.data", lambda path: True),))
+SQUAD_PREDICTIONS_OUTPUT = PathKind("a new file or earlier SQuAD predictions", output=True,
+                                    owns=_owns_squad_predictions,
+                                    companions=(("nbest_predictions.json", _owns_nbest),))
+LABELS_OUTPUT = PathKind("a new file or earlier predict classify output", output=True,
+                         owns=_owns_labelled_rows)
+CONFIG_OUTPUT = PathKind("a new file or an earlier popbert config", output=True,
+                         owns=_owns_config)
+PLOT_OUTPUT = PathKind("a new file or an earlier plot (PNG)", output=True, owns=_owns_plot,
+                       into_runs=True)
 OUTPUT_DIR = PathKind("a directory to write", directory=True, output=True)
-DATA_OUTPUT_FILE = PathKind("a file to write (or a URL)", output=True, urls=True)
+IMPORT_OUTPUT = PathKind("a new or empty directory, or an earlier import-hf output",
+                         directory=True, output=True, owns=_owns_import)
+HF_EXPORT_OUTPUT = PathKind("a new or empty directory, or an earlier export-hf output",
+                            directory=True, output=True, owns=_owns_hf_export)
+DATA_OUTPUT_FILE = PathKind("a new file or an earlier vocabulary (or a URL)", output=True,
+                            urls=True, owns=_owns_vocab)
 DATA_OUTPUT_DIR = PathKind("a directory to write (or a URL prefix)", directory=True,
                            output=True, urls=True)
 
@@ -434,6 +524,8 @@ def check_path(name: str, value: str | os.PathLike, kind: PathKind,
     """Refuse `value` for flag or key `name` unless it can be what `kind` wants: one line.
     `args`: the command's other options, where a sniff depends on them (`--text-column`)."""
     text = os.fspath(value)
+    if not text.strip():
+        raise _refuse(name, repr(text), "an empty path", kind)
     if _url_scheme(text) is not None and _url_scheme(text) not in _LOCAL_SCHEMES:
         _check_url(name, text, kind)
         return  # reachability and credentials are the storage layer's (one line too)
@@ -474,27 +566,42 @@ def check_path(name: str, value: str | os.PathLike, kind: PathKind,
 
 
 def _check_output(name: str, path: Path, kind: PathKind) -> None:
+    """An output goes where it replaces nothing the command did not write: not the working
+    directory or above it, not inside a run or checkpoint, not over another kind of file."""
     if kind.directory and path.exists() and not path.is_dir():
         raise _refuse(name, path, f"{describe(path)}, not a directory", kind)
     if kind.directory is False and path.is_dir():
         raise _refuse(name, path, f"{describe(path)}, not a file name", kind)
-    if kind.directory is not True and path.is_file():
-        owner = _run_or_checkpoint_holding(path)
-        if owner is not None:
-            raise _refuse(name, path, f"a file of {owner}, which this command did not write",
-                          kind)
+    resolved = path.resolve()
+    cwd = Path.cwd().resolve()
+    if resolved == cwd or resolved in cwd.parents:
+        where = "the working directory" if resolved == cwd else "a parent of the working directory"
+        raise _refuse(name, path, f"{where}; an output never replaces it", kind)
+    owner = None if kind.into_runs and (not path.exists() or kind.owns is None
+                                        or kind.owns(path)) else _run_or_checkpoint_holding(path)
+    if owner is not None:
+        raise _refuse(name, path, f"inside {owner}, which this command did not write", kind)
+    if kind.owns is None:
+        return
+    if path.exists() and not (path.is_dir() and not any(path.iterdir())) and not kind.owns(path):
+        raise _refuse(name, path, f"{describe(path)} this command did not write; it is never "
+                      "replaced: remove it or choose another path", kind)
+    for pattern, owns in kind.companions:
+        companion = path.with_name(pattern.format(name=path.name))
+        if companion.exists() and not (path.exists() and kind.owns(path) and owns(companion)):
+            raise _refuse(name, path, f"{companion.name} beside it is {describe(companion)} this "
+                          "command did not write and would replace; remove it or choose another "
+                          "path", kind)
 
 
 def _run_or_checkpoint_holding(path: Path) -> str | None:
-    """'the run DIR' or 'the checkpoint DIR' when `path` is a file popbert wrote into one."""
-    from popbert.io.run_dir import RUN_FILES
-
-    parent = path.parent
-    if (parent / "state.json").exists():
-        return f"the checkpoint {parent}"
-    if (parent / "config.yaml").is_file() and (parent / "metrics.jsonl").exists() \
-            and path.name in RUN_FILES:
-        return f"the run {parent}"
+    """'the run DIR' or 'the checkpoint DIR' when `path` lies inside one (at any depth)."""
+    for ancestor in path.resolve().parents:
+        if (ancestor / "state.json").is_file():
+            return f"the checkpoint {ancestor}"
+        if (ancestor / "config.yaml").is_file() and ((ancestor / "checkpoints").is_dir()
+                                                     or (ancestor / "metrics.jsonl").is_file()):
+            return f"the run {ancestor}"
     return None
 
 
@@ -530,21 +637,33 @@ def _values(value: Any) -> list:
 
 def check_arguments(args: argparse.Namespace,
                     flags: Iterable[tuple[str, str, PathKind]] | None = None) -> None:
-    """Check every declared path flag the user gave, then that no output is also an input."""
+    """Check that no output is (or, a directory, holds) one of the inputs, then every declared
+    path flag the user gave."""
     flags = list(getattr(args, "path_flags", []) if flags is None else flags)
-    for dest, flag, kind in flags:
-        for value in _values(getattr(args, dest, None)):
-            check_path(flag, value, kind, args)
     inputs = {_resolved(v): flag for dest, flag, kind in flags if not kind.output
               for v in _values(getattr(args, dest, None)) if _resolved(v) is not None}
     for dest, flag, kind in flags:
-        if not kind.output or kind.directory is True:
-            continue  # a run's own directory is where --resume continues it
+        if not kind.output:
+            continue
         for value in _values(getattr(args, dest, None)):
             target = _resolved(value)
-            if target in inputs:
+            if target is None:
+                continue
+            if kind.directory is not True and target in inputs:
                 raise UsageError(f"{flag} {value}: is also this command's {inputs[target]}; "
                                  "an output never replaces an input: choose another path")
+            if kind.directory is not True or target.is_file():
+                continue  # a file given for a directory: check_path says so
+            for source, in_flag in inputs.items():
+                if source != target and target not in source.parents:
+                    continue
+                if in_flag == "--resume":
+                    continue  # a run's own directory is where --resume continues it
+                raise UsageError(f"{flag} {value}: holds this command's {in_flag} {source}; an "
+                                 "output never replaces an input: choose another directory")
+    for dest, flag, kind in flags:
+        for value in _values(getattr(args, dest, None)):
+            check_path(flag, value, kind, args)
 
 
 def _resolved(value: Any) -> Path | None:
@@ -582,11 +701,11 @@ def check_output_directory(path: Path | None, flag: str = "--output-dir") -> Pat
     return path
 
 
-__all__ = ["CHECKPOINT", "CONFIG_FILE", "CONFIG_PATHS", "CORPUS", "DATA_OUTPUT_DIR",
-           "DATA_OUTPUT_FILE", "DUMP", "EXPORT_OUTPUT", "FINETUNE_DATA_PATHS", "HF_MODEL",
-           "METRICS",
-           "ONNX_MODEL", "OUTPUT_DIR", "OUTPUT_FILE", "PREDICTIONS", "ROWS", "ROWS_OR_LINES",
-           "ROWS_OR_SQUAD", "RUN", "SHARDS", "SQUAD", "TEXT", "TRAINING_DATA",
-           "VOCAB", "PathKind", "check_arguments", "check_config_paths", "check_output_directory",
-           "check_output_file", "check_path", "declare_paths", "declared_paths", "describe",
-           "subparsers", "yaml_keys"]
+__all__ = ["CHECKPOINT", "CONFIG_FILE", "CONFIG_OUTPUT", "CONFIG_PATHS", "CORPUS",
+           "DATA_OUTPUT_DIR", "DATA_OUTPUT_FILE", "DUMP", "EXPORT_OUTPUT", "FINETUNE_DATA_PATHS",
+           "HF_EXPORT_OUTPUT", "HF_MODEL", "IMPORT_OUTPUT", "LABELS_OUTPUT", "METRICS",
+           "ONNX_MODEL", "OUTPUT_DIR", "OUTPUT_FILE", "PLOT_OUTPUT", "PREDICTIONS", "ROWS",
+           "ROWS_OR_LINES", "ROWS_OR_SQUAD", "RUN", "SHARDS", "SQUAD", "SQUAD_PREDICTIONS_OUTPUT",
+           "TEXT", "TRAINING_DATA", "VOCAB", "PathKind", "check_arguments", "check_config_paths",
+           "check_output_directory", "check_output_file", "check_path", "declare_paths",
+           "declared_paths", "describe", "subparsers", "yaml_keys"]

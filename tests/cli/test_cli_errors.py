@@ -246,12 +246,13 @@ def test_export_calls_export_checkpoint(
         return output
 
     fake_module(monkeypatch, "popbert.io.export", export_checkpoint=export_checkpoint)
-    (tmp_path / "state.json").write_text("{}")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "state.json").write_text("{}")
     rc = cli.main(
         [
             "export",
             "--checkpoint",
-            str(tmp_path),
+            str(tmp_path / "ckpt"),
             "--task",
             "pretraining",
             "--output",
@@ -259,7 +260,7 @@ def test_export_calls_export_checkpoint(
         ]
     )
     assert rc == 0
-    assert calls == [(tmp_path, "pretraining", tmp_path / "m.onnx")]
+    assert calls == [(tmp_path / "ckpt", "pretraining", tmp_path / "m.onnx")]
 
 
 def test_library_errors_become_exit_2(
@@ -360,7 +361,7 @@ def test_an_output_file_that_is_a_directory(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     one_line_error(capsys, ["config", "-o", str(tmp_path)],
-                   f"--output {tmp_path}: is a directory, not a file name; expected a file")
+                   f"--output {tmp_path}: is a directory, not a file name; expected a new file")
     blocker = tmp_path / "file"
     blocker.write_text("Some text.\n")
     one_line_error(capsys, ["config", "-o", str(blocker / "run.yaml")],

@@ -262,5 +262,5 @@ def test_bad_directories_are_one_line_errors(tmp_path: Path,
     save_small(transformers.BertModel, tmp_path / "good", True)
     capsys.readouterr()
     one_line_error(capsys, ["import-hf", "--model", str(tmp_path / "good"), "--output-dir",
-                            str(occupied)], "--output-dir", "not an empty directory")
+                            str(occupied)], "--output-dir", "this command did not write")
     assert (occupied / "notes.txt").read_text() == "mine"

@@ -1,7 +1,11 @@
 """Corpora as people have them, cut into work units for the `sentences` stage.
 
 Formats: JSON lines with a text field (the `extract` stage's parts are this, with `text`),
-Parquet with a text column, and plain text with one document per line. A unit is a byte range of
+Parquet with a text column, and plain text with one document per line. Every format treats a
+document without text alike: a JSON null or a Parquet null, or text of only whitespace, is read
+as `""` for the `sentences` stage to count, say once and leave out (or refuse under strict),
+while a file that lacks the field or column altogether does not fit (a DataError naming it). A
+blank line is no row in either line format. A unit is a byte range of
 a text file (the whole lines that start in it) or a run of a Parquet file's row groups, so one
 big file still spreads over many workers; the units depend on the files and the part size only,
 never on who reads them. Without a part size every file is one unit, as the stage always was.
@@ -108,7 +112,8 @@ def _parquet_units(path: str, text_field: str, part_bytes: int | None) -> Iterat
 
 
 def read_unit(unit: Unit) -> Iterator[str]:
-    """The texts of the documents in `unit`, in file order (blank lines skipped)."""
+    """The texts of the documents in `unit`, in file order (blank lines skipped); a document
+    whose text is missing (null) or blank is `""`, so every format's are counted alike."""
     if unit.format == "parquet":
         yield from _parquet_texts(unit)
         return
@@ -125,11 +130,10 @@ def read_unit(unit: Unit) -> Iterator[str]:
         except ValueError:
             raise DataError(f"{unit.path}: the line at byte {offset} is not JSON (expected "
                             f"JSON lines)") from None
-        text = row.get(unit.text_field) if isinstance(row, dict) else None
-        if not isinstance(text, str):
+        if not isinstance(row, dict) or unit.text_field not in row:
             raise DataError(f"{unit.path}: the JSON line at byte {offset} has no text field "
                             f"{unit.text_field!r} (--text-field)")
-        yield text
+        yield _text(row[unit.text_field], unit, f"the JSON line at byte {offset}")
 
 
 def _lines(unit: Unit) -> Iterator[tuple[int, bytes]]:
@@ -154,10 +158,14 @@ def _parquet_texts(unit: Unit) -> Iterator[str]:
     for group in range(unit.start, unit.stop):
         column = parquet.read_row_group(group, columns=[unit.text_field]).column(0)
         for number, text in enumerate(column.to_pylist()):
-            if text is None:
-                continue  # a missing value is no document
-            if not isinstance(text, str):
-                raise DataError(f"{unit.path}: column {unit.text_field!r} holds "
-                                f"{type(text).__name__} (row {number} of row group {group}), "
-                                f"expected text")
-            yield text
+            yield _text(text, unit, f"row {number} of row group {group}")
+
+
+def _text(value: object, unit: Unit, where: str) -> str:
+    """A row's text; `""` when missing (null) or blank; a DataError when not text."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise DataError(f"{unit.path}: {unit.text_field!r} holds {type(value).__name__} at "
+                        f"{where}, expected text (--text-field)")
+    return value if value.strip() else ""

@@ -206,7 +206,10 @@ def pack_shards(input_shards: list[Location], output_dir: str | os.PathLike, *,
     jobs = [(str(src), str(out), strategy, max_sequences_per_pack, max_predictions_per_pack,
              derive_seed(seed, index))
             for index, src, out in stage.pending(input_shards, SHARD_SUFFIX)]
-    run_units(pack_part, jobs, workers, desc="pack", total=len(jobs))
+    try:
+        run_units(pack_part, jobs, workers, desc="pack", total=len(jobs))
+    except DataError as exc:  # the cluster lost, a shard refused: the lock goes, one line
+        raise stage.abandon(str(exc)) from None
     # Statistics over all packed shards (including ones written by an earlier run).
     outputs = stage.parts(SHARD_SUFFIX)
     sequences = packs = tokens = 0
@@ -256,7 +259,7 @@ def prepare_wikipedia(dump: str | os.PathLike, output_dir: str | os.PathLike,
                                       part_bytes)
     extracted = storage.list_parts(storage.join(out, "extracted"), f"part-*.{EXTRACT_SUFFIX}")
     records["sentences"] = split_sentences(extracted, storage.join(out, "sentences"), workers,
-                                           splitter, min_sentences)
+                                           splitter, min_sentences, strict=strict)
     sentence_parts = storage.list_parts(storage.join(out, "sentences"), "part-*.txt")
     if vocab is None:
         vocab_path = storage.join(out, "vocab.txt")

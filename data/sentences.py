@@ -120,38 +120,54 @@ def write_documents(documents: Iterable[list[str]], path: Location) -> tuple[int
     return docs, sents
 
 
-def split_part(unit: Unit, out_path: str, splitter: str, min_sentences: int) -> dict:
-    """One unit of documents → one sentence part; returns counts."""
+def no_text(empty: int, articles: int, where: str, text_field: str) -> str:
+    """How a stage says that `empty` of `articles` documents have no text."""
+    return (f"{where}: {empty:,} of {articles:,} documents have no text (null or blank in the "
+            f"text field {text_field!r})")
+
+
+def split_part(unit: Unit, out_path: str, splitter: str, min_sentences: int,
+               strict: bool = False) -> dict:
+    """One unit of documents → one sentence part; returns counts. Documents without text are
+    counted and left out, or under `strict` refused before the part is written."""
     split = make_splitter(splitter)
-    articles = chars = dropped = 0
+    articles = chars = dropped = empty = 0
 
     def documents() -> Iterable[list[str]]:
-        nonlocal articles, chars, dropped
+        nonlocal articles, chars, dropped, empty
         for text in read_unit(unit):
             articles += 1
+            if not text:  # a null or blank text, in any format (`read_unit`)
+                empty += 1
+                continue
             sentences = document_sentences(text, split)
             if len(sentences) < min_sentences:
                 dropped += 1
                 continue
             chars += sum(len(s) for s in sentences)
             yield sentences
+        if strict and empty:  # inside the write: the part is not published
+            raise DataError(f"{no_text(empty, articles, unit.path, unit.text_field)}; "
+                            f"refused (strict)")
 
     docs, sents = write_documents(documents(), storage.location(out_path))
     return {"articles": articles, "documents": docs, "sentences": sents, "chars": chars,
-            "dropped": dropped}
+            "dropped": dropped, "empty": empty}
 
 
 def split_sentences(input_parts: list[Location], output_dir: str | os.PathLike, workers: int = 1,
                     splitter: str = "nupunkt",
                     min_sentences: int = DEFAULT_MIN_SENTENCES, *, fmt: str | None = None,
-                    text_field: str = "text", part_bytes: int | None = None) -> dict:
+                    text_field: str = "text", part_bytes: int | None = None,
+                    strict: bool = False) -> dict:
     """Stage `sentences`: documents → `output_dir/part-*.txt`; returns the record.
 
     `input_parts`: the `extract` stage's parts or any corpus files `popbert.data.documents`
     reads (`fmt` None: told by each file's suffix), cut into units of about `part_bytes` (None:
     a unit per file). Parts may come out empty (every article filtered out), but a stage
     without any document is a DataError naming the input, with no completion marker and no
-    directory left behind.
+    directory left behind. Documents without text (a null or blank text field, in any format)
+    are counted and said once, or under `strict` refused, leaving nothing this run made.
     """
     make_splitter(splitter)  # fail fast on an unknown or missing splitter
     if min_sentences < 1:
@@ -169,7 +185,7 @@ def split_sentences(input_parts: list[Location], output_dir: str | os.PathLike, 
         return stage.success()
     done = {storage.name_of(p) for p in stage.parts(SENTENCES_SUFFIX)}
     jobs = [(unit, str(storage.join(stage.path, part_name(i, SENTENCES_SUFFIX))), splitter,
-             min_sentences)
+             min_sentences, strict)
             for i, unit in enumerate(units) if part_name(i, SENTENCES_SUFFIX) not in done]
     log.info("splitting %d parts into sentences (%s, %s; %d already done)",
              len(jobs), splitter, workers_label(workers), len(units) - len(jobs))
@@ -178,16 +194,23 @@ def split_sentences(input_parts: list[Location], output_dir: str | os.PathLike, 
     except DataError as exc:  # bad input found mid-stage: leave nothing this run made
         raise stage.abandon(str(exc)) from None
     # A part without documents is an empty file (parts written by an earlier run count too).
+    articles = sum(r["articles"] for r in results)
+    empty = sum(r["empty"] for r in results)
     if not any(storage.size(part) for part in stage.parts(SENTENCES_SUFFIX)):
-        articles = sum(r["articles"] for r in results)
-        if articles:
-            detail = (f"all {articles} articles have fewer than {min_sentences} sentences "
-                      f"(--min-sentences)")
+        if articles and empty == articles:
+            detail = (f"none of its {articles:,} has text (null or blank in the text field "
+                      f"{text_field!r}, --text-field)")
+        elif articles:
+            detail = (f"all {articles - empty} articles have fewer than {min_sentences} "
+                      f"sentences (--min-sentences)")
         elif len(jobs) == len(units):
             detail = "the input holds no documents"
         else:  # only parts an earlier run wrote (empty): their article counts are gone
             detail = f"no article has {min_sentences} or more sentences (--min-sentences)"
         raise stage.abandon(f"{name_files(input_parts)}: empty corpus: no documents: {detail}")
+    if empty:  # every format alike (`documents.read_unit`), said once for the stage
+        log.warning("%s: left out", no_text(empty, articles, name_files(input_parts),
+                                            text_field))
     dropped = sum(r["dropped"] for r in results)
     if dropped:  # cut on purpose, and said: NSP pairs need two sentences of one document
         log.info("sentences: %d of %d articles dropped with fewer than %d sentences "
@@ -196,5 +219,6 @@ def split_sentences(input_parts: list[Location], output_dir: str | os.PathLike, 
     stats = {"parts": len(units), "parts_skipped": len(units) - len(jobs),
              "documents_written_now": sum(r["documents"] for r in results),
              "sentences_written_now": sum(r["sentences"] for r in results),
-             "documents_dropped_short_now": dropped}
+             "documents_dropped_short_now": dropped,
+             "documents_without_text_now": empty}
     return stage.finish([storage.name_of(p) for p in stage.parts(SENTENCES_SUFFIX)], stats)

@@ -7,6 +7,7 @@ The documents are real: leads of the bundled Wikipedia corpus."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -155,4 +156,75 @@ def test_inputs_that_do_not_fit_are_one_line_naming_the_file(tmp_path, capsys, c
     assert len(errors) == 1 and str(source) in errors[0], err
     assert fragment in errors[0], errors[0]
     assert not any("Traceback" in line for line in err)
+    assert not out.exists()
+
+
+def write_with_gaps(tmp_path: Path, fmt: str, texts: list[str], gaps: list) -> Path:
+    """`texts` in `fmt` (the text in field "body") with one of `gaps` (documents without text;
+    None is a null) after every third text."""
+    rows: list = []
+    for i, text in enumerate(texts):
+        rows.append(text)
+        if i % 3 == 2 and i // 3 < len(gaps):
+            rows.append(gaps[i // 3])
+    if fmt == "jsonl":
+        path = tmp_path / "gaps.jsonl"
+        path.write_text("\n".join(json.dumps({"id": i, "body": r}) for i, r in enumerate(rows))
+                        + "\n", encoding="utf-8")
+        return path
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "gaps.parquet"
+    pq.write_table(pa.table({"body": pa.array(rows, pa.string())}), path, row_group_size=4)
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_documents_without_text_are_counted_said_once_or_refused_alike(tmp_path, caplog, fmt):
+    """A null, an empty and a blank text are one case in every format: left out, counted,
+    said once for the stage (not once a unit), and refused under strict leaving nothing."""
+    from popbert.data import DataError
+    from popbert.data.sentences import split_sentences
+
+    texts = leads(12)
+    gaps = [None, "", "  \n "]
+    source = write_with_gaps(tmp_path, fmt, texts, gaps)
+    clean = write_jsonl(tmp_path / "clean.jsonl", texts)
+    split_sentences([clean], tmp_path / "clean", text_field="body")
+    with caplog.at_level(logging.WARNING, logger="popbert"):
+        record = split_sentences([source], tmp_path / "out", text_field="body", part_bytes=300)
+    assert record["stats"]["documents_without_text_now"] == 3
+    assert documents_of(tmp_path / "out") == documents_of(tmp_path / "clean")
+    said = [r.getMessage() for r in caplog.records if "have no text" in r.getMessage()]
+    assert said == [f"{source}: 3 of 15 documents have no text (null or blank in the text "
+                    f"field 'body'): left out"]
+    assert len(plan_units([source], text_field="body", part_bytes=300)) > 2  # not per unit
+
+    with pytest.raises(DataError, match=r"3 of 15 documents have no text .*refused \(strict\)"):
+        split_sentences([source], tmp_path / "strict", text_field="body", strict=True)
+    assert not (tmp_path / "strict").exists()
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "lines"])
+def test_a_corpus_without_any_text_is_one_line_and_blank_lines_are_no_rows(tmp_path, capsys,
+                                                                          fmt):
+    if fmt == "jsonl":
+        source = tmp_path / "empty.jsonl"
+        source.write_text('{"text": null}\n\n{"text": ""}\n{"text": " "}\n', encoding="utf-8")
+    elif fmt == "parquet":
+        pa = pytest.importorskip("pyarrow")
+        pq = pytest.importorskip("pyarrow.parquet")
+        source = tmp_path / "empty.parquet"
+        pq.write_table(pa.table({"text": pa.array([None, "", " "], pa.string())}), source)
+    else:  # a blank line is no row: nothing to count, and no document either
+        source = tmp_path / "empty.txt"
+        source.write_text("\n \n\t\n", encoding="utf-8")
+    out = tmp_path / "out"
+    assert main(["prepare-data", "sentences", "--input", str(source), "-o", str(out),
+                 "-j", "1"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines()
+              if line.startswith("popbert: error:")]
+    assert len(errors) == 1 and str(source) in errors[0], errors
+    expected = ("the input holds no documents" if fmt == "lines"
+                else "none of its 3 has text (null or blank in the text field 'text'")
+    assert expected in errors[0], errors[0]
     assert not out.exists()

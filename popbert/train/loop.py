@@ -343,12 +343,11 @@ def train_loop(session: Session, batches: Iterator[Batch | PartialBatch],
     each = 0.0  # the longest evaluation's seconds (planned, then measured)
     if budgeted and validation and (points or eval_every):
         assert clock.budget is not None
-        allowed = settings.eval_share * clock.budget
-        plan, evaluation_s = _size_evaluations(session, validation, clock, points, eval_every,
-                                               settings.eval_share)
+        plan, evaluation_s, allowed = _size_evaluations(session, validation, clock, points,
+                                                        eval_every, settings.eval_share)
         validation, points, each = validation[:plan.batches], plan.points, plan.seconds
     next_point = _next_point(clock.progress(), points)  # a resumed run: the next one ahead
-    spent = 0.0  # seconds of this loop's evaluations that count against `allowed`
+    spent = evaluation_s  # seconds of this loop's evaluations, counted against `allowed`
     told_share = False
     replicas = session.replicas
     first_step = session.step
@@ -515,12 +514,14 @@ def evaluate(session: Session, validation: Sequence[Batch]) -> dict[str, float]:
 
 
 def _size_evaluations(session: Session, validation: Sequence[Batch], clock: TrainingClock,
-                      points: int, eval_every: int, share: float) -> tuple[EvalPlan, float]:
+                      points: int, eval_every: int, share: float
+                      ) -> tuple[EvalPlan, float, float]:
     """Before a budgeted run trains: time one validation batch (the second evaluated: the first
-    pays what is done once), the slowest replica's, and size the evaluations to `share` of the
-    budget (`plan_evaluations`), said in one line; the plan and the seconds this took. One
-    evaluation of one batch that does not fit is refused (`ConfigError`): such a run would
-    measure nothing it was asked to."""
+    pays what is done once), the slowest replica's, and size the evaluations to what is left of
+    `share` of the budget after that timing (`plan_evaluations`), said in one line. Returns the
+    plan, the timing's seconds and the seconds the evaluations may take, the timing's included.
+    One evaluation of one batch that does not fit in the share is refused (`ConfigError`): such
+    a run would measure nothing it was asked to."""
     budget = clock.budget
     assert budget is not None
     started = clock.read()
@@ -528,45 +529,48 @@ def _size_evaluations(session: Session, validation: Sequence[Batch], clock: Trai
     probed = clock.read()
     session.evaluate(validation[min(1, len(validation) - 1)])
     finished = clock.read()
-    batch_seconds = _agreed_max_seconds(session, finished - probed)
+    batch_seconds, timing = _agreed_max_seconds(session, finished - probed, finished - started)
     allowed = share * budget
-    plan = plan_evaluations(points, len(validation), batch_seconds, allowed)
     knob = "training.eval_points" if points else "training.eval_every"
-    if plan.seconds > allowed:
+    if batch_seconds > allowed:
         raise ConfigError(
             f"training.time_budget is {budget:g} s, but one evaluation of a single validation "
             f"batch takes {batch_seconds:.3g} s, more than training.eval_share {share:g} of it "
             f"({allowed:.3g} s): give a budget of at least {math.ceil(batch_seconds / share)} s, "
             f"a training.eval_share of at least {math.ceil(100 * batch_seconds / budget) / 100:g}"
             f", or set {knob}=0")
-    asked = f"{100 * share:g}% of the {budget:g} s budget ({allowed:.3g} s)"
+    # A slow first batch (compilation) may leave less than one batch: the final one still runs.
+    plan = plan_evaluations(points, len(validation), batch_seconds,
+                            max(allowed - timing, batch_seconds))
+    asked = (f"at most {100 * share:g}% of the {budget:g} s budget ({allowed:.3g} s) with "
+             f"{timing:.1f} s timing it")
     if points:
         total = plan.points * plan.seconds
         smaller = (f"; the {points} points of {len(validation)} batches asked for would take "
                    f"{points * len(validation) * batch_seconds:.0f} s"
                    if (plan.points, plan.batches) != (points, len(validation)) else "")
-        over = total > budget
+        over = timing + total > budget
         (log.warning if over else log.info)(
-            "evaluation: %d points of %d batches, about %.1f s in all (a batch %.2g s), %s %s"
-            "%s; evaluations are outside the budget", plan.points, plan.batches, total,
-            batch_seconds, "longer than the budget itself: at most" if over else "at most",
-            asked, smaller)
+            "evaluation: %d points of %d batches, about %.1f s in all (a batch %.2g s), %s%s%s; "
+            "evaluations are outside the budget", plan.points, plan.batches, total,
+            batch_seconds, "longer than the budget itself: " if over else "", asked, smaller)
     else:
         log.info("evaluation: every %d steps on %d batches, about %.2g s each (a batch %.2g s); "
-                 "they stop once they take %s%s; evaluations are outside the budget",
+                 "they stop before they pass %s%s; evaluations are outside the budget",
                  eval_every, plan.batches, plan.seconds, batch_seconds, asked,
                  f" (of {len(validation)} batches)" if plan.batches < len(validation) else "")
-    return plan, finished - started
+    return plan, timing, max(allowed, timing + plan.seconds)
 
 
-def _agreed_max_seconds(session: Session, seconds: float) -> float:
-    """The largest `seconds` over the replicas (one small all-reduce under replicas)."""
+def _agreed_max_seconds(session: Session, *seconds: float) -> tuple[float, ...]:
+    """Each of `seconds`' largest value over the replicas (one small all-reduce under
+    replicas)."""
     replicas = session.replicas
     if not replicas.distributed:
         return seconds
-    tensor = torch.tensor([seconds], dtype=torch.float64, device=_collective_device(session))
+    tensor = torch.tensor(seconds, dtype=torch.float64, device=_collective_device(session))
     replicas.all_reduce_(tensor, op="max")
-    return float(tensor.item())
+    return tuple(tensor.tolist())
 
 
 def _first_bad(losses: torch.Tensor, limit: float | None, session: Session

@@ -133,7 +133,8 @@ class DataConfig:
     # given here they are used, but never written to the run's config, checkpoints or logs.
     storage_options: dict = field(default_factory=dict)
     # Where remote shards are copied to be read (None: $POPBERT_CACHE_DIR/shards, else
-    # ~/.cache/popbert/shards), and how much it may hold (least recently used go first).
+    # ~/.cache/popbert/shards), and how much it may hold (least recently used go first);
+    # instances made from text files are cached in its instances/ folder (never evicted).
     cache_dir: str | None = None
     cache_limit: Bytes = 20 * 10**9  # type: ignore[assignment]
 

@@ -14,6 +14,7 @@ import json
 import logging
 import multiprocessing
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from pathlib import Path
@@ -24,6 +25,7 @@ from tqdm import tqdm
 from popbert.data import storage
 from popbert.data.errors import DataError
 from popbert.data.storage import Location
+from popbert.errors import one_line
 from popbert.locking import DirectoryLock, lock_directory
 
 log = logging.getLogger(__name__)
@@ -253,7 +255,7 @@ def run_units(fn: Callable[..., Any], jobs: Iterable[tuple], workers: int, desc:
     A job's paths must be absolute when they go to a cluster (its workers have their own
     working directories): the stages make them so.
     """
-    from popbert.data.cluster import active_cluster, cluster_slots
+    from popbert.data.cluster import active_cluster
 
     results: dict[int, Any] = {}
     bar: tqdm | None = None
@@ -272,12 +274,7 @@ def run_units(fn: Callable[..., Any], jobs: Iterable[tuple], workers: int, desc:
     cluster = active_cluster()
     try:
         if cluster is not None:
-            executor = cluster.get_executor(pure=False)
-            try:
-                _run_pooled(executor, functools.partial(_on_worker, fn), jobs, done,
-                            lambda: 2 * cluster_slots(cluster))
-            finally:
-                executor.shutdown(wait=False)
+            _run_on_cluster(cluster, functools.partial(_on_worker, fn), jobs, done, desc, total)
         elif workers <= 1:
             for i, job in enumerate(jobs):
                 done(i, job, fn(*job))
@@ -290,6 +287,90 @@ def run_units(fn: Callable[..., Any], jobs: Iterable[tuple], workers: int, desc:
         if bar is not None:
             bar.close()
     return [results[i] for i in range(len(results))]
+
+
+#: How long a stage on a Dask cluster waits for a unit before it looks at the workers again, and
+#: how often it says how far it is.
+POLL_S = 1.0
+PROGRESS_EVERY_S = 30.0
+
+
+def _run_on_cluster(client: Any, fn: Callable[..., Any], jobs: Iterable[tuple],
+                    done: Callable[[int, tuple, Any], None], desc: str,
+                    total: int | None) -> None:
+    """`_run_pooled` on a Dask cluster, watching it: the number of workers connected and the
+    units done are said as they change (and every `PROGRESS_EVERY_S`), and a cluster left
+    without any worker for `cluster_wait()` seconds (all left or died, none joined) is a
+    DataError saying how far the stage got, instead of a wait without end."""
+    from popbert.data.cluster import cluster_slots, cluster_wait, worker_count
+
+    address = client.scheduler.address
+    patience = cluster_wait()
+    executor = client.get_executor(pure=False)
+    pending: dict[Future, tuple[int, tuple]] = {}
+    state = {"finished": 0, "workers": worker_count(client), "alone_since": None,
+             "said": time.monotonic()}
+
+    def units() -> str:
+        return f"{state['finished']}" + (f" of {total}" if total is not None else "")
+
+    def watch() -> None:
+        now = time.monotonic()
+        workers = worker_count(client)
+        if workers != state["workers"]:
+            log.info("%s: %d Dask worker(s) connected to %s now; %s unit(s) done", desc,
+                     workers, address, units())
+            state["workers"] = workers
+        if workers:
+            state["alone_since"] = None
+        elif state["alone_since"] is None:
+            state["alone_since"] = now
+            log.warning("%s: no Dask worker is connected to %s; waiting up to %g s for one to "
+                        "join (--dask-wait)", desc, address, patience)
+        elif now - state["alone_since"] >= patience:
+            raise DataError(f"{desc}: no Dask worker connected to the scheduler at {address} "
+                            f"for {patience:g} s (--dask-wait): all left or died and none "
+                            f"joined; {units()} unit(s) done, the rest not run")
+        if now - state["said"] >= PROGRESS_EVERY_S:
+            log.info("%s: %s unit(s) done on %d Dask worker(s)", desc, units(), workers)
+            state["said"] = now
+
+    def drain(block_until: int) -> None:
+        while len(pending) > block_until:
+            finished, _ = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
+            for future in finished:
+                index, job = pending.pop(future)
+                done(index, job, _unit_result(future, desc, address))
+                state["finished"] += 1
+            watch()
+
+    try:
+        for i, job in enumerate(jobs):
+            pending[executor.submit(fn, *job)] = (i, job)
+            drain(2 * cluster_slots(client))
+        drain(0)
+    finally:
+        with contextlib.suppress(Exception):  # a lost scheduler: nothing left to cancel
+            executor.shutdown(wait=False)
+
+
+def _unit_result(future: Future, desc: str, address: str) -> Any:
+    """A cluster unit's result; the cluster's own failures as one DataError line (a unit's
+    errors in its code are raised as they are)."""
+    try:
+        return future.result()
+    except DataError:
+        raise
+    except ImportError as exc:  # on a worker that joined after `check_workers`
+        raise DataError(f"{desc}: a unit failed on a Dask worker of {address}: "
+                        f"{type(exc).__name__}: {one_line(exc, 200)}; every worker needs "
+                        f"popbert and its data packages (pip install 'popbert[data,dask]')"
+                        ) from None
+    except Exception as exc:
+        if type(exc).__name__ in ("KilledWorker", "FutureCancelledError", "CancelledError"):
+            raise DataError(f"{desc}: a unit was lost on the Dask cluster at {address}: "
+                            f"{one_line(exc, 300)}") from None
+        raise
 
 
 def _run_pooled(executor: Executor, fn: Callable[..., Any], jobs: Iterable[tuple],

@@ -219,6 +219,8 @@ def extract_dump(dump: str | os.PathLike, output_dir: str | os.PathLike, workers
     log.info("extracting %s (%.1f MB) with %s", dump, size / 1e6, workers_label(workers))
     try:
         results = run_units(extract_part, jobs(), workers, desc="extract", show_bar=False)
+    except DataError as exc:  # the cluster lost, a bad page: the lock goes, one line
+        raise stage.abandon(str(exc)) from None
     finally:
         bar.close()
     part_paths = stage.parts(EXTRACT_SUFFIX)

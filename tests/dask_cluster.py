@@ -88,25 +88,41 @@ class DaskCluster:
         except OSError:
             return ""
 
-    def _start(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _start(self, name: str, args: list[str], env: dict[str, str | None] | None = None
+               ) -> subprocess.Popen:
+        """Start `python args...` logging to `<name>.log`; `env` changes the cluster's
+        environment for this process (None: the variable removed)."""
+        environment = {**self.env, **(env or {})}
+        environment = {k: v for k, v in environment.items() if v is not None}
         log = open(self.directory / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
         process = subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT,
-                                   env=self.env, start_new_session=True)
+                                   env=environment, start_new_session=True)
         log.close()
         self.processes.append(process)
         return process
 
-    def add_worker(self, name: str, preload: str | None = None) -> subprocess.Popen:
-        """Start a one-thread worker (with Dask's `--preload` module, if given) and wait until
-        the scheduler counts it."""
+    def add_worker(self, name: str, preload: str | None = None,
+                   env: dict[str, str | None] | None = None) -> subprocess.Popen:
+        """Start a one-thread worker (with Dask's `--preload` module, if given; `env` changes
+        its environment) and wait until the scheduler counts it."""
         process = self._start(name, [
             "-m", "distributed.cli.dask_worker", self.address, "--name", name,
             "--nthreads", "1", "--no-nanny", "--no-dashboard", "--host", "127.0.0.1",
             "--local-directory", str(self.directory / name), *self._tls_args(),
-            *(["--preload", preload] if preload else [])])
+            *(["--preload", preload] if preload else [])], env)
         self.workers[name] = process
         self.wait_for_workers(lambda names: name in names, f"worker {name} to join")
         return process
+
+    def worker_address(self, name: str) -> str:
+        """The address the scheduler knows the worker `name` by."""
+        with self.client() as client:
+            return next(a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()
+                        if w["name"] == name)
+
+    def log(self, name: str) -> str:
+        """What the process `name` (a worker, "scheduler") has written so far."""
+        return (self.directory / f"{name}.log").read_text()
 
     def worker_names(self) -> set[str]:
         with self.client() as client:

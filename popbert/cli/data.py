@@ -74,18 +74,27 @@ def _on_cluster(handler: Callable[[argparse.Namespace], int]
 
     @functools.wraps(handler)
     def run(args: argparse.Namespace) -> int:
-        from popbert.data.cluster import ADDRESS_VARIABLE, scheduler_address
+        from popbert.data.cluster import ADDRESS_VARIABLE, DEFAULT_WAIT_S, scheduler_address
 
         address = scheduler_address(args.dask)
+        if args.dask_wait is not None and not args.dask_wait > 0:
+            raise UsageError(f"--dask-wait must be > 0 seconds, got {args.dask_wait}")
         if address is None:
+            if args.dask_wait is not None:  # accepted, it would do nothing
+                raise UsageError(f"--dask-wait: only with --dask ADDRESS (or "
+                                 f"${ADDRESS_VARIABLE}); without them the units run on local "
+                                 f"processes")
             return handler(args)
         from popbert.data.cluster import cluster_slots, on_cluster
         from popbert.data.errors import DataError
 
         source = "--dask" if args.dask else f"${ADDRESS_VARIABLE}"
+        wait = args.dask_wait if args.dask_wait is not None else DEFAULT_WAIT_S
         with contextlib.ExitStack() as stack:
             try:
-                client = stack.enter_context(on_cluster(address))
+                client = stack.enter_context(on_cluster(address, wait=wait,
+                                                        output=args.output_dir,
+                                                        modules=_stage_modules(args)))
             except DataError as exc:
                 raise UsageError(f"{source}: {exc}") from None
             logger.info("running the units on the Dask cluster at %s (%d worker(s), %d "
@@ -93,6 +102,20 @@ def _on_cluster(handler: Callable[[argparse.Namespace], int]
             return handler(args)
 
     return run
+
+
+def _stage_modules(args: argparse.Namespace) -> tuple[str, ...]:
+    """What a Dask worker imports for this command's stages beyond what every stage needs:
+    wikiextractor to extract, the sentence splitter, pyarrow for Parquet corpora."""
+    modules = []
+    if args.stage in ("wikipedia", "extract"):
+        modules.append("wikiextractor.extract")
+    if args.stage in ("wikipedia", "sentences"):
+        modules.append(args.splitter)  # nupunkt and pysbd are their modules' names
+    if args.stage == "sentences" and (args.format == "parquet" or any(
+            item.strip().endswith((".parquet", ".pq")) for item in str(args.input).split(","))):
+        modules.append("pyarrow.parquet")
+    return tuple(modules)
 
 
 def _options(args: argparse.Namespace):
@@ -289,6 +312,9 @@ def _add_common(p: argparse.ArgumentParser, output_help: str) -> None:
                    help="run the work units on this Dask scheduler's workers instead, e.g. "
                         "tcp://10.0.0.5:8786 (default: $DASK_SCHEDULER_ADDRESS when set; "
                         "needs pip install 'popbert[dask]')")
+    p.add_argument("--dask-wait", type=float, default=None, metavar="SECONDS",
+                   help="with --dask: how long to wait for a worker, at the start and whenever "
+                        "none is left, before stopping in one line (default 120)")
 
 
 def _add_split_args(p: argparse.ArgumentParser) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from popbert.builders.bert_config import TaskConfig
+from popbert.builders.bert_config import ARCHITECTURES, BertConfig, TaskConfig
 from popbert.config.sections import (
     SECTIONS,
     TOP_LEVEL_KEYS,
@@ -376,7 +376,37 @@ def config_from_dict(d: dict[str, Any] | None, source: str = "<dict>",
                 for name, cls in SECTIONS.items()}
     cfg = RunConfig(preset=preset, **sections)
     validate_run_config(cfg, source, sources)
+    check_family_sections(cfg, source, sources)
     return cfg
+
+
+# The model families with a settings section of their own (`model.groupbert`,
+# `model.modernbert`): a key there does something only when `model.architecture` names it.
+FAMILY_SECTIONS = tuple(f.name for f in dataclasses.fields(BertConfig)
+                        if f.name in ARCHITECTURES)
+
+
+def check_family_sections(cfg: RunConfig, source: str = "<config>",
+                          key_sources: dict[str, str] | None = None) -> None:
+    """ConfigError (one line) for a family's own setting on another family's model: one an
+    override names, or one a file sets away from its default. Either would do nothing."""
+    sources = key_sources or {}
+    architecture = cfg.model.architecture
+    for family in FAMILY_SECTIONS:
+        if family == architecture:
+            continue
+        prefix = f"model.{family}"
+        named = sorted(k for k in sources if k == prefix or k.startswith(prefix + "."))
+        options = getattr(cfg.model, family)
+        default = type(options)()
+        changed = [f"{prefix}.{f.name}" for f in dataclasses.fields(options)
+                   if getattr(options, f.name) != getattr(default, f.name)]
+        bad = named or changed
+        if bad:
+            raise ConfigError(f"{Origins(source, sources)(bad[0])}: {bad[0]} is a setting of "
+                              f"model.architecture {family}, but the model is "
+                              f"{architecture!r}: it would do nothing; remove it, or set "
+                              f"model.architecture={family}")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -460,6 +490,7 @@ def dump_config(cfg: RunConfig) -> str:
 
 
 __all__ = [
-    "DEFAULT_PRESET", "PRESETS_DIR", "apply_overrides", "config_from_dict", "dump_config",
+    "DEFAULT_PRESET", "FAMILY_SECTIONS", "PRESETS_DIR", "apply_overrides",
+    "check_family_sections", "config_from_dict", "dump_config",
     "list_presets", "load_config", "parse_override", "preset_path",
 ]

@@ -188,14 +188,62 @@ def finetune_config(task: str, checkpoint: str | Path, train_file: str | Path,
               "finetune.train_file": os.path.abspath(train_file)}
     if eval_file is not None:
         inputs["finetune.eval_file"] = os.path.abspath(eval_file)
-    given = [f"{k}={json.dumps(v)}" for k, v in inputs.items()]
     parsed = {".".join(path): value for path, value in map(parse_override, overrides)}
     named = set(parsed) | (_named_in_file(config, task) if config is not None else set())
     sized = parsed.get("finetune.checkpoint", checkpoint)  # the one the run will start from
+    inputs.update(_checkpoint_model_keys(task, sized if isinstance(sized, (str, Path))
+                                         else checkpoint, overrides))
+    given = [f"{k}={json.dumps(v)}" for k, v in inputs.items()]
     chosen = _size_defaults(task, sized if isinstance(sized, (str, Path)) else checkpoint,
                             named)  # before the overrides: a user's chosen_by_size wins
     return load_config(config if config is not None else f"finetune-{task}",
                        [*given, *chosen, *overrides])
+
+
+# The keys a fine-tuning run takes from elsewhere than its own config: `--set` naming one would
+# be accepted and do nothing, so it is refused, saying what sets it instead.
+DERIVED_KEYS = {"training.steps": "finetune.epochs (the steps are epochs x batches)",
+                "optimizer.warmup_steps": "finetune.warmup_proportion",
+                "model.sequence_length": "finetune.max_seq_length (--max-seq-length)",
+                "model.hidden_dropout": "finetune.dropout (--dropout)",
+                "model.attention_dropout": "finetune.dropout (--dropout)",
+                "model.task": "the task's flags (--labels, --doc-stride, ...)"}
+# The model keys that do take effect in fine-tuning: how a new classification head pools.
+HEAD_KEYS = {"classification": ("model.modernbert.classifier_pooling",)}
+
+
+def _checkpoint_model_keys(task: str, checkpoint: str | Path,
+                           overrides: Sequence[str]) -> dict[str, Any]:
+    """Refuse (one line) each override that fine-tuning would override with the checkpoint's
+    config or derive itself; the model keys that set the new head (`HEAD_KEYS`) are laid over
+    the checkpoint's. Returns the checkpoint's family (and head settings) as inputs, so the
+    config's family sections are checked against the checkpoint's model."""
+    try:
+        model = checkpoint_model(checkpoint)
+    except (CheckpointError, ConfigError, OSError):
+        return {}  # the run says what is wrong with the checkpoint where it always has
+    family = FAMILIES[model.architecture]
+    head = HEAD_KEYS.get(task, ())
+    for text in overrides:
+        key = ".".join(parse_override(text)[0])
+        if key in head and key.startswith(f"model.{model.architecture}."):
+            continue
+        derived = next((DERIVED_KEYS[k] for k in DERIVED_KEYS
+                        if key == k or key.startswith(k + ".")), None)
+        if derived is not None:
+            raise ConfigError(f"--set {text}: fine-tuning sets {key} from {derived}; set that "
+                              "instead")
+        if key.startswith(("model.", "data.")) and key != "data.strict":
+            can = (f"; of the model, fine-tuning sets {', '.join(head)} (the new head)"
+                   if head and model.architecture == "modernbert" else "")
+            raise ConfigError(f"--set {text}: fine-tuning takes {key.split('.')[0]}.* from "
+                              f"finetune.checkpoint (a {family.title}, model.architecture "
+                              f"{model.architecture}): {key} would do nothing{can}")
+    inputs: dict[str, Any] = {"model.architecture": model.architecture,
+                              "model.next_sentence_prediction": model.next_sentence_prediction}
+    if model.architecture == "modernbert":
+        inputs["model.modernbert.classifier_pooling"] = model.modernbert.classifier_pooling
+    return inputs
 
 
 def _size_defaults(task: str, checkpoint: str | Path, named: set[str]) -> list[str]:
@@ -265,6 +313,21 @@ def task_model_config(model: BertConfig, sequence_length: int, task: TaskConfig,
     return BertConfig(**values)
 
 
+def head_settings(cfg: RunConfig, task: str, model: BertConfig) -> BertConfig:
+    """`model` with the settings of the new head `cfg` gives (`HEAD_KEYS`: a ModernBERT
+    classifier's pooling), when `cfg` describes the checkpoint's family (`finetune_config`
+    gives it the checkpoint's family and values, and lays `--set` over them)."""
+    if (task == "classification" and model.architecture == "modernbert"
+            and cfg.model.architecture == "modernbert"):
+        pooling = cfg.model.modernbert.classifier_pooling
+        if pooling != model.modernbert.classifier_pooling:
+            log.info("classification head: %s pooling (model.modernbert.classifier_pooling; "
+                     "the checkpoint's is %s)", pooling, model.modernbert.classifier_pooling)
+        model = dataclasses.replace(model, modernbert=dataclasses.replace(
+            model.modernbert, classifier_pooling=pooling))
+    return model
+
+
 class EpochBatches:
     """Shuffled mini-batches of in-memory features, a new order each epoch (the last batch of
     an epoch may be short); resumable by its position. `group_by_length`: each batch's rows of
@@ -329,8 +392,8 @@ class FinetuneJob(Job):
         self.arrays = self.read(cfg)
         examples = len(next(iter(self.arrays.values())))
         steps = f.epochs * math.ceil(examples / cfg.execution.micro_batch_size)
-        model = task_model_config(self.pretrained.config.model, self.max_seq_length,
-                                  self.task_config(cfg), f.dropout)
+        model = head_settings(cfg, self.task, task_model_config(
+            self.pretrained.config.model, self.max_seq_length, self.task_config(cfg), f.dropout))
         super().__init__(self.resolve(cfg, model, steps))
         self.name = f"finetune {self.task}"
         log.info("%s: %d training examples of %d tokens; %d steps", self.task, examples,
@@ -361,7 +424,8 @@ class FinetuneJob(Job):
         values["model"] = dataclasses.asdict(model)
         values["data"] = {**dataclasses.asdict(base.data),
                           "vocab_file": str(self.output_dir.resolve() /
-                                            tokenizer_file_name(self.pretrained.vocab))}
+                                            tokenizer_file_name(self.pretrained.vocab)),
+                          "strict": cfg.data.strict}  # what read() read the files with
         if cfg.tracking.backend == "none":
             values["tracking"] = dataclasses.asdict(base.tracking)
         values["training"] = {**values["training"], "steps": steps}

@@ -172,3 +172,100 @@ def test_export_eval_is_read_as_its_task_reads_it(task: str, kind: str, bert_che
                  str(SQUAD if kind == "squad" else SENTIMENT), "--output", str(out)]) == 2
     one_line(capsys, f"--eval (a {task} export)")
     assert not out.exists()
+
+
+# ------------------------------------------------- finetune --set, family sections everywhere
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("pretrained")
+    return {family: save_random(root / family, family) for family in PRESETS}
+
+
+def finetune(checkpoint: Path, out: Path, task: str = "classify", *extra: str) -> list[str]:
+    data = ["--train", str(SENTIMENT)] if task == "classify" else ["--train", str(SQUAD)]
+    return ["finetune", task, "--checkpoint", str(checkpoint), *data, "--max-seq-length", "32",
+            "--epochs", "1", "--batch-size", "8", "--device", "cpu", "--output-dir", str(out),
+            *extra]
+
+
+def test_finetune_applies_the_new_heads_pooling(checkpoints: dict[str, Path],
+                                                tmp_path: Path) -> None:
+    from popbert.cli.main import main
+
+    run = tmp_path / "run"
+    assert main(finetune(checkpoints["modernbert"], run, "classify",
+                         "--set", "model.modernbert.classifier_pooling=mean")) == 0
+    model = load_config(run / "config.yaml").model
+    assert model.architecture == "modernbert"
+    assert model.modernbert.classifier_pooling == "mean"
+    # and without the key, the checkpoint's own pooling
+    assert main(finetune(checkpoints["modernbert"], tmp_path / "plain", "classify")) == 0
+    plain = load_config(tmp_path / "plain" / "config.yaml").model
+    assert plain.modernbert.classifier_pooling == "cls"
+
+
+# Keys `popbert finetune` would override with the checkpoint's config or derive itself, for
+# each checkpoint family and task: (family, task, --set, fragments of the one line).
+REFUSED = [
+    ("modernbert", "classify", "model.architecture=bert", ["fine-tuning takes model.*",
+                                                           "a ModernBERT"]),
+    ("bert", "classify", "model.architecture=modernbert", ["a BERT", "would do nothing"]),
+    ("bert", "classify", "model.modernbert.classifier_pooling=mean",
+     ["model.modernbert.classifier_pooling", "a BERT"]),
+    ("groupbert", "classify", "model.modernbert.classifier_pooling=mean", ["a GroupBERT"]),
+    ("modernbert", "squad", "model.modernbert.classifier_pooling=mean", ["a ModernBERT"]),
+    ("bert", "classify", "model.num_layers=4", ["model.num_layers would do nothing"]),
+    ("modernbert", "classify", "model.groupbert.ffn_groups=2", ["model.groupbert.ffn_groups"]),
+    ("bert", "classify", "data.masked_lm_prob=0.3", ["fine-tuning takes data.*"]),
+    ("bert", "squad", "training.steps=5", ["finetune.epochs"]),
+    ("bert", "classify", "optimizer.warmup_steps=3", ["finetune.warmup_proportion"]),
+    ("bert", "classify", "model.sequence_length=16", ["--max-seq-length"]),
+    ("modernbert", "classify", "model.hidden_dropout=0.2", ["--dropout"]),
+]
+
+
+@pytest.mark.parametrize(("family", "task", "key", "fragments"), REFUSED,
+                         ids=[f"{f}-{t}-{k.split('=')[0]}" for f, t, k, _ in REFUSED])
+def test_finetune_refuses_what_would_do_nothing(family: str, task: str, key: str,
+                                                fragments: list[str],
+                                                checkpoints: dict[str, Path], tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from popbert.cli.main import main
+
+    run = tmp_path / "run"
+    assert main(finetune(checkpoints[family], run, task, "--set", key)) == 2
+    one_line(capsys, f"--set {key}", *fragments)
+    assert not run.exists()
+
+
+# A family's own section on another family, in every command that reads a config.
+FAMILY_COMMANDS = {
+    "pretrain": lambda key: ["pretrain", "--config", "tiny", "--set", key],
+    "config": lambda key: ["config", "--config", "tiny", "--set", key],
+    "plan": lambda key: ["plan", "--config", "tiny", "--set", key],
+}
+
+
+@pytest.mark.parametrize("command", sorted(FAMILY_COMMANDS))
+@pytest.mark.parametrize("key", ["model.modernbert.classifier_pooling=mean",
+                                 "model.groupbert.ffn_groups=2"])
+def test_a_familys_section_on_another_family_is_refused(command: str, key: str,
+                                                        capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    from popbert.cli.main import main
+
+    assert main(FAMILY_COMMANDS[command](key)) == 2
+    one_line(capsys, f"--set {key}", "the model is 'bert'", "would do nothing")
+
+
+def test_a_familys_section_in_a_file_on_another_family_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from popbert.cli.main import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text("preset: fast\nmodel:\n  architecture: bert\n"
+                      "  next_sentence_prediction: true\n")
+    assert main(["config", "--config", str(config)]) == 2
+    one_line(capsys, f"{config}: model.modernbert.", "the model is 'bert'")

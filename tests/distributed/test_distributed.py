@@ -322,8 +322,10 @@ def test_torchrun_popbert_pretrain_with_sharding(tmp_path: Path) -> None:
 def test_a_dead_replica_stops_the_job_with_a_clear_message(tmp_path: Path, fate: str) -> None:
     """Replica 1 is SIGKILLed (or SIGSTOPped: hangs, its sockets stay open) mid-run: replica 0
     exits non-zero with one clear line naming replica 1 at once (or after
-    $POPBERT_REPLICA_TIMEOUT), never hangs."""
-    timeout = 10
+    $POPBERT_REPLICA_TIMEOUT), never hangs. "At once" is told from "by the timeout" without
+    timing the machine: the killed case runs under a timeout of 600 s and must stop in half of
+    it (a bound that only guards against a hang)."""
+    timeout = 600 if fate == "killed" else 10
     output = tmp_path / "run"
     port = str(free_port())
     args = [sys.executable, "-m", "popbert", "pretrain", "--output-dir", str(output)]
@@ -348,7 +350,11 @@ def test_a_dead_replica_stops_the_job_with_a_clear_message(tmp_path: Path, fate:
             time.sleep(0.05)
         victim.send_signal(signal.SIGKILL if fate == "killed" else signal.SIGSTOP)
         killed = time.monotonic()
-        survivor.wait(timeout=timeout + 90)
+        try:
+            survivor.wait(timeout=timeout / 2 if fate == "killed" else timeout + 90)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"replica 0 still ran {time.monotonic() - killed:.0f} s after replica "
+                        f"1 was {fate} ($POPBERT_REPLICA_TIMEOUT {timeout} s)")
         stopped = time.monotonic() - killed
         print(f"replica 0 stopped {stopped:.1f} s after replica 1 was {fate}")
     finally:
@@ -361,10 +367,8 @@ def test_a_dead_replica_stops_the_job_with_a_clear_message(tmp_path: Path, fate:
     lines = [line for line in stderr.splitlines() if line.startswith("popbert: error:")]
     assert len(lines) == 1, stderr[-2000:]
     assert "replica 0 of 2" in lines[0], lines[0]
-    assert "; replica 1 died or did not answer within 10 s" in lines[0], lines[0]  # named
+    assert f"; replica 1 died or did not answer within {timeout} s" in lines[0], lines[0]
     assert "Traceback" not in stderr
-    if fate == "killed":
-        assert stopped < timeout  # noticed at once, not by the timeout
     print(lines[0])
 
 
@@ -383,7 +387,7 @@ def test_a_replica_that_never_joins_is_named_within_the_timeout(tmp_path: Path,
                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                   POPBERT_REPLICA_TIMEOUT=str(timeout))
     started = time.monotonic()
-    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     seconds = time.monotonic() - started
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.startswith("popbert: error:")]
@@ -391,7 +395,7 @@ def test_a_replica_that_never_joins_is_named_within_the_timeout(tmp_path: Path,
     print(f"replica {present} alone stopped after {seconds:.1f} s: {lines[0]}")
     assert f"replica {present} of 2 could not join the job" in lines[0]
     assert f"; replica {missing} did not join within {timeout} s" in lines[0]
-    assert seconds < timeout + 30  # start-up (imports, data) + the timeout, never a hang
+    assert seconds >= timeout  # waited the timeout out (subprocess.run's guards a hang)
     assert not (tmp_path / "run").exists()
 
 

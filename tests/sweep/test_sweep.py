@@ -163,7 +163,15 @@ def test_killed_agent_trial_fails_and_is_retried(tmp_path: Path) -> None:
         agent.wait()
     (first,) = trials(sweep.directory)
     assert first.state == TrialState.RUNNING  # nobody has noticed yet
-    time.sleep(4)  # past the grace period (two heartbeats; the store counts whole seconds)
+    # Until the store holds the trial stale (its last heartbeat older than the grace period):
+    # the condition Optuna's fail_stale_trials reads, asked without acting on it; the deadline
+    # only guards against a hang.
+    storage = sweep.storage()
+    study_id = storage.get_study_id_from_name(sweep.id)
+    deadline = time.monotonic() + 120
+    while first._trial_id not in storage._get_stale_trial_ids(study_id):
+        assert time.monotonic() < deadline, "the killed agent's trial never went stale"
+        time.sleep(0.1)
 
     report = Agent(open_sweep(sweep.directory)).run()
     failed, retried = trials(sweep.directory)

@@ -88,6 +88,9 @@ def _on_cluster(handler: Callable[[argparse.Namespace], int]
         from popbert.data.cluster import cluster_slots, on_cluster
         from popbert.data.errors import DataError
 
+        # The output's own faults (a malformed bucket, this machine's credentials) are said
+        # as the output's, before any worker is asked about it.
+        _output_dir(args)
         source = "--dask" if args.dask else f"${ADDRESS_VARIABLE}"
         wait = args.dask_wait if args.dask_wait is not None else DEFAULT_WAIT_S
         with contextlib.ExitStack() as stack:

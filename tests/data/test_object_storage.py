@@ -312,3 +312,34 @@ def test_prepare_data_with_bad_storage_is_one_line_and_exit_2(case, aws, monkeyp
                  "--max-predictions", str(PRED)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expected in err[0] and "Traceback" not in err[0], err
+
+
+def test_dask_workers_without_the_storages_credentials_are_named_without_retries(aws,
+                                                                                 tmp_path,
+                                                                                 capsys):
+    """This machine reaches the bucket; the worker has no credentials at all. The check
+    before the first unit names that worker, on the first refusal: the line says the access
+    was refused, not that the storage failed after its attempts, and the worker logged no
+    retry."""
+    from dask_cluster import DaskCluster
+
+    aws.filesystem().mkdir("dask-out")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("One sentence here. Another one.\n\nA second document. Yes.\n")
+    cluster = DaskCluster(tmp_path / "cluster")
+    try:
+        cluster.add_worker("bare", env={"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None,
+                                        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+                                        "AWS_CONFIG_FILE": str(tmp_path / "none")})
+        worker = cluster.worker_address("bare")
+        assert main(["prepare-data", "sentences", "--input", str(corpus), "--format", "lines",
+                     "-o", "s3://dask-out/sentences", "--dask", cluster.address,
+                     "--dask-wait", "30"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "Traceback" not in err[0], err
+        assert (f"--dask: the Dask worker {worker} cannot reach the output: s3://dask-out: "
+                f"access refused (Unable to locate credentials)") in err[0]
+        assert "attempts" not in err[0] and "retrying" not in cluster.log("bare")
+        assert not aws.filesystem().ls("dask-out")  # nothing written
+    finally:
+        cluster.close()

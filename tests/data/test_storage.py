@@ -12,6 +12,7 @@ import fsspec
 import numpy as np
 import pytest
 
+from popbert.cli.main import main
 from popbert.config import ConfigError, load_config
 from popbert.config.sections import without_secrets
 from popbert.data import DataError, read_shard, storage, write_shard
@@ -119,3 +120,76 @@ def test_credentials_are_left_out_of_what_a_config_writes():
                                "endpoint_url: 'http://x'}"])
     assert cfg.data.storage_options["secret"] == "s3cr3t"  # used by the run
     assert cfg.to_dict()["data"]["storage_options"] == {"endpoint_url": "http://x"}
+
+
+def _botocore(name: str) -> Exception:
+    """One of botocore's own errors, as s3fs lets it through."""
+    from botocore import exceptions
+
+    if name == "ParamValidationError":
+        return exceptions.ParamValidationError(report='Invalid bucket name "bu*ck"')
+    if name == "EndpointConnectionError":
+        return exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:9")
+    return getattr(exceptions, name)()
+
+
+@pytest.mark.parametrize("error, attempts, said", [
+    (lambda: ConnectionResetError("reset by peer"), storage.ATTEMPTS, "after 6 attempts"),
+    (lambda: TimeoutError("timed out"), storage.ATTEMPTS, "after 6 attempts"),
+    (lambda: OSError(5, "InternalError: please retry"), storage.ATTEMPTS, "after 6 attempts"),
+    (lambda: _botocore("EndpointConnectionError"), storage.ATTEMPTS, "after 6 attempts"),
+    (lambda: _botocore("NoCredentialsError"), 1, "access refused (Unable to locate credentials)"),
+    (lambda: _botocore("ParamValidationError"), 1, "reading failed (Parameter validation"),
+    (lambda: PermissionError("Access Denied"), 1, "access refused"),
+    (lambda: FileNotFoundError("The specified bucket does not exist"), 1, "not found"),
+    (lambda: ValueError("Cannot traverse all of S3"), 1, "reading failed (Cannot traverse"),
+], ids=["reset", "timeout", "server-error", "endpoint", "no-credentials", "bad-name",
+        "refused", "no-bucket", "malformed"])
+def test_only_what_can_pass_on_a_retry_is_retried(error, attempts, said, monkeypatch, caplog):
+    monkeypatch.setattr(storage, "FIRST_PAUSE_S", 0.0)
+    calls = []
+
+    def operation():
+        calls.append(1)
+        raise error()
+
+    with pytest.raises(DataError) as raised:
+        storage.with_retries(operation, "s3://bucket/key")
+    assert len(calls) == attempts
+    assert caplog.text.count("retrying in") == attempts - 1
+    message = str(raised.value)
+    assert message.startswith("s3://bucket/key: ") and said in message and "\n" not in message
+
+
+@pytest.mark.parametrize("url", ["s3://bu*ck/key", "s3://logs-?/x/part-*.h5", "gs://[ab]/x",
+                                 "s3:///key"])
+def test_a_malformed_bucket_is_refused_before_any_request(url, monkeypatch):
+    def no_request(*args, **kwargs):
+        raise AssertionError("a filesystem was made for a malformed bucket")
+
+    monkeypatch.setattr(fsspec.core, "url_to_fs", no_request)
+    for operation in (storage.expand, storage.check_reachable, storage.exists):
+        with pytest.raises(DataError, match="bucket"):
+            operation(url)
+
+
+def test_a_key_may_be_a_pattern_and_memory_urls_have_no_bucket(bucket):
+    storage.check_bucket("s3://bucket/logs-*/part-?.h5")
+    storage.check_bucket("memory://any*/thing")  # not a bucket store: its paths may glob
+
+
+@pytest.mark.parametrize("flag, value", [("--input", "s3://bu*ck/x/*.txt"),
+                                         ("--output-dir", "s3://bu*ck/out")])
+def test_a_glob_in_a_bucket_name_is_one_line_naming_the_flag(flag, value, tmp_path, capsys):
+    text = tmp_path / "a.txt"
+    text.write_text("One sentence. Another one.\n")
+    given = {"--input": str(text), "--output-dir": str(tmp_path / "out"), flag: value}
+    assert main(["prepare-data", "sentences", "--format", "lines", *given_args(given)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "retrying" not in err[0], err
+    assert f"{flag}: {value}: the bucket name 'bu*ck' holds a glob character" in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def given_args(flags: dict[str, str]) -> list[str]:
+    return [item for pair in flags.items() for item in pair]

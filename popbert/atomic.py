@@ -252,6 +252,9 @@ def atomic_directory(final_dir: str | os.PathLike[str]) -> Iterator[Path]:
     parent.mkdir(parents=True, exist_ok=True)
     restore_interrupted(final_dir)
     clear_leftovers(final_dir)
+    if final_dir.exists() and not final_dir.is_dir():  # before any byte is written
+        raise FileExistsError(errno.EEXIST, "a file is in the way of this directory",
+                              str(final_dir))
     tmp = parent / f".tmp-{final_dir.name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -274,7 +277,8 @@ def atomic_directory(final_dir: str | os.PathLike[str]) -> Iterator[Path]:
                 shutil.rmtree(aside, ignore_errors=True)
         else:
             if final_dir.exists():
-                raise FileExistsError(f"{final_dir} exists and is not a directory")
+                raise FileExistsError(errno.EEXIST, "a file is in the way of this directory",
+                                      str(final_dir))
             os.replace(tmp, final_dir)
             _fsync_path(parent, directory=True)
     except BaseException as error:

@@ -39,7 +39,8 @@ RUN_MARKERS = ("config.yaml", "metrics.jsonl", CHECKPOINTS)
 # offline files): `--overwrite` deletes only these, and only when nothing else is there.
 RUN_FILES = frozenset({
     *RUN_MARKERS, LOCK_FILE, "model.onnx", "metrics.png", "model.inference.onnx",
-    "model.inference.onnx.data", "vocab.txt", "import.json", "eval_results.json",
+    "model.inference.onnx.data", "vocab.txt", "tokenizer.json", "import.json",
+    "eval_results.json",
     "eval_predictions.jsonl", "predictions.json", "nbest_predictions.json", "wandb_run_id",
     "wandb", ".torchrun.json"})
 # The entries of a run that are directories; every other name in RUN_FILES is a file.
@@ -192,7 +193,7 @@ def _listed(names: list[str], limit: int = 4) -> str:
 
 
 def check_new_run_dir(path: Path, *, overwrite: bool = False,
-                      flag: str = "--output-dir") -> bool:
+                      flag: str = "--output-dir", resumable: bool = True) -> bool:
     """Whether a new run may use `path`, as one line before anything is written; returns
     whether it must first delete an earlier run there (`overwrite`).
 
@@ -202,6 +203,7 @@ def check_new_run_dir(path: Path, *, overwrite: bool = False,
     exports, and a later `--resume` would continue old weights under the new config. With
     `overwrite` that run is deleted first (:func:`clear_run_dir`), but only when every entry is
     popbert's: a directory holding anything else is never cleared (nor written into).
+    `resumable`: the command has `--resume` (fine-tuning does not), for the advice given.
     """
     path = Path(path)
     if not path.is_dir():
@@ -218,8 +220,9 @@ def check_new_run_dir(path: Path, *, overwrite: bool = False,
         raise UsageError(f"{flag} {path}: is not empty ({_listed(foreign)}) and holds no "
                          "popbert run: a new run needs a new or empty directory; choose "
                          "another one")
-    held = (f"{flag} {path}: holds another run ({_listed(ours)}); continue it with --resume "
-            f"{path}, or choose another directory")
+    held = f"{flag} {path}: holds another run ({_listed(ours)}); " + (
+        f"continue it with --resume {path}, or choose another directory" if resumable
+        else "choose another directory")
     if foreign:
         raise UsageError(f"{held}; it also holds files popbert did not write "
                          f"({_listed(foreign)}), so --overwrite will not clear it")
@@ -316,7 +319,7 @@ def _misplaced(flag: str, run: Path, entry: Path, directory: bool) -> UsageError
 
 def claim_run_dir(path: Path, *, new_run: bool = True, overwrite: bool = False,
                   sources: Iterable[tuple[str, Path | str | None]] = (),
-                  flag: str = "--output-dir") -> RunClaim:
+                  flag: str = "--output-dir", resumable: bool = True) -> RunClaim:
     """Create `path` if needed, take its lock (:func:`lock_directory`) and, for a new run, check
     that it holds no other run (:func:`check_new_run_dir`; `--overwrite` deletes it at
     :meth:`RunClaim.start`). `sources`: (what, path) pairs the run reads from, e.g.
@@ -330,8 +333,8 @@ def claim_run_dir(path: Path, *, new_run: bool = True, overwrite: bool = False,
     created = create_output_dir(path, flag)
     lock = lock_directory(path)
     try:
-        clear_first = check_new_run_dir(path, overwrite=overwrite, flag=flag) if new_run \
-            else False
+        clear_first = check_new_run_dir(path, overwrite=overwrite, flag=flag,
+                                        resumable=resumable) if new_run else False
         if clear_first:
             for what, source in sources:
                 if source is not None and _inside(Path(source), path):

@@ -121,8 +121,10 @@ class CheckpointManager:
     """
 
     def __init__(self, output_dir: Path, *, every: int, keep: int, is_main: bool,
-                 config_yaml: str, graph: Any = None, resumed: bool = False):
+                 config_yaml: str, graph: Any = None, resumed: bool = False,
+                 resumable: bool = True):
         self.output_dir = output_dir
+        self.resumable = resumable  # pre-training has --resume; fine-tuning starts over
         self.every = every
         self.keep = keep
         self.is_main = is_main
@@ -141,8 +143,12 @@ class CheckpointManager:
         """Write `state` (a pending checkpoint) as `checkpoints/step-<step>`."""
         directory = run_dir.step_dir(self.output_dir, step)
         if self.is_main:
-            ckpt.save_checkpoint(directory, ckpt.Checkpoint.from_state(state), self.config_yaml,
-                                 self.graph)
+            try:
+                ckpt.save_checkpoint(directory, ckpt.Checkpoint.from_state(state),
+                                     self.config_yaml, self.graph)
+            except OSError as error:  # a file in its way, say: one line (`resume_hint` added)
+                reason = error.strerror or str(error)
+                raise WriteError(f"{directory}: cannot write: {reason}") from None
         self.pending = directory
         return directory
 
@@ -176,8 +182,12 @@ class CheckpointManager:
         newest = self.pending or self.last_good
         if newest is None:
             return "no checkpoint was written yet"
-        return (f"the checkpoints written so far are intact (newest: {newest}); free some "
-                f"space, then continue with --resume {self.output_dir}")
+        if not self.resumable:
+            return (f"the checkpoints written so far are intact (newest: {newest}); fine-tuning "
+                    f"starts over: once the cause is fixed, run it again with --overwrite")
+        return (f"the checkpoints written so far are intact (newest: {newest}); once the cause "
+                f"is fixed (room, rights, a file in the way), continue with --resume "
+                f"{self.output_dir}")
 
     def _prune(self, final: Path | None) -> None:
         if self.is_main:
@@ -264,7 +274,8 @@ class Trainer:
         self.checkpoints = CheckpointManager(output_dir, every=t.checkpoint_every,
                                              keep=t.keep_checkpoints, is_main=main,
                                              config_yaml=self.config_yaml, graph=graph,
-                                             resumed=resumed)
+                                             resumed=resumed,
+                                             resumable=cfg.finetune.task is None)
 
     # -- assembly -------------------------------------------------------------------------------
 
@@ -320,7 +331,8 @@ class Trainer:
                 sources.append(("data.vocab_file", cfg.data.vocab_file))
             claim = run_dir.claim_run_dir(output_dir, new_run=not continuing,
                                           overwrite=overwrite, sources=sources,
-                                          flag="--resume" if continuing else "--output-dir")
+                                          flag="--resume" if continuing else "--output-dir",
+                                          resumable=cfg.finetune.task is None)
         try:
             trainer = cls._assemble(cfg, output_dir, claim, resume=resume, init_from=init_from,
                                     replicas=replicas, on_record=on_record,

@@ -170,6 +170,39 @@ def test_a_full_disk_is_one_line_and_the_run_resumes_to_the_same_numbers(
 
 
 @pytest.mark.e2e
+def test_a_file_in_the_way_of_a_checkpoint_is_one_line_and_the_run_resumes(
+        reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Something other than a full disk stops a checkpoint mid-run (here a file put where step
+    20's directory goes after step 10's was written): one line naming it and the newest
+    checkpoint kept, no traceback, and once the file is gone the run resumes to the numbers of
+    one that never stopped."""
+    from popbert.io import checkpoint as ckpt
+
+    run = tmp_path / "run"
+    in_the_way = run / "checkpoints" / "step-000020"
+    save = ckpt.save_checkpoint
+
+    def save_then_block(directory: Path, *args: Any, **kwargs: Any) -> Any:
+        if Path(directory).name == in_the_way.name:
+            in_the_way.write_text("not a checkpoint")
+        return save(directory, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ckpt, "save_checkpoint", save_then_block)
+        capsys.readouterr()
+        assert pretrain("-o", str(run), *STEPS) == 2
+    line = error_line(capsys)
+    assert line.startswith(f"popbert: error: {in_the_way}: cannot write: "), line
+    assert f"(newest: {run / 'checkpoints' / 'step-000010'})" in line, line
+    assert f"continue with --resume {run}" in line, line
+    assert leftovers(run) == []
+    in_the_way.unlink()
+    assert pretrain("--resume", str(run)) == 0
+    assert_same_run(run, reference)
+
+
+@pytest.mark.e2e
 def test_a_full_disk_while_rehearsing_a_budgets_finish_is_one_line(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:

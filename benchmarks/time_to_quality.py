@@ -248,7 +248,9 @@ def popbert_run(name: str, config: str, overrides: list[str], files: dict[str, P
                         f"data.input_files=[{files['train']}]",
                         f"data.validation_files=[{files['validation']}]",
                         f"training.eval_points={eval_points}",
-                        f"training.eval_batches={eval_batches}", f"tracking.run_name={name}"]
+                        f"training.eval_batches={eval_batches}",
+                        # every point on every batch, as the peer is measured (not a quarter)
+                        "training.eval_share=10", f"tracking.run_name={name}"]
     command = [sys.executable, "-m", "popbert", "pretrain", "--config", config, "-o", str(out)]
     for item in sets:
         command += ["--set", item]

@@ -107,12 +107,36 @@ def on_cluster(address: str, timeout: float | None = None, wait: float = DEFAULT
         raise
     token = _ACTIVE.set(client)
     waited = _WAIT.set(wait)
+    quiet = _NoTracebacks()
+    loggers = [logging.getLogger(name) for name in _DASK_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(quiet)
     try:
         yield client
     finally:
         _WAIT.reset(waited)
         _ACTIVE.reset(token)
-        client.close()
+        with contextlib.suppress(Exception):  # a scheduler already gone: nothing to close
+            client.close()
+        for logger in loggers:
+            logger.removeFilter(quiet)
+
+
+#: Dask's loggers that report a lost scheduler with a traceback (the client's reconnection);
+#: the stage says it in one line instead (`popbert.data.stages`).
+_DASK_LOGGERS = ("distributed.client", "distributed.core", "distributed.comm.core")
+
+
+class _NoTracebacks(logging.Filter):
+    """Dask's own reports while a stage runs, without their tracebacks: one line each, or
+    nothing for a report that was only a traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info or record.exc_text:
+            record.exc_info = None
+            record.exc_text = None
+            return bool(record.getMessage().strip())
+        return True
 
 
 def active_cluster() -> Any:

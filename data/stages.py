@@ -340,7 +340,7 @@ def _run_on_cluster(client: Any, fn: Callable[..., Any], jobs: Iterable[tuple],
             finished, _ = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
             for future in finished:
                 index, job = pending.pop(future)
-                done(index, job, _unit_result(future, desc, address))
+                done(index, job, _unit_result(future, desc, client))
                 state["finished"] += 1
             watch()
 
@@ -354,9 +354,10 @@ def _run_on_cluster(client: Any, fn: Callable[..., Any], jobs: Iterable[tuple],
             executor.shutdown(wait=False)
 
 
-def _unit_result(future: Future, desc: str, address: str) -> Any:
+def _unit_result(future: Future, desc: str, client: Any) -> Any:
     """A cluster unit's result; the cluster's own failures as one DataError line (a unit's
     errors in its code are raised as they are)."""
+    address = client.scheduler.address
     try:
         return future.result()
     except DataError:
@@ -367,6 +368,10 @@ def _unit_result(future: Future, desc: str, address: str) -> Any:
                         f"popbert and its data packages (pip install 'popbert[data,dask]')"
                         ) from None
     except Exception as exc:
+        if client.status != "running":  # reconnecting, or given up: the scheduler is gone
+            reason = f": {one_line(exc, 200)}" if str(exc) else ""
+            raise DataError(f"{desc}: lost the Dask scheduler at {address} "
+                            f"({type(exc).__name__}{reason})") from None
         if type(exc).__name__ in ("KilledWorker", "FutureCancelledError", "CancelledError"):
             raise DataError(f"{desc}: a unit was lost on the Dask cluster at {address}: "
                             f"{one_line(exc, 300)}") from None

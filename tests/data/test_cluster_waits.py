@@ -6,6 +6,7 @@ bound `--dask-wait` sets, and the stage's directory is left unlocked.
 - a worker that cannot import popbert (`tests/hide_popbert.py`, as where popbert is not
   installed): one line naming that worker, before any unit;
 - every worker killed mid-unit: one line saying how far the stage got, the lock released;
+- the scheduler killed mid-unit: one line, no traceback, the lock released;
 - `--dask-wait` without a cluster, or not above 0: refused in one line.
 
 Each test sets the bound to a second or two; nothing here depends on the machine's speed.
@@ -121,6 +122,31 @@ def test_every_worker_killed_mid_stage_is_one_line_and_the_lock_goes(cluster, co
     assert "no Dask worker is connected" in log  # said while it waited
     assert out.is_dir() and not (out / ".lock").exists()
     assert not list(out.glob("part-*")) and not (out / "_SUCCESS.json").exists()
+
+
+@pytest.mark.e2e
+def test_the_scheduler_lost_mid_stage_is_one_line_and_the_lock_goes(cluster, corpus, tmp_path):
+    cluster.add_worker("slow", preload=str(TESTS / "slow_units.py"))
+    out = tmp_path / "out"
+    out.mkdir()
+    run = subprocess.Popen([sys.executable, "-m", "popbert",
+                            *instances_argv(corpus, out, cluster.address, "2")],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env={**os.environ, "TQDM_DISABLE": "1"})
+    try:
+        deadline = time.monotonic() + 120  # against a hang only
+        while not _processing(cluster, "slow"):
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()[0]
+            time.sleep(0.1)
+        cluster.scheduler.kill()
+        log, _ = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 2, log
+    [line] = error_lines(log)  # Dask's reconnection is said without its traceback too
+    assert f"instances: lost the Dask scheduler at {cluster.address}" in line
+    assert out.is_dir() and not (out / ".lock").exists()
 
 
 @pytest.mark.parametrize("argv, expected", [

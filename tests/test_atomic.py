@@ -244,3 +244,36 @@ def test_remove_tree_never_leaves_a_torn_directory(tmp_path: Path,
     monkeypatch.undo()
     remove_tree(doomed)  # gone already: nothing to do
     assert leftovers(tmp_path) == [seen[0]]
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended (and was reaped)."""
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)
+    return int(child.stdout)
+
+
+@pytest.mark.parametrize("kind", ["file", "directory", "staging"])
+def test_a_killed_attempts_staging_is_removed_by_the_next(tmp_path: Path, kind: str) -> None:
+    """What a SIGKILL leaves beside an output (`.tmp-<name>-<pid>[-<hex>]`) goes when the same
+    output is written again; a live writer's staging, and other outputs' names, stay."""
+    output = tmp_path / ("model.onnx" if kind == "file" else "model-ir")
+    dead, alive = dead_pid(), os.getppid()
+    killed = [tmp_path / f".tmp-{output.name}-{dead}-0123abcd",
+              tmp_path / f".tmp-{output.name}-{dead}"]
+    kept = [tmp_path / f".tmp-{output.name}-{alive}-89abcdef",  # another process, still writing
+            tmp_path / f".tmp-{output.name}-2-{dead}-0123abcd",  # another output, `<name>-2`
+            tmp_path / f".tmp-{output.name}x-{dead}"]
+    for path in killed + kept:
+        path.mkdir()
+        (path / "half-written").write_bytes(b"\0" * 1024)
+    if kind == "file":
+        atomic_write_bytes(output, b"whole")
+    elif kind == "directory":
+        with atomic_directory(output) as tmp:
+            (tmp / "model.xml").write_text("<net/>")
+    else:
+        with atomic.staging_directory(output) as tmp:
+            assert tmp.name.startswith(f".tmp-{output.name}-{os.getpid()}-")
+    assert not any(p.exists() for p in killed)
+    assert all(p.exists() for p in kept)

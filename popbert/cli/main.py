@@ -436,8 +436,9 @@ def _add_predict_commands(sub, common: argparse.ArgumentParser) -> None:
                    help="text column (default: the first of sentence, text, sentence1, ...)")
     p.add_argument("--text-pair-column", default=None,
                    help="second text column of sentence pairs")
-    p.add_argument("--label-column", default="label",
-                   help="gold labels, if the file has them (scored, not required)")
+    p.add_argument("--label-column", default=None,
+                   help="gold labels, scored (default: the label column, where the file has "
+                        "one)")
     p.add_argument("--batch-size", type=int, default=16,
                    help="rows per run (a fixed-batch export uses its own)")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")

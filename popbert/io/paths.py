@@ -577,10 +577,15 @@ def _check_output(name: str, path: Path, kind: PathKind) -> None:
     if resolved == cwd or resolved in cwd.parents:
         where = "the working directory" if resolved == cwd else "a parent of the working directory"
         raise _refuse(name, path, f"{where}; an output never replaces it", kind)
-    owner = None if kind.into_runs and (not path.exists() or kind.owns is None
-                                        or kind.owns(path)) else _run_or_checkpoint_holding(path)
-    if owner is not None:
-        raise _refuse(name, path, f"inside {owner}, which this command did not write", kind)
+    holder = _run_or_checkpoint_holding(path)
+    if holder is not None:
+        what, directory = holder
+        # A run's own plot (`popbert plot RUN`): a PNG at the top of the run, new or a plot.
+        own_plot = kind.into_runs and what == "run" and directory == resolved.parent and (
+            not path.exists() or kind.owns is None or kind.owns(path))
+        if not own_plot:
+            raise _refuse(name, path, f"inside the {what} {directory}, which this command did "
+                          "not write", kind)
     if kind.owns is None:
         return
     if path.exists() and not (path.is_dir() and not any(path.iterdir())) and not kind.owns(path):
@@ -594,14 +599,14 @@ def _check_output(name: str, path: Path, kind: PathKind) -> None:
                           "path", kind)
 
 
-def _run_or_checkpoint_holding(path: Path) -> str | None:
-    """'the run DIR' or 'the checkpoint DIR' when `path` lies inside one (at any depth)."""
+def _run_or_checkpoint_holding(path: Path) -> tuple[str, Path] | None:
+    """("run", DIR) or ("checkpoint", DIR) when `path` lies inside one (at any depth)."""
     for ancestor in path.resolve().parents:
         if (ancestor / "state.json").is_file():
-            return f"the checkpoint {ancestor}"
+            return "checkpoint", ancestor
         if (ancestor / "config.yaml").is_file() and ((ancestor / "checkpoints").is_dir()
                                                      or (ancestor / "metrics.jsonl").is_file()):
-            return f"the run {ancestor}"
+            return "run", ancestor
     return None
 
 
@@ -660,7 +665,8 @@ def check_arguments(args: argparse.Namespace,
                 if in_flag == "--resume":
                     continue  # a run's own directory is where --resume continues it
                 raise UsageError(f"{flag} {value}: holds this command's {in_flag} {source}; an "
-                                 "output never replaces an input: choose another directory")
+                                 "output never replaces an input; expected a directory apart "
+                                 "from the inputs")
     for dest, flag, kind in flags:
         for value in _values(getattr(args, dest, None)):
             check_path(flag, value, kind, args)
@@ -668,8 +674,9 @@ def check_arguments(args: argparse.Namespace,
 
 def _resolved(value: Any) -> Path | None:
     text = os.fspath(value)
-    if _url_scheme(text) is not None or globlib.has_magic(text) or "," in text:
-        return None
+    if not text.strip() or _url_scheme(text) is not None or globlib.has_magic(text) \
+            or "," in text:
+        return None  # "" is refused by check_path
     return Path(text).resolve()
 
 

@@ -319,13 +319,25 @@ def window_cuts(windows: Sequence[Window]) -> tuple[int, int]:
 
 
 def read_texts(path: Path, text_column: str | None = None, pair_column: str | None = None,
-               label_column: str = "label") -> ClassificationData:
-    """Rows to classify: a TSV/CSV/JSONL file as fine-tuning reads it (labels optional), or a
-    `.txt` file with one text per non-empty line."""
+               label_column: str | None = None) -> ClassificationData:
+    """Rows to classify: a TSV/CSV/JSONL file as fine-tuning reads it (gold labels from
+    `label_column`, or from a `label` column where the file has one), or a `.txt` file with one
+    text per non-empty line. A column named here that the file lacks is one line, never
+    ignored (a .txt file has no columns)."""
     path = Path(path)
     if path.suffix.lower() != ".txt":
-        return read_classification_file(path, text_column, pair_column, label_column,
-                                        require_labels=False)
+        data = read_classification_file(path, text_column, pair_column,
+                                        label_column or "label", require_labels=False)
+        if label_column is not None and data.labels is None:
+            raise UsageError(f"--label-column {label_column}: {path} has no such column; name "
+                             "the file's label column, or leave the flag out to predict only")
+        return data
+    named = [f"{flag} {value}" for flag, value in (("--text-column", text_column),
+                                                   ("--text-pair-column", pair_column),
+                                                   ("--label-column", label_column)) if value]
+    if named:
+        raise UsageError(f"{named[0]}: {path} is a .txt file of texts, one a line, without "
+                         "columns; leave the flag out, or give rows (.tsv, .csv, .jsonl)")
     if not path.is_file():
         raise UsageError(f"--data: file not found: {path}")
     texts, lines = [], []
@@ -388,7 +400,7 @@ def predict_squad(model: Path, data: Path, output: Path, n_best_size: int = 20,
 
 def predict_classify(model: Path, data: Path, output: Path, batch_size: int = 16,
                      threads: int | None = None, text_column: str | None = None,
-                     pair_column: str | None = None, label_column: str = "label",
+                     pair_column: str | None = None, label_column: str | None = None,
                      stats: PredictStats | None = None) -> dict[str, float] | None:
     """`popbert predict classify`: label every row of `data` and write `output` as JSON lines
     (`line`, `label`, `probabilities` by label, `gold` where the file has labels), and log
@@ -398,9 +410,11 @@ def predict_classify(model: Path, data: Path, output: Path, batch_size: int = 16
     stats = stats if stats is not None else PredictStats()
     started = time.perf_counter()
     rows = read_texts(data, text_column, pair_column, label_column)
+    gold = rows.labels
+    # Gold labels the model does not have are refused before any work (nothing is written).
+    gold_ids = None if gold is None else label_ids(rows, predictor.labels)
     predicted, probabilities = predictor.predict(rows, batch_size, stats)
     stats.seconds += time.perf_counter() - started
-    gold = rows.labels
     records = []
     for index, (line, label) in enumerate(zip(rows.lines, predicted)):
         record = {"line": line, "label": label,
@@ -413,10 +427,10 @@ def predict_classify(model: Path, data: Path, output: Path, batch_size: int = 16
     atomic_write_text(output, "".join(records))
     log.info("labelled %d rows of %s with %s: %s", len(records), data, model, output)
     log.info("predict: %s", stats.describe())
-    if gold is None:
+    if gold_ids is None:
         return None
-    metrics = classification_metrics(probabilities.argmax(axis=1),
-                                     label_ids(rows, predictor.labels), len(predictor.labels))
+    metrics = classification_metrics(probabilities.argmax(axis=1), gold_ids,
+                                     len(predictor.labels))
     metrics["examples"] = len(records)
     metrics.update(stats.summary())
     return metrics

@@ -131,12 +131,20 @@ class Inputs:
         yield "under a regular file", str(self.text / f"x{suffix}")
         yield "URL scheme nothing handles", UNKNOWN_URL
         if kind.output:
+            yield "an empty path", ""
+            yield "the working directory", "."
+            yield "inside a run", str(self.run / "inside" / "x")
+            yield "inside a checkpoint", str(self.checkpoint / "x")
             if kind.directory:
                 yield "a file for a directory", str(self.text)
             else:
                 if kind.directory is False:
                     yield "a directory for a file", str(self.directory)
                 yield "a file of a run", str(self.run / "config.yaml")
+            if kind.owns is not None:  # what the command did not write is never replaced
+                yield "a file it did not write", str(self.rows_json)
+                if kind.directory is not False:
+                    yield "a directory it did not write", str(self.directory)
             return
         yield "missing", str(self.root / f"missing{suffix}")
         yield "another kind that parses", str(self.impostor(kind))
@@ -279,6 +287,103 @@ def test_outputs_never_replace_inputs(inputs: Inputs, capsys, monkeypatch) -> No
                     in err, (argv, err)
                 tried += 1
     assert tried >= 6
+
+
+# What each output kind writes, as an earlier run of its command left it: replaced, not refused.
+def earlier_output(kind: PathKind, inputs: Inputs, n: int) -> Path:
+    root = inputs.root / f"earlier-{n}"
+    root.mkdir()
+    if kind is paths.EXPORT_OUTPUT:
+        return Path(shutil.copy(inputs.onnx, root / "model.onnx"))
+    if kind is paths.SQUAD_PREDICTIONS_OUTPUT:
+        (root / "nbest_predictions.json").write_text('{"q1": [{"text": "an answer"}]}')
+        return Path(shutil.copy(inputs.predictions, root / "predictions.json"))
+    if kind is paths.LABELS_OUTPUT:
+        path = root / "predictions.jsonl"
+        path.write_text('{"line": 2, "label": "pos", "probabilities": {"pos": 1.0}}\n')
+        return path
+    if kind is paths.CONFIG_OUTPUT:
+        return Path(shutil.copy(inputs.config, root / "config.yaml"))
+    if kind is paths.PLOT_OUTPUT:
+        path = root / "metrics.png"
+        path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(32))
+        return path
+    if kind is paths.DATA_OUTPUT_FILE:
+        return Path(shutil.copy(bundled_vocab_path(), root / "vocab.txt"))
+    if kind is paths.HF_EXPORT_OUTPUT:
+        (root / "hf").mkdir()
+        (root / "hf" / "config.json").write_text("{}")
+        (root / "hf" / "model.safetensors").write_bytes(inputs.safetensors.read_bytes())
+        return root / "hf"
+    if kind is paths.IMPORT_OUTPUT:
+        run = root / "imported"
+        (run / "checkpoints" / "step-000000").mkdir(parents=True)
+        (run / "checkpoints" / "step-000000" / "state.json").write_text("{}")
+        (run / "config.yaml").write_text(inputs.config.read_text())
+        (run / "import.json").write_text("{}")
+        return run
+    raise AssertionError(f"no earlier output for {kind.expected}")
+
+
+def test_an_earlier_output_of_the_command_is_replaced(inputs: Inputs, capsys) -> None:
+    """Each output that declares what it owns accepts what its command wrote before (the
+    handler is reached), while the matrix above refuses everything else there."""
+    tried = 0
+    for words, parser in commands():
+        for dest, flag, kind in paths.declared_paths(parser):
+            if kind.owns is None:
+                continue
+            earlier = earlier_output(kind, inputs, tried)
+            reached: list[argparse.Namespace] = []
+            args = parser.parse_args(argv_for(words, parser, inputs, {dest: str(earlier)}))
+            capsys.readouterr()
+            assert run_command(lambda a, seen=reached: seen.append(a) or 0, args) == 0, (
+                words, flag, capsys.readouterr().err)
+            assert reached, (words, flag)
+            tried += 1
+    assert tried >= 8
+
+
+def test_a_companion_the_command_did_not_write_is_refused(inputs: Inputs, capsys,
+                                                          tmp_path: Path) -> None:
+    """`predict squad` writes nbest_predictions.json beside its output, `export` a weights file
+    `<name>.data`: a user's file of that name stops the command before it starts."""
+    (tmp_path / "nbest_predictions.json").write_text("my notes\n")
+    (tmp_path / "model.onnx.data").write_text("my data\n")
+    cases = {("predict", "squad"): ("--output", tmp_path / "predictions.json"),
+             ("export",): ("--output", tmp_path / "model.onnx")}
+    parsers = dict(commands())
+    for words, (flag, output) in cases.items():
+        parser = parsers[words]
+        dest = next(d for d, f, _ in paths.declared_paths(parser) if f == flag)
+        argv = argv_for(words, parser, inputs, {dest: str(output)})
+        status, err = run_cell(words, parser, argv, capsys, None)
+        assert status == 2 and "this command did not write and would replace" in err, err
+    assert (tmp_path / "nbest_predictions.json").read_text() == "my notes\n"
+
+
+def test_an_output_directory_never_holds_an_input(inputs: Inputs, capsys) -> None:
+    """Each output directory given the folder that holds one of the command's inputs: refused
+    (an `--overwrite` or a replace there would delete it); a run's own directory stays where
+    `--resume` continues it (`test_a_run_resumes_in_its_own_directory`)."""
+    tried = 0
+    for words, parser in commands():
+        declared = paths.declared_paths(parser)
+        outputs = [(d, f, k) for d, f, k in declared if k.output and k.directory is True]
+        sources = [(d, f, k) for d, f, k in declared if not k.output and f != "--resume"]
+        for out_dest, out_flag, _ in outputs:
+            for in_dest, _, in_kind in sources:
+                value = inputs.valid(in_kind, 0)
+                if not Path(value).exists():
+                    continue  # a preset name
+                parent = str(Path(value).parent)
+                argv = argv_for(words, parser, inputs, {in_dest: value, out_dest: parent})
+                status, err = run_cell(words, parser, argv, capsys, None)
+                # All stand-ins share one folder: the line names the first input it holds.
+                assert status == 2 and f"{out_flag} {parent}: holds this command's " in err, \
+                    (argv, err)
+                tried += 1
+    assert tried >= 10
 
 
 def test_every_path_option_is_declared() -> None:

@@ -267,8 +267,21 @@ def test_classify_a_text_file_without_torch(classify_run, classify_files,
 def test_classify_errors_are_one_line(exported: Path, classify_files, tmp_path: Path) -> None:
     empty = tmp_path / "empty.txt"
     empty.write_text("\n", encoding="utf-8")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("good\nbad\n", encoding="utf-8")
+    other_labels = tmp_path / "other.tsv"
+    other_labels.write_text("sentence\tlabel\ngood\tpos\nbad\tterrible\n", encoding="utf-8")
     for model, data, extra, fragment in [
             (exported, classify_files["tsv"], [], "is not a popbert classification export"),
+            # A column named that the file lacks, or a .txt file that has none: never ignored.
+            (classify_files["dynamic"], classify_files["tsv"], ["--label-column", "gold"],
+             "--label-column gold: "),
+            (classify_files["dynamic"], texts, ["--text-column", "review"],
+             "--text-column review: "),
+            (classify_files["dynamic"], texts, ["--label-column", "label"],
+             "--label-column label: "),
+            # Gold labels the model lacks: refused before anything is predicted or written.
+            (classify_files["dynamic"], other_labels, [], "unknown label 'terrible'"),
             (classify_files["dynamic"], tmp_path / "missing.tsv", [], "missing.tsv: not found"),
             (classify_files["dynamic"], empty, [], "no text lines"),
             (classify_files["dynamic"], classify_files["tsv"], ["--batch-size", "0"],

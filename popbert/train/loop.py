@@ -546,20 +546,26 @@ def _size_evaluations(session: Session, validation: Sequence[Batch], clock: Trai
              f"{timing:.1f} s timing it")
     if points:
         total = plan.points * plan.seconds
-        smaller = (f"; the {points} points of {len(validation)} batches asked for would take "
-                   f"{points * len(validation) * batch_seconds:.0f} s"
+        smaller = (f"; the {_count(points, 'point')} of {len(validation)} batches asked for "
+                   f"would take {points * len(validation) * batch_seconds:.3g} s"
                    if (plan.points, plan.batches) != (points, len(validation)) else "")
         over = timing + total > budget
         (log.warning if over else log.info)(
-            "evaluation: %d points of %d batches, about %.1f s in all (a batch %.2g s), %s%s%s; "
-            "evaluations are outside the budget", plan.points, plan.batches, total,
+            "evaluation: %s of %s, about %.3g s in all (a batch %.2g s), %s%s%s; "
+            "evaluations are outside the budget", _count(plan.points, "point"),
+            _count(plan.batches, "batch"), total,
             batch_seconds, "longer than the budget itself: " if over else "", asked, smaller)
     else:
-        log.info("evaluation: every %d steps on %d batches, about %.2g s each (a batch %.2g s); "
+        log.info("evaluation: every %d steps on %s, about %.2g s each (a batch %.2g s); "
                  "they stop before they pass %s%s; evaluations are outside the budget",
-                 eval_every, plan.batches, plan.seconds, batch_seconds, asked,
+                 eval_every, _count(plan.batches, "batch"), plan.seconds, batch_seconds, asked,
                  f" (of {len(validation)} batches)" if plan.batches < len(validation) else "")
     return plan, timing, max(allowed, timing + plan.seconds)
+
+
+def _count(n: int, noun: str) -> str:
+    """`1 point`, `4 points`, `1 batch`, `4 batches`."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('ch') else 's'}"
 
 
 def _agreed_max_seconds(session: Session, *seconds: float) -> tuple[float, ...]:

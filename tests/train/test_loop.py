@@ -239,16 +239,18 @@ def test_a_time_budget_stops_before_a_run_would_overrun_it() -> None:
 def test_validation_seconds_are_not_training_seconds() -> None:
     """Runs of 1 s and an evaluation of 5 s every 2 steps: elapsed_s counts the runs only, and a
     10 s budget still trains 10 steps (how often a run is measured does not move its curve);
-    the negative control is the same loop without validation, whose clock reads the same."""
+    the negative control is the same loop without validation, whose clock reads the same.
+    (Evaluations may take up to 10x the budget here; two are timed before the first step.)"""
     session = ScriptedSession([1.0] * 50, seconds_per_run=1.0, seconds_per_evaluation=5.0)
     clock = TrainingClock(budget=10.0, now=lambda: session.now)
     tracker = Tracker()
     validation = [{"x": torch.tensor([2.0])}]
-    train_loop(session, batches(), LoopSettings(steps=100, log_every=1, eval_every=2),
+    train_loop(session, batches(),
+               LoopSettings(steps=100, log_every=1, eval_every=2, eval_share=10.0),
                tracker=tracker, validation=validation, clock=clock)
-    assert session.step == 10 and session.evaluated == [2, 4, 6, 8, 10]
+    assert session.step == 10 and session.evaluated == [0, 0, 2, 4, 6, 8, 10]
     assert [r["elapsed_s"] for r in tracker.records] == [float(i) for i in range(1, 11)]
-    assert session.now == 10.0 + 5 * 5.0  # the evaluations did take (scripted) time
+    assert session.now == 10.0 + 7 * 5.0  # the evaluations did take (scripted) time
     plain = ScriptedSession([1.0] * 50, seconds_per_run=1.0)
     plain_tracker = Tracker()
     train_loop(plain, batches(), LoopSettings(steps=100, log_every=1), tracker=plain_tracker,
@@ -260,23 +262,25 @@ def test_validation_seconds_are_not_training_seconds() -> None:
 def test_eval_points_measure_at_fractions_of_the_budget_and_at_the_end() -> None:
     """Runs of 1 s, a 10 s budget with 1 s kept back, eval_points=4: evaluations when 2.5, 5
     and 7.5 s are spent (after the runs ending at 3, 5 and 8 s), and once more on the final
-    weights (step 9); steps are not what decides it."""
+    weights (step 9); steps are not what decides it. (Evaluations of 0.7 s may take up to 10x
+    the budget here, so none is left out; two are timed before the first step.)"""
     session = ScriptedSession([1.0] * 50, seconds_per_run=1.0, seconds_per_evaluation=0.7)
     clock = TrainingClock(budget=10.0, now=lambda: session.now)
     clock.reserve = 1.0
     tracker = Tracker()
-    train_loop(session, batches(), LoopSettings(steps=100, log_every=100, eval_points=4),
+    settings = LoopSettings(steps=100, log_every=100, eval_points=4, eval_share=10.0)
+    train_loop(session, batches(), settings,
                tracker=tracker, validation=[{"x": torch.tensor([2.0])}], clock=clock)
-    assert session.step == 9 and session.evaluated == [3, 5, 8, 9]
+    assert session.step == 9 and session.evaluated == [0, 0, 3, 5, 8, 9]
     assert [(r["step"], r["elapsed_s"]) for r in tracker.records] == [
         (3, 3.0), (5, 5.0), (8, 8.0), (9, 9.0)]
     assert all(r["val_loss"] == 2.0 for r in tracker.records)
     # Resumed at 6 s: the next point is 7.5 s, then the end.
     resumed = ScriptedSession([1.0] * 50, seconds_per_run=1.0)
     clock = TrainingClock(budget=10.0, elapsed=6.0, now=lambda: resumed.now)
-    train_loop(resumed, batches(), LoopSettings(steps=100, log_every=100, eval_points=4),
+    train_loop(resumed, batches(), settings,
                validation=[{"x": torch.tensor([2.0])}], clock=clock)
-    assert resumed.evaluated == [2, 4]
+    assert resumed.evaluated == [0, 0, 2, 4]
 
 
 def test_a_resumed_clock_continues_the_same_budget() -> None:

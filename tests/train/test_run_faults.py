@@ -446,17 +446,22 @@ def test_a_budget_too_small_to_train_is_refused_saying_the_least(
                 f"time budget: {spent} s of {budget} s spent" in capsys.readouterr().err
 
 
-def test_under_a_budget_the_first_evaluation_says_what_evaluations_cost(
+def test_under_a_budget_the_evaluations_are_sized_and_said_before_training(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
+    """On the counting clock (a batch 0.05 s, timing two 0.1 s) 4 points of 2 batches do not
+    fit in 25% of a 1 s budget: 1 point (the final weights'), said once before the first step."""
     count_budget_time(monkeypatch)
     with caplog.at_level("INFO", logger="popbert"):
         assert pretrain("-o", str(tmp_path / "run"), "--set", "training.time_budget=1",
                         "--set", "training.eval_points=4", "--set", "training.eval_batches=2",
                         "--set", "data.validation_fraction=0.05") == 0
-    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("evaluation:")]
-    assert len(said) == 1, said
-    assert said[0].startswith("evaluation: 2 micro-batches (16 rows) took ") and \
-        said[0].endswith("evaluations are not counted in training.time_budget "
-                         f"(about {said[0].split('about ')[1].split(' s')[0]} s in all at "
-                         "4 evaluations)")
+    messages = [r.getMessage() for r in caplog.records]
+    said = [m for m in messages if m.startswith("evaluation:")]
+    assert said == ["evaluation: 1 point of 2 batches, about 0.1 s in all (a batch 0.05 s), at "
+                    "most 25% of the 1 s budget (0.25 s) with 0.1 s timing it; the 4 points of "
+                    "2 batches asked for would take 0.4 s; evaluations are outside the budget"]
+    first_step = next(i for i, m in enumerate(messages) if m.startswith("time budget: the first"))
+    assert messages.index(said[0]) < first_step
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in records if "val_loss" in r] == [records[-1]["step"]]

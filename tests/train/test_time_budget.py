@@ -269,7 +269,7 @@ def test_evaluations_longer_than_the_budget_are_said_before_training(
         session, _ = evaluating_loop(90, lambda step: 1.40625, points=10, share=3.0)
     warned = [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1 and "longer than the budget itself" in warned[0].getMessage()
-    assert "10 points of 16 batches, about 225.0 s" in warned[0].getMessage()
+    assert "10 points of 16 batches, about 225 s" in warned[0].getMessage()
 
 
 def test_a_budget_without_room_for_one_evaluation_is_refused_before_training() -> None:

@@ -362,11 +362,6 @@ def _unit_result(future: Future, desc: str, client: Any) -> Any:
         return future.result()
     except DataError:
         raise
-    except ImportError as exc:  # on a worker that joined after `check_workers`
-        raise DataError(f"{desc}: a unit failed on a Dask worker of {address}: "
-                        f"{type(exc).__name__}: {one_line(exc, 200)}; every worker needs "
-                        f"popbert and its data packages (pip install 'popbert[data,dask]')"
-                        ) from None
     except Exception as exc:
         if client.status != "running":  # reconnecting, or given up: the scheduler is gone
             reason = f": {one_line(exc, 200)}" if str(exc) else ""

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,50 @@ def cli_logging():
     for handler in list(root.handlers):
         if getattr(handler, cli._HANDLER_MARK, False):
             root.removeHandler(handler)
+
+
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def flags_it_lacks(line: str, flags: frozenset[str]) -> list[str]:
+    """Flags an error line advises that its command does not have; flags named after another
+    command ("... with popbert export --task ...") are that command's."""
+    own = line.split(" popbert ", 1)[0].split("`popbert ", 1)[0]
+    return [flag for flag in FLAG.findall(own) if flag not in flags]
+
+
+@pytest.fixture(autouse=True)
+def messages_name_the_commands_flags(monkeypatch: pytest.MonkeyPatch):
+    """Every one-line error of an in-process `popbert.cli.main.main()` names only flags its
+    command has (a fine-tune is never told to --resume): checked across the whole suite."""
+    original = cli.run_command
+
+    def checked(handler, args):
+        stream = sys.stderr
+        lines: list[str] = []
+
+        class Tee:
+            def write(self, text: str) -> int:
+                lines.append(text)
+                return stream.write(text)
+
+            def __getattr__(self, name: str):
+                return getattr(stream, name)
+
+        sys.stderr = Tee()
+        try:
+            status = original(handler, args)
+        finally:
+            sys.stderr = stream
+        flags = getattr(args, "command_flags", None)
+        for line in "".join(lines).splitlines():
+            if flags is not None and line.startswith("popbert: error: "):
+                lacking = flags_it_lacks(line, flags)
+                assert not lacking, f"{line!r} names {lacking}, which this command lacks"
+        return status
+
+    monkeypatch.setattr(cli, "run_command", checked)
+    yield
 
 
 @pytest.fixture(autouse=True)

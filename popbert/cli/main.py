@@ -594,6 +594,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_sweep_commands(sub, common)  # sweep create | agent | run | show
     paths.declare_paths(parser)  # each command checks its path flags before it starts
+    for _, command in paths.subparsers(parser):  # what a message may advise (tests check it)
+        command.set_defaults(command_flags=frozenset(
+            flag for action in command._actions for flag in action.option_strings))
     return parser
 
 

@@ -195,7 +195,7 @@ def _cmd_sentences(args: argparse.Namespace) -> int:
     part_bytes = None if args.part_size_mb is None else _part_bytes(args)
     _report(split_sentences(parts, _output_dir(args), _workers(args), args.splitter,
                             args.min_sentences, fmt=args.format, text_field=args.text_field,
-                            part_bytes=part_bytes))
+                            part_bytes=part_bytes, strict=args.strict))
     return 0
 
 
@@ -403,6 +403,10 @@ def add_commands(subparsers: argparse._SubParsersAction,
     p.add_argument("--part-size-mb", type=float, default=None, metavar="MB",
                    help="cut input files into work units of about this much (byte ranges of "
                         "text, runs of Parquet row groups); default: a unit per file")
+    p.add_argument("--strict", action="store_true",
+                   help="stop, leaving nothing, at a document without text (an empty or "
+                        "missing text, a JSON or Parquet null); without: left out, counted and "
+                        "said once")
     p.set_defaults(handler=_on_cluster(_cmd_sentences))
 
     p = stages.add_parser("vocab", parents=[common_parent],

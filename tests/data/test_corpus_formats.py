@@ -203,6 +203,13 @@ def test_documents_without_text_are_counted_said_once_or_refused_alike(tmp_path,
     with pytest.raises(DataError, match=r"3 of 15 documents have no text .*refused \(strict\)"):
         split_sentences([source], tmp_path / "strict", text_field="body", strict=True)
     assert not (tmp_path / "strict").exists()
+    # The command's --strict, the same refusal: one line, exit 2, nothing written.
+    from popbert.cli.main import main
+
+    assert main(["prepare-data", "sentences", "--input", str(source), "--text-field", "body",
+                 "-o", str(tmp_path / "strict-cli"), "-j", "1", "--strict"]) == 2
+    assert not (tmp_path / "strict-cli").exists()
+
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet", "lines"])
 def test_a_corpus_without_any_text_is_one_line_and_blank_lines_are_no_rows(tmp_path, capsys,

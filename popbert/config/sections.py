@@ -544,6 +544,12 @@ def _check_across(cfg: RunConfig) -> None:
         raise Invalid("training.eval_share sizes evaluations to training.time_budget; set a "
                       "budget, or remove training.eval_share", "training.eval_share",
                       "training.time_budget")
+    if t.eval_share is not None and not ((t.eval_points or t.eval_every) and d.has_validation):
+        raise Invalid("training.eval_share sizes the evaluations of training.eval_points or "
+                      "training.eval_every on validation data (data.validation_files or "
+                      "data.validation_fraction); this run has none to size: remove it",
+                      "training.eval_share", "training.eval_points", "training.eval_every",
+                      "data.validation_files", "data.validation_fraction")
     if e.trim_padding and (m.packed or m.dialect != "onnx"):
         raise Invalid("execution.trim_padding cuts unpadded rows to their longest; it needs "
                       "model.dialect 'onnx' and model.packed false (packed rows carry no "

@@ -154,6 +154,11 @@ def test_validation_files_hdf5_shard(tmp_path: Path) -> None:
     (["training.eval_share=0.5"], "training.eval_share sizes evaluations to "
                                   "training.time_budget; set a budget"),
     (["training.time_budget=60", "training.eval_share=0"], "training.eval_share must be > 0"),
+    (["training.time_budget=60", "training.eval_share=0.5"],
+     "training.eval_share sizes the evaluations of training.eval_points or training.eval_every "
+     "on validation data"),
+    (["training.time_budget=60", "training.eval_share=0.5", "training.eval_points=4"],
+     "this run has none to size: remove it"),
 ])
 def test_config_errors_are_one_line(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as error:

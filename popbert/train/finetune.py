@@ -141,6 +141,12 @@ def checkpoint_model(checkpoint: str | Path) -> BertConfig:
 def _named_in_file(config: str | Path, task: str) -> set[str]:
     """The `SIZE_DEFAULT_KEYS` a user's --config file sets, itself or through a `preset:` it is
     laid over other than the task's own (whose values are BERT-Base's recipe)."""
+    return _keys_in_file(config, task) & set(SIZE_DEFAULT_KEYS.values())
+
+
+def _keys_in_file(config: str | Path, task: str) -> set[str]:
+    """Every dotted key a user's --config file sets, itself or through the `preset:` chain it
+    is laid over, up to the task's own preset."""
     import yaml
 
     named: set[str] = set()
@@ -159,10 +165,8 @@ def _named_in_file(config: str | Path, task: str) -> set[str]:
             return named  # load_config says what is wrong with it
         if not isinstance(raw, dict):
             return named
-        for key in SIZE_DEFAULT_KEYS.values():
-            section, name = key.split(".")
-            if isinstance(raw.get(section), dict) and name in raw[section]:
-                named.add(key)
+        named |= {key for section, values in raw.items() if isinstance(values, dict)
+                  for key in _flat_dict(values, str(section))}
         if not raw.get("preset"):
             return named
         config = raw["preset"]
@@ -196,8 +200,53 @@ def finetune_config(task: str, checkpoint: str | Path, train_file: str | Path,
     given = [f"{k}={json.dumps(v)}" for k, v in inputs.items()]
     chosen = _size_defaults(task, sized if isinstance(sized, (str, Path)) else checkpoint,
                             named)  # before the overrides: a user's chosen_by_size wins
-    return load_config(config if config is not None else f"finetune-{task}",
-                       [*given, *chosen, *overrides])
+    cfg = load_config(config if config is not None else f"finetune-{task}",
+                      [*given, *chosen, *overrides])
+    if config is not None:
+        _refuse_ignored_file_keys(config, cfg, load_config(f"finetune-{task}",
+                                                           [*given, *chosen, *overrides]), task)
+    return cfg
+
+
+def _flat(section: Any, prefix: str) -> dict[str, Any]:
+    """A config section's values by dotted key (nested sections flattened)."""
+    out: dict[str, Any] = {}
+    for name, value in dataclasses.asdict(section).items():
+        key = f"{prefix}.{name}"
+        out.update(_flat_dict(value, key) if isinstance(value, dict) else {key: value})
+    return out
+
+
+def _flat_dict(values: dict[str, Any], prefix: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        key = f"{prefix}.{name}"
+        out.update(_flat_dict(value, key) if isinstance(value, dict) else {key: value})
+    return out
+
+
+def _refuse_ignored_file_keys(config: str | Path, cfg: RunConfig, without_file: RunConfig,
+                              task: str) -> None:
+    """A `--config` file's values that fine-tuning would replace (the model and data of the
+    checkpoint, the steps and warm-up it derives) are refused in one line, as `--set` is; a
+    file that repeats what the run would use anyway (a dumped config) passes."""
+    head = HEAD_KEYS.get(task, ())
+    named = _keys_in_file(config, task)
+    ours = {**_flat(cfg.model, "model"), **_flat(cfg.data, "data"),
+            "training.steps": cfg.training.steps,
+            "optimizer.warmup_steps": cfg.optimizer.warmup_steps}
+    theirs = {**_flat(without_file.model, "model"), **_flat(without_file.data, "data"),
+              "training.steps": without_file.training.steps,
+              "optimizer.warmup_steps": without_file.optimizer.warmup_steps}
+    for key, value in ours.items():
+        if key not in named or key in head or key == "data.strict" or value == theirs.get(key):
+            continue
+        instead = next((DERIVED_KEYS[k] for k in DERIVED_KEYS
+                        if key == k or key.startswith(k + ".")), None)
+        why = (f"fine-tuning sets {key} from {instead}" if instead is not None else
+               f"fine-tuning takes {key.split('.')[0]}.* from finetune.checkpoint")
+        raise ConfigError(f"--config {config}: {key}: {json.dumps(value)} would do nothing: "
+                          f"{why}; leave it out of the file")
 
 
 # The keys a fine-tuning run takes from elsewhere than its own config: `--set` naming one would

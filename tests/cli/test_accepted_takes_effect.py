@@ -269,3 +269,43 @@ def test_a_familys_section_in_a_file_on_another_family_is_refused(
                       "  next_sentence_prediction: true\n")
     assert main(["config", "--config", str(config)]) == 2
     one_line(capsys, f"{config}: model.modernbert.", "the model is 'bert'")
+
+
+# The same keys in a fine-tuning --config file: refused when they would change nothing the run
+# uses; a file that repeats the run's values (a dumped config) and one of the keys fine-tuning
+# reads pass.
+FILE_REFUSED = [("model:\n  num_layers: 4\n", "model.num_layers: 4 would do nothing"),
+                ("training:\n  steps: 7\n", "finetune.epochs"),
+                ("preset: finetune-classification\ndata:\n  masked_lm_prob: 0.3\n",
+                 "fine-tuning takes data.*")]
+
+
+@pytest.mark.parametrize(("text", "fragment"), FILE_REFUSED,
+                         ids=["model", "derived", "data-over-preset"])
+def test_finetune_config_file_keys_that_would_do_nothing_are_refused(
+        text: str, fragment: str, checkpoints: dict[str, Path], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from popbert.cli.main import main
+
+    config = tmp_path / "finetune.yaml"
+    config.write_text(text)
+    run = tmp_path / "run"
+    assert main(finetune(checkpoints["bert"], run, "classify", "--config", str(config))) == 2
+    one_line(capsys, f"--config {config}: ", fragment)
+    assert not run.exists()
+
+
+def test_finetune_config_files_that_take_effect_pass(checkpoints: dict[str, Path],
+                                                     tmp_path: Path) -> None:
+    from popbert.cli.main import main
+    from popbert.train.finetune import finetune_config
+
+    dumped = tmp_path / "dumped.yaml"
+    assert main(["config", "--config", "finetune-classification", "-o", str(dumped)]) == 0
+    lr = tmp_path / "lr.yaml"
+    lr.write_text("optimizer:\n  lr: 1.0e-4\n")
+    for config in (dumped, lr):
+        cfg = finetune_config("classification", checkpoints["bert"], SENTIMENT, config=config)
+        assert cfg.finetune.task == "classification"
+    assert finetune_config("classification", checkpoints["bert"], SENTIMENT,
+                           config=lr).optimizer.lr == 1e-4

@@ -431,7 +431,8 @@ VOCAB = PathKind("a WordPiece vocab.txt or a tokenizer.json", urls=True, sniff=_
 OUTPUT_FILE = PathKind("a file to write", output=True)
 EXPORT_OUTPUT = PathKind("a new file or an earlier export (an IR directory with --runtime "
                          "openvino)", directory=None, output=True, owns=_owns_export,
-                         companions=(("{name}.data", lambda path: True),))
+                         companions=(("{name}.data", lambda data: _owns_export(
+                             data.with_name(data.name[:-len(".data")]))),))
 SQUAD_PREDICTIONS_OUTPUT = PathKind("a new file or earlier SQuAD predictions", output=True,
                                     owns=_owns_squad_predictions,
                                     companions=(("nbest_predictions.json", _owns_nbest),))
@@ -593,7 +594,7 @@ def _check_output(name: str, path: Path, kind: PathKind) -> None:
                       "replaced: remove it or choose another path", kind)
     for pattern, owns in kind.companions:
         companion = path.with_name(pattern.format(name=path.name))
-        if companion.exists() and not (path.exists() and kind.owns(path) and owns(companion)):
+        if companion.exists() and not owns(companion):
             raise _refuse(name, path, f"{companion.name} beside it is {describe(companion)} this "
                           "command did not write and would replace; remove it or choose another "
                           "path", kind)

@@ -488,13 +488,25 @@ def _check_config_keys(spec: SweepSpec) -> None:
     try:
         load_config(config, base)
     except ConfigError as error:
-        raise ConfigError(f"{spec.source}: set: {error}") from None
+        raise ConfigError(f"{spec.source}: set: {_sweep_words(error, base)}") from None
     for p in spec.parameters.values():
         for value in p.edge_values():
+            text = override_text(p.name, value)
             try:
-                load_config(config, [*base, override_text(p.name, value)])
+                load_config(config, [*base, text])
             except ConfigError as error:
-                raise ConfigError(f"{spec.source}: parameters.{p.name}: {error}") from None
+                raise ConfigError(f"{spec.source}: parameters.{p.name}: "
+                                  f"{_sweep_words(error, [*base, text])}") from None
+
+
+def _sweep_words(error: ConfigError, overrides: list[str]) -> str:
+    """The config's message without the `--set KEY=VALUE: ` it starts with on the command
+    line: a sweep file has no --set; the line names the sweep file's key instead."""
+    message = str(error)
+    for text in overrides:
+        if message.startswith(f"--set {text}: "):
+            return message[len(f"--set {text}: "):]
+    return message
 
 
 def _check_finetune(spec: SweepSpec) -> None:
@@ -537,7 +549,9 @@ def _check_finetune(spec: SweepSpec) -> None:
             try:
                 load_config(DEFAULT_PRESET, [override_text(key, value)])
             except ConfigError as error:
-                raise ConfigError(f"{src}: {where}: {error}") from None
+                raise ConfigError(f"{src}: {where}: "
+                                  f"{_sweep_words(error, [override_text(key, value)])}"
+                                  ) from None
 
 
 def _check_config_key(src: str, where: str, key: str) -> None:
@@ -547,7 +561,7 @@ def _check_config_key(src: str, where: str, key: str) -> None:
     try:
         apply_overrides({}, [f"{key}=null"])
     except ConfigError as error:
-        raise ConfigError(f"{src}: {where}: {error}") from None
+        raise ConfigError(f"{src}: {where}: {_sweep_words(error, [f'{key}=null'])}") from None
 
 
 def _check_arg(src: str, key: str, kind: Any, value: Any) -> None:

@@ -320,7 +320,7 @@ def _owns_export(path: Path) -> bool:
     """An ONNX model, or an OpenVINO IR directory (`popbert export --runtime openvino`)."""
     if path.is_dir():
         return _entries(path) <= IR_FILES
-    return _onnx(path) is None
+    return path.is_file() and _onnx(path) is None
 
 
 def _owns_squad_predictions(path: Path) -> bool:

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import popbert.builders.tasks  # noqa: F401 (registers the classification head)
+import popbert.tasks  # noqa: F401 (registers the task heads)
 from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import BertConfig, TaskConfig
 from popbert.data.classification import encode_classification, read_classification_file

@@ -174,12 +174,14 @@ def _print_json(result: dict) -> None:
 def finetune_config_from_args(args: argparse.Namespace) -> RunConfig:
     """The fine-tuning run's config: --config (default: the task's preset) with the flags the
     user gave (each one config key, `popbert.train.finetune.FLAG_KEYS`), then --set."""
+    from popbert.tasks import TASKS
     from popbert.train.finetune import FLAG_KEYS, finetune_config
 
     given = {dest: getattr(args, dest) for dest in FLAG_KEYS
              if getattr(args, dest, None) is not None}
-    if isinstance(given.get("labels"), str):
-        given["labels"] = [x.strip() for x in given["labels"].split(",")]
+    for flag in TASKS[args.finetune_task].flags:  # "a,b,c" → a list
+        if flag.list_of_text and isinstance(given.get(flag.dest), str):
+            given[flag.dest] = [x.strip() for x in given[flag.dest].split(",")]
     flags = [f"{FLAG_KEYS[dest]}={json.dumps(str(v) if isinstance(v, Path) else v)}"
              for dest, v in given.items() if dest not in ("checkpoint", "train")]
     return finetune_config(args.finetune_task, args.checkpoint, args.train,
@@ -193,7 +195,9 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     with Trainer.from_config(cfg, args.output_dir, overwrite=args.overwrite) as trainer:
         result = trainer.train()
     logger.info("wrote %s (checkpoint %s)", result.output_dir, result.checkpoint.name)
-    if result.metrics or args.finetune_task == "classification":
+    from popbert.tasks import TASKS
+
+    if result.metrics or TASKS[args.finetune_task].always_print_metrics:
         _print_json(result.metrics)
     return 0
 
@@ -353,43 +357,29 @@ def _add_training_args(p: argparse.ArgumentParser, preset: str) -> None:
                         "GroupBERT, which pre-trains without): finetune.dropout")
 
 
+TRAINING_METAVARS = {"squad": "FILE.json", "rows": "FILE"}  # by `popbert.tasks.Task.files`
+
+
 def _add_finetune_commands(sub, common: argparse.ArgumentParser) -> None:
-    from popbert.config.sections import FINETUNE_COMMANDS
+    """`popbert finetune <command>` for each task of `popbert.tasks.TASKS`: the flags every
+    task takes, then the task's own (each one config key)."""
+    from popbert.tasks import TASKS
 
-    group = sub.add_parser("finetune", parents=[common], help="fine-tune on SQuAD or a "
-                           "classification file")
-    tasks = group.add_subparsers(dest="finetune_command", metavar="TASK", required=True)
-
-    p = tasks.add_parser(FINETUNE_COMMANDS["squad"], parents=[common],
-                         help="SQuAD v1.1 question answering",
-                         description="Fine-tune the span head on a SQuAD v1.1 training file; "
-                                     "write predictions.json for --predict and, if it has "
-                                     "answers, the official EM/F1 (printed as JSON).")
-    _add_training_args(p, "finetune-squad")
-    p.add_argument("--train", type=paths.SQUAD, required=True, metavar="FILE.json")
-    p.add_argument("--predict", type=paths.SQUAD, default=None, metavar="FILE.json")
-    p.add_argument("--doc-stride", type=int)
-    p.add_argument("--max-query-length", type=int)
-    p.add_argument("--n-best-size", type=int)
-    p.add_argument("--max-answer-length", type=int)
-    p.set_defaults(handler=_cmd_finetune, finetune_task="squad")
-
-    p = tasks.add_parser(FINETUNE_COMMANDS["classification"], parents=[common],
-                         help="sentence or sentence-pair classification (TSV/CSV/JSONL)",
-                         description="Fine-tune a pooled-output classifier; report accuracy and "
-                                     "F1 on --eval (default: the training file) as JSON.")
-    _add_training_args(p, "finetune-classification")
-    p.add_argument("--train", type=paths.ROWS, required=True, metavar="FILE")
-    p.add_argument("--eval", type=paths.ROWS, default=None, metavar="FILE")
-    p.add_argument("--text-column", default=None,
-                   help="default: sentence, text, sentence1, question, question1 or premise")
-    p.add_argument("--text-pair-column", default=None,
-                   help="second text (default with no --text-column: sentence2, question2 or "
-                        "hypothesis, if present)")
-    p.add_argument("--label-column", default=None, help="default: label")
-    p.add_argument("--labels", default=None, metavar="A,B,...",
-                   help="class names in id order (default: the training file's, sorted)")
-    p.set_defaults(handler=_cmd_finetune, finetune_task="classification")
+    group = sub.add_parser("finetune", parents=[common], help="fine-tune on a task: "
+                           + ", ".join(task.command for task in TASKS.values()))
+    commands = group.add_subparsers(dest="finetune_command", metavar="TASK", required=True)
+    for task in TASKS.values():
+        p = commands.add_parser(task.command, parents=[common], help=task.help,
+                                description=task.description)
+        _add_training_args(p, task.preset)
+        p.add_argument("--train", type=paths.TRAINING_FILES[task.files], required=True,
+                       metavar=TRAINING_METAVARS[task.files])
+        for flag in task.flags:
+            options = {"default": None, **flag.options}
+            if flag.file is not None:
+                options["type"] = paths.TRAINING_FILES[flag.file]
+            p.add_argument(flag.name, **options)
+        p.set_defaults(handler=_cmd_finetune, finetune_task=task.name)
 
 
 def _add_evaluate_commands(sub, common: argparse.ArgumentParser) -> None:
@@ -473,11 +463,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "weights, verified in ONNX Runtime against the torch backend "
                                    "(--runtime openvino: an OpenVINO IR, verified in OpenVINO).")
     p.add_argument("--checkpoint", type=paths.CHECKPOINT, required=True, metavar="DIR")
-    p.add_argument("--task", choices=("pretraining", "encoder", "squad", "classification"),
-                   required=True,
+    from popbert.tasks import TASKS
+
+    p.add_argument("--task", choices=("pretraining", "encoder", *TASKS), required=True,
                    help="pretraining: MLM + NSP heads; encoder: last hidden state and pooled "
-                        "output (like transformers.BertModel); squad: start/end logits; "
-                        "classification: logits (the last two need a fine-tuned checkpoint)")
+                        "output (like transformers.BertModel); a fine-tuning task's outputs ("
+                        + "; ".join(f"{name}: {', '.join(task.outputs)}"
+                                    for name, task in TASKS.items())
+                        + ") need a checkpoint fine-tuned for it")
     p.add_argument("--output", type=paths.EXPORT_OUTPUT, required=True, metavar="FILE.onnx|DIR",
                    help="the ONNX file; with --runtime openvino, the IR directory")
     p.add_argument("--runtime", choices=("onnxruntime", "openvino"), default="onnxruntime",

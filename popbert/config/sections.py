@@ -43,10 +43,9 @@ BACKENDS = ("torch", "popart")
 DEVICES = ("cpu", "cuda", "auto")  # and "cuda:N", one GPU by its index (see DEVICE)
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 TRACKERS = ("none", "wandb")
-# The tasks fine-tuning trains are the tasks a checkpoint can be for (`model.task.name`).
+# The tasks fine-tuning trains are the tasks a checkpoint can be for (`model.task.name`); each
+# is a module of `popbert.tasks`, whose table is checked against these names.
 FINETUNE_TASKS = TASK_NAMES
-# The `popbert finetune` subcommand of each task (a sweep's `job: finetune <command>` too).
-FINETUNE_COMMANDS = {"squad": "squad", "classification": "classify"}
 
 
 def choice(names: tuple[str, ...]) -> Rule:
@@ -667,7 +666,7 @@ def warn_config(cfg: RunConfig) -> None:
         logger.warning("execution.stochastic_rounding has no effect with float32 weights")
 
 
-__all__ = ["BACKENDS", "DECAYS", "DEVICE", "DEVICES", "FINETUNE_COMMANDS", "FINETUNE_TASKS",
+__all__ = ["BACKENDS", "DECAYS", "DEVICE", "DEVICES", "FINETUNE_TASKS",
            "LOSS_SCALINGS", "OPTIMIZERS", "PIPELINE_SCHEDULES", "SECTIONS", "TOP_LEVEL_KEYS",
            "TRACKERS", "BertConfig", "DataConfig", "ExecutionConfig", "FinetuneConfig",
            "OptimizerConfig", "RunConfig", "TrackingConfig", "TrainingConfig", "choice",

@@ -21,20 +21,21 @@ import onnx
 import torch
 from onnx import TensorProto, numpy_helper
 
-import popbert.builders.tasks  # noqa: F401  (registers the squad and classification heads)
 from popbert.atomic import atomic_write_bytes, reported, staging_directory
 from popbert.builders.bert import BATCH, SEQUENCE, build_bert
-from popbert.builders.bert_config import TASK_NAMES, BertConfig
+from popbert.builders.bert_config import BertConfig
 from popbert.builders.families import family_of
 from popbert.errors import CheckpointError, UsageError
 from popbert.graph.annotations import METADATA_PREFIX, strip_annotations, trainable_initializers
 from popbert.io.fused import CPU_FUSIONS, fuse_for_ort
 from popbert.io.quantize import DEFAULT_KEEP_FLOAT, QUANTIZE_MODES, quantize_int8
 from popbert.serve.agreement import check_agreement
+from popbert.tasks import TASKS as FINETUNE_TASKS
+from popbert.tasks import task_metadata as finetune_metadata
 
 log = logging.getLogger(__name__)
 
-TASKS = ("pretraining", "encoder", "squad", "classification")
+TASKS = ("pretraining", "encoder", *FINETUNE_TASKS)
 # The float formats an inference export may be written in (`popbert export --dtype`).
 EXPORT_DTYPES = ("float32", "float16")
 # ORT's fused CPU kernels (Attention, LayerNorm, GELU) reorder FP32 sums; logits of O(10) agree
@@ -315,12 +316,9 @@ def export_weights(weights: Mapping[str, torch.Tensor | np.ndarray], config: Ber
 
 def task_metadata(config: BertConfig, vocab: Path | None) -> dict[str, str]:
     """What serving a fine-tuned model needs besides its weights (read by `popbert.serve`)."""
-    task = config.task
-    meta = {f"{METADATA_PREFIX}lowercase": json.dumps(task.lowercase)}
-    for key in ("doc_stride", "max_query_length", "labels"):
-        value = getattr(task, key)
-        if value is not None:
-            meta[f"{METADATA_PREFIX}{key}"] = json.dumps(value)
+    meta = {f"{METADATA_PREFIX}lowercase": json.dumps(config.task.lowercase)}
+    meta.update({f"{METADATA_PREFIX}{key}": json.dumps(value)
+                 for key, value in finetune_metadata(config).items()})
     if vocab is not None:
         from popbert.data.tokenization import read_vocab_text
 
@@ -385,7 +383,7 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
     cfg = config_from_dict(restored.config,
                            source=str(find_checkpoint(checkpoint, warn=False)))  # said once
     metadata = vocab = None
-    if task in TASK_NAMES:
+    if task in FINETUNE_TASKS:
         vocab = checkpoint_vocab(checkpoint, cfg.data.vocab_file)
         metadata = task_metadata(cfg.model, vocab)
     if eval_data is not None and vocab is None:
@@ -427,11 +425,11 @@ def check_task_data(flag: str, path: Path | None, task: str) -> None:
         return
     from popbert.io import paths
 
-    kinds = {"classification": paths.ROWS_OR_LINES, "squad": paths.SQUAD}
-    if task not in kinds:
+    if task not in FINETUNE_TASKS:
         raise UsageError(f"{flag} {path}: the {task} export reads no task data; {flag} applies "
-                         "to classification and squad exports")
-    paths.check_path(f"{flag} (a {task} export)", path, kinds[task])
+                         f"to {' and '.join(FINETUNE_TASKS)} exports")
+    paths.check_path(f"{flag} (a {task} export)", path,
+                     paths.PREDICT_INPUTS[FINETUNE_TASKS[task].files])
 
 
 # Rows of the training file static INT8 calibrates on when no --calibration file is given.
@@ -443,7 +441,7 @@ def _calibration_file(given: Path | None, cfg: Any, task: str) -> Path:
     if given is not None:
         return Path(given)
     stored = cfg.finetune.train_file
-    if task not in TASK_NAMES or not stored or not Path(stored).is_file():
+    if task not in FINETUNE_TASKS or not stored or not Path(stored).is_file():
         where = (f"its training file {stored} is not here" if stored
                  else "the checkpoint names no training file")
         raise UsageError(f"--quantize int8 --runtime openvino calibrates on rows of the task's "

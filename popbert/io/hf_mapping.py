@@ -103,7 +103,7 @@ def head_rules() -> list[Rule]:
 
 
 def squad_rules() -> list[Rule]:
-    """`BertForQuestionAnswering.qa_outputs` ↔ the span head of `popbert.builders.tasks`."""
+    """`BertForQuestionAnswering.qa_outputs` ↔ the span head of `popbert.tasks.squad`."""
     return _dense("Squad/Logits", "qa_outputs")
 
 
@@ -248,18 +248,12 @@ _BY_HEADS = {
 _BASE = {"bert": "BertModel", "modernbert": "ModernBertModel"}
 
 
-# The `transformers` class a fine-tuned model of each family is (GroupBERT has none).
-TASK_ARCHITECTURES = {
-    ("bert", "squad"): "BertForQuestionAnswering",
-    ("bert", "classification"): "BertForSequenceClassification",
-    ("modernbert", "squad"): "ModernBertForQuestionAnswering",
-    ("modernbert", "classification"): "ModernBertForSequenceClassification",
-}
-
-
 def task_architecture(family: str, task: str) -> str | None:
-    """The `transformers` class of a `family` model fine-tuned for `task`, if there is one."""
-    return TASK_ARCHITECTURES.get((family, task))
+    """The `transformers` class of a `family` model fine-tuned for `task`, if there is one
+    (each task's own table, `popbert.tasks.Task.hf_architectures`; GroupBERT has none)."""
+    from popbert.tasks import TASKS
+
+    return TASKS[task].hf_architecture(family) if task in TASKS else None
 
 
 def architectures_of(family: str) -> list[str]:

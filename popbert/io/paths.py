@@ -460,11 +460,11 @@ CONFIG_PATHS: dict[str, PathKind] = {
     "data.cache_dir": OUTPUT_DIR,
     "finetune.checkpoint": CHECKPOINT,
 }
-# The fine-tuning data files depend on the task.
-FINETUNE_DATA_PATHS: dict[str, dict[str, PathKind]] = {
-    "squad": {"finetune.train_file": SQUAD, "finetune.eval_file": SQUAD},
-    "classification": {"finetune.train_file": ROWS, "finetune.eval_file": ROWS},
-}
+# What a fine-tuning task's files are (`popbert.tasks.Task.files`): for training and
+# evaluation (`finetune.train_file`, `finetune.eval_file`), and for an export's `--eval` and
+# `--calibration` and prediction (a classifier also reads a .txt file of texts there).
+TRAINING_FILES: dict[str, PathKind] = {"squad": SQUAD, "rows": ROWS}
+PREDICT_INPUTS: dict[str, PathKind] = {"squad": SQUAD, "rows": ROWS_OR_LINES}
 
 
 # ---------------------------------------------------------------------------------- checking
@@ -684,7 +684,11 @@ def _resolved(value: Any) -> Path | None:
 def check_config_paths(cfg: Any) -> None:
     """Check the paths a run's config names (`CONFIG_PATHS`, and its task's data files)."""
     declared = dict(CONFIG_PATHS)
-    declared.update(FINETUNE_DATA_PATHS.get(cfg.finetune.task or "", {}))
+    if cfg.finetune.task is not None:  # the task's own file format
+        from popbert.tasks import task_named
+
+        kind = TRAINING_FILES[task_named(cfg.finetune.task).files]
+        declared.update({"finetune.train_file": kind, "finetune.eval_file": kind})
     for key, kind in declared.items():
         section, name = key.split(".")
         for value in _values(getattr(getattr(cfg, section), name)):
@@ -710,10 +714,10 @@ def check_output_directory(path: Path | None, flag: str = "--output-dir") -> Pat
 
 
 __all__ = ["CHECKPOINT", "CONFIG_FILE", "CONFIG_OUTPUT", "CONFIG_PATHS", "CORPUS",
-           "DATA_OUTPUT_DIR", "DATA_OUTPUT_FILE", "DUMP", "EXPORT_OUTPUT", "FINETUNE_DATA_PATHS",
-           "HF_EXPORT_OUTPUT", "HF_MODEL", "IMPORT_OUTPUT", "LABELS_OUTPUT", "METRICS",
-           "ONNX_MODEL", "OUTPUT_DIR", "OUTPUT_FILE", "PLOT_OUTPUT", "PREDICTIONS", "ROWS",
+           "DATA_OUTPUT_DIR", "DATA_OUTPUT_FILE", "DUMP", "EXPORT_OUTPUT", "HF_EXPORT_OUTPUT",
+           "HF_MODEL", "IMPORT_OUTPUT", "LABELS_OUTPUT", "METRICS", "ONNX_MODEL", "OUTPUT_DIR",
+           "OUTPUT_FILE", "PLOT_OUTPUT", "PREDICTIONS", "PREDICT_INPUTS", "ROWS",
            "ROWS_OR_LINES", "ROWS_OR_SQUAD", "RUN", "SHARDS", "SQUAD", "SQUAD_PREDICTIONS_OUTPUT",
-           "TEXT", "TRAINING_DATA", "VOCAB", "PathKind", "check_arguments", "check_config_paths",
-           "check_output_directory", "check_output_file", "check_path", "declare_paths",
-           "declared_paths", "describe", "subparsers", "yaml_keys"]
+           "TEXT", "TRAINING_DATA", "TRAINING_FILES", "VOCAB", "PathKind", "check_arguments",
+           "check_config_paths", "check_output_directory", "check_output_file", "check_path",
+           "declare_paths", "declared_paths", "describe", "subparsers", "yaml_keys"]

@@ -17,15 +17,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from popbert.config.sections import FINETUNE_COMMANDS
 from popbert.config.yaml_io import parse_yaml
 from popbert.errors import ConfigError
+from popbert.tasks import TASKS
 from popbert.textfile import read_text
 
 METHODS = ("grid", "random", "bayes")
 BACKENDS = ("optuna", "wandb")  # who runs the search: the Optuna store, or a W&B server
 GOALS = ("minimize", "maximize")
-JOBS = ("pretrain", "finetune squad", "finetune classify")
+# pre-training, and `finetune <command>` of each fine-tuning task (`popbert.tasks`)
+JOBS = ("pretrain", *(f"finetune {task.command}" for task in TASKS.values()))
 BAYES_SAMPLERS = ("tpe", "gp")
 TOP_LEVEL = ("name", "description", "program", "command", "job", "config", "set", "args",
              "method", "metric", "parameters", "run_cap", "early_terminate", "init_from",
@@ -36,7 +37,7 @@ DISTRIBUTIONS = ("constant", "categorical", "int_uniform", "uniform", "q_uniform
 DISCRETE = ("constant", "categorical", "int_uniform", "q_uniform")
 
 # The sweep's names of the fine-tuning jobs (their commands), and the task each runs.
-FINETUNE_TASKS = {f"finetune {command}": task for task, command in FINETUNE_COMMANDS.items()}
+FINETUNE_TASKS = {f"finetune {task.command}": name for name, task in TASKS.items()}
 # Config keys a fine-tuning run takes from its checkpoint or derives from its data.
 NOT_SWEPT = ("model.", "data.", "training.steps", "optimizer.warmup_steps")
 
@@ -45,11 +46,11 @@ def finetune_args(job: str) -> dict[str, Any]:
     """The `args` a fine-tuning job takes (its command's flags that set `finetune.*` keys), each
     with its kind: "path", int, float or str (labels: comma-separated, as on the command line)."""
     from popbert.config import FinetuneConfig
-    from popbert.train.finetune import COMMON_FLAGS, FLAG_KEYS, PATH_FLAGS, TASKS
+    from popbert.train.finetune import FLAG_KEYS, PATH_FLAGS, task_flags
 
     hints = typing.get_type_hints(FinetuneConfig)
     kinds: dict[str, Any] = {}
-    for flag in (*COMMON_FLAGS, *TASKS[FINETUNE_TASKS[job]].flags):
+    for flag in task_flags(FINETUNE_TASKS[job]):
         field_type = hints[FLAG_KEYS[flag].split(".", 1)[1]]
         kinds[flag] = "path" if flag in PATH_FLAGS else next(
             (t for t in (int, float) if t in typing.get_args(field_type) or t is field_type), str)
@@ -436,10 +437,8 @@ def job_metrics(spec: SweepSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
         from popbert.train.pretrain import METRIC_KEYS
 
         return tuple(METRIC_KEYS), ()
-    from popbert.train.finetune import TASKS
-
-    job = TASKS[FINETUNE_TASKS[spec.job]]
-    return job.metric_keys, job.final_metrics
+    task = TASKS[FINETUNE_TASKS[spec.job]]
+    return task.metric_keys, task.final_metrics
 
 
 def check_spec(spec: SweepSpec) -> None:

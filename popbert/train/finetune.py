@@ -1,16 +1,15 @@
-"""Fine-tuning jobs: SQuAD v1.1 span prediction and sequence classification.
+"""Fine-tuning: the job every task (`popbert.tasks`) runs.
 
-A fine-tuning run is a `RunConfig` whose `finetune.task` is `squad` or `classification`
-(`finetune_config` makes one from the task's preset, `finetune-squad` or
-`finetune-classification`). The `Trainer` starts it from `finetune.checkpoint` (a pre-training
-run, or a Hugging Face model brought in with `popbert import-hf`): the job reads the data, takes
-the checkpoint's model with the task head (the head starts fresh and is reported), derives
-`training.steps` from `finetune.epochs` and `optimizer.warmup_steps` from
-`finetune.warmup_proportion`, and at the end scores the trained weights: SQuAD writes
-`predictions.json` in the official format and the official EM/F1, classification accuracy and F1.
+A fine-tuning run is a `RunConfig` whose `finetune.task` names a task of `popbert.tasks.TASKS`
+(`finetune_config` makes one from the task's preset, `finetune-<task>`). The `Trainer` starts it
+from `finetune.checkpoint` (a pre-training run, or a Hugging Face model brought in with
+`popbert import-hf`): the job has the task read its data, takes the checkpoint's model with the
+task's head (the head starts fresh and is reported), derives `training.steps` from
+`finetune.epochs` and `optimizer.warmup_steps` from `finetune.warmup_proportion`, and at the end
+has the task score the trained weights.
 
-Everything a later `popbert export --task squad|classification` or `popbert export-hf` needs
-(task, window sizes, labels, lowercasing) is recorded in the checkpoint's `model.task`.
+Everything a later `popbert export --task <task>` or `popbert export-hf` needs (task, window
+sizes, labels, lowercasing) is recorded in the checkpoint's `model.task`.
 """
 
 from __future__ import annotations
@@ -29,8 +28,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import popbert.builders.tasks  # noqa: F401  (registers the squad and classification heads)
-from popbert.atomic import atomic_write_bytes, atomic_write_text
+from popbert.atomic import atomic_write_bytes
 from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import BertConfig, TaskConfig
 from popbert.builders.families import FAMILIES, family_of
@@ -42,30 +40,15 @@ from popbert.config import (
     preset_path,
 )
 from popbert.config.sections import FINETUNE_TASKS
-from popbert.data.classification import (
-    classification_metrics,
-    encode_classification,
-    label_ids,
-    label_list,
-    read_classification_file,
-)
 from popbert.data.loader import length_grouped_order
-from popbert.data.squad import (
-    WindowOptions,
-    decode_answers,
-    read_squad,
-    squad_features,
-    write_predictions,
-)
-from popbert.data.squad_metric import evaluate as squad_evaluate
 from popbert.data.tokenization import load_tokenizer, tokenizer_file_name
 from popbert.errors import CheckpointError, ConfigError, UsageError
 from popbert.io import checkpoint as ckpt
-from popbert.io import hf_mapping as hf
 from popbert.io.hf_checkpoint import VOCAB, checkpoint_vocab
 from popbert.runtime.options import SessionOptions
 from popbert.runtime.protocol import Session
 from popbert.runtime.session import InferenceSession
+from popbert.tasks import TASKS, Setting, Task, TaskData
 from popbert.train.jobs import Job
 
 log = logging.getLogger(__name__)
@@ -73,32 +56,34 @@ log = logging.getLogger(__name__)
 # GroupBERT pre-trains without dropout and fine-tunes with BERT's 0.1 (Chelombiev et al. 2021).
 # GroupBERT's fine-tuning dropout (`popbert.builders.families.Family.finetune_dropout`).
 GROUPBERT_FINETUNE_DROPOUT = FAMILIES["groupbert"].finetune_dropout
-SQUAD_ARCHITECTURE = "BertForQuestionAnswering"
-CLASSIFICATION_ARCHITECTURE = "BertForSequenceClassification"
 
 
-# The flags of `popbert finetune TASK` (argparse names) and the `args` of a fine-tuning sweep:
-# the config key each one sets (the checkpoint and data files, then the run's knobs).
-FLAG_KEYS = {
+# The flags every `popbert finetune TASK` takes (argparse names) and the `args` of a fine-tuning
+# sweep: the config key each one sets (the checkpoint and training file, then the run's knobs).
+# Each task adds its own (`popbert.tasks.Task.flags`): `FLAG_KEYS` holds them all.
+RUN_FLAG_KEYS = {
     "checkpoint": "finetune.checkpoint", "train": "finetune.train_file",
-    "predict": "finetune.eval_file", "eval": "finetune.eval_file",
     "epochs": "finetune.epochs", "warmup_proportion": "finetune.warmup_proportion",
-    "max_seq_length": "finetune.max_seq_length", "doc_stride": "finetune.doc_stride",
-    "max_query_length": "finetune.max_query_length", "n_best_size": "finetune.n_best_size",
-    "max_answer_length": "finetune.max_answer_length", "text_column": "finetune.text_column",
-    "text_pair_column": "finetune.pair_column", "label_column": "finetune.label_column",
-    "labels": "finetune.labels", "eval_batch_size": "finetune.eval_batch_size",
+    "max_seq_length": "finetune.max_seq_length", "eval_batch_size": "finetune.eval_batch_size",
     "dropout": "finetune.dropout", "lr": "optimizer.lr", "weight_decay": "optimizer.weight_decay",
     "max_grad_norm": "optimizer.max_grad_norm", "batch_size": "execution.micro_batch_size",
     "device": "execution.device", "threads": "execution.threads", "seed": "training.seed",
     "log_every": "training.log_every",
 }
+FLAG_KEYS = {**RUN_FLAG_KEYS, **{flag.dest: flag.key for task in TASKS.values()
+                                 for flag in task.flags}}
 # The flags (and sweep `args`) that name files: the checkpoint and the data.
-PATH_FLAGS = ("checkpoint", "train", "predict", "eval")
-# The flags every fine-tuning task takes that set its `finetune` section (each task adds its own:
-# `FinetuneJob.flags`).
+PATH_FLAGS = ("checkpoint", "train", *dict.fromkeys(
+    flag.dest for task in TASKS.values() for flag in task.flags if flag.file))
+# The flags every fine-tuning task takes that set its `finetune` section.
 COMMON_FLAGS = ("checkpoint", "train", "epochs", "warmup_proportion", "max_seq_length",
                 "eval_batch_size", "dropout")
+
+
+def task_flags(task: str) -> tuple[str, ...]:
+    """The flags (argparse names) of `popbert finetune <task>` that set its `finetune` section:
+    `COMMON_FLAGS` and the task's own."""
+    return (*COMMON_FLAGS, *(flag.dest for flag in TASKS[task].flags))
 
 
 # The learning rate and epochs a fine-tuning run takes when neither the command line nor a
@@ -109,11 +94,10 @@ COMMON_FLAGS = ("checkpoint", "train", "epochs", "warmup_proportion", "max_seq_l
 # width and the epochs linear. SQuAD's small-model values are classification's rate and the
 # preset's epochs: not measured here (no SQuAD-sized data in the repository).
 SMALL_WIDTH, BASE_WIDTH = 256, 768
+# task: ((lr, epochs) at hidden <= SMALL_WIDTH, (lr, epochs) at hidden >= BASE_WIDTH), each
+# task's own (`popbert.tasks.Task.size_defaults`).
 SIZE_DEFAULTS: dict[str, tuple[tuple[float, int], tuple[float, int]]] = {
-    # task: ((lr, epochs) at hidden <= SMALL_WIDTH, (lr, epochs) at hidden >= BASE_WIDTH)
-    "classification": ((1e-3, 10), (2e-5, 3)),
-    "squad": ((1e-3, 2), (5e-5, 2)),
-}
+    name: task.size_defaults for name, task in TASKS.items()}
 # What names each of them (a key a --config file or an override sets is the user's choice).
 SIZE_DEFAULT_KEYS = {"lr": "optimizer.lr", "epochs": "finetune.epochs"}
 
@@ -257,8 +241,9 @@ DERIVED_KEYS = {"training.steps": "finetune.epochs (the steps are epochs x batch
                 "model.hidden_dropout": "finetune.dropout (--dropout)",
                 "model.attention_dropout": "finetune.dropout (--dropout)",
                 "model.task": "the task's flags (--labels, --doc-stride, ...)"}
-# The model keys that do take effect in fine-tuning: how a new classification head pools.
-HEAD_KEYS = {"classification": ("model.modernbert.classifier_pooling",)}
+# The model keys that do take effect in fine-tuning: how a task's new head is made (a
+# classifier's pooling).
+HEAD_KEYS = {name: task.head_keys for name, task in TASKS.items()}
 
 
 def _checkpoint_model_keys(task: str, checkpoint: str | Path,
@@ -363,17 +348,22 @@ def task_model_config(model: BertConfig, sequence_length: int, task: TaskConfig,
 
 
 def head_settings(cfg: RunConfig, task: str, model: BertConfig) -> BertConfig:
-    """`model` with the settings of the new head `cfg` gives (`HEAD_KEYS`: a ModernBERT
-    classifier's pooling), when `cfg` describes the checkpoint's family (`finetune_config`
-    gives it the checkpoint's family and values, and lays `--set` over them)."""
-    if (task == "classification" and model.architecture == "modernbert"
-            and cfg.model.architecture == "modernbert"):
-        pooling = cfg.model.modernbert.classifier_pooling
-        if pooling != model.modernbert.classifier_pooling:
-            log.info("classification head: %s pooling (model.modernbert.classifier_pooling; "
-                     "the checkpoint's is %s)", pooling, model.modernbert.classifier_pooling)
-        model = dataclasses.replace(model, modernbert=dataclasses.replace(
-            model.modernbert, classifier_pooling=pooling))
+    """`model` with the settings of the new head `cfg` gives (the task's `head_keys`: a
+    ModernBERT classifier's pooling), when `cfg` describes the checkpoint's family
+    (`finetune_config` gives it the checkpoint's family and values, and lays `--set` over
+    them)."""
+    if cfg.model.architecture != model.architecture:
+        return model
+    for key in TASKS[task].head_keys:
+        section, name = key.split(".")[1:]  # model.<family section>.<name>
+        if section != model.architecture:
+            continue
+        ours, theirs = getattr(cfg.model, section), getattr(model, section)
+        if getattr(ours, name) != getattr(theirs, name):
+            log.info("%s head: %s %s (the checkpoint's is %s)", task, key,
+                     getattr(ours, name), getattr(theirs, name))
+        model = dataclasses.replace(model, **{section: dataclasses.replace(
+            theirs, **{name: getattr(ours, name)})})
     return model
 
 
@@ -423,26 +413,30 @@ class EpochBatches:
 
 
 class FinetuneJob(Job):
-    """What the fine-tuning tasks share: the checkpoint they start from, the config they derive
-    from it, the stateless loader over in-memory features and the weights-only checkpoint."""
-
-    task = "finetune"
-    hf_architecture = ""
-    default_max_seq_length = 128
-    final_metrics: tuple[str, ...] = ()  # what `score` returns (and eval_results.json holds)
-    flags: tuple[str, ...] = ()  # the task's own flags (`FLAG_KEYS`), besides COMMON_FLAGS
+    """A fine-tuning run of one task (`popbert.tasks`): the checkpoint it starts from, the
+    config it derives from it, the task's data (read by the task), the stateless loader over
+    those in-memory features, the weights-only checkpoint and the task's score at the end."""
 
     def __init__(self, cfg: RunConfig, output_dir: Path):
         self.check(cfg)  # before the checkpoint and the data are read
         f = cfg.finetune
+        self.spec: Task = TASKS[f.task]
+        self.task = self.spec.name
+        self.metric_keys = self.spec.metric_keys
+        self.final_metrics = self.spec.final_metrics  # what `score` returns
         self.output_dir = Path(output_dir)
         self.pretrained = load_pretrained(Path(f.checkpoint))
-        self.max_seq_length = f.max_seq_length or self.default_max_seq_length
-        self.arrays = self.read(cfg)
+        self.max_seq_length = f.max_seq_length or self.spec.default_max_seq_length
+        family = self.pretrained.config.model.architecture
+        self.data: TaskData = self.spec.read(cfg, Setting(
+            self.pretrained.vocab, self.pretrained.lowercase, self.max_seq_length, family,
+            self.spec.hf_architecture(family)))
+        self.arrays = self.data.arrays
         examples = len(next(iter(self.arrays.values())))
         steps = f.epochs * math.ceil(examples / cfg.execution.micro_batch_size)
         model = head_settings(cfg, self.task, task_model_config(
-            self.pretrained.config.model, self.max_seq_length, self.task_config(cfg), f.dropout))
+            self.pretrained.config.model, self.max_seq_length, self.data.task_config(),
+            f.dropout))
         super().__init__(self.resolve(cfg, model, steps))
         self.name = f"finetune {self.task}"
         log.info("%s: %d training examples of %d tokens; %d steps", self.task, examples,
@@ -495,14 +489,6 @@ class FinetuneJob(Job):
         raise ConfigError("fine-tuning checkpoints hold weights only and do not resume: start "
                           "the fine-tuning run again")
 
-    def read(self, cfg: RunConfig) -> dict[str, np.ndarray]:
-        """The training features (arrays the task graph's inputs are named after)."""
-        raise NotImplementedError
-
-    def task_config(self, cfg: RunConfig) -> TaskConfig:
-        """The task head's settings recorded in `model.task` (what export needs)."""
-        raise NotImplementedError
-
     def loader(self, rank: int, size: int) -> EpochBatches:
         c = self.config
         return EpochBatches(self.arrays, c.execution.micro_batch_size, c.finetune.epochs,
@@ -542,124 +528,11 @@ class FinetuneJob(Job):
         return infer(c.model, self.task, trainer.session.weights(), arrays,
                      c.finetune.eval_batch_size, c.execution.device)
 
-
-class SquadJob(FinetuneJob):
-    """SQuAD v1.1: the span head on question/context windows; EM and F1 on the eval file."""
-
-    task = "squad"
-    hf_architecture = SQUAD_ARCHITECTURE
-    default_max_seq_length = 384
-    metric_keys = ("loss", "start_accuracy", "end_accuracy")
-    final_metrics = ("exact_match", "f1")
-    flags = ("predict", "doc_stride", "max_query_length", "n_best_size", "max_answer_length")
-
-    def read(self, cfg: RunConfig) -> dict[str, np.ndarray]:
-        f = cfg.finetune
-        self.windows = WindowOptions(self.max_seq_length, f.doc_stride, f.max_query_length)
-        self.windows.validate()
-        text_tokenizer = load_tokenizer(self.pretrained.vocab, self.pretrained.lowercase)
-        self.vocab = text_tokenizer.roles
-        self.tokenizer = text_tokenizer.backend
-        questions, _ = read_squad(Path(f.train_file))
-        self.to_predict = read_squad(Path(f.eval_file)) if f.eval_file else None
-        features = squad_features(questions, self.tokenizer, self.vocab, self.windows,
-                                  training=True, source=str(f.train_file))
-        log.info("SQuAD: %d questions → %d training windows", len(questions),
-                 len(features.arrays["input_ids"]))
-        return features.arrays
-
-    def task_config(self, cfg: RunConfig) -> TaskConfig:
-        f = cfg.finetune
-        return TaskConfig(name="squad", hf_architecture=hf.task_architecture(
-                              self.pretrained.config.model.architecture, "squad"),
-                          lowercase=self.pretrained.lowercase, doc_stride=f.doc_stride,
-                          max_query_length=f.max_query_length)
-
     def score(self, trainer: Any) -> dict[str, float]:
-        """Predict `finetune.eval_file` (predictions.json) and score it if it has answers."""
-        if self.to_predict is None:
-            return {}
-        f, out = self.config.finetune, trainer.output_dir
-        questions, dataset = self.to_predict
-        features = squad_features(questions, self.tokenizer, self.vocab, self.windows)
-        logits = self.infer(trainer, features.arrays)
-        predictions, nbest = decode_answers(questions, features.windows,
-                                            logits["start_logits"], logits["end_logits"],
-                                            f.n_best_size, f.max_answer_length)
-        write_predictions(out / "predictions.json", predictions, nbest)
-        if not any(q.answers for q in questions):
-            return {}
-        metrics = squad_evaluate(dataset["data"], predictions)
-        atomic_write_text(out / "eval_results.json", json.dumps(metrics, indent=2))
-        log.info("SQuAD %s: exact match %.2f, F1 %.2f", f.eval_file, metrics["exact_match"],
-                 metrics["f1"])
-        return metrics
+        """The task's score of the trained weights (and what it writes beside them)."""
+        return self.data.score(lambda arrays: self.infer(trainer, arrays), trainer.output_dir)
 
 
-class ClassificationJob(FinetuneJob):
-    """A pooled-output classifier on a TSV/CSV/JSONL file; accuracy and F1 on the eval file
-    (the training file when none is given)."""
-
-    task = "classification"
-    hf_architecture = CLASSIFICATION_ARCHITECTURE
-    default_max_seq_length = 128
-    metric_keys = ("loss", "accuracy")
-    final_metrics = ("accuracy", "f1")
-    flags = ("eval", "text_column", "text_pair_column", "label_column", "labels")
-
-    def read(self, cfg: RunConfig) -> dict[str, np.ndarray]:
-        f = cfg.finetune
-        tokenizer = load_tokenizer(self.pretrained.vocab, self.pretrained.lowercase)
-        columns = (f.text_column, f.pair_column, f.label_column)
-        train = read_classification_file(Path(f.train_file), *columns, strict=cfg.data.strict)
-        self.labels = list(f.labels) if f.labels else label_list(train)
-        if len(self.labels) < 2 or len(set(self.labels)) != len(self.labels):
-            raise UsageError(f"finetune.labels: need at least two distinct labels, got "
-                             f"{self.labels}")
-        self.eval_data = (read_classification_file(Path(f.eval_file), *columns,
-                                                   strict=cfg.data.strict)
-                          if f.eval_file else train)
-        if (self.eval_data.pairs is None) != (train.pairs is None):
-            raise UsageError(f"{self.eval_data.path}: its text columns differ from "
-                             f"{train.path}'s (one or two texts)")
-        arrays = encode_classification(train, tokenizer, self.max_seq_length)
-        arrays["labels"] = label_ids(train, self.labels)
-        self.eval_arrays = encode_classification(self.eval_data, tokenizer, self.max_seq_length)
-        self.eval_labels = label_ids(self.eval_data, self.labels)
-        log.info("classification: %d examples, labels %s", len(train), self.labels)
-        return arrays
-
-    def task_config(self, cfg: RunConfig) -> TaskConfig:
-        return TaskConfig(name="classification", hf_architecture=hf.task_architecture(
-                              self.pretrained.config.model.architecture, "classification"),
-                          lowercase=self.pretrained.lowercase, num_labels=len(self.labels),
-                          labels=self.labels)
-
-    def score(self, trainer: Any) -> dict[str, float]:
-        """Classify the evaluation file: accuracy and F1 (eval_results.json), and each line's
-        prediction (eval_predictions.jsonl)."""
-        out, names = trainer.output_dir, self.labels
-        predicted = self.infer(trainer, self.eval_arrays)["logits"].argmax(axis=-1)
-        metrics = classification_metrics(predicted, self.eval_labels, len(names))
-        metrics["examples"] = len(self.eval_labels)
-        atomic_write_text(out / "eval_results.json", json.dumps(metrics, indent=2))
-        atomic_write_text(out / "eval_predictions.jsonl", "".join(
-            json.dumps({"line": line, "label": names[int(p)], "gold": names[int(g)]}) + "\n"
-            for line, p, g in zip(self.eval_data.lines, predicted, self.eval_labels)))
-        log.info("classification %s: accuracy %.4f, F1 %.4f", self.eval_data.path,
-                 metrics["accuracy"], metrics["f1"])
-        classes = np.unique(predicted)
-        if len(classes) == 1 and len(np.unique(self.eval_labels)) > 1:
-            # Accuracy alone hides it (it is the majority class's share): say so.
-            log.warning("classification %s: all %d predictions are %r while the file holds %d "
-                        "classes: the classifier collapsed to one class (try another --lr, "
-                        "more --epochs, or a better pre-trained checkpoint)",
-                        self.eval_data.path, len(predicted), names[int(classes[0])],
-                        len(np.unique(self.eval_labels)))
-        return metrics
-
-
-TASKS: dict[str, type[FinetuneJob]] = {"squad": SquadJob, "classification": ClassificationJob}
 
 
 def finetune_job(cfg: RunConfig, output_dir: Path) -> FinetuneJob:
@@ -669,7 +542,7 @@ def finetune_job(cfg: RunConfig, output_dir: Path) -> FinetuneJob:
     checkpoint = Path(f.checkpoint)
     if not checkpoint.is_dir():
         raise CheckpointError(f"finetune.checkpoint: not a directory: {checkpoint}")
-    return TASKS[f.task](cfg, output_dir)
+    return FinetuneJob(cfg, output_dir)
 
 
 def infer(model: BertConfig, task: str, weights: Mapping[str, torch.Tensor],
@@ -691,7 +564,7 @@ def infer(model: BertConfig, task: str, weights: Mapping[str, torch.Tensor],
     return {k: np.concatenate(v) for k, v in outputs.items()}
 
 
-__all__ = ["CLASSIFICATION_ARCHITECTURE", "COMMON_FLAGS", "FLAG_KEYS", "PATH_FLAGS",
-           "GROUPBERT_FINETUNE_DROPOUT", "SQUAD_ARCHITECTURE", "TASKS", "ClassificationJob",
-           "EpochBatches", "FinetuneJob", "Pretrained", "SquadJob", "finetune_config",
-           "finetune_job", "infer", "load_pretrained", "task_model_config"]
+__all__ = ["COMMON_FLAGS", "FLAG_KEYS", "GROUPBERT_FINETUNE_DROPOUT", "PATH_FLAGS",
+           "RUN_FLAG_KEYS", "SIZE_DEFAULTS", "EpochBatches", "FinetuneJob", "Pretrained",
+           "finetune_config", "finetune_defaults", "finetune_job", "infer", "load_pretrained",
+           "task_flags", "task_model_config"]

@@ -16,7 +16,7 @@ import hashlib
 import pytest
 from bert_helpers import small_config
 
-from popbert.builders import tasks  # noqa: F401  (registers squad, classification)
+import popbert.tasks  # noqa: F401 (registers the task heads)
 from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import ARCHITECTURES, TaskConfig
 from popbert.builders.families import FAMILIES, family_of

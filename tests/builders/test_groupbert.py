@@ -27,7 +27,7 @@ from test_popart_dialect import (
     run_lowered,
 )
 
-from popbert.builders import tasks  # noqa: F401  (registers the task heads)
+import popbert.tasks  # noqa: F401 (registers the task heads)
 from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import BertConfig
 from popbert.builders.groupbert_config import GroupBertOptions

@@ -30,7 +30,7 @@ from modernbert_helpers import (
     task_config,
 )
 
-from popbert.builders import tasks  # noqa: F401  (registers squad, classification)
+import popbert.tasks  # noqa: F401 (registers the task heads)
 from popbert.builders.bert import build_bert
 from popbert.builders.modernbert import is_global
 from popbert.data.packing import pack_instance_arrays

@@ -31,7 +31,8 @@ from bert_helpers import (  # noqa: F401 (one_thread: autouse fixture)
     small_config,
 )
 
-from popbert.builders import layers, tasks  # noqa: F401  (tasks registers squad, classification)
+import popbert.tasks  # noqa: F401 (registers the task heads)
+from popbert.builders import layers
 from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import BertConfig, TaskConfig
 from popbert.cli.main import main

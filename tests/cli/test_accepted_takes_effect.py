@@ -12,7 +12,7 @@ import onnx
 import pytest
 import torch
 
-import popbert.builders.tasks  # noqa: F401 (registers the task heads)
+import popbert.tasks  # noqa: F401 (registers the task heads)
 from popbert.builders.bert import build_bert
 from popbert.config import dump_config, load_config
 from popbert.graph.annotations import trainable_initializers

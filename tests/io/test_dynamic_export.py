@@ -17,7 +17,7 @@ import onnxruntime as ort
 import pytest
 from checkpoint_helpers import random_task_run, run_ort
 
-import popbert.builders.tasks  # noqa: F401
+import popbert.tasks  # noqa: F401 (registers the task heads)
 from popbert.builders.bert import BATCH, SEQUENCE, build_bert
 from popbert.cli import main as cli
 from popbert.config import TaskConfig, load_config

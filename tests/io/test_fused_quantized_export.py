@@ -20,7 +20,7 @@ import onnx
 import pytest
 from checkpoint_helpers import run_ort
 
-import popbert.builders.tasks  # noqa: F401
+import popbert.tasks  # noqa: F401 (registers the task heads)
 from popbert.builders.bert import BATCH, build_bert
 from popbert.builders.bert_config import BertConfig
 from popbert.errors import UsageError

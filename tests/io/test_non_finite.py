@@ -13,7 +13,7 @@ import onnx
 import pytest
 import torch
 
-import popbert.builders.tasks  # noqa: F401 (registers the task heads)
+import popbert.tasks  # noqa: F401 (registers the task heads)
 from popbert.builders.bert import build_bert
 from popbert.cli.main import main
 from popbert.config import dump_config, load_config

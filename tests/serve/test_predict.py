@@ -26,7 +26,7 @@ import pytest
 import torch
 from checkpoint_helpers import random_task_run
 
-import popbert.builders.tasks  # noqa: F401
+import popbert.tasks  # noqa: F401 (registers the task heads)
 from popbert.builders.bert import build_bert
 from popbert.cli import main as cli
 from popbert.config import TaskConfig, load_config

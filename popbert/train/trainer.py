@@ -64,7 +64,6 @@ from popbert.train.factories import (
     rows_change_length,
     warmup_micro_batches,
 )
-from popbert.train.finetune import finetune_job
 from popbert.train.jobs import Job
 from popbert.train.loop import (
     LoopResult,
@@ -80,7 +79,8 @@ from popbert.train.loop import (
     all_replicas,
     train_loop,
 )
-from popbert.train.pretrain import PretrainingJob, check_carried_over
+from popbert.train.pretrain import check_carried_over
+from popbert.train.runs import make_job
 
 log = logging.getLogger(__name__)
 
@@ -766,12 +766,5 @@ def _restore(session: Session, loader: Any, state: dict[str, Any]) -> None:
                               f"{one_line(error, 300)}") from None
 
 
-def make_job(cfg: RunConfig, output_dir: Path) -> Job:
-    """The job `cfg` describes: pre-training, or the fine-tuning task `finetune.task` names."""
-    if cfg.finetune.task is None:
-        return PretrainingJob(cfg)
-    return finetune_job(cfg, output_dir)
-
-
-__all__ = ["CheckpointManager", "RunResult", "Trainer", "last_record", "make_job",
+__all__ = ["CheckpointManager", "RunResult", "Trainer", "last_record",
            "micro_batches", "plot_if_logged"]

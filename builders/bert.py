@@ -51,6 +51,11 @@ class BertGraph:
         self.inputs[name] = self.builder.addInputTensor(TensorInfo(dtype, shape), name)
         return self.inputs[name]
 
+    def add_float_input(self, name: str, shape: list) -> str:
+        """A float32 input (a regression target)."""
+        self.inputs[name] = self.builder.addInputTensor(TensorInfo("FLOAT", shape), name)
+        return self.inputs[name]
+
     @property
     def loss(self) -> str | None:
         return self.outputs.get("loss")

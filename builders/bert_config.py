@@ -48,7 +48,8 @@ class TaskConfig:
     # squad: tokens between the starts of a context's windows; question tokens kept.
     doc_stride: int | None = setting(None, at_least(1).or_null())
     max_query_length: int | None = setting(None, at_least(1).or_null())
-    num_labels: int | None = setting(None, at_least(2).or_null())  # classification: classes
+    # classification: classes; 1: one score (regression, as transformers' num_labels=1)
+    num_labels: int | None = setting(None, at_least(1).or_null())
     labels: list[str] | None = None  # classification: class names, in label-id order
 
     def validate(self) -> None:
@@ -57,6 +58,10 @@ class TaskConfig:
         if self.name == "classification" and self.num_labels is None:
             raise Invalid("model.task.num_labels must be set for model.task.name "
                           "'classification'", "model.task.num_labels", "model.task.name")
+        if self.num_labels == 1 and self.labels is not None:
+            raise Invalid("model.task.labels names classes, but model.task.num_labels 1 is one "
+                          "score (regression): remove the labels", "model.task.labels",
+                          "model.task.num_labels")
         if self.labels is not None and len(self.labels) != (self.num_labels or len(self.labels)):
             raise Invalid(f"model.task.labels names {len(self.labels)} classes but "
                           f"model.task.num_labels is {self.num_labels}",

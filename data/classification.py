@@ -195,6 +195,55 @@ def label_ids(data: ClassificationData, labels: Sequence[str]) -> np.ndarray:
     return ids
 
 
+def label_scores(data: ClassificationData, column: str = LABEL_COLUMN) -> np.ndarray:
+    """The label column as numbers (a regression target, e.g. STS-B's 0-5 similarity), float32;
+    a value that is not a finite number is a DataError naming its line."""
+    if data.labels is None:
+        raise DataError(f"{data.path}: no labels")
+    scores = np.empty(len(data.labels), np.float32)
+    for row, (label, line) in enumerate(zip(data.labels, data.lines)):
+        try:
+            value = float(label)
+        except ValueError:
+            value = float("nan")
+        if not np.isfinite(value):
+            raise DataError(f"{data.path}:{line}: score {label!r} in column {column!r} is not a "
+                            "finite number (--regression trains on numbers)")
+        scores[row] = value
+    return scores
+
+
+def _ranks(values: np.ndarray) -> np.ndarray:
+    """1-based ranks, ties given their average rank (as Spearman's correlation wants)."""
+    order = np.argsort(values, kind="stable")
+    sorted_values = values[order]
+    ranks = np.empty(len(values), np.float64)
+    start = 0
+    for end in range(1, len(values) + 1):
+        if end == len(values) or sorted_values[end] != sorted_values[start]:
+            ranks[order[start:end]] = (start + end + 1) / 2
+            start = end
+    return ranks
+
+
+def _pearson(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a - a.mean(), b - b.mean()
+    denominator = np.sqrt((a * a).sum() * (b * b).sum())
+    return float((a * b).sum() / denominator) if denominator > 0 else 0.0
+
+
+def regression_metrics(predictions: np.ndarray, targets: np.ndarray) -> dict[str, float]:
+    """Pearson's and Spearman's correlations of predicted and gold scores (GLUE's STS-B
+    metrics; 0 where either side is constant) and the mean squared error."""
+    predictions = np.asarray(predictions, np.float64)
+    targets = np.asarray(targets, np.float64)
+    if len(targets) == 0:
+        raise DataError("no examples to evaluate")
+    return {"pearson": _pearson(predictions, targets),
+            "spearman": _pearson(_ranks(predictions), _ranks(targets)),
+            "mse": float(np.mean((predictions - targets) ** 2))}
+
+
 def _truncate_pair(a: list[int], b: list[int], max_tokens: int) -> None:
     """Google's run_classifier rule: drop the last token of the longer text until it fits."""
     while len(a) + len(b) > max_tokens:
@@ -260,5 +309,5 @@ def classification_metrics(predictions: np.ndarray, labels: np.ndarray, num_labe
 
 
 __all__ = ["ClassificationData", "classification_metrics", "encode_classification",
-           "encode_classification_counted", "label_ids", "label_list",
-           "read_classification_file"]
+           "encode_classification_counted", "label_ids", "label_list", "label_scores",
+           "read_classification_file", "regression_metrics"]

@@ -364,6 +364,9 @@ class FinetuneConfig:
     pair_column: str | None = None
     label_column: str = "label"
     labels: list[str] | None = None  # null: the training file's labels, sorted
+    # classification: one score per row (the label column's numbers), mean squared error,
+    # Pearson and Spearman (transformers' num_labels=1)
+    regression: bool = False
     eval_batch_size: int = setting(64, at_least(1))
     # hidden and attention dropout; null: the checkpoint's
     dropout: float | None = setting(None, within("[0, 1)").or_null())

@@ -334,7 +334,8 @@ def _owns_nbest(path: Path) -> bool:
 
 
 def _owns_labelled_rows(path: Path) -> bool:
-    """`popbert predict classify`'s JSON lines: a `label` and `probabilities` in each."""
+    """`popbert predict classify`'s JSON lines: a `label` and `probabilities` in each, or a
+    regression model's `line` and `score`."""
     if not path.is_file() or _text(path) is not None:
         return False
     first = next((line for line in _head(path).decode("utf-8", "ignore").splitlines()
@@ -343,7 +344,8 @@ def _owns_labelled_rows(path: Path) -> bool:
         row = json.loads(first)
     except json.JSONDecodeError:
         return False
-    return isinstance(row, dict) and {"label", "probabilities"} <= set(row)
+    return isinstance(row, dict) and ({"label", "probabilities"} <= set(row)
+                                       or {"line", "score"} <= set(row))
 
 
 def _owns_config(path: Path) -> bool:

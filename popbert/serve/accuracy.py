@@ -15,7 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from popbert.data.classification import classification_metrics, label_ids
+from popbert.data.classification import (
+    ClassificationData,
+    classification_metrics,
+    label_ids,
+    label_scores,
+    regression_metrics,
+)
 from popbert.data.squad import read_squad
 from popbert.data.squad_metric import evaluate as squad_evaluate
 from popbert.errors import PopbertError, UsageError
@@ -51,10 +57,29 @@ class AccuracyCost:
                 f"{100 * self.agreement:.2f}%{scores}; drop {self.drop:.2f} points")
 
 
+def _regression(ref: ClassifyPredictor, new: ClassifyPredictor, rows: ClassificationData,
+                data: Path) -> AccuracyCost:
+    """A regression export: agreement is the share of rows whose score is within 1% of the
+    reference scores' range of the reference's; the metric Pearson's correlation (points)."""
+    expected, got = ref.scores(rows), new.scores(rows)
+    spread = float(expected.max() - expected.min()) or 1.0
+    agreement = float(np.mean(np.abs(expected - got) <= 0.01 * spread))
+    if rows.labels is None:
+        return AccuracyCost("classification", str(data), len(expected), agreement, "changed",
+                            {}, {}, 100 * (1 - agreement))
+    gold = label_scores(rows)
+    scores = [{k: 100 * v for k, v in regression_metrics(p, gold).items()}
+              for p in (expected, got)]
+    return AccuracyCost("classification", str(data), len(expected), agreement, "pearson",
+                        scores[0], scores[1], scores[0]["pearson"] - scores[1]["pearson"])
+
+
 def _classification(reference: Path, candidate: Path, data: Path,
                     threads: int | None) -> AccuracyCost:
     rows = read_texts(data)
     ref, new = ClassifyPredictor(reference, threads), ClassifyPredictor(candidate, threads)
+    if ref.regression:
+        return _regression(ref, new, rows, data)
     expected = ref.probabilities(rows).argmax(axis=1)
     got = new.probabilities(rows).argmax(axis=1)
     agreement = float(np.mean(expected == got))

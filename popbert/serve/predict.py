@@ -26,7 +26,9 @@ from popbert.data.classification import (
     classification_metrics,
     encode_classification_counted,
     label_ids,
+    label_scores,
     read_classification_file,
+    regression_metrics,
 )
 from popbert.data.squad import (
     Candidate,
@@ -352,23 +354,44 @@ def read_texts(path: Path, text_column: str | None = None, pair_column: str | No
 
 
 class ClassifyPredictor(ExportedModel):
-    """An exported `classification` model: texts in, label names and probabilities out."""
+    """An exported `classification` model: texts in, label names and probabilities out; or, for
+    a regression model (one output, no labels: `finetune classify --regression`), a score."""
 
     def __init__(self, model: Path, threads: int | None = None) -> None:
         super().__init__(model, "classification", threads)
-        self.labels = [str(x) for x in json.loads(self.text("labels"))]
+        outputs = json.loads(self.meta.get(f"{METADATA_PREFIX}num_labels", "null"))
+        self.regression = outputs == 1
+        self.labels = None if self.regression else [str(x) for x in
+                                                    json.loads(self.text("labels"))]
         self.tokenizer = self.text_tokenizer
 
-    def probabilities(self, data: ClassificationData, batch_size: int = 16,
-                      stats: PredictStats | None = None, bucket: bool = True) -> np.ndarray:
-        """Softmax over the labels, [N, num_labels], for the rows of `data`; `stats`, if
-        given, also gets the rows and how many were truncated to the model's length."""
+    def logits(self, data: ClassificationData, batch_size: int = 16,
+               stats: PredictStats | None = None, bucket: bool = True) -> np.ndarray:
+        """The head's outputs, [N, num_labels], for the rows of `data`; `stats`, if given,
+        also gets the rows and how many were truncated to the model's length."""
         arrays, truncated = encode_classification_counted(data, self.tokenizer,
                                                           self.sequence_length)
         logits = self.run(arrays, batch_size, stats=stats, bucket=bucket)["logits"]
         if stats is not None:
             stats.examples += len(logits)
             stats.truncated = (stats.truncated or 0) + truncated
+        return logits
+
+    def scores(self, data: ClassificationData, batch_size: int = 16,
+               stats: PredictStats | None = None, bucket: bool = True) -> np.ndarray:
+        """A regression model's score, [N], for the rows of `data`."""
+        if not self.regression:
+            raise UsageError(f"--model: {self.path} is a classifier of {len(self.labels or [])} "
+                             "labels, not a regression model (one score)")
+        return self.logits(data, batch_size, stats, bucket)[:, 0]
+
+    def probabilities(self, data: ClassificationData, batch_size: int = 16,
+                      stats: PredictStats | None = None, bucket: bool = True) -> np.ndarray:
+        """Softmax over the labels, [N, num_labels], for the rows of `data`."""
+        if self.regression:
+            raise UsageError(f"--model: {self.path} is a regression model (one score), not a "
+                             "classifier: it has no label probabilities")
+        logits = self.logits(data, batch_size, stats, bucket)
         shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
         return shifted / shifted.sum(axis=1, keepdims=True)
 
@@ -410,6 +433,9 @@ def predict_classify(model: Path, data: Path, output: Path, batch_size: int = 16
     stats = stats if stats is not None else PredictStats()
     started = time.perf_counter()
     rows = read_texts(data, text_column, pair_column, label_column)
+    if predictor.regression:
+        return _predict_scores(predictor, rows, output, batch_size, stats, started,
+                               label_column or "label")
     gold = rows.labels
     # Gold labels the model does not have are refused before any work (nothing is written).
     gold_ids = None if gold is None else label_ids(rows, predictor.labels)
@@ -431,6 +457,33 @@ def predict_classify(model: Path, data: Path, output: Path, batch_size: int = 16
         return None
     metrics = classification_metrics(probabilities.argmax(axis=1), gold_ids,
                                      len(predictor.labels))
+    metrics["examples"] = len(records)
+    metrics.update(stats.summary())
+    return metrics
+
+
+def _predict_scores(predictor: ClassifyPredictor, rows: ClassificationData, output: Path,
+                    batch_size: int, stats: PredictStats, started: float,
+                    label_column: str) -> dict[str, float] | None:
+    """`predict classify` with a regression model: each row's score (`line`, `score`, `gold`
+    where the file has scores); Pearson, Spearman and the MSE when it has."""
+    # Gold scores that are not numbers are refused before any work (nothing is written).
+    gold = None if rows.labels is None else label_scores(rows, label_column)
+    scores = predictor.scores(rows, batch_size, stats)
+    stats.seconds += time.perf_counter() - started
+    records = []
+    for index, line in enumerate(rows.lines):
+        record: dict[str, object] = {"line": line, "score": float(scores[index])}
+        if gold is not None:
+            record["gold"] = float(gold[index])
+        records.append(json.dumps(record) + "\n")
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(output, "".join(records))
+    log.info("scored %d rows of %s with %s: %s", len(records), rows.path, predictor.path, output)
+    log.info("predict: %s", stats.describe())
+    if gold is None:
+        return None
+    metrics: dict[str, float] = dict(regression_metrics(scores, gold))
     metrics["examples"] = len(records)
     metrics.update(stats.summary())
     return metrics

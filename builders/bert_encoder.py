@@ -147,5 +147,18 @@ def packed_pooler(b: Builder, config: BertConfig, init: layers.WeightInit, hidde
 
 
 
-BERT = register_family(Family(name="bert", title="BERT", hf_model_type="bert", segments=True,
-                              embed=embed, layer=layer, pool=pool))
+BERT = register_family(Family(
+    name="bert", title="BERT", hf_model_type="bert", segments=True,
+    embed=embed, layer=layer, pool=pool,
+    hf_base="BertModel", hf_pretraining=("BertForPreTraining", "BertForMaskedLM"),
+    hf_config_fields=(("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
+                      ("num_hidden_layers", "num_layers"),
+                      ("num_attention_heads", "num_heads"),
+                      ("intermediate_size", "intermediate_size"),
+                      ("max_position_embeddings", "max_position_embeddings"),
+                      ("type_vocab_size", "type_vocab_size"),
+                      ("hidden_dropout_prob", "hidden_dropout"),
+                      ("attention_probs_dropout_prob", "attention_dropout"),
+                      ("layer_norm_eps", "layer_norm_eps"),
+                      ("initializer_range", "initializer_range")),
+    hf_tokenizers=("vocab.txt", "tokenizer.json")))

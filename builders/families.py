@@ -3,12 +3,14 @@
 A family owns what differs between encoders: the graph inputs it reads besides `input_ids`, its
 embeddings and the per-layer context they hand on (attention masks, rotary tables), one encoder
 layer, the norm after the last layer, how a pooled output for sentence-level heads is made, the
-bias switches of the shared heads and its Hugging Face `model_type`. Its config options and
-their checks sit with the config (`bert_config.FAMILY_CHECKS`), which builds nothing.
+bias switches of the shared heads and its Hugging Face facts (`model_type`, classes,
+`config.json` fields, tokenizer files: plain names, so the builder imports nothing of
+`popbert.io`). Its config options and their checks sit with the config
+(`bert_config.FAMILY_CHECKS`), which builds nothing.
 Everything else — placement and pipeline stages, recomputation checkpoints, the task heads and
 their losses — is shared and lives in `popbert.builders.bert.build_bert`. Adding a family is one
-module and one entry here (its Hugging Face mapping lives beside the others in
-`popbert.io.hf_mapping`).
+module and one entry here (the code of its Hugging Face mapping, weight rules and config
+checks, is one entry of `popbert.io.hf_mapping.HF_FAMILIES`).
 """
 
 from __future__ import annotations
@@ -79,6 +81,15 @@ class Family:
     # Dropout fine-tuning uses when the user names none (None: the checkpoint's own); a family
     # that pre-trains without dropout may still fine-tune with it.
     finetune_dropout: float | None = None
+    # Its Hugging Face checkpoints, as plain names (`popbert.io.hf_mapping` holds the code that
+    # reads and writes them): the bare encoder's `transformers` class; its pre-training classes,
+    # most specific heads first (each task's class is the task's, `popbert.tasks.Task`); the
+    # `config.json` keys it reads and writes, each with the `model` field it holds (dotted into
+    # the family's options); its tokenizer files, the one its checkpoints ship first.
+    hf_base: str | None = None
+    hf_pretraining: tuple[str, ...] = ()
+    hf_config_fields: tuple[tuple[str, str], ...] = ()
+    hf_tokenizers: tuple[str, ...] = ()
 
 
 FAMILIES: dict[str, Family] = {}

@@ -276,4 +276,18 @@ MODERNBERT = register_family(Family(
     head_bias=lambda config: HeadBias(dense=config.modernbert.classifier_bias,
                                       norm=config.modernbert.norm_bias,
                                       decoder=config.modernbert.decoder_bias),
-    span_features=span_features))
+    span_features=span_features,
+    hf_base="ModernBertModel", hf_pretraining=("ModernBertForMaskedLM",),
+    hf_config_fields=(("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
+                      ("num_hidden_layers", "num_layers"),
+                      ("num_attention_heads", "num_heads"),
+                      ("intermediate_size", "intermediate_size"),
+                      ("max_position_embeddings", "max_position_embeddings"),
+                      ("norm_eps", "layer_norm_eps"),
+                      ("initializer_range", "initializer_range"),
+                      ("attention_dropout", "attention_dropout"),
+                      *((key, f"modernbert.{key}") for key in (
+                          "local_attention", "attention_bias", "mlp_bias", "norm_bias",
+                          "classifier_bias", "decoder_bias", "classifier_pooling",
+                          "initializer_cutoff_factor"))),
+    hf_tokenizers=("tokenizer.json", "vocab.txt")))

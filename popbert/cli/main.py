@@ -538,11 +538,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", type=paths.CHECKPOINT, required=True, metavar="DIR")
     p.add_argument("--output-dir", "-o", type=paths.HF_EXPORT_OUTPUT, required=True,
                    metavar="DIR")
-    p.add_argument("--architecture", default=None,
-                   choices=("BertModel", "BertForPreTraining", "BertForMaskedLM",
-                            "BertForQuestionAnswering", "BertForSequenceClassification"),
-                   help="default: the imported or fine-tuned model's class, else "
-                        "BertForPreTraining")
+    # Checked against the checkpoint's family (popbert.io.hf_mapping.architectures_of) once
+    # the checkpoint is read: a class of another family is one line naming its family's.
+    p.add_argument("--architecture", default=None, metavar="CLASS",
+                   help="the transformers class to write, one of the checkpoint's family "
+                        "(BertModel, BertForPreTraining, BertForMaskedLM, "
+                        "BertForQuestionAnswering, BertForSequenceClassification; "
+                        "ModernBertModel, ModernBertForMaskedLM, "
+                        "ModernBertForQuestionAnswering, ModernBertForSequenceClassification); "
+                        "default: the imported or fine-tuned model's class, else the one that "
+                        "holds exactly the checkpoint's heads")
     p.set_defaults(handler=_cmd_export_hf)
 
     p = sub.add_parser("config", parents=[common],

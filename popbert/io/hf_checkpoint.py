@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 
 from popbert.atomic import atomic_directory
-from popbert.builders.bert_config import BertConfig, TaskConfig
+from popbert.builders.bert_config import TaskConfig
 from popbert.builders.families import FAMILIES
 from popbert.errors import CheckpointError, UsageError, one_line
 from popbert.io import hf_mapping as hf
-from popbert.io.hf_modernbert import hf_config_from_modernbert, modernbert_config_from_hf
+from popbert.io.hf_mapping import bert_config_from_hf, config_from_hf, hf_config_from_bert
 from popbert.io.run_dir import step_dir
 from popbert.textfile import read_json
 
@@ -42,24 +42,7 @@ PYTORCH_BIN = "pytorch_model.bin"
 IMPORT_REPORT = "import.json"
 VOCAB = "vocab.txt"
 TOKENIZER_JSON = "tokenizer.json"
-# The `model_type`s import reads and export writes: the families transformers has.
-MODEL_TYPES = tuple(f.hf_model_type for f in FAMILIES.values() if f.hf_model_type)
-# Hidden activations whose math is ONNX `Gelu` (exact, erf-based).
-EXACT_GELU = ("gelu",)
-# config.json key → BertConfig field.
-CONFIG_FIELDS = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "hidden_size",
-    "num_hidden_layers": "num_layers",
-    "num_attention_heads": "num_heads",
-    "intermediate_size": "intermediate_size",
-    "max_position_embeddings": "max_position_embeddings",
-    "type_vocab_size": "type_vocab_size",
-    "hidden_dropout_prob": "hidden_dropout",
-    "attention_probs_dropout_prob": "attention_dropout",
-    "layer_norm_eps": "layer_norm_eps",
-    "initializer_range": "initializer_range",
-}
+MODEL_TYPES = hf.MODEL_TYPES
 
 
 @dataclass
@@ -83,61 +66,6 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise UsageError(f"{path}: expected a JSON object")
     return value
-
-
-def bert_config_from_hf(hf_config: dict[str, Any], source: str,
-                        sequence_length: int | None = None) -> BertConfig:
-    """popbert's `model` section from a Hugging Face BERT `config.json` (checked field by field).
-
-    `sequence_length` defaults to min(128, max_position_embeddings): fine-tuning and export set
-    their own, and phase-1 pre-training uses 128.
-    """
-    model_type = hf_config.get("model_type", "bert")
-    if model_type != "bert":
-        raise UsageError(f"{source}: model_type is {model_type!r}; expected one of "
-                         f"{', '.join(MODEL_TYPES)}")
-    act = hf_config.get("hidden_act", "gelu")
-    if act not in EXACT_GELU:
-        raise UsageError(f"{source}: hidden_act is {act!r}; popbert's graph uses the exact "
-                         "(erf) GELU, Hugging Face's 'gelu'")
-    position_type = hf_config.get("position_embedding_type", "absolute")
-    if position_type != "absolute":
-        raise UsageError(f"{source}: position_embedding_type is {position_type!r}; only "
-                         "'absolute' position embeddings are supported")
-    if hf_config.get("is_decoder") or hf_config.get("add_cross_attention"):
-        raise UsageError(f"{source}: is_decoder/add_cross_attention is set; popbert builds "
-                         "the bidirectional BERT encoder only")
-    values: dict[str, Any] = {}
-    defaults = BertConfig()
-    for theirs, ours in CONFIG_FIELDS.items():
-        value = hf_config.get(theirs, getattr(defaults, ours))
-        expected = type(getattr(defaults, ours))
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, expected) or isinstance(value, bool):
-            raise UsageError(f"{source}: {theirs}: expected {expected.__name__}, got {value!r}")
-        values[ours] = value
-    max_positions = values["max_position_embeddings"]
-    values["sequence_length"] = sequence_length or min(128, max_positions)
-    values["max_predictions_per_seq"] = min(20, values["sequence_length"])
-    config = BertConfig(**values)
-    try:
-        config.validate()
-    except ValueError as error:
-        raise UsageError(f"{source}: {error}") from None
-    return config
-
-
-def hf_config_from_bert(config: BertConfig, architecture: str, pad_token_id: int = 0
-                        ) -> dict[str, Any]:
-    """The `config.json` `transformers.BertConfig.from_pretrained` reads back into `config`
-    (`export_hf` adds a classifier's label names)."""
-    out: dict[str, Any] = {"architectures": [architecture], "model_type": "bert",
-                           "hidden_act": "gelu", "position_embedding_type": "absolute",
-                           "pad_token_id": pad_token_id, "torch_dtype": "float32"}
-    for theirs, ours in CONFIG_FIELDS.items():
-        out[theirs] = getattr(config, ours)
-    return out
 
 
 def _to_numpy(tensors: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -209,36 +137,13 @@ def read_lowercase(model_dir: Path) -> bool:
 
 
 def _tokenizer_file(model_dir: Path, family: str) -> Path:
-    """The directory's tokenizer: `tokenizer.json` for ModernBERT (what it ships), `vocab.txt`
-    for BERT, the other where the preferred one is absent."""
-    order = (TOKENIZER_JSON, VOCAB) if family == "modernbert" else (VOCAB, TOKENIZER_JSON)
-    for name in order:
+    """The directory's tokenizer: the one the family's checkpoints ship (`tokenizer.json` for
+    ModernBERT, `vocab.txt` for BERT), the other where that one is absent."""
+    for name in FAMILIES[family].hf_tokenizers:
         if (model_dir / name).is_file():
             return model_dir / name
     raise UsageError(f"{model_dir}: no {VOCAB} or {TOKENIZER_JSON} (popbert tokenizes with the "
                      "checkpoint's own tokenizer)")
-
-
-def config_from_hf(hf_config: dict[str, Any], source: str,
-                   sequence_length: int | None = None) -> BertConfig:
-    """popbert's `model` section from any `config.json` import reads (by its `model_type`)."""
-    if hf_config.get("model_type") == "modernbert":
-        return modernbert_config_from_hf(hf_config, source, sequence_length)
-    return bert_config_from_hf(hf_config, source, sequence_length)
-
-
-def _architecture_of(hf_config: dict[str, Any], state: dict[str, np.ndarray],
-                     config: BertConfig) -> str:
-    """The `transformers` class a ModernBERT directory holds: `architectures` in config.json
-    when it names one, else what its keys say."""
-    named = (hf_config.get("architectures") or [None])[0]
-    if named in hf.architectures_of(config.architecture):
-        return named
-    if not any(k.startswith("model.") for k in state):
-        return "ModernBertModel"
-    if any(k.startswith("classifier.") for k in state):
-        return "ModernBertForSequenceClassification"
-    return "ModernBertForMaskedLM"
 
 
 def _prepare_output(path: Path, marker: str, flag: str) -> None:
@@ -283,26 +188,15 @@ def import_hf(model_dir: Path, output_dir: Path, sequence_length: int | None = N
         raise UsageError(f"{vocab}: {vocab_entries} entries but config.json vocab_size is "
                          f"{bert.vocab_size}")
     state, weights_file = load_hf_state(model_dir)
-    if bert.architecture == "modernbert":
-        architecture = _architecture_of(hf_config, state, bert)
-        weights, missing = hf.from_hf_architecture(state, bert, architecture)
-        rules = hf.ARCHITECTURES[architecture].rules(bert)
-        optional: set[str] = set()
-        ignored = sorted(set(state) - {n for r in rules for n in r.theirs}
-                         - {alias for alias, _ in hf.ARCHITECTURES[architecture].tied})
-    else:
-        weights, missing = hf.from_hf(state, bert)
-        rules = hf.pretraining_rules(bert) + hf.task_head_rules()
-        # Heads, and the pooler (BertForQuestionAnswering has none), may be initialised fresh.
-        optional = {r.ours for r in hf.head_rules()} | {"NSP/Pool/W", "NSP/Pool/B"}
-        ignored = hf.unused_hf_keys(state, bert)
-        architecture = hf.architecture_for(weights)
+    read = hf.HF_FAMILIES[bert.architecture].read(state, bert, hf_config)
+    weights, missing, rules = read.weights, read.missing, read.rules
+    architecture, ignored = read.architecture, read.ignored
     # A missing encoder tensor means the file is not this config's model.
-    absent = [n for n in missing if n not in optional]
+    absent = [n for n in missing if n not in read.optional]
     if absent:
         raise UsageError(f"{weights_file}: no tensor {_hf_names(absent[0], rules)} "
                          f"({len(absent)} tensors missing); is this a "
-                         f"{hf_config.get('model_type', 'bert')} checkpoint matching its "
+                         f"{FAMILIES[bert.architecture].hf_model_type} checkpoint matching its "
                          "config.json?")
 
     # A tokenizer.json carries its own normaliser; only a vocab.txt needs the lowercase flag.
@@ -422,8 +316,8 @@ def export_hf(checkpoint: Path, output_dir: Path, architecture: str | None = Non
         architecture = (recorded if recorded in choices
                         else hf.architecture_for(weights, cfg.model))
     if architecture not in choices:
-        raise UsageError(f"--architecture: expected one of {', '.join(choices)} for this "
-                         f"{family} checkpoint, got {architecture!r}")
+        raise UsageError(f"--architecture: a {FAMILIES[family].title} checkpoint is written as "
+                         f"one of {', '.join(choices)}; got {architecture!r}")
     try:
         state = hf.to_hf_architecture(weights, cfg.model, architecture)
     except KeyError as error:
@@ -434,10 +328,7 @@ def export_hf(checkpoint: Path, output_dir: Path, architecture: str | None = Non
     _prepare_output(output_dir, "config.json", "--output-dir")
     roles = (load_tokenizer(vocab).roles if vocab is not None
              else {token: index for index, token in enumerate(SPECIAL_TOKENS)})
-    if family == "modernbert":
-        hf_config = hf_config_from_modernbert(cfg.model, architecture, roles)
-    else:
-        hf_config = hf_config_from_bert(cfg.model, architecture, roles["[PAD]"])
+    hf_config = hf.HF_FAMILIES[family].config_to_hf(cfg.model, architecture, roles)
     if architecture.endswith("SequenceClassification"):
         labels = cfg.model.task.labels
         names = [str(x) for x in labels] if labels else [

@@ -1,24 +1,34 @@
-"""Exact weight mapping between popbert's ONNX names and Hugging Face BERT models.
+"""Exact weight mapping between popbert's ONNX names and Hugging Face models, and each family's
+Hugging Face code.
 
 popbert stores dense weights as [in, out] (x @ W, Google's layout) and fuses Q, K and V into one
 [H, 3H] matrix; Hugging Face stores `nn.Linear` weights as [out, in] with separate Q/K/V. The
 map is a list of rules, each knowing how to move one popbert tensor to its HF tensors and back,
 so both directions are the same table and round trips are bit-exact.
 
-`BertForPreTraining` (the `to_hf`/`from_hf` pair) is the default; `ARCHITECTURES` describes the
-other Hugging Face classes a checkpoint can be written as (`BertModel`, `BertForQuestionAnswering`,
-`BertForSequenceClassification`), each with exactly the keys `transformers` expects.
-`popbert.io.hf_checkpoint` reads and writes whole Hugging Face model directories with these tables.
+`ARCHITECTURES` describes every `transformers` class a checkpoint can be written as (BERT's
+`BertForPreTraining` — the `to_hf`/`from_hf` pair — `BertModel`, `BertForMaskedLM`, ...;
+ModernBERT's `ModernBertModel`, `ModernBertForMaskedLM`, ...), each with exactly the keys
+`transformers` expects. A family's plain facts are its own (`popbert.builders.families.Family`:
+`hf_model_type`, `hf_base`, `hf_pretraining`, `hf_config_fields`, `hf_tokenizers`), each task's
+class is the task's (`popbert.tasks.Task.hf_architectures`), and the family's code — encoder
+rules, config.json checks, how import reads a directory — is its entry in `HF_FAMILIES`: nothing
+here branches on a family's name. `popbert.io.hf_checkpoint` reads and writes whole Hugging Face
+model directories with these tables.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from popbert.builders.bert_config import BertConfig
+from popbert.builders.families import FAMILIES, Family
+from popbert.errors import UsageError
+from popbert.io import hf_modernbert
 
 Array = np.ndarray
 
@@ -139,11 +149,10 @@ class Architecture:
     heads: Callable[[BertConfig], list[Rule]]
     tied: tuple[tuple[str, str], ...] = ()
     family: str = "bert"
-    # The family's encoder rules: (config, key prefix, pooler) → rules.
-    encoder: Callable[[BertConfig, str, bool], list[Rule]] = encoder_rules
 
     def rules(self, config: BertConfig) -> list[Rule]:
-        return self.encoder(config, self.prefix, self.pooler) + self.heads(config)
+        encoder = HF_FAMILIES[self.family].encoder
+        return encoder(config, self.prefix, self.pooler) + self.heads(config)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,26 +236,17 @@ ARCHITECTURES: dict[str, Architecture] = {
     "BertForSequenceClassification": Architecture("BertForSequenceClassification", "bert.",
                                                   True, lambda config: classification_rules()),
     "ModernBertModel": Architecture("ModernBertModel", "", False, lambda config: [],
-                                    family="modernbert", encoder=modernbert_encoder_rules),
+                                    family="modernbert"),
     "ModernBertForMaskedLM": Architecture("ModernBertForMaskedLM", "model.", False,
                                           modernbert_mlm_rules, tied=MODERNBERT_TIED,
-                                          family="modernbert", encoder=modernbert_encoder_rules),
+                                          family="modernbert"),
     "ModernBertForSequenceClassification": Architecture(
         "ModernBertForSequenceClassification", "model.", False,
-        modernbert_classification_rules, family="modernbert", encoder=modernbert_encoder_rules),
+        modernbert_classification_rules, family="modernbert"),
     "ModernBertForQuestionAnswering": Architecture(
         "ModernBertForQuestionAnswering", "model.", False, modernbert_squad_rules,
-        family="modernbert", encoder=modernbert_encoder_rules),
+        family="modernbert"),
 }
-# The class each family's task heads are written as (`architecture_for`), most specific first.
-_BY_HEADS = {
-    "bert": ("BertForQuestionAnswering", "BertForSequenceClassification", "BertForPreTraining",
-             "BertForMaskedLM"),
-    "modernbert": ("ModernBertForQuestionAnswering", "ModernBertForSequenceClassification",
-                   "ModernBertForMaskedLM"),
-}
-_BASE = {"bert": "BertModel", "modernbert": "ModernBertModel"}
-
 
 def task_architecture(family: str, task: str) -> str | None:
     """The `transformers` class of a `family` model fine-tuned for `task`, if there is one
@@ -261,15 +261,24 @@ def architectures_of(family: str) -> list[str]:
     return [name for name, spec in ARCHITECTURES.items() if spec.family == family]
 
 
+def architectures_by_heads(family: str) -> list[str]:
+    """The `transformers` classes of `family` that hold heads, most specific first: each
+    task's (`popbert.tasks.TASKS`, in order), then the family's pre-training ones."""
+    from popbert.tasks import TASKS
+
+    tasks = [task.hf_architecture(family) for task in TASKS.values()]
+    return [name for name in tasks if name] + list(FAMILIES[family].hf_pretraining)
+
+
 def architecture_for(weights: Mapping[str, object], config: BertConfig | None = None) -> str:
     """The `transformers` class that holds exactly the heads present in `weights`, of the
-    family `config.architecture` (BERT's without a config)."""
-    family = "bert" if config is None else config.architecture
-    for name in _BY_HEADS[family]:
-        heads = ARCHITECTURES[name].heads(config or BertConfig())
+    family `config.architecture` (the default family's without a config)."""
+    config = config or BertConfig()
+    for name in architectures_by_heads(config.architecture):
+        heads = ARCHITECTURES[name].heads(config)
         if all(rule.ours in weights for rule in heads):
             return name
-    return _BASE[family]
+    return str(FAMILIES[config.architecture].hf_base)
 
 
 def to_hf_architecture(weights: Mapping[str, Array], config: BertConfig, architecture: str,
@@ -381,3 +390,158 @@ def unused_hf_keys(state: Mapping[str, Array], config: BertConfig) -> list[str]:
             for name in rule.theirs}
     read |= set(TIED_HF_KEYS)
     return sorted(k for k in state if k not in read and not k.endswith("position_ids"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Each family's Hugging Face code, found by family name (its plain facts are the family's own,
+# `Family.hf_*`): config.json ↔ `model` section, and the weight rules import reads a directory
+# with. Adding a family with a `transformers` class is one entry here.
+
+# The `model_type`s import reads and export writes: the families transformers has.
+MODEL_TYPES = tuple(f.hf_model_type for f in FAMILIES.values() if f.hf_model_type)
+# Hidden activations whose math is ONNX `Gelu` (exact, erf-based).
+EXACT_GELU = ("gelu",)
+# The family whose config.json and weights this module's BERT code reads and writes.
+_BERT = "bert"
+
+
+def hf_family(hf_config: dict[str, Any], source: str) -> Family:
+    """The family whose `model_type` a `config.json` names (the default family's where it
+    names none, as BERT's oldest files do)."""
+    model_type = hf_config.get("model_type",
+                               FAMILIES[BertConfig().architecture].hf_model_type)
+    for family in FAMILIES.values():
+        if family.hf_model_type is not None and family.hf_model_type == model_type:
+            return family
+    raise UsageError(f"{source}: model_type is {model_type!r}; expected one of "
+                     f"{', '.join(MODEL_TYPES)}")
+
+
+def bert_config_from_hf(hf_config: dict[str, Any], source: str,
+                        sequence_length: int | None = None) -> BertConfig:
+    """popbert's `model` section from a Hugging Face BERT `config.json` (checked field by field).
+
+    `sequence_length` defaults to min(128, max_position_embeddings): fine-tuning and export set
+    their own, and phase-1 pre-training uses 128.
+    """
+    family = hf_family(hf_config, source)
+    if family is not FAMILIES[_BERT]:  # this reader's own family
+        raise UsageError(f"{source}: model_type is {family.hf_model_type!r}; expected one of "
+                         f"{', '.join(MODEL_TYPES)}")
+    act = hf_config.get("hidden_act", "gelu")
+    if act not in EXACT_GELU:
+        raise UsageError(f"{source}: hidden_act is {act!r}; popbert's graph uses the exact "
+                         "(erf) GELU, Hugging Face's 'gelu'")
+    position_type = hf_config.get("position_embedding_type", "absolute")
+    if position_type != "absolute":
+        raise UsageError(f"{source}: position_embedding_type is {position_type!r}; only "
+                         "'absolute' position embeddings are supported")
+    if hf_config.get("is_decoder") or hf_config.get("add_cross_attention"):
+        raise UsageError(f"{source}: is_decoder/add_cross_attention is set; popbert builds "
+                         "the bidirectional BERT encoder only")
+    values = hf_modernbert.read_fields(hf_config, family.hf_config_fields, source)
+    values["sequence_length"] = sequence_length or min(128, values["max_position_embeddings"])
+    values["max_predictions_per_seq"] = min(20, values["sequence_length"])
+    config = hf_modernbert.model_config(values, architecture=family.name)
+    try:
+        config.validate()
+    except ValueError as error:
+        raise UsageError(f"{source}: {error}") from None
+    return config
+
+
+def hf_config_from_bert(config: BertConfig, architecture: str, pad_token_id: int = 0
+                        ) -> dict[str, Any]:
+    """The `config.json` `transformers.BertConfig.from_pretrained` reads back into `config`
+    (`export_hf` adds a classifier's label names)."""
+    family = FAMILIES[config.architecture]
+    out: dict[str, Any] = {"architectures": [architecture], "model_type": family.hf_model_type,
+                           "hidden_act": "gelu", "position_embedding_type": "absolute",
+                           "pad_token_id": pad_token_id, "torch_dtype": "float32"}
+    out.update(hf_modernbert.write_fields(config, family.hf_config_fields))
+    return out
+
+
+@dataclass
+class Read:
+    """What import read from a Hugging Face state dict: the class it holds, popbert's weights,
+    the popbert weights it lacks (and which of them may be initialised fresh), the rules it
+    was read with and the HF keys none read."""
+
+    architecture: str
+    weights: dict[str, Array]
+    missing: list[str]
+    rules: list[Rule]
+    optional: set[str] = field(default_factory=set)
+    ignored: list[str] = field(default_factory=list)
+
+
+def _read_bert(state: Mapping[str, Array], config: BertConfig,
+               hf_config: dict[str, Any]) -> Read:
+    """Any BERT class's keys, with or without the `bert.` prefix, every head read that is
+    there; heads, and the pooler (BertForQuestionAnswering has none), may be fresh."""
+    weights, missing = from_hf(state, config)
+    return Read(architecture_for(weights, config), weights, missing,
+                pretraining_rules(config) + task_head_rules(),
+                optional={r.ours for r in head_rules()} | {"NSP/Pool/W", "NSP/Pool/B"},
+                ignored=unused_hf_keys(state, config))
+
+
+def _modernbert_class(hf_config: dict[str, Any], state: Mapping[str, Array],
+                      config: BertConfig) -> str:
+    """The ModernBERT class a directory holds: `architectures` in config.json when it names
+    one, else what its keys say."""
+    family = FAMILIES[config.architecture]
+    named = (hf_config.get("architectures") or [None])[0]
+    if named in architectures_of(family.name):
+        return named
+    pretraining = family.hf_pretraining[0]
+    if not any(k.startswith(ARCHITECTURES[pretraining].prefix) for k in state):
+        return str(family.hf_base)
+    if any(k.startswith("classifier.") for k in state):
+        return str(task_architecture(family.name, "classification"))
+    return pretraining
+
+
+def _read_modernbert(state: Mapping[str, Array], config: BertConfig,
+                     hf_config: dict[str, Any]) -> Read:
+    """Exactly the keys of the one class the directory holds (no weight may be fresh)."""
+    architecture = _modernbert_class(hf_config, state, config)
+    weights, missing = from_hf_architecture(state, config, architecture)
+    spec = ARCHITECTURES[architecture]
+    rules = spec.rules(config)
+    ignored = sorted(set(state) - {n for r in rules for n in r.theirs}
+                     - {alias for alias, _ in spec.tied})
+    return Read(architecture, weights, missing, rules, ignored=ignored)
+
+
+@dataclass(frozen=True)
+class HFFamily:
+    """The code that reads and writes one family's Hugging Face checkpoints."""
+
+    # Its encoder's rules: (config, key prefix, pooler) → rules (`Architecture.rules`).
+    encoder: Callable[[BertConfig, str, bool], list[Rule]]
+    # config.json → `model` section: (config.json, its path, sequence length or None).
+    config_from_hf: Callable[[dict[str, Any], str, int | None], BertConfig]
+    # `model` section → config.json: (config, class name, the tokenizer's special ids).
+    config_to_hf: Callable[[BertConfig, str, dict[str, int]], dict[str, Any]]
+    # A directory's state dict → what import takes from it: (state, config, config.json).
+    read: Callable[[Mapping[str, Array], BertConfig, dict[str, Any]], Read]
+
+
+HF_FAMILIES: dict[str, HFFamily] = {
+    _BERT: HFFamily(encoder_rules, bert_config_from_hf,
+                    lambda config, architecture, ids: hf_config_from_bert(config, architecture,
+                                                                          ids["[PAD]"]),
+                    _read_bert),
+    hf_modernbert.FAMILY: HFFamily(modernbert_encoder_rules,
+                                   hf_modernbert.modernbert_config_from_hf,
+                                   hf_modernbert.hf_config_from_modernbert, _read_modernbert),
+}
+
+
+def config_from_hf(hf_config: dict[str, Any], source: str,
+                   sequence_length: int | None = None) -> BertConfig:
+    """popbert's `model` section from any `config.json` import reads (by its `model_type`)."""
+    family = hf_family(hf_config, source)
+    return HF_FAMILIES[family.name].config_from_hf(hf_config, source, sequence_length)

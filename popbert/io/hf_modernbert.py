@@ -1,42 +1,36 @@
-"""A `transformers` ModernBERT `config.json` ↔ popbert's `model` section, field by field.
+"""A `transformers` `config.json` ↔ popbert's `model` section, field by field.
 
-Both spellings `transformers` has used are read: `layer_types` + `rope_parameters` (5.x) and
-`global_attn_every_n_layers` + `global_rope_theta` / `local_rope_theta` (the Hub's original
-ModernBERT files); both are written, so older and newer `transformers` load an export. Options
-popbert does not build (another activation, a rope scaling type, untied decoder weights, a layer
-pattern that is not "every n-th global") are refused in one line naming the field.
+Every family's fields go through one reader and one writer (`read_fields`, `write_fields`), of
+the family's own table, `Family.hf_config_fields`; this module also holds ModernBERT's checks
+(BERT's are in `popbert.io.hf_mapping`, which puts each family's into `HF_FAMILIES`).
+
+For ModernBERT, both spellings `transformers` has used are read: `layer_types` +
+`rope_parameters` (5.x) and `global_attn_every_n_layers` + `global_rope_theta` /
+`local_rope_theta` (the Hub's original ModernBERT files); both are written, so older and newer
+`transformers` load an export. Options popbert does not build (another activation, a rope
+scaling type, untied decoder weights, a layer pattern that is not "every n-th global") are
+refused in one line naming the field.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from popbert.builders.bert_config import BertConfig
-from popbert.builders.modernbert_config import POOLINGS, ModernBertOptions
+from popbert.builders.families import FAMILIES
+from popbert.builders.modernbert_config import POOLINGS
 from popbert.errors import UsageError
 
-# config.json key → BertConfig field (shared shape keys).
-SHAPE_FIELDS = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "hidden_size",
-    "num_hidden_layers": "num_layers",
-    "num_attention_heads": "num_heads",
-    "intermediate_size": "intermediate_size",
-    "max_position_embeddings": "max_position_embeddings",
-    "norm_eps": "layer_norm_eps",
-    "initializer_range": "initializer_range",
-    "attention_dropout": "attention_dropout",
-}
-# config.json key → ModernBertOptions field (the same names).
-OPTION_FIELDS = ("local_attention", "attention_bias", "mlp_bias", "norm_bias",
-                 "classifier_bias", "decoder_bias", "classifier_pooling",
-                 "initializer_cutoff_factor")
+# The family whose config.json this module's checks read and write.
+FAMILY = "modernbert"
 # The dropouts popbert's one `hidden_dropout` stands for; they must agree.
 HIDDEN_DROPOUTS = ("embedding_dropout", "mlp_dropout", "classifier_dropout")
 DEFAULT_THETA = {"full_attention": 160000.0, "sliding_attention": 10000.0}
 
 
-def _typed(value: Any, expected: type, source: str, key: str) -> Any:
+def typed(value: Any, expected: type, source: str, key: str) -> Any:
+    """`value` of config.json's `key` if it is an `expected` (an int stands for a float)."""
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, expected) or (expected is not bool and isinstance(value, bool)):
@@ -44,11 +38,51 @@ def _typed(value: Any, expected: type, source: str, key: str) -> Any:
     return value
 
 
+def _field(config: BertConfig, name: str) -> Any:
+    for part in name.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def read_fields(hf_config: dict[str, Any], fields: tuple[tuple[str, str], ...],
+                source: str) -> dict[str, Any]:
+    """config.json's `fields` (a family's `hf_config_fields`) → {`model` field: value}, each
+    of its default's type (the default where config.json has no such key)."""
+    defaults = BertConfig()
+    values = {}
+    for theirs, ours in fields:
+        default = _field(defaults, ours)
+        values[ours] = typed(hf_config.get(theirs, default), type(default), source, theirs)
+    return values
+
+
+def model_config(values: dict[str, Any], **fixed: Any) -> BertConfig:
+    """The `BertConfig` of `values` (`read_fields`'s; a dotted name sets a field of that
+    option group) and `fixed`."""
+    top: dict[str, Any] = dict(fixed)
+    groups: dict[str, dict[str, Any]] = {}
+    for name, value in values.items():
+        group, _, field = name.rpartition(".")
+        if group:
+            groups.setdefault(group, {})[field] = value
+        else:
+            top[name] = value
+    defaults = BertConfig()
+    for group, chosen in groups.items():
+        top[group] = dataclasses.replace(getattr(defaults, group), **chosen)
+    return BertConfig(**top)
+
+
+def write_fields(config: BertConfig, fields: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    """`config`'s values of `fields` under their config.json keys."""
+    return {theirs: _field(config, ours) for theirs, ours in fields}
+
+
 def _every_n(hf_config: dict[str, Any], layers: int, source: str) -> int:
     """`global_attn_every_n_layers`, read directly or recovered from `layer_types`."""
     kinds = hf_config.get("layer_types")
     if kinds is None:
-        return _typed(hf_config.get("global_attn_every_n_layers", 3), int, source,
+        return typed(hf_config.get("global_attn_every_n_layers", 3), int, source,
                       "global_attn_every_n_layers")
     if not isinstance(kinds, list) or len(kinds) != layers:
         raise UsageError(f"{source}: layer_types: expected a list of {layers} entries")
@@ -76,7 +110,7 @@ def _thetas(hf_config: dict[str, Any], source: str) -> tuple[float, float]:
             raise UsageError(f"{source}: rope_parameters.{kind}.rope_type: popbert builds the "
                              f"default rotary embedding only, got {rope_type!r}")
         value = entry.get("rope_theta", hf_config.get(old_key, DEFAULT_THETA[kind]))
-        thetas[kind] = _typed(value, float, source, f"rope_parameters.{kind}.rope_theta")
+        thetas[kind] = typed(value, float, source, f"rope_parameters.{kind}.rope_theta")
     return thetas["full_attention"], thetas["sliding_attention"]
 
 
@@ -98,11 +132,7 @@ def modernbert_config_from_hf(hf_config: dict[str, Any], source: str,
     if pooling not in POOLINGS:
         raise UsageError(f"{source}: classifier_pooling is {pooling!r}; expected one of "
                          f"{', '.join(POOLINGS)}")
-    defaults, options = BertConfig(), ModernBertOptions()
-    values: dict[str, Any] = {}
-    for theirs, ours in SHAPE_FIELDS.items():
-        default = getattr(defaults, ours)
-        values[ours] = _typed(hf_config.get(theirs, default), type(default), source, theirs)
+    values = read_fields(hf_config, FAMILIES[FAMILY].hf_config_fields, source)
     if "norm_eps" not in hf_config:
         values["layer_norm_eps"] = 1e-5
     dropouts = {k: float(hf_config.get(k, 0.0)) for k in HIDDEN_DROPOUTS}
@@ -110,15 +140,14 @@ def modernbert_config_from_hf(hf_config: dict[str, Any], source: str,
         raise UsageError(f"{source}: embedding_dropout, mlp_dropout and classifier_dropout "
                          f"differ ({dropouts}); popbert's ModernBERT has one hidden dropout")
     values["hidden_dropout"] = dropouts["mlp_dropout"]
-    chosen = {key: _typed(hf_config.get(key, getattr(options, key)),
-                          type(getattr(options, key)), source, key) for key in OPTION_FIELDS}
-    chosen["global_attn_every_n_layers"] = _every_n(hf_config, values["num_layers"], source)
-    chosen["global_rope_theta"], chosen["local_rope_theta"] = _thetas(hf_config, source)
+    values["modernbert.global_attn_every_n_layers"] = _every_n(hf_config, values["num_layers"],
+                                                               source)
+    (values["modernbert.global_rope_theta"],
+     values["modernbert.local_rope_theta"]) = _thetas(hf_config, source)
     values["sequence_length"] = sequence_length or min(1024, values["max_position_embeddings"])
     values["max_predictions_per_seq"] = min(int(0.3 * values["sequence_length"]) or 1,
                                             values["sequence_length"])
-    config = BertConfig(architecture="modernbert", next_sentence_prediction=False,
-                        modernbert=ModernBertOptions(**chosen), **values)
+    config = model_config(values, architecture=FAMILY, next_sentence_prediction=False)
     try:
         config.validate()
     except ValueError as error:
@@ -134,7 +163,8 @@ def hf_config_from_modernbert(config: BertConfig, architecture: str,
     layer_types = ["full_attention" if i % m.global_attn_every_n_layers == 0
                    else "sliding_attention" for i in range(config.num_layers)]
     out: dict[str, Any] = {
-        "architectures": [architecture], "model_type": "modernbert", "torch_dtype": "float32",
+        "architectures": [architecture], "model_type": FAMILIES[FAMILY].hf_model_type,
+        "torch_dtype": "float32",
         "hidden_activation": "gelu", "classifier_activation": "gelu",
         "tie_word_embeddings": True, "layer_types": layer_types,
         "global_attn_every_n_layers": m.global_attn_every_n_layers,
@@ -146,13 +176,11 @@ def hf_config_from_modernbert(config: BertConfig, architecture: str,
         "bos_token_id": special_ids["[CLS]"], "sep_token_id": special_ids["[SEP]"],
         "eos_token_id": special_ids["[SEP]"],
     }
-    for theirs, ours in SHAPE_FIELDS.items():
-        out[theirs] = getattr(config, ours)
-    for key in OPTION_FIELDS:
-        out[key] = getattr(m, key)
+    out.update(write_fields(config, FAMILIES[FAMILY].hf_config_fields))
     for key in HIDDEN_DROPOUTS:
         out[key] = config.hidden_dropout
     return out
 
 
-__all__ = ["hf_config_from_modernbert", "modernbert_config_from_hf"]
+__all__ = ["hf_config_from_modernbert", "model_config", "modernbert_config_from_hf",
+           "read_fields", "typed", "write_fields"]

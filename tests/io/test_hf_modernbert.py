@@ -137,3 +137,35 @@ def test_the_hub_spelling_of_the_config_is_read(tmp_path: Path, bpe: Path) -> No
     for line in ("global_attn_every_n_layers: 2", "global_rope_theta: 5000.0",
                  "local_rope_theta: 700.0", "architecture: modernbert"):
         assert line in imported
+
+
+def test_export_hf_architecture_takes_the_checkpoints_family_classes(
+        tmp_path: Path, bpe: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--architecture` names a class of the checkpoint's family: ModernBertForMaskedLM is
+    written and loads in transformers as that class; a BERT class is one line naming
+    ModernBERT's classes, exit 2, nothing written."""
+    source = save_hf("ModernBertForMaskedLM", tmp_path / "hf", bpe)
+    imported = tmp_path / "imported"
+    assert main(["import-hf", "--model", str(source), "--output-dir", str(imported)]) == 0
+    capsys.readouterr()
+    assert main(["export-hf", "--checkpoint", str(imported), "--output-dir",
+                 str(tmp_path / "wrong"), "--architecture", "BertForMaskedLM"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert "ModernBERT" in err[0] and "'BertForMaskedLM'" in err[0], err
+    for name in ("ModernBertModel", "ModernBertForMaskedLM", "ModernBertForQuestionAnswering",
+                 "ModernBertForSequenceClassification"):
+        assert name in err[0], err
+    assert not (tmp_path / "wrong").exists()
+
+    assert main(["export-hf", "--checkpoint", str(imported), "--output-dir",
+                 str(tmp_path / "exported"), "--architecture", "ModernBertForMaskedLM"]) == 0
+    loaded, info = transformers.AutoModelForMaskedLM.from_pretrained(
+        str(tmp_path / "exported"), output_loading_info=True)
+    assert type(loaded).__name__ == "ModernBertForMaskedLM"
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ids = np.random.default_rng(1).integers(5, VOCAB, (1, 16))
+    mask = np.ones_like(ids)
+    np.testing.assert_array_equal(
+        logits(tmp_path / "exported", "ModernBertForMaskedLM", ids, mask),
+        logits(source, "ModernBertForMaskedLM", ids, mask))

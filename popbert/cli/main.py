@@ -202,6 +202,31 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_evaluate_rerank(args: argparse.Namespace) -> int:
+    from popbert.serve.rerank import evaluate_rerank  # ONNX Runtime only: no torch
+
+    _print_json(evaluate_rerank(args.model, args.beir, args.split, args.run,
+                                batch_size=args.batch_size, threads=args.threads))
+    return 0
+
+
+def _cmd_predict_rerank(args: argparse.Namespace) -> int:
+    from popbert.serve.rerank import predict_rerank  # ONNX Runtime only: no torch
+
+    predict_rerank(args.model, args.data, args.output, batch_size=args.batch_size,
+                   threads=args.threads)
+    logger.info("wrote %s", args.output)
+    return 0
+
+
+def _add_rerank_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=paths.ONNX_MODEL, required=True, metavar="FILE.onnx",
+                   help="a classification export with one output (finetune classify "
+                        "--regression) or two labels, the second 'relevant'")
+    p.add_argument("--batch-size", type=int, default=32, help="pairs per run")
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+
+
 def _cmd_evaluate_squad(args: argparse.Namespace) -> int:
     from popbert.data.squad import evaluate_files
 
@@ -392,6 +417,17 @@ def _add_evaluate_commands(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--data", type=paths.SQUAD, required=True, metavar="FILE.json")
     p.add_argument("--predictions", type=paths.PREDICTIONS, required=True, metavar="FILE.json")
     p.set_defaults(handler=_cmd_evaluate_squad)
+    p = tasks.add_parser("rerank", parents=[common],
+                         help="a cross-encoder's nDCG@10, MRR@10 and Recall@100 on a BEIR "
+                              "directory",
+                         description="Score every (judged query, document) pair, rank each "
+                                     "query's documents and print the metrics as JSON.")
+    _add_rerank_options(p)
+    p.add_argument("--beir", type=paths.BEIR, required=True, metavar="DIR")
+    p.add_argument("--split", default="test", help="qrels/<split>.tsv (default: test)")
+    p.add_argument("--run", type=paths.TREC_RUN_OUTPUT, default=None, metavar="FILE",
+                   help="also write the ranking in TREC's run format")
+    p.set_defaults(handler=_cmd_evaluate_rerank)
 
 
 def _add_predict_commands(sub, common: argparse.ArgumentParser) -> None:
@@ -433,6 +469,16 @@ def _add_predict_commands(sub, common: argparse.ArgumentParser) -> None:
                    help="rows per run (a fixed-batch export uses its own)")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     p.set_defaults(handler=_cmd_predict_classify)
+    p = tasks.add_parser("rerank", parents=[common],
+                         help="sort each query's candidates by a cross-encoder's score",
+                         description="Read JSON lines {\"query\": ..., \"candidates\": [text "
+                                     "or {\"id\", \"text\"}, ...]}; write them with the "
+                                     "candidates sorted by score, highest first.")
+    _add_rerank_options(p)
+    p.add_argument("--data", type=paths.RERANK_ROWS, required=True, metavar="FILE.jsonl")
+    p.add_argument("--output", "-o", type=paths.RANKED_OUTPUT, default=Path("ranked.jsonl"),
+                   metavar="FILE.jsonl")
+    p.set_defaults(handler=_cmd_predict_rerank)
 
 
 def build_parser() -> argparse.ArgumentParser:

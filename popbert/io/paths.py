@@ -287,6 +287,29 @@ def _hf_model(path: Path, args: Any = None) -> str | None:
         None if isinstance(value, dict) else "config.json: not a JSON object")
 
 
+def _beir(path: Path, args: Any = None) -> str | None:
+    """A BEIR directory: corpus.jsonl, queries.jsonl and a qrels/ folder of TSV files."""
+    missing = [name for name in ("corpus.jsonl", "queries.jsonl", "qrels")
+               if not (path / name).exists()]
+    return f"{describe(path)} without {', '.join(missing)}" if missing else None
+
+
+def _rerank_rows(path: Path, args: Any = None) -> str | None:
+    """JSON lines whose first row has a "query" and "candidates"."""
+    problem = _text(path)
+    if problem:
+        return problem
+    first = next((line for line in _head(path).decode("utf-8", "ignore").splitlines()
+                  if line.strip()), "")
+    try:
+        row = json.loads(first)
+    except json.JSONDecodeError:
+        return "not JSON lines (one object a line)"
+    if not isinstance(row, dict) or not {"query", "candidates"} <= set(row):
+        return "JSON lines without \"query\" and \"candidates\""
+    return None
+
+
 def _metrics(path: Path, args: Any = None) -> str | None:
     if path.is_dir():
         return None if (path / "metrics.jsonl").is_file() else \
@@ -346,6 +369,28 @@ def _owns_labelled_rows(path: Path) -> bool:
         return False
     return isinstance(row, dict) and ({"label", "probabilities"} <= set(row)
                                        or {"line", "score"} <= set(row))
+
+
+def _owns_ranked(path: Path) -> bool:
+    """`popbert predict rerank`'s JSON lines: a `query` and its `ranked` candidates."""
+    if not path.is_file() or _text(path) is not None:
+        return False
+    first = next((line for line in _head(path).decode("utf-8", "ignore").splitlines()
+                  if line.strip()), "")
+    try:
+        row = json.loads(first)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(row, dict) and {"query", "ranked"} <= set(row)
+
+
+def _owns_trec_run(path: Path) -> bool:
+    """A ranking in TREC's run format: `qid Q0 docid rank score tag` lines."""
+    if not path.is_file() or _text(path) is not None:
+        return False
+    first = next((line for line in _head(path).decode("utf-8", "ignore").splitlines()
+                  if line.strip()), "")
+    return len(first.split()) == 6 and first.split()[1] == "Q0"
 
 
 def _owns_config(path: Path) -> bool:
@@ -420,6 +465,9 @@ ROWS_OR_SQUAD = PathKind("classification rows (.tsv, .csv, .jsonl), a .txt file 
 ONNX_MODEL = PathKind("an ONNX model or an OpenVINO IR directory (popbert export)",
                       directory=None, sniff=_model)
 METRICS = PathKind("a run directory or its metrics.jsonl", directory=None, sniff=_metrics)
+BEIR = PathKind("a BEIR directory (corpus.jsonl, queries.jsonl, qrels/)", directory=True,
+                sniff=_beir)
+RERANK_ROWS = PathKind("JSON lines of a query and its candidates", sniff=_rerank_rows)
 DUMP = PathKind("a MediaWiki XML dump (.xml or .xml.bz2)", urls=True, sniff=_dump)
 CORPUS = PathKind("a stage directory or text, JSON-lines or Parquet files (comma-separated, "
                   "globs)", directory=None, urls=True, globs=True, sniff=_corpus)
@@ -440,6 +488,10 @@ SQUAD_PREDICTIONS_OUTPUT = PathKind("a new file or earlier SQuAD predictions", o
                                     companions=(("nbest_predictions.json", _owns_nbest),))
 LABELS_OUTPUT = PathKind("a new file or earlier predict classify output", output=True,
                          owns=_owns_labelled_rows)
+RANKED_OUTPUT = PathKind("a new file or earlier predict rerank output", output=True,
+                         owns=_owns_ranked)
+TREC_RUN_OUTPUT = PathKind("a new file or an earlier TREC run", output=True,
+                           owns=_owns_trec_run)
 CONFIG_OUTPUT = PathKind("a new file or an earlier popbert config", output=True,
                          owns=_owns_config)
 PLOT_OUTPUT = PathKind("a new file or an earlier plot (PNG)", output=True, owns=_owns_plot,
@@ -715,11 +767,12 @@ def check_output_directory(path: Path | None, flag: str = "--output-dir") -> Pat
     return path
 
 
-__all__ = ["CHECKPOINT", "CONFIG_FILE", "CONFIG_OUTPUT", "CONFIG_PATHS", "CORPUS",
+__all__ = ["BEIR", "CHECKPOINT", "CONFIG_FILE", "CONFIG_OUTPUT", "CONFIG_PATHS", "CORPUS",
            "DATA_OUTPUT_DIR", "DATA_OUTPUT_FILE", "DUMP", "EXPORT_OUTPUT", "HF_EXPORT_OUTPUT",
            "HF_MODEL", "IMPORT_OUTPUT", "LABELS_OUTPUT", "METRICS", "ONNX_MODEL", "OUTPUT_DIR",
-           "OUTPUT_FILE", "PLOT_OUTPUT", "PREDICTIONS", "PREDICT_INPUTS", "ROWS",
-           "ROWS_OR_LINES", "ROWS_OR_SQUAD", "RUN", "SHARDS", "SQUAD", "SQUAD_PREDICTIONS_OUTPUT",
-           "TEXT", "TRAINING_DATA", "TRAINING_FILES", "VOCAB", "PathKind", "check_arguments",
-           "check_config_paths", "check_output_directory", "check_output_file", "check_path",
-           "declare_paths", "declared_paths", "describe", "subparsers", "yaml_keys"]
+           "OUTPUT_FILE", "PLOT_OUTPUT", "PREDICTIONS", "PREDICT_INPUTS", "RANKED_OUTPUT",
+           "RERANK_ROWS", "ROWS", "ROWS_OR_LINES", "ROWS_OR_SQUAD", "RUN", "SHARDS", "SQUAD",
+           "SQUAD_PREDICTIONS_OUTPUT", "TEXT", "TRAINING_DATA", "TRAINING_FILES",
+           "TREC_RUN_OUTPUT", "VOCAB", "PathKind", "check_arguments", "check_config_paths",
+           "check_output_directory", "check_output_file", "check_path", "declare_paths",
+           "declared_paths", "describe", "subparsers", "yaml_keys"]

@@ -90,6 +90,12 @@ class Inputs:
         (self.directory / "something.txt").write_text("x")
         self.empty_directory = root / "empty-directory"
         self.empty_directory.mkdir()
+        self.beir = root / "beir"
+        (self.beir / "qrels").mkdir(parents=True)
+        (self.beir / "corpus.jsonl").write_text('{"_id": "d1", "text": "a document"}\n')
+        (self.beir / "queries.jsonl").write_text('{"_id": "q1", "text": "a query"}\n')
+        (self.beir / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\n")
+        self.rerank = self._write("rerank.jsonl", '{"query": "q", "candidates": ["a", "b"]}\n')
 
     def _write(self, name: str, text: str) -> Path:
         path = self.root / name
@@ -111,6 +117,7 @@ class Inputs:
             paths.ONNX_MODEL: self.onnx, paths.METRICS: self.run, paths.DUMP: self.dump,
             paths.CORPUS: self.text, paths.TEXT: self.text, paths.SHARDS: self.shard,
             paths.TRAINING_DATA: self.text, paths.VOCAB: bundled_vocab_path(),
+            paths.BEIR: self.beir, paths.RERANK_ROWS: self.rerank,
         }[kind])
 
     def impostor(self, kind: PathKind) -> Path:
@@ -124,6 +131,7 @@ class Inputs:
             paths.METRICS: self.config, paths.DUMP: self.text, paths.CORPUS: self.shard,
             paths.TEXT: self.safetensors, paths.SHARDS: self.text,
             paths.TRAINING_DATA: self.safetensors, paths.VOCAB: self.shard,
+            paths.BEIR: self.run, paths.RERANK_ROWS: self.rows_json,
         }[kind]
 
     def cells(self, kind: PathKind, suffix: str) -> Iterator[tuple[str, str]]:
@@ -165,7 +173,8 @@ class Inputs:
 SUFFIX = {paths.SQUAD: ".json", paths.PREDICTIONS: ".json", paths.ROWS: ".tsv",
           paths.ROWS_OR_LINES: ".tsv", paths.ROWS_OR_SQUAD: ".json", paths.ONNX_MODEL: ".onnx",
           paths.SHARDS: ".h5", paths.CONFIG_FILE: ".yaml", SWEEP_FILE: ".yaml",
-          paths.VOCAB: ".txt", paths.DUMP: ".xml.bz2", paths.METRICS: ".jsonl"}
+          paths.VOCAB: ".txt", paths.DUMP: ".xml.bz2", paths.METRICS: ".jsonl",
+          paths.RERANK_ROWS: ".jsonl"}
 
 
 def example_parser() -> argparse.ArgumentParser:
@@ -310,6 +319,14 @@ def earlier_output(kind: PathKind, inputs: Inputs, n: int) -> Path:
         return path
     if kind is paths.DATA_OUTPUT_FILE:
         return Path(shutil.copy(bundled_vocab_path(), root / "vocab.txt"))
+    if kind is paths.RANKED_OUTPUT:
+        path = root / "ranked.jsonl"
+        path.write_text('{"line": 1, "query": "q", "ranked": []}\n')
+        return path
+    if kind is paths.TREC_RUN_OUTPUT:
+        path = root / "run.trec"
+        path.write_text("q1 Q0 d1 1 0.5 popbert\n")
+        return path
     if kind is paths.HF_EXPORT_OUTPUT:
         (root / "hf").mkdir()
         (root / "hf" / "config.json").write_text("{}")

@@ -206,7 +206,8 @@ def import_hf(model_dir: Path, output_dir: Path, sequence_length: int | None = N
         labels = hf_config.get("id2label") or {}
         bert.task.num_labels = int(weights["Classifier/B"].shape[0])
         names = [labels.get(str(i)) for i in range(bert.task.num_labels)]
-        if all(isinstance(n, str) for n in names):
+        # One output is a score (a regression head, a cross-encoder): it names no classes.
+        if bert.task.num_labels > 1 and all(isinstance(n, str) for n in names):
             bert.task.labels = names
 
     graph = build_bert(bert, task="pretraining", seed=seed)
@@ -335,6 +336,8 @@ def export_hf(checkpoint: Path, output_dir: Path, architecture: str | None = Non
             f"LABEL_{i}" for i in range(cfg.model.task.num_labels or 2)]
         hf_config["id2label"] = {str(i): name for i, name in enumerate(names)}
         hf_config["label2id"] = {name: i for i, name in enumerate(names)}
+        if cfg.model.task.num_labels == 1:  # one score: transformers' MSE, not cross-entropy
+            hf_config["problem_type"] = "regression"
     special = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]",
                "cls_token": "[CLS]", "mask_token": "[MASK]",
                "model_max_length": cfg.model.max_position_embeddings}

@@ -169,13 +169,17 @@ def test_pretraining_checkpoint_with_bert_prefix_and_heads(tmp_path: Path, safe:
     assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 
-@pytest.mark.parametrize("task", ["squad", "classification"])
+@pytest.mark.parametrize("task", ["squad", "classification", "cross-encoder"])
 def test_task_heads_import_export_and_match_transformers(tmp_path: Path, task: str) -> None:
-    """A BertForQuestionAnswering / BertForSequenceClassification directory: popbert's heads
-    compute what transformers computes, and export-hf writes the same class back."""
+    """A BertForQuestionAnswering / BertForSequenceClassification directory (three labels, or
+    one output: a regression head, a cross-encoder): popbert's heads compute what transformers
+    computes, and export-hf writes the same class back."""
     if task == "squad":
         cls, extra, outputs = transformers.BertForQuestionAnswering, {}, ("start_logits",
                                                                           "end_logits")
+    elif task == "cross-encoder":
+        cls, outputs = transformers.BertForSequenceClassification, ("logits",)
+        extra = {"num_labels": 1}
     else:
         cls, outputs = transformers.BertForSequenceClassification, ("logits",)
         extra = {"id2label": {0: "neg", 1: "neutral", 2: "pos"},
@@ -189,6 +193,11 @@ def test_task_heads_import_export_and_match_transformers(tmp_path: Path, task: s
     assert report["architecture"] == cls.__name__
     if task == "squad":  # BertForQuestionAnswering has no pooler
         assert {"NSP/Pool/W", "NSP/Pool/B"} <= set(report["fresh"])
+    elif task == "cross-encoder":
+        from popbert.config import load_config
+
+        imported = load_config(ckpt / "config.yaml").model.task
+        assert imported.num_labels == 1 and imported.labels is None
     else:
         from popbert.config import load_config
 
@@ -196,7 +205,8 @@ def test_task_heads_import_export_and_match_transformers(tmp_path: Path, task: s
                                                                         "pos"]
 
     onnx_file = tmp_path / f"{task}.onnx"
-    assert cli.main(["export", "--checkpoint", str(ckpt), "--task", task, "--output",
+    assert cli.main(["export", "--checkpoint", str(ckpt), "--task",
+                     "squad" if task == "squad" else "classification", "--output",
                      str(onnx_file)]) == 0
     batch = small_batch()
     session = ort.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"])
@@ -220,6 +230,8 @@ def test_task_heads_import_export_and_match_transformers(tmp_path: Path, task: s
         assert value.tobytes() == state[name].tobytes(), name
     if task == "classification":
         assert model.config.id2label == {0: "neg", 1: "neutral", 2: "pos"}
+    if task == "cross-encoder":  # one score: transformers trains it with the MSE
+        assert model.config.num_labels == 1 and model.config.problem_type == "regression"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from popbert.rules import (
 )
 
 # The fine-tuning tasks a checkpoint can be for (`model.task.name`); None = none (pre-training).
-TASK_NAMES = ("squad", "classification")
+TASK_NAMES = ("squad", "classification", "token-classification")
 # The encoders the builder emits (`model.architecture`).
 ARCHITECTURES = ("bert", "groupbert", "modernbert")
 # The ONNX dialects the builder writes (`model.dialect`): standard ONNX, or PopART's.
@@ -55,9 +55,9 @@ class TaskConfig:
     def validate(self) -> None:
         """Raise :class:`~popbert.rules.Invalid` (a ConfigError) naming the offending key."""
         check_fields(self, "model.task")
-        if self.name == "classification" and self.num_labels is None:
-            raise Invalid("model.task.num_labels must be set for model.task.name "
-                          "'classification'", "model.task.num_labels", "model.task.name")
+        if self.name in ("classification", "token-classification") and self.num_labels is None:
+            raise Invalid(f"model.task.num_labels must be set for model.task.name "
+                          f"{self.name!r}", "model.task.num_labels", "model.task.name")
         if self.num_labels == 1 and self.labels is not None:
             raise Invalid("model.task.labels names classes, but model.task.num_labels 1 is one "
                           "score (regression): remove the labels", "model.task.labels",

@@ -210,6 +210,17 @@ def _cmd_evaluate_rerank(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_predict_ner(args: argparse.Namespace) -> int:
+    from popbert.serve.tag import predict_ner  # ONNX Runtime only: no torch
+
+    metrics = predict_ner(args.model, args.data, args.output, batch_size=args.batch_size,
+                          threads=args.threads, scheme=args.tag_scheme)
+    logger.info("wrote %s", args.output)
+    if metrics is not None:
+        _print_json(metrics)
+    return 0
+
+
 def _cmd_predict_rerank(args: argparse.Namespace) -> int:
     from popbert.serve.rerank import predict_rerank  # ONNX Runtime only: no torch
 
@@ -382,7 +393,8 @@ def _add_training_args(p: argparse.ArgumentParser, preset: str) -> None:
                         "GroupBERT, which pre-trains without): finetune.dropout")
 
 
-TRAINING_METAVARS = {"squad": "FILE.json", "rows": "FILE"}  # by `popbert.tasks.Task.files`
+# by `popbert.tasks.Task.files`
+TRAINING_METAVARS = {"squad": "FILE.json", "rows": "FILE", "tagged": "FILE"}
 
 
 def _add_finetune_commands(sub, common: argparse.ArgumentParser) -> None:
@@ -395,7 +407,7 @@ def _add_finetune_commands(sub, common: argparse.ArgumentParser) -> None:
     commands = group.add_subparsers(dest="finetune_command", metavar="TASK", required=True)
     for task in TASKS.values():
         p = commands.add_parser(task.command, parents=[common], help=task.help,
-                                description=task.description)
+                                description=task.description, aliases=list(task.aliases))
         _add_training_args(p, task.preset)
         p.add_argument("--train", type=paths.TRAINING_FILES[task.files], required=True,
                        metavar=TRAINING_METAVARS[task.files])
@@ -469,6 +481,21 @@ def _add_predict_commands(sub, common: argparse.ArgumentParser) -> None:
                    help="rows per run (a fixed-batch export uses its own)")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     p.set_defaults(handler=_cmd_predict_classify)
+    p = tasks.add_parser("ner", parents=[common], aliases=["token-classification"],
+                         help="tag each word with a token-classification export",
+                         description="Read CoNLL (the word first; a tag last is scored) or JSON "
+                                     "lines of \"tokens\" (and \"tags\"); write the same "
+                                     "format with each word's predicted IOB2 tag (CoNLL: as the "
+                                     "last column); print entity precision, recall and F1 when "
+                                     "the file has tags.")
+    p.add_argument("--model", type=paths.ONNX_MODEL, required=True, metavar="FILE.onnx")
+    p.add_argument("--data", type=paths.TAGGED, required=True, metavar="FILE")
+    p.add_argument("--output", "-o", type=paths.TAGGED_OUTPUT, required=True, metavar="FILE")
+    p.add_argument("--tag-scheme", choices=("IOB1", "IOB2", "BIOES"), default=None,
+                   help="the file's tag scheme, when it has tags (default: detected)")
+    p.add_argument("--batch-size", type=int, default=16, help="windows per run")
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    p.set_defaults(handler=_cmd_predict_ner)
     p = tasks.add_parser("rerank", parents=[common],
                          help="sort each query's candidates by a cross-encoder's score",
                          description="Read JSON lines {\"query\": ..., \"candidates\": [text "

@@ -367,6 +367,10 @@ class FinetuneConfig:
     # classification: one score per row (the label column's numbers), mean squared error,
     # Pearson and Spearman (transformers' num_labels=1)
     regression: bool = False
+    # token classification: the files' tag scheme (null: detected), and whether every
+    # sub-token of a word is labelled (default: its first only)
+    tag_scheme: str | None = setting(None, one_of(("IOB1", "IOB2", "BIOES")).or_null())
+    label_all_subtokens: bool = False
     eval_batch_size: int = setting(64, at_least(1))
     # hidden and attention dropout; null: the checkpoint's
     dropout: float | None = setting(None, within("[0, 1)").or_null())

@@ -202,9 +202,11 @@ def import_hf(model_dir: Path, output_dir: Path, sequence_length: int | None = N
     # A tokenizer.json carries its own normaliser; only a vocab.txt needs the lowercase flag.
     lowercase = read_lowercase(model_dir) if vocab.name == VOCAB else True
     bert.task = TaskConfig(hf_architecture=architecture, lowercase=lowercase)
-    if "Classifier/B" in weights:
+    head = next((name for name in ("Classifier/B", "Tokens/Classifier/B") if name in weights),
+                None)
+    if head is not None:
         labels = hf_config.get("id2label") or {}
-        bert.task.num_labels = int(weights["Classifier/B"].shape[0])
+        bert.task.num_labels = int(weights[head].shape[0])
         names = [labels.get(str(i)) for i in range(bert.task.num_labels)]
         # One output is a score (a regression head, a cross-encoder): it names no classes.
         if bert.task.num_labels > 1 and all(isinstance(n, str) for n in names):
@@ -330,7 +332,7 @@ def export_hf(checkpoint: Path, output_dir: Path, architecture: str | None = Non
     roles = (load_tokenizer(vocab).roles if vocab is not None
              else {token: index for index, token in enumerate(SPECIAL_TOKENS)})
     hf_config = hf.HF_FAMILIES[family].config_to_hf(cfg.model, architecture, roles)
-    if architecture.endswith("SequenceClassification"):
+    if architecture.endswith(("SequenceClassification", "TokenClassification")):
         labels = cfg.model.task.labels
         names = [str(x) for x in labels] if labels else [
             f"LABEL_{i}" for i in range(cfg.model.task.num_labels or 2)]

@@ -220,6 +220,16 @@ def modernbert_squad_rules(config: BertConfig) -> list[Rule]:
     return _modern_head(config, "Squad/Head") + _dense("Squad/Logits", "classifier")
 
 
+def token_classification_rules() -> list[Rule]:
+    """`BertForTokenClassification.classifier` ↔ the token head of
+    `popbert.tasks.token_classification`."""
+    return _dense("Tokens/Classifier", "classifier")
+
+
+def modernbert_token_classification_rules(config: BertConfig) -> list[Rule]:
+    return _modern_head(config, "Tokens/Head") + _dense("Tokens/Classifier", "classifier")
+
+
 MODERNBERT_TIED = (("decoder.weight", "model.embeddings.tok_embeddings.weight"),)
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -235,6 +245,8 @@ ARCHITECTURES: dict[str, Architecture] = {
                                              lambda config: squad_rules()),
     "BertForSequenceClassification": Architecture("BertForSequenceClassification", "bert.",
                                                   True, lambda config: classification_rules()),
+    "BertForTokenClassification": Architecture("BertForTokenClassification", "bert.", False,
+                                               lambda config: token_classification_rules()),
     "ModernBertModel": Architecture("ModernBertModel", "", False, lambda config: [],
                                     family="modernbert"),
     "ModernBertForMaskedLM": Architecture("ModernBertForMaskedLM", "model.", False,
@@ -246,6 +258,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "ModernBertForQuestionAnswering": Architecture(
         "ModernBertForQuestionAnswering", "model.", False, modernbert_squad_rules,
         family="modernbert"),
+    "ModernBertForTokenClassification": Architecture(
+        "ModernBertForTokenClassification", "model.", False,
+        modernbert_token_classification_rules, family="modernbert"),
 }
 
 def task_architecture(family: str, task: str) -> str | None:
@@ -479,7 +494,15 @@ class Read:
 def _read_bert(state: Mapping[str, Array], config: BertConfig,
                hf_config: dict[str, Any]) -> Read:
     """Any BERT class's keys, with or without the `bert.` prefix, every head read that is
-    there; heads, and the pooler (BertForQuestionAnswering has none), may be fresh."""
+    there; heads, and the pooler (BertForQuestionAnswering has none), may be fresh. A token
+    classifier (named so in config.json) is read as that class: its `classifier.*` is per
+    token, not the sequence classifier's."""
+    named = (hf_config.get("architectures") or [None])[0]
+    if named is not None and named == task_architecture(_BERT, "token-classification"):
+        weights, missing = from_hf_architecture(state, config, named)
+        rules = ARCHITECTURES[named].rules(config)
+        return Read(named, weights, missing, rules, optional=set(),
+                    ignored=sorted(set(state) - {n for r in rules for n in r.theirs}))
     weights, missing = from_hf(state, config)
     return Read(architecture_for(weights, config), weights, missing,
                 pretraining_rules(config) + task_head_rules(),

@@ -287,6 +287,29 @@ def _hf_model(path: Path, args: Any = None) -> str | None:
         None if isinstance(value, dict) else "config.json: not a JSON object")
 
 
+TAGGED_SUFFIXES = (".conll", ".txt", ".tsv", ".bio", ".iob", ".jsonl", ".json")
+
+
+def _tagged(path: Path, args: Any = None) -> str | None:
+    """Tagged words: CoNLL (a word and its columns a line) or JSON lines with "tokens"."""
+    suffix = path.suffix.lower()
+    if suffix not in TAGGED_SUFFIXES:
+        return f"a {path.suffix or 'suffix-less'} file (the format is read from the suffix)"
+    problem = _text(path)
+    if problem or suffix not in (".jsonl", ".json"):
+        return problem
+    first = next((line for line in _head(path).decode("utf-8-sig", "ignore").splitlines()
+                  if line.strip()), "")
+    try:
+        row = json.loads(first)
+    except json.JSONDecodeError:
+        value, _ = _json(path)
+        return "a SQuAD JSON file" if _is_squad(value) else "not JSON lines (one object a line)"
+    if not isinstance(row, dict) or "tokens" not in row:
+        return "JSON lines without \"tokens\""
+    return None
+
+
 def _beir(path: Path, args: Any = None) -> str | None:
     """A BEIR directory: corpus.jsonl, queries.jsonl and a qrels/ folder of TSV files."""
     missing = [name for name in ("corpus.jsonl", "queries.jsonl", "qrels")
@@ -468,6 +491,8 @@ METRICS = PathKind("a run directory or its metrics.jsonl", directory=None, sniff
 BEIR = PathKind("a BEIR directory (corpus.jsonl, queries.jsonl, qrels/)", directory=True,
                 sniff=_beir)
 RERANK_ROWS = PathKind("JSON lines of a query and its candidates", sniff=_rerank_rows)
+TAGGED = PathKind("tagged words: CoNLL (.conll, .txt, .tsv, .bio, .iob) or JSON lines of "
+                  "tokens and tags", sniff=_tagged)
 DUMP = PathKind("a MediaWiki XML dump (.xml or .xml.bz2)", urls=True, sniff=_dump)
 CORPUS = PathKind("a stage directory or text, JSON-lines or Parquet files (comma-separated, "
                   "globs)", directory=None, urls=True, globs=True, sniff=_corpus)
@@ -488,6 +513,8 @@ SQUAD_PREDICTIONS_OUTPUT = PathKind("a new file or earlier SQuAD predictions", o
                                     companions=(("nbest_predictions.json", _owns_nbest),))
 LABELS_OUTPUT = PathKind("a new file or earlier predict classify output", output=True,
                          owns=_owns_labelled_rows)
+TAGGED_OUTPUT = PathKind("a new file or an earlier predict ner output (CoNLL or JSON lines)",
+                         output=True, owns=lambda path: path.is_file() and _tagged(path) is None)
 RANKED_OUTPUT = PathKind("a new file or earlier predict rerank output", output=True,
                          owns=_owns_ranked)
 TREC_RUN_OUTPUT = PathKind("a new file or an earlier TREC run", output=True,
@@ -517,8 +544,8 @@ CONFIG_PATHS: dict[str, PathKind] = {
 # What a fine-tuning task's files are (`popbert.tasks.Task.files`): for training and
 # evaluation (`finetune.train_file`, `finetune.eval_file`), and for an export's `--eval` and
 # `--calibration` and prediction (a classifier also reads a .txt file of texts there).
-TRAINING_FILES: dict[str, PathKind] = {"squad": SQUAD, "rows": ROWS}
-PREDICT_INPUTS: dict[str, PathKind] = {"squad": SQUAD, "rows": ROWS_OR_LINES}
+TRAINING_FILES: dict[str, PathKind] = {"squad": SQUAD, "rows": ROWS, "tagged": TAGGED}
+PREDICT_INPUTS: dict[str, PathKind] = {"squad": SQUAD, "rows": ROWS_OR_LINES, "tagged": TAGGED}
 
 
 # ---------------------------------------------------------------------------------- checking
@@ -772,7 +799,7 @@ __all__ = ["BEIR", "CHECKPOINT", "CONFIG_FILE", "CONFIG_OUTPUT", "CONFIG_PATHS",
            "HF_MODEL", "IMPORT_OUTPUT", "LABELS_OUTPUT", "METRICS", "ONNX_MODEL", "OUTPUT_DIR",
            "OUTPUT_FILE", "PLOT_OUTPUT", "PREDICTIONS", "PREDICT_INPUTS", "RANKED_OUTPUT",
            "RERANK_ROWS", "ROWS", "ROWS_OR_LINES", "ROWS_OR_SQUAD", "RUN", "SHARDS", "SQUAD",
-           "SQUAD_PREDICTIONS_OUTPUT", "TEXT", "TRAINING_DATA", "TRAINING_FILES",
-           "TREC_RUN_OUTPUT", "VOCAB", "PathKind", "check_arguments", "check_config_paths",
-           "check_output_directory", "check_output_file", "check_path", "declare_paths",
-           "declared_paths", "describe", "subparsers", "yaml_keys"]
+           "SQUAD_PREDICTIONS_OUTPUT", "TAGGED", "TAGGED_OUTPUT", "TEXT", "TRAINING_DATA",
+           "TRAINING_FILES", "TREC_RUN_OUTPUT", "VOCAB", "PathKind", "check_arguments",
+           "check_config_paths", "check_output_directory", "check_output_file", "check_path",
+           "declare_paths", "declared_paths", "describe", "subparsers", "yaml_keys"]

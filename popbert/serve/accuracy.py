@@ -114,6 +114,13 @@ def calibration_rows(model: Path, task: str, data: Path, rows: int) -> list[dict
         predictor = ClassifyPredictor(model)
         arrays, _ = encode_classification_counted(read_texts(data), predictor.tokenizer,
                                                   predictor.sequence_length)
+    elif task == "token-classification":
+        from popbert.data.token_classification import encode_tagged, read_tagged
+        from popbert.serve.tag import TagPredictor
+
+        predictor = TagPredictor(model)
+        arrays, _ = encode_tagged(read_tagged(data, require_tags=False),
+                                  predictor.text_tokenizer, None, predictor.sequence_length)
     else:
         predictor = SquadPredictor(model)
         questions, _ = read_squad(data)

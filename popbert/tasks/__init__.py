@@ -20,11 +20,12 @@ from __future__ import annotations
 from typing import Any
 
 from popbert.builders.bert_config import TASK_NAMES, BertConfig
-from popbert.tasks import classification, squad
+from popbert.tasks import classification, squad, token_classification
 from popbert.tasks.task import Flag, Infer, Setting, Task, TaskData
 
 # Importing a task module registers its head with the builder (`register_task`).
-TASKS: dict[str, Task] = {task.name: task for task in (squad.TASK, classification.TASK)}
+TASKS: dict[str, Task] = {task.name: task for task in (squad.TASK, classification.TASK,
+                                                        token_classification.TASK)}
 assert tuple(TASKS) == TASK_NAMES, "popbert.builders.bert_config.TASK_NAMES lists the tasks"
 
 
@@ -35,7 +36,8 @@ def task_named(name: str) -> Task:
 
 def task_of_command(command: str) -> Task:
     """The task of `popbert finetune <command>` (a sweep's `finetune <command>`)."""
-    return next(task for task in TASKS.values() if task.command == command)
+    return next(task for task in TASKS.values()
+                if command == task.command or command in task.aliases)
 
 
 def task_metadata(config: BertConfig) -> dict[str, Any]:

@@ -79,6 +79,7 @@ class Task:
     outputs: tuple[str, ...]  # the inference graph's outputs
     metadata_keys: tuple[str, ...]  # model.task fields an export stores for serving
     head_keys: tuple[str, ...] = ()  # model.* keys that set the new head (they take effect)
+    aliases: tuple[str, ...] = ()  # other names of its `popbert finetune` subcommand
     always_print_metrics: bool = False  # print the JSON line even when nothing was scored
 
     @property

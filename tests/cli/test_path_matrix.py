@@ -96,6 +96,7 @@ class Inputs:
         (self.beir / "queries.jsonl").write_text('{"_id": "q1", "text": "a query"}\n')
         (self.beir / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\n")
         self.rerank = self._write("rerank.jsonl", '{"query": "q", "candidates": ["a", "b"]}\n')
+        self.tagged = self._write("tagged.conll", "Paris B-LOC\nis O\n\n")
 
     def _write(self, name: str, text: str) -> Path:
         path = self.root / name
@@ -117,7 +118,7 @@ class Inputs:
             paths.ONNX_MODEL: self.onnx, paths.METRICS: self.run, paths.DUMP: self.dump,
             paths.CORPUS: self.text, paths.TEXT: self.text, paths.SHARDS: self.shard,
             paths.TRAINING_DATA: self.text, paths.VOCAB: bundled_vocab_path(),
-            paths.BEIR: self.beir, paths.RERANK_ROWS: self.rerank,
+            paths.BEIR: self.beir, paths.RERANK_ROWS: self.rerank, paths.TAGGED: self.tagged,
         }[kind])
 
     def impostor(self, kind: PathKind) -> Path:
@@ -132,6 +133,7 @@ class Inputs:
             paths.TEXT: self.safetensors, paths.SHARDS: self.text,
             paths.TRAINING_DATA: self.safetensors, paths.VOCAB: self.shard,
             paths.BEIR: self.run, paths.RERANK_ROWS: self.rows_json,
+            paths.TAGGED: self.rows_json,
         }[kind]
 
     def cells(self, kind: PathKind, suffix: str) -> Iterator[tuple[str, str]]:
@@ -174,7 +176,7 @@ SUFFIX = {paths.SQUAD: ".json", paths.PREDICTIONS: ".json", paths.ROWS: ".tsv",
           paths.ROWS_OR_LINES: ".tsv", paths.ROWS_OR_SQUAD: ".json", paths.ONNX_MODEL: ".onnx",
           paths.SHARDS: ".h5", paths.CONFIG_FILE: ".yaml", SWEEP_FILE: ".yaml",
           paths.VOCAB: ".txt", paths.DUMP: ".xml.bz2", paths.METRICS: ".jsonl",
-          paths.RERANK_ROWS: ".jsonl"}
+          paths.RERANK_ROWS: ".jsonl", paths.TAGGED: ".conll"}
 
 
 def example_parser() -> argparse.ArgumentParser:
@@ -322,6 +324,10 @@ def earlier_output(kind: PathKind, inputs: Inputs, n: int) -> Path:
     if kind is paths.RANKED_OUTPUT:
         path = root / "ranked.jsonl"
         path.write_text('{"line": 1, "query": "q", "ranked": []}\n')
+        return path
+    if kind is paths.TAGGED_OUTPUT:
+        path = root / "tagged.conll"
+        path.write_text("Paris B-LOC B-LOC\n\n")
         return path
     if kind is paths.TREC_RUN_OUTPUT:
         path = root / "run.trec"

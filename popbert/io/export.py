@@ -314,11 +314,13 @@ def export_weights(weights: Mapping[str, torch.Tensor | np.ndarray], config: Ber
     return output
 
 
-def task_metadata(config: BertConfig, vocab: Path | None) -> dict[str, str]:
-    """What serving a fine-tuned model needs besides its weights (read by `popbert.serve`)."""
+def task_metadata(config: BertConfig, vocab: Path | None, task: str | None = None
+                  ) -> dict[str, str]:
+    """What serving a `task` export (default: the checkpoint's task) needs besides its weights
+    (read by `popbert.serve`)."""
     meta = {f"{METADATA_PREFIX}lowercase": json.dumps(config.task.lowercase)}
     meta.update({f"{METADATA_PREFIX}{key}": json.dumps(value)
-                 for key, value in finetune_metadata(config).items()})
+                 for key, value in finetune_metadata(config, task).items()})
     if vocab is not None:
         from popbert.data.tokenization import read_vocab_text
 
@@ -385,7 +387,7 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
     metadata = vocab = None
     if task in FINETUNE_TASKS:
         vocab = checkpoint_vocab(checkpoint, cfg.data.vocab_file)
-        metadata = task_metadata(cfg.model, vocab)
+        metadata = task_metadata(cfg.model, vocab, task)
     if eval_data is not None and vocab is None:
         raise UsageError(f"--eval: {checkpoint} has no vocabulary (its {cfg.data.vocab_file} is "
                          f"gone and the run directory has no vocab.txt) to encode {eval_data}")

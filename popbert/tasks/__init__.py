@@ -40,10 +40,11 @@ def task_of_command(command: str) -> Task:
                 if command == task.command or command in task.aliases)
 
 
-def task_metadata(config: BertConfig) -> dict[str, Any]:
-    """The `model.task` fields an export of `config` stores for serving (besides its
-    lowercasing and vocabulary, which every task's export stores)."""
-    task = TASKS.get(config.task.name or "")
+def task_metadata(config: BertConfig, task_name: str | None = None) -> dict[str, Any]:
+    """The `model.task` fields an export of `config` for `task_name` (default: the task the
+    checkpoint was fine-tuned for; an imported one names none) stores for serving, besides its
+    lowercasing and vocabulary, which every task's export stores."""
+    task = TASKS.get(task_name or config.task.name or "")
     keys = task.metadata_keys if task is not None else ()
     return {key: getattr(config.task, key) for key in keys
             if getattr(config.task, key) is not None}

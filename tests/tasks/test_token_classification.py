@@ -168,3 +168,57 @@ def test_a_tag_training_never_saw_is_one_line(pretrained: Path, tmp_path: Path,
               if line.startswith("popbert: error:")]
     assert len(errors) == 1 and "B-CITY" in errors[0] and str(other) in errors[0], errors
     assert not run.exists()
+
+
+TEXTS = ["Barack Obama visited Paris and Berlin in 2009, meeting Angela Merkel.",
+         "The Amazon river flows through Brazil; Washington is far away.",
+         "Nothing here"]
+
+
+@pytest.mark.e2e
+def test_plain_text_entities_are_the_transformers_pipelines(tmp_path: Path) -> None:
+    """Plain text in, entities with character offsets out, equal to transformers'
+    token-classification pipeline with aggregation_strategy="first" on the same weights (a
+    random BertForTokenClassification whose head is scaled up, so that words take every tag):
+    the same groups, words and offsets, scores within 1e-4."""
+    import transformers
+
+    from popbert.data.tokenization import bundled_vocab_path
+
+    torch.manual_seed(5)
+    vocab = bundled_vocab_path()
+    config = transformers.BertConfig(
+        vocab_size=len(vocab.read_text().splitlines()), hidden_size=32, num_hidden_layers=1,
+        num_attention_heads=2, intermediate_size=64, max_position_embeddings=64,
+        id2label=dict(enumerate(LABELS)), label2id={name: i for i, name in enumerate(LABELS)})
+    model = transformers.BertForTokenClassification(config).eval()
+    with torch.no_grad():
+        model.classifier.weight.mul_(40)
+    source = tmp_path / "hf"
+    model.save_pretrained(str(source))
+    (source / "vocab.txt").write_bytes(vocab.read_bytes())
+    (source / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True}))
+    assert main(["import-hf", "--model", str(source), "--output-dir", str(tmp_path / "ckpt"),
+                 "--sequence-length", "64"]) == 0
+    exported = tmp_path / "ner.onnx"
+    assert main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--task",
+                 "token-classification", "--output", str(exported)]) == 0
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(TEXTS) + "\n")
+    output = tmp_path / "entities.jsonl"
+    assert main(["predict", "ner", "--model", str(exported), "--data", str(texts), "-o",
+                 str(output)]) == 0
+    ours = [json.loads(line) for line in output.read_text().splitlines()]
+
+    tokenizer = transformers.BertTokenizerFast(str(source / "vocab.txt"), do_lower_case=True)
+    pipeline = transformers.pipeline("token-classification", model=model, tokenizer=tokenizer,
+                                     aggregation_strategy="first")
+    found = 0
+    for row, text in zip(ours, TEXTS):
+        theirs = pipeline(text)
+        assert [(e["entity_group"], e["word"], e["start"], e["end"]) for e in row["entities"]] \
+            == [(e["entity_group"], e["word"], e["start"], e["end"]) for e in theirs], text
+        np.testing.assert_allclose([e["score"] for e in row["entities"]],
+                                   [float(e["score"]) for e in theirs], atol=1e-4)
+        found += len(theirs)
+    assert found >= 3  # the comparison saw entities

@@ -44,7 +44,8 @@ NOT_SWEPT = ("model.", "data.", "training.steps", "optimizer.warmup_steps")
 
 def finetune_args(job: str) -> dict[str, Any]:
     """The `args` a fine-tuning job takes (its command's flags that set `finetune.*` keys), each
-    with its kind: "path", int, float or str (labels: comma-separated, as on the command line)."""
+    with its kind: "path", bool, int, float or str (labels: comma-separated, as on the command
+    line)."""
     from popbert.config import FinetuneConfig
     from popbert.train.finetune import FLAG_KEYS, PATH_FLAGS, task_flags
 
@@ -53,7 +54,8 @@ def finetune_args(job: str) -> dict[str, Any]:
     for flag in task_flags(FINETUNE_TASKS[job]):
         field_type = hints[FLAG_KEYS[flag].split(".", 1)[1]]
         kinds[flag] = "path" if flag in PATH_FLAGS else next(
-            (t for t in (int, float) if t in typing.get_args(field_type) or t is field_type), str)
+            (t for t in (bool, int, float) if t in typing.get_args(field_type)
+             or t is field_type), str)
     return kinds
 
 
@@ -567,6 +569,8 @@ def _check_arg(src: str, key: str, kind: Any, value: Any) -> None:
     if kind == "path":
         _need(isinstance(value, str) and Path(value).exists(), src, key, "an existing path",
               value)
+    elif kind is bool:
+        _need(isinstance(value, bool), src, key, "true or false", value)
     elif kind is int:
         _need(isinstance(value, int) and not isinstance(value, bool), src, key, "an integer",
               value)

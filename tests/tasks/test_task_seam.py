@@ -89,6 +89,13 @@ def test_each_task_is_one_entry_that_every_layer_reads(name: str) -> None:
     assert typing.get_type_hints(type(task))  # a typed entry
 
 
+def test_a_sweep_takes_each_flag_as_its_kind() -> None:
+    assert finetune_args("finetune classify")["regression"] is bool
+    assert finetune_args("finetune token-classification")["label_all_subtokens"] is bool
+    assert finetune_args("finetune token-classification")["eval"] == "path"
+    assert finetune_args("finetune squad")["doc_stride"] is int
+
+
 def test_the_table_is_the_config_s_list_of_tasks() -> None:
     assert tuple(TASKS) == TASK_NAMES
     assert len({task.command for task in TASKS.values()}) == len(TASKS)

@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import typing
+from pathlib import Path
 
+import numpy as np
 import pytest
 from bert_helpers import small_config
 
@@ -100,3 +102,50 @@ def test_the_table_is_the_config_s_list_of_tasks() -> None:
     assert tuple(TASKS) == TASK_NAMES
     assert len({task.command for task in TASKS.values()}) == len(TASKS)
     assert popbert.tasks.task_of_command("classify") is TASKS["classification"]
+
+
+FIXTURES = Path(__file__).parent.parent / "fixtures"
+TRIMMED = {  # task command, its extra flags, its training file
+    "classification": ("classify", [], FIXTURES / "classification" / "sentiment.tsv"),
+    "regression": ("classify", ["--regression"],
+                   FIXTURES / "classification" / "relatedness.tsv"),
+    "token-classification": ("ner", [], FIXTURES / "ner" / "sample.conll"),
+}
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from popbert.cli.main import main
+
+    run = tmp_path_factory.mktemp("pretrained") / "run"
+    assert main(["pretrain", "--config", "tiny", "--set", "training.steps=1", "--set",
+                 "model.num_layers=1", "--set", "model.hidden_size=64", "--set",
+                 "model.intermediate_size=128", "--set", "model.num_heads=2", "-o",
+                 str(run)]) == 0
+    return run
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", sorted(TRIMMED))
+def test_rows_cut_to_their_longest_give_the_padded_loss(case: str, pretrained: Path,
+                                                        tmp_path: Path) -> None:
+    """No padding computed (execution.trim_padding): each task's losses over two epochs equal
+    the padded run's to 1e-5 (dropout off, one thread: the same arithmetic but for the
+    padding's share)."""
+    import json
+
+    from popbert.cli.main import main
+
+    command, extra, data = TRIMMED[case]
+    losses = {}
+    for trimmed in (True, False):
+        run = tmp_path / f"trim-{trimmed}"
+        assert main(["finetune", command, "--checkpoint", str(pretrained), "--train",
+                     str(data), *extra, "--epochs", "2", "--batch-size", "2", "--dropout", "0",
+                     "--max-seq-length", "48", "--log-every", "1", "--threads", "1",
+                     "--device", "cpu", "--set", f"execution.trim_padding={str(trimmed).lower()}",
+                     "-o", str(run)]) == 0
+        losses[trimmed] = [json.loads(line)["loss"]
+                           for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses[True]) >= 4
+    np.testing.assert_allclose(losses[True], losses[False], atol=1e-5, rtol=0)

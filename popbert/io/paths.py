@@ -68,6 +68,21 @@ def _head(path: Path, size: int = HEAD_BYTES) -> bytes:
         return f.read(size)
 
 
+def _first_line(path: Path) -> str:
+    """The first line of `path` that is not blank (a byte-order mark dropped)."""
+    return next((line for line in _head(path).decode("utf-8-sig", "ignore").splitlines()
+                 if line.strip()), "")
+
+
+def _first_row(path: Path) -> dict | None:
+    """The first line of a JSON-lines file as an object; None when it is not one."""
+    try:
+        row = json.loads(_first_line(path))
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) else None
+
+
 # ---------------------------------------------------------------------------------- the sniffs
 # Each takes an existing path of the right type (file or directory) and returns None when it
 # looks like what the kind wants, else what it is instead ("an HDF5 file", "not UTF-8 text ...").
@@ -298,16 +313,11 @@ def _tagged(path: Path, args: Any = None) -> str | None:
     problem = _text(path)
     if problem or suffix not in (".jsonl", ".json"):
         return problem
-    first = next((line for line in _head(path).decode("utf-8-sig", "ignore").splitlines()
-                  if line.strip()), "")
-    try:
-        row = json.loads(first)
-    except json.JSONDecodeError:
+    row = _first_row(path)
+    if row is None:
         value, _ = _json(path)
         return "a SQuAD JSON file" if _is_squad(value) else "not JSON lines (one object a line)"
-    if not isinstance(row, dict) or "tokens" not in row:
-        return "JSON lines without \"tokens\""
-    return None
+    return None if "tokens" in row else "JSON lines without \"tokens\""
 
 
 def _beir(path: Path, args: Any = None) -> str | None:
@@ -322,15 +332,11 @@ def _rerank_rows(path: Path, args: Any = None) -> str | None:
     problem = _text(path)
     if problem:
         return problem
-    first = next((line for line in _head(path).decode("utf-8", "ignore").splitlines()
-                  if line.strip()), "")
-    try:
-        row = json.loads(first)
-    except json.JSONDecodeError:
+    row = _first_row(path)
+    if row is None:
         return "not JSON lines (one object a line)"
-    if not isinstance(row, dict) or not {"query", "candidates"} <= set(row):
-        return "JSON lines without \"query\" and \"candidates\""
-    return None
+    return None if {"query", "candidates"} <= set(row) else \
+        "JSON lines without \"query\" and \"candidates\""
 
 
 def _metrics(path: Path, args: Any = None) -> str | None:
@@ -382,38 +388,21 @@ def _owns_nbest(path: Path) -> bool:
 def _owns_labelled_rows(path: Path) -> bool:
     """`popbert predict classify`'s JSON lines: a `label` and `probabilities` in each, or a
     regression model's `line` and `score`."""
-    if not path.is_file() or _text(path) is not None:
-        return False
-    first = next((line for line in _head(path).decode("utf-8", "ignore").splitlines()
-                  if line.strip()), "")
-    try:
-        row = json.loads(first)
-    except json.JSONDecodeError:
-        return False
-    return isinstance(row, dict) and ({"label", "probabilities"} <= set(row)
-                                       or {"line", "score"} <= set(row))
+    row = _first_row(path) if path.is_file() and _text(path) is None else None
+    return row is not None and ({"label", "probabilities"} <= set(row)
+                                or {"line", "score"} <= set(row))
 
 
 def _owns_ranked(path: Path) -> bool:
     """`popbert predict rerank`'s JSON lines: a `query` and its `ranked` candidates."""
-    if not path.is_file() or _text(path) is not None:
-        return False
-    first = next((line for line in _head(path).decode("utf-8", "ignore").splitlines()
-                  if line.strip()), "")
-    try:
-        row = json.loads(first)
-    except json.JSONDecodeError:
-        return False
-    return isinstance(row, dict) and {"query", "ranked"} <= set(row)
+    row = _first_row(path) if path.is_file() and _text(path) is None else None
+    return row is not None and {"query", "ranked"} <= set(row)
 
 
 def _owns_trec_run(path: Path) -> bool:
     """A ranking in TREC's run format: `qid Q0 docid rank score tag` lines."""
-    if not path.is_file() or _text(path) is not None:
-        return False
-    first = next((line for line in _head(path).decode("utf-8", "ignore").splitlines()
-                  if line.strip()), "")
-    return len(first.split()) == 6 and first.split()[1] == "Q0"
+    cells = _first_line(path).split() if path.is_file() and _text(path) is None else []
+    return len(cells) == 6 and cells[1] == "Q0"
 
 
 def _owns_config(path: Path) -> bool:

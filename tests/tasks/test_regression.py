@@ -89,15 +89,6 @@ def test_pearson_and_spearman_are_scipys() -> None:
     assert ours["mse"] == pytest.approx(float(np.mean((predicted - gold) ** 2)))
 
 
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("pretrained") / "run"
-    assert main(["pretrain", "--config", "tiny", "--set", "training.steps=2", "--set",
-                 "model.num_layers=1", "--set", "model.hidden_size=64", "--set",
-                 "model.intermediate_size=128", "--set", "model.num_heads=2", "-o",
-                 str(run)]) == 0
-    return run
-
 
 @pytest.mark.e2e
 def test_finetune_export_and_predict_one_score(pretrained: Path, tmp_path: Path,

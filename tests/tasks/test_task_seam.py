@@ -113,17 +113,6 @@ TRIMMED = {  # task command, its extra flags, its training file
 }
 
 
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from popbert.cli.main import main
-
-    run = tmp_path_factory.mktemp("pretrained") / "run"
-    assert main(["pretrain", "--config", "tiny", "--set", "training.steps=1", "--set",
-                 "model.num_layers=1", "--set", "model.hidden_size=64", "--set",
-                 "model.intermediate_size=128", "--set", "model.num_heads=2", "-o",
-                 str(run)]) == 0
-    return run
-
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("case", sorted(TRIMMED))

@@ -84,15 +84,6 @@ def test_the_head_and_loss_are_transformers(family: str) -> None:
     torch.testing.assert_close(ours["loss"].detach(), theirs.loss, atol=1e-5, rtol=0)
 
 
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("pretrained") / "run"
-    assert main(["pretrain", "--config", "tiny", "--set", "training.steps=2", "--set",
-                 "model.num_layers=1", "--set", "model.hidden_size=64", "--set",
-                 "model.intermediate_size=128", "--set", "model.num_heads=2", "-o",
-                 str(run)]) == 0
-    return run
-
 
 def conll_tags(path: Path) -> list[list[str]]:
     """The last column of each sentence of a CoNLL file (blank lines between sentences)."""

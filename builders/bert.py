@@ -165,6 +165,48 @@ def encoder_outputs(b: Builder, config: BertConfig, init: layers.WeightInit, gra
         graph.outputs["pooler_output"] = encoded.pooled
 
 
+@register_task("embedding")
+def embedding_outputs(b: Builder, config: BertConfig, init: layers.WeightInit,
+                      graph: BertGraph, encoded: Encoded, with_loss: bool) -> None:
+    """One vector per text, `embedding` [B, H]: the token states pooled over the real tokens
+    as `model.task.pooling` says (sentence-transformers' Pooling: mean, the [CLS] state, the
+    max, or the sum over the square root of the length; default mean), then L2-normalised when
+    `model.task.normalize` (its Normalize: x / max(|x|, 1e-12)). No loss: inference only."""
+    hidden = encoded.hidden
+    pooling = config.task.pooling or "mean"
+    with b.nameScope("Embedding"):
+        seq_axis = b.addConstant(np.array([1], np.int64), "seq_axis")
+        if pooling == "cls":
+            pooled = b.aiOnnx.gather([hidden, b.addConstant(np.array(0, np.int64), "cls")],
+                                     "CLS", axis=1)
+        else:
+            keep = layers.padding_keep(b, graph.inputs["input_mask"])  # [B, S, 1]
+            if pooling == "max":  # padded tokens at -1e9, as sentence-transformers sets them
+                low = b.aiOnnx.mul([b.aiOnnx.sub([keep, layers.scalar(b, 1.0, np.float32,
+                                                                      "one")], "Padded"),
+                                    layers.scalar(b, 1e9, np.float32, "big")], "Low")
+                pooled = b.aiOnnx.reducemax([b.aiOnnx.add([b.aiOnnx.mul([hidden, keep], "Real"),
+                                                           low], "Masked"), seq_axis],
+                                            "Max", keepdims=0)
+            else:
+                total = b.aiOnnx.reducesum([b.aiOnnx.mul([hidden, keep], "Real"), seq_axis],
+                                           "Sum", keepdims=0)
+                count = b.aiOnnx.max([b.aiOnnx.reducesum([keep, seq_axis], "Count",
+                                                         keepdims=0),
+                                      layers.scalar(b, 1e-9, np.float32, "tiny")], "AtLeast")
+                if pooling == "mean_sqrt_len":
+                    count = b.aiOnnx.sqrt([count], "SqrtLength")
+                pooled = b.aiOnnx.div([total, count], "Mean")
+        if config.task.normalize:
+            square = b.aiOnnx.reducesum([b.aiOnnx.mul([pooled, pooled], "Square"),
+                                         b.addConstant(np.array([-1], np.int64), "last")],
+                                        "SumSquare", keepdims=1)
+            norm = b.aiOnnx.max([b.aiOnnx.sqrt([square], "L2"),
+                                 layers.scalar(b, 1e-12, np.float32, "eps")], "Norm")
+            pooled = b.aiOnnx.div([pooled, norm], "Normalize")
+    graph.outputs["embedding"] = pooled
+
+
 @register_task("pretraining")
 def pretraining_head(b: Builder, config: BertConfig, init: layers.WeightInit, graph: BertGraph,
                      encoded: Encoded, with_loss: bool) -> None:

@@ -25,6 +25,8 @@ from popbert.rules import (
 
 # The fine-tuning tasks a checkpoint can be for (`model.task.name`); None = none (pre-training).
 TASK_NAMES = ("squad", "classification", "token-classification")
+# How an embedding export pools token states into one vector (sentence-transformers' names).
+POOLINGS = ("mean", "cls", "max", "mean_sqrt_len")
 # The encoders the builder emits (`model.architecture`).
 ARCHITECTURES = ("bert", "groupbert", "modernbert")
 # The ONNX dialects the builder writes (`model.dialect`): standard ONNX, or PopART's.
@@ -51,6 +53,13 @@ class TaskConfig:
     # classification: classes; 1: one score (regression, as transformers' num_labels=1)
     num_labels: int | None = setting(None, at_least(1).or_null())
     labels: list[str] | None = None  # classification: class names, in label-id order
+    # embedding (`export --task embedding`): how token states become one vector per text, as
+    # sentence-transformers' Pooling module names them, and whether it is L2-normalised;
+    # None: mean pooling, not normalised. `prompts`: the text put before a query's or a
+    # document's ({"query": "search_query: ", ...}).
+    pooling: str | None = setting(None, one_of(POOLINGS).or_null())
+    normalize: bool | None = None
+    prompts: dict[str, str] | None = None
 
     def validate(self) -> None:
         """Raise :class:`~popbert.rules.Invalid` (a ConfigError) naming the offending key."""

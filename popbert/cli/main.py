@@ -202,6 +202,16 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_evaluate_retrieval(args: argparse.Namespace) -> int:
+    from popbert.serve.embed import evaluate_retrieval  # ONNX Runtime only: no torch
+
+    _print_json(evaluate_retrieval(args.model, args.beir, args.split,
+                                   batch_size=args.batch_size, threads=args.threads,
+                                   query_prompt=args.query_prompt,
+                                   document_prompt=args.document_prompt))
+    return 0
+
+
 def _cmd_evaluate_rerank(args: argparse.Namespace) -> int:
     from popbert.serve.rerank import evaluate_rerank  # ONNX Runtime only: no torch
 
@@ -218,6 +228,16 @@ def _cmd_predict_ner(args: argparse.Namespace) -> int:
     logger.info("wrote %s", args.output)
     if metrics is not None:
         _print_json(metrics)
+    return 0
+
+
+def _cmd_predict_embed(args: argparse.Namespace) -> int:
+    from popbert.serve.embed import predict_embed  # ONNX Runtime only: no torch
+
+    predict_embed(args.model, args.data, args.output, batch_size=args.batch_size,
+                  threads=args.threads, fmt=args.format, prompt=args.prompt,
+                  text_column=args.text_column)
+    logger.info("wrote %s", args.output)
     return 0
 
 
@@ -440,6 +460,23 @@ def _add_evaluate_commands(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--run", type=paths.TREC_RUN_OUTPUT, default=None, metavar="FILE",
                    help="also write the ranking in TREC's run format")
     p.set_defaults(handler=_cmd_evaluate_rerank)
+    p = tasks.add_parser("retrieval", parents=[common],
+                         help="an embedding export's nDCG@10, MRR@10 and Recall@100 on a BEIR "
+                              "directory",
+                         description="Embed the judged queries and the whole corpus, rank by "
+                                     "cosine similarity (exact search), print the metrics as "
+                                     "JSON.")
+    p.add_argument("--model", type=paths.ONNX_MODEL, required=True, metavar="FILE.onnx",
+                   help="a `popbert export --task embedding` model")
+    p.add_argument("--beir", type=paths.BEIR, required=True, metavar="DIR")
+    p.add_argument("--split", default="test", help="qrels/<split>.tsv (default: test)")
+    p.add_argument("--query-prompt", default=None, metavar="NAME",
+                   help="the model's prompt put before each query (e.g. query)")
+    p.add_argument("--document-prompt", default=None, metavar="NAME",
+                   help="the model's prompt put before each document")
+    p.add_argument("--batch-size", type=int, default=32, help="texts per run")
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    p.set_defaults(handler=_cmd_evaluate_retrieval)
 
 
 def _add_predict_commands(sub, common: argparse.ArgumentParser) -> None:
@@ -481,6 +518,25 @@ def _add_predict_commands(sub, common: argparse.ArgumentParser) -> None:
                    help="rows per run (a fixed-batch export uses its own)")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     p.set_defaults(handler=_cmd_predict_classify)
+    p = tasks.add_parser("embed", parents=[common],
+                         help="one vector per text with an embedding export",
+                         description="Embed every line of a .txt file (or every row of a "
+                                     "TSV/CSV/JSONL file's text column) with a `popbert export "
+                                     "--task embedding` model: JSON lines of \"embedding\", "
+                                     "or a .npy array [texts, hidden].")
+    p.add_argument("--model", type=paths.ONNX_MODEL, required=True, metavar="FILE.onnx")
+    p.add_argument("--data", type=paths.ROWS_OR_LINES, required=True, metavar="FILE")
+    p.add_argument("--output", "-o", type=paths.EMBEDDINGS_OUTPUT,
+                   default=Path("embeddings.jsonl"), metavar="FILE.jsonl|FILE.npy")
+    p.add_argument("--format", choices=("jsonl", "npy"), default=None,
+                   help="default: npy for a .npy output, else jsonl")
+    p.add_argument("--prompt", default=None, metavar="NAME",
+                   help="put the model's prompt of this name first (e.g. query), as "
+                        "sentence-transformers' encode(prompt_name=...)")
+    p.add_argument("--text-column", default=None, help="rows' text column")
+    p.add_argument("--batch-size", type=int, default=32, help="texts per run")
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    p.set_defaults(handler=_cmd_predict_embed)
     p = tasks.add_parser("ner", parents=[common], aliases=["token-classification"],
                          help="tag each word with a token-classification export",
                          description="Read CoNLL (the word first; a tag last is scored) or JSON "
@@ -538,9 +594,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", type=paths.CHECKPOINT, required=True, metavar="DIR")
     from popbert.tasks import TASKS
 
-    p.add_argument("--task", choices=("pretraining", "encoder", *TASKS), required=True,
+    p.add_argument("--task", choices=("pretraining", "encoder", "embedding", *TASKS),
+                   required=True,
                    help="pretraining: MLM + NSP heads; encoder: last hidden state and pooled "
-                        "output (like transformers.BertModel); a fine-tuning task's outputs ("
+                        "output (like transformers.BertModel); embedding: one pooled (and, "
+                        "as model.task says, normalised) vector per text, as "
+                        "sentence-transformers encodes; a fine-tuning task's outputs ("
                         + "; ".join(f"{name}: {', '.join(task.outputs)}"
                                     for name, task in TASKS.items())
                         + ") need a checkpoint fine-tuned for it")

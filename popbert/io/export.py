@@ -35,7 +35,7 @@ from popbert.tasks import task_metadata as finetune_metadata
 
 log = logging.getLogger(__name__)
 
-TASKS = ("pretraining", "encoder", *FINETUNE_TASKS)
+TASKS = ("pretraining", "encoder", "embedding", *FINETUNE_TASKS)
 # The float formats an inference export may be written in (`popbert export --dtype`).
 EXPORT_DTYPES = ("float32", "float16")
 # ORT's fused CPU kernels (Attention, LayerNorm, GELU) reorder FP32 sums; logits of O(10) agree
@@ -321,6 +321,11 @@ def task_metadata(config: BertConfig, vocab: Path | None, task: str | None = Non
     meta = {f"{METADATA_PREFIX}lowercase": json.dumps(config.task.lowercase)}
     meta.update({f"{METADATA_PREFIX}{key}": json.dumps(value)
                  for key, value in finetune_metadata(config, task).items()})
+    if task == "embedding":  # what the vectors are, and the prompts a client puts first
+        meta.update({f"{METADATA_PREFIX}{key}": json.dumps(value) for key, value in (
+            ("pooling", config.task.pooling or "mean"),
+            ("normalize", bool(config.task.normalize)),
+            ("prompts", config.task.prompts or {}))})
     if vocab is not None:
         from popbert.data.tokenization import read_vocab_text
 
@@ -385,7 +390,7 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
     cfg = config_from_dict(restored.config,
                            source=str(find_checkpoint(checkpoint, warn=False)))  # said once
     metadata = vocab = None
-    if task in FINETUNE_TASKS:
+    if task in FINETUNE_TASKS or task == "embedding":  # served from text: its vocabulary
         vocab = checkpoint_vocab(checkpoint, cfg.data.vocab_file)
         metadata = task_metadata(cfg.model, vocab, task)
     if eval_data is not None and vocab is None:

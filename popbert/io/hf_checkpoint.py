@@ -136,6 +136,69 @@ def read_lowercase(model_dir: Path) -> bool:
     return bool(value) if value is not None else True
 
 
+# sentence-transformers' Pooling config keys → popbert's `model.task.pooling`.
+ST_POOLINGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
+               "pooling_mode_max_tokens": "max",
+               "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len"}
+
+
+@dataclass(frozen=True)
+class SentenceTransformer:
+    """What a sentence-transformers folder adds to its transformer: the pooling, whether the
+    vectors are normalised, the longest input and the prompts."""
+
+    model_dir: Path  # where the transformer's config.json and weights are
+    pooling: str
+    normalize: bool
+    max_seq_length: int | None
+    prompts: dict[str, str]
+
+
+def read_sentence_transformer(folder: Path) -> SentenceTransformer | None:
+    """A sentence-transformers folder's modules (`modules.json`: a Transformer, then Pooling,
+    then optionally Normalize), or None when `folder` is a plain Hugging Face directory. A
+    module or pooling mode popbert has no node for is one line naming it."""
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        return None
+    modules = read_json(modules_file, "sentence-transformers' modules.json", error=UsageError)
+    if not isinstance(modules, list) or not modules or not all(isinstance(m, dict)
+                                                               for m in modules):
+        raise UsageError(f"{modules_file}: expected a list of modules")
+    kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
+    paths = [str(m.get("path", "")) for m in modules]
+    if kinds[:2] != ["Transformer", "Pooling"] or any(k != "Normalize" for k in kinds[2:]):
+        raise UsageError(f"{modules_file}: modules {', '.join(kinds)}; popbert reads a "
+                         "Transformer, then Pooling, then optionally Normalize")
+    pooling_file = folder / paths[1] / "config.json"
+    config = _read_json(pooling_file, "sentence-transformers' Pooling config.json")
+    if isinstance(config.get("pooling_mode"), str):  # sentence-transformers 5 and later
+        named = [f"pooling_mode_{config['pooling_mode'].removesuffix('_tokens')}_tokens"
+                 if config["pooling_mode"] != "cls" else "pooling_mode_cls_token"]
+    else:
+        named = sorted(k for k, v in config.items() if k.startswith("pooling_mode") and v)
+    chosen = [ST_POOLINGS[k] for k in named if k in ST_POOLINGS]
+    if len(named) != 1 or not chosen:
+        raise UsageError(f"{pooling_file}: pooling {', '.join(named) or 'none'}; popbert pools "
+                         f"with one of {', '.join(ST_POOLINGS)}")
+    if config.get("include_prompt") is False:
+        raise UsageError(f"{pooling_file}: include_prompt false (the prompt's tokens left out "
+                         "of the pooling); popbert pools over every token")
+    settings = folder / "sentence_bert_config.json"
+    length = (_read_json(settings, "sentence_bert_config.json").get("max_seq_length")
+              if settings.is_file() else None)
+    tokenizer_config = folder / paths[0] / "tokenizer_config.json"
+    if length is None and tokenizer_config.is_file():  # sentence-transformers 5 keeps it here
+        length = _read_json(tokenizer_config, "tokenizer_config.json").get("model_max_length")
+        length = length if isinstance(length, int) and length < 1_000_000 else None
+    extra = folder / "config_sentence_transformers.json"
+    prompts = (_read_json(extra, "config_sentence_transformers.json").get("prompts") or {}
+               if extra.is_file() else {})
+    return SentenceTransformer(folder / paths[0], chosen[0], len(kinds) > 2,
+                               int(length) if length else None,
+                               {str(k): str(v) for k, v in prompts.items()})
+
+
 def _tokenizer_file(model_dir: Path, family: str) -> Path:
     """The directory's tokenizer: the one the family's checkpoints ship (`tokenizer.json` for
     ModernBERT, `vocab.txt` for BERT), the other where that one is absent."""
@@ -176,6 +239,10 @@ def import_hf(model_dir: Path, output_dir: Path, sequence_length: int | None = N
     if not model_dir.is_dir():
         raise UsageError(f"--model: not a directory: {model_dir}")
     _prepare_output(output_dir, IMPORT_REPORT, "--output-dir")
+    sentence = read_sentence_transformer(model_dir)
+    if sentence is not None:  # its transformer may sit in a subfolder (0_Transformer)
+        model_dir = sentence.model_dir
+        sequence_length = sequence_length or sentence.max_seq_length
     config_path = model_dir / "config.json"
     hf_config = _read_json(config_path, "a Hugging Face config.json")
     bert = config_from_hf(hf_config, str(config_path), sequence_length)
@@ -202,6 +269,9 @@ def import_hf(model_dir: Path, output_dir: Path, sequence_length: int | None = N
     # A tokenizer.json carries its own normaliser; only a vocab.txt needs the lowercase flag.
     lowercase = read_lowercase(model_dir) if vocab.name == VOCAB else True
     bert.task = TaskConfig(hf_architecture=architecture, lowercase=lowercase)
+    if sentence is not None:  # what `export --task embedding` pools and normalises
+        bert.task.pooling, bert.task.normalize = sentence.pooling, sentence.normalize
+        bert.task.prompts = sentence.prompts or None
     head = next((name for name in ("Classifier/B", "Tokens/Classifier/B") if name in weights),
                 None)
     if head is not None:

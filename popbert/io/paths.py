@@ -502,6 +502,11 @@ SQUAD_PREDICTIONS_OUTPUT = PathKind("a new file or earlier SQuAD predictions", o
                                     companions=(("nbest_predictions.json", _owns_nbest),))
 LABELS_OUTPUT = PathKind("a new file or earlier predict classify output", output=True,
                          owns=_owns_labelled_rows)
+EMBEDDINGS_OUTPUT = PathKind("a new file or earlier predict embed output (JSON lines or .npy)",
+                             output=True, owns=lambda path: path.is_file() and (
+                                 _head(path, 6) == b"\x93NUMPY" or (
+                                     _text(path) is None and "embedding" in
+                                     (_first_row(path) or {}))))
 TAGGED_OUTPUT = PathKind("a new file or an earlier predict ner output (CoNLL or JSON lines)",
                          output=True, owns=lambda path: path.is_file() and _tagged(path) is None)
 RANKED_OUTPUT = PathKind("a new file or earlier predict rerank output", output=True,
@@ -784,7 +789,8 @@ def check_output_directory(path: Path | None, flag: str = "--output-dir") -> Pat
 
 
 __all__ = ["BEIR", "CHECKPOINT", "CONFIG_FILE", "CONFIG_OUTPUT", "CONFIG_PATHS", "CORPUS",
-           "DATA_OUTPUT_DIR", "DATA_OUTPUT_FILE", "DUMP", "EXPORT_OUTPUT", "HF_EXPORT_OUTPUT",
+           "DATA_OUTPUT_DIR", "DATA_OUTPUT_FILE", "DUMP", "EMBEDDINGS_OUTPUT", "EXPORT_OUTPUT",
+           "HF_EXPORT_OUTPUT",
            "HF_MODEL", "IMPORT_OUTPUT", "LABELS_OUTPUT", "METRICS", "ONNX_MODEL", "OUTPUT_DIR",
            "OUTPUT_FILE", "PLOT_OUTPUT", "PREDICTIONS", "PREDICT_INPUTS", "RANKED_OUTPUT",
            "RERANK_ROWS", "ROWS", "ROWS_OR_LINES", "ROWS_OR_SQUAD", "RUN", "SHARDS", "SQUAD",

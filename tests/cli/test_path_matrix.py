@@ -325,6 +325,10 @@ def earlier_output(kind: PathKind, inputs: Inputs, n: int) -> Path:
         path = root / "ranked.jsonl"
         path.write_text('{"line": 1, "query": "q", "ranked": []}\n')
         return path
+    if kind is paths.EMBEDDINGS_OUTPUT:
+        path = root / "embeddings.jsonl"
+        path.write_text('{"line": 1, "embedding": [0.5, 0.5]}\n')
+        return path
     if kind is paths.TAGGED_OUTPUT:
         path = root / "tagged.conll"
         path.write_text("Paris B-LOC B-LOC\n\n")

@@ -1,0 +1,119 @@
+"""Sentence embeddings from an `embedding` export (`popbert predict embed`): one vector per
+text, pooled and (when the export says so) normalised inside the graph, as
+sentence-transformers' `encode` computes it from the same folder.
+
+Torch-free, as `popbert.serve.predict` is: ONNX Runtime or OpenVINO run the export.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from popbert.atomic import atomic_write_bytes, atomic_write_text
+from popbert.data.classification import ClassificationData, encode_classification_counted
+from popbert.errors import UsageError
+from popbert.serve.predict import ExportedModel, PredictStats, read_texts
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("jsonl", "npy")
+
+
+class EmbedPredictor(ExportedModel):
+    """An exported `embedding` model: texts in, vectors out (its pooling, normalisation and
+    prompts from its metadata)."""
+
+    def __init__(self, model: Path, threads: int | None = None) -> None:
+        super().__init__(model, "embedding", threads)
+        self.pooling = json.loads(self.meta.get("popbert.pooling", '"mean"'))
+        self.normalize = bool(json.loads(self.meta.get("popbert.normalize", "false")))
+        self.prompts: dict[str, str] = json.loads(self.meta.get("popbert.prompts", "{}"))
+
+    def embed(self, texts: list[str], batch_size: int = 32, prompt: str | None = None,
+              stats: PredictStats | None = None) -> np.ndarray:
+        """[N, H] float32 vectors of `texts`, each with the model's `prompt` put first."""
+        if prompt is not None:
+            if prompt not in self.prompts:
+                raise UsageError(f"--prompt {prompt}: {self.path} has "
+                                 + (f"the prompts {', '.join(self.prompts)}" if self.prompts
+                                    else "no prompts"))
+            texts = [self.prompts[prompt] + text for text in texts]
+        data = ClassificationData(Path("texts"), list(texts), None, None,
+                                  list(range(1, len(texts) + 1)))
+        arrays, truncated = encode_classification_counted(data, self.text_tokenizer,
+                                                          self.sequence_length)
+        vectors = self.run(arrays, batch_size, stats=stats)["embedding"]
+        if stats is not None:
+            stats.examples += len(texts)
+            stats.truncated = (stats.truncated or 0) + truncated
+        return vectors.astype(np.float32)
+
+
+def predict_embed(model: Path, data: Path, output: Path, batch_size: int = 32,
+                  threads: int | None = None, fmt: str | None = None,
+                  prompt: str | None = None, text_column: str | None = None) -> int:
+    """`popbert predict embed`: the vector of every text of `data` (a .txt file, a text a line,
+    or rows as `predict classify` reads them), written as JSON lines (`line`, `embedding`) or,
+    `fmt="npy"` (default for a .npy output), one [N, H] float32 array. Returns the texts."""
+    fmt = fmt or ("npy" if Path(output).suffix.lower() == ".npy" else "jsonl")
+    if fmt not in FORMATS:
+        raise UsageError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
+    predictor = EmbedPredictor(model, threads)
+    rows = read_texts(data, text_column)
+    stats = PredictStats()
+    started = time.perf_counter()
+    vectors = predictor.embed(rows.texts, batch_size, prompt, stats)
+    stats.seconds += time.perf_counter() - started
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "npy":
+        buffer = io.BytesIO()
+        np.save(buffer, vectors)
+        atomic_write_bytes(output, buffer.getvalue())
+    else:
+        atomic_write_text(output, "".join(
+            json.dumps({"line": line, "embedding": [float(x) for x in vector]}) + "\n"
+            for line, vector in zip(rows.lines, vectors)))
+    log.info("embedded %d texts of %s with %s (%s pooling%s): %s", len(vectors), data, model,
+             predictor.pooling, ", normalised" if predictor.normalize else "", output)
+    log.info("predict: %s", stats.describe("texts"))
+    return len(vectors)
+
+
+def evaluate_retrieval(model: Path, directory: Path, split: str = "test",
+                       batch_size: int = 32, threads: int | None = None,
+                       query_prompt: str | None = None,
+                       document_prompt: str | None = None) -> dict[str, float]:
+    """`popbert evaluate retrieval`: embed a BEIR directory's judged queries and its whole
+    corpus, rank every document for each query by cosine similarity (exact search) and return
+    nDCG@10, MRR@10 and Recall@100 (`popbert.data.retrieval.ranking_metrics`)."""
+    from popbert.data.retrieval import ranking_metrics, read_beir
+
+    predictor = EmbedPredictor(model, threads)
+    beir = read_beir(directory, split)
+    documents = sorted(beir.corpus)
+    queries = sorted(beir.qrels)
+    stats = PredictStats()
+    started = time.perf_counter()
+    corpus = predictor.embed([beir.corpus[d] for d in documents], batch_size,
+                             document_prompt, stats)
+    asked = predictor.embed([beir.queries[q] for q in queries], batch_size, query_prompt,
+                            stats)
+    stats.seconds += time.perf_counter() - started
+    corpus /= np.maximum(np.linalg.norm(corpus, axis=1, keepdims=True), 1e-12)
+    asked /= np.maximum(np.linalg.norm(asked, axis=1, keepdims=True), 1e-12)
+    scores = asked @ corpus.T
+    run = {q: dict(zip(documents, map(float, scores[i]))) for i, q in enumerate(queries)}
+    metrics = ranking_metrics(run, beir.qrels)
+    log.info("retrieved from %d documents for %d queries of %s: nDCG@10 %.4f, MRR@10 %.4f",
+             len(documents), len(queries), directory, metrics["ndcg@10"], metrics["mrr@10"])
+    log.info("predict: %s", stats.describe("texts"))
+    return {**metrics, "documents": len(documents)}
+
+
+__all__ = ["FORMATS", "EmbedPredictor", "evaluate_retrieval", "predict_embed"]

@@ -1,0 +1,154 @@
+"""Sentence embeddings against sentence-transformers with the same weights: a
+sentence-transformers folder imported with `popbert import-hf`, exported with `--task
+embedding` (pooling and normalisation as graph nodes) and run by `popbert predict embed` gives
+`SentenceTransformer.encode`'s vectors; `popbert evaluate retrieval` ranks as exact cosine search
+over those vectors does, scored as pytrec_eval scores.
+
+Tolerance: 1e-5 on each vector component (the float32 encoder, pooling and normalisation of two
+implementations; measured 1.5e-7 on the real all-MiniLM-L6-v2).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytrec_eval
+import torch
+
+from popbert.cli.main import main
+from popbert.data.retrieval import read_beir
+
+BEIR = Path(__file__).parent.parent / "fixtures" / "retrieval"
+
+
+def texts() -> list[str]:
+    """Real text of mixed lengths: the fixture's Wikipedia leads, and two short ones."""
+    corpus = [" ".join(json.loads(line)["text"].split())
+              for line in (BEIR / "corpus.jsonl").read_text().splitlines()]
+    return corpus[:10] + ["short", "Two words"]
+
+
+def embed(model: Path, data: Path, output: Path, *extra: str) -> np.ndarray:
+    assert main(["predict", "embed", "--model", str(model), "--data", str(data), "-o",
+                 str(output), *extra]) == 0
+    if output.suffix == ".npy":
+        return np.load(output)
+    return np.array([json.loads(line)["embedding"] for line in output.read_text().splitlines()])
+
+
+@pytest.fixture(scope="module")
+def minilm_embedding(minilm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("minilm-embedding")
+    assert main(["import-hf", "--model", str(minilm_dir), "--output-dir",
+                 str(root / "ckpt")]) == 0
+    assert main(["export", "--checkpoint", str(root / "ckpt"), "--task", "embedding",
+                 "--output", str(root / "embedding.onnx")]) == 0
+    return root / "embedding.onnx"
+
+
+@pytest.mark.e2e
+def test_a_real_sentence_transformer_embeds_as_sentence_transformers(
+        minilm_dir: Path, minilm_embedding: Path, tmp_path: Path) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    data = tmp_path / "texts.txt"
+    data.write_text("\n".join(texts()) + "\n")
+    reference = SentenceTransformer(str(minilm_dir), device="cpu").encode(texts())
+    for output in (tmp_path / "vectors.jsonl", tmp_path / "vectors.npy"):
+        ours = embed(minilm_embedding, data, output)
+        assert ours.shape == reference.shape == (12, 384)
+        np.testing.assert_allclose(ours, reference, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)  # normalised
+
+
+@pytest.mark.e2e
+def test_retrieval_is_exact_cosine_search_scored_as_trec_eval(
+        minilm_dir: Path, minilm_embedding: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    capsys.readouterr()
+    assert main(["evaluate", "retrieval", "--model", str(minilm_embedding), "--beir",
+                 str(BEIR)]) == 0
+    ours = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    beir = read_beir(BEIR)
+    model = SentenceTransformer(str(minilm_dir), device="cpu")
+    documents, queries = sorted(beir.corpus), sorted(beir.qrels)
+    scores = model.similarity(model.encode([beir.queries[q] for q in queries]),
+                              model.encode([beir.corpus[d] for d in documents])).numpy()
+    run = {q: {d: float(scores[i, j]) for j, d in enumerate(documents)}
+           for i, q in enumerate(queries)}
+    result = pytrec_eval.RelevanceEvaluator(
+        {q: dict(v) for q, v in beir.qrels.items()}, {"ndcg_cut_10", "recall_100"}).evaluate(run)
+    assert ours["ndcg@10"] == pytest.approx(
+        statistics.mean(r["ndcg_cut_10"] for r in result.values()), abs=1e-6)
+    assert ours["recall@100"] == pytest.approx(
+        statistics.mean(r["recall_100"] for r in result.values()), abs=1e-6)
+    assert ours["queries"] == 30 and ours["documents"] == 60
+
+
+def small_sentence_transformer(directory: Path, pooling: str, normalize: bool,
+                               prompts: dict[str, str] | None = None) -> None:
+    """A random one-layer BERT with the bundled vocabulary, as a sentence-transformers folder
+    with `pooling` (and Normalize)."""
+    import transformers
+    from sentence_transformers import SentenceTransformer, models
+
+    from popbert.data.tokenization import bundled_vocab_path
+
+    torch.manual_seed(3)
+    base = directory.parent / f"{directory.name}-bert"
+    vocab = bundled_vocab_path()
+    config = transformers.BertConfig(vocab_size=len(vocab.read_text().splitlines()),
+                                     hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=64)
+    transformers.BertModel(config).save_pretrained(str(base))
+    transformers.BertTokenizerFast(str(vocab), do_lower_case=True).save_pretrained(str(base))
+    transformer = models.Transformer(str(base), max_seq_length=48)
+    modules = [transformer, models.Pooling(32, pooling_mode=pooling)]
+    if normalize:
+        modules.append(models.Normalize())
+    SentenceTransformer(modules=modules, prompts=prompts or {}, device="cpu").save(
+        str(directory))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("pooling", "normalize"), [("cls", False), ("max", True),
+                                                    ("mean_sqrt_len_tokens", False)])
+def test_every_pooling_and_prompts_as_sentence_transformers(pooling: str, normalize: bool,
+                                                            tmp_path: Path) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    folder = tmp_path / "st"
+    small_sentence_transformer(folder, pooling, normalize, {"query": "search_query: "})
+    assert main(["import-hf", "--model", str(folder), "--output-dir", str(tmp_path / "ckpt")
+                 ]) == 0
+    model = tmp_path / "embedding.onnx"
+    assert main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--task", "embedding",
+                 "--output", str(model)]) == 0
+    data = tmp_path / "texts.txt"
+    data.write_text("\n".join(texts()) + "\n")
+    reference = SentenceTransformer(str(folder), device="cpu")
+    np.testing.assert_allclose(embed(model, data, tmp_path / "plain.npy"),
+                               reference.encode(texts()), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(embed(model, data, tmp_path / "query.npy", "--prompt", "query"),
+                               reference.encode(texts(), prompt_name="query"), atol=1e-5,
+                               rtol=0)
+
+
+def test_a_pooling_popbert_has_no_node_for_is_one_line(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    folder = tmp_path / "st"
+    small_sentence_transformer(folder, "weightedmean", False)
+    capsys.readouterr()
+    assert main(["import-hf", "--model", str(folder), "--output-dir",
+                 str(tmp_path / "ckpt")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines()
+              if line.startswith("popbert: error:")]
+    assert len(errors) == 1 and "pooling_mode_weightedmean_tokens" in errors[0], errors
+    assert not (tmp_path / "ckpt").exists()

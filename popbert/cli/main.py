@@ -675,9 +675,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--architecture", default=None, metavar="CLASS",
                    help="the transformers class to write, one of the checkpoint's family "
                         "(BertModel, BertForPreTraining, BertForMaskedLM, "
-                        "BertForQuestionAnswering, BertForSequenceClassification; "
-                        "ModernBertModel, ModernBertForMaskedLM, "
-                        "ModernBertForQuestionAnswering, ModernBertForSequenceClassification); "
+                        "BertForQuestionAnswering, BertForSequenceClassification, "
+                        "BertForTokenClassification; ModernBertModel, ModernBertForMaskedLM, "
+                        "ModernBertForQuestionAnswering, ModernBertForSequenceClassification, "
+                        "ModernBertForTokenClassification); "
                         "default: the imported or fine-tuned model's class, else the one that "
                         "holds exactly the checkpoint's heads")
     p.set_defaults(handler=_cmd_export_hf)

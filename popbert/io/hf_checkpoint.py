@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from popbert.atomic import atomic_directory
-from popbert.builders.bert_config import TaskConfig
+from popbert.builders.bert_config import BertConfig, TaskConfig
 from popbert.builders.families import FAMILIES
 from popbert.errors import CheckpointError, UsageError, one_line
 from popbert.io import hf_mapping as hf
@@ -430,8 +430,35 @@ def export_hf(checkpoint: Path, output_dir: Path, architecture: str | None = Non
             (tmp / "tokenizer_config.json").write_text(json.dumps({
                 "tokenizer_class": "BertTokenizer", "do_lower_case": cfg.model.task.lowercase,
                 **special}, indent=2))
-    log.info("wrote %s (%s, %d tensors)", output_dir, architecture, len(state))
+        if cfg.model.task.pooling is not None and architecture == FAMILIES[family].hf_base:
+            _write_sentence_transformer(tmp, cfg.model)
+    log.info("wrote %s (%s, %d tensors%s)", output_dir, architecture, len(state),
+             ", a sentence-transformers folder" if cfg.model.task.pooling else "")
     return output_dir
+
+
+def _write_sentence_transformer(directory: Path, model: BertConfig) -> None:
+    """The files that make a Hugging Face encoder directory a sentence-transformers folder with
+    the checkpoint's pooling, normalisation, length and prompts (the layout
+    `read_sentence_transformer` reads, in sentence-transformers' classic form)."""
+    task = model.task
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if task.normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+        (directory / "2_Normalize").mkdir()
+    (directory / "modules.json").write_text(json.dumps(modules, indent=2))
+    (directory / "1_Pooling").mkdir()
+    flags = {key: task.pooling == mode for key, mode in ST_POOLINGS.items()}
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": model.hidden_size, **flags}, indent=2))
+    (directory / "sentence_bert_config.json").write_text(json.dumps(
+        {"max_seq_length": model.sequence_length, "do_lower_case": False}, indent=2))
+    (directory / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": task.prompts or {}, "default_prompt_name": None}, indent=2))
 
 
 __all__ = ["ImportReport", "bert_config_from_hf", "checkpoint_vocab", "config_from_hf", "export_hf",

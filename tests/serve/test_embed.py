@@ -152,3 +152,23 @@ def test_a_pooling_popbert_has_no_node_for_is_one_line(tmp_path: Path,
               if line.startswith("popbert: error:")]
     assert len(errors) == 1 and "pooling_mode_weightedmean_tokens" in errors[0], errors
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.e2e
+def test_export_hf_writes_a_sentence_transformers_folder_back(
+        minilm_dir: Path, tmp_path: Path) -> None:
+    """An embedding checkpoint goes back out as a folder `SentenceTransformer(path)` loads,
+    with its pooling, normalisation, length and prompts, giving the same vectors."""
+    from sentence_transformers import SentenceTransformer
+
+    assert main(["import-hf", "--model", str(minilm_dir), "--output-dir",
+                 str(tmp_path / "ckpt")]) == 0
+    out = tmp_path / "st"
+    assert main(["export-hf", "--checkpoint", str(tmp_path / "ckpt"), "--output-dir",
+                 str(out)]) == 0
+    back = SentenceTransformer(str(out), device="cpu")
+    original = SentenceTransformer(str(minilm_dir), device="cpu")
+    assert back.max_seq_length == original.max_seq_length == 256
+    np.testing.assert_allclose(back.encode(texts()), original.encode(texts()), atol=1e-6,
+                               rtol=0)
+    assert main(["import-hf", "--model", str(out), "--output-dir", str(tmp_path / "again")]) == 0

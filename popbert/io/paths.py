@@ -361,7 +361,10 @@ def _metrics(path: Path, args: Any = None) -> str | None:
 
 IR_FILES = frozenset({"model.xml", "model.bin"})
 HF_EXPORT_FILES = frozenset({"config.json", "model.safetensors", "vocab.txt", "tokenizer.json",
-                             "tokenizer_config.json"})
+                             "tokenizer_config.json",
+                             # an embedding checkpoint's sentence-transformers files
+                             "modules.json", "1_Pooling", "2_Normalize",
+                             "sentence_bert_config.json", "config_sentence_transformers.json"})
 
 
 def _entries(path: Path) -> set[str]:

@@ -172,3 +172,5 @@ def test_export_hf_writes_a_sentence_transformers_folder_back(
     np.testing.assert_allclose(back.encode(texts()), original.encode(texts()), atol=1e-6,
                                rtol=0)
     assert main(["import-hf", "--model", str(out), "--output-dir", str(tmp_path / "again")]) == 0
+    assert main(["export-hf", "--checkpoint", str(tmp_path / "again"), "--output-dir",
+                 str(out)]) == 0  # its own earlier output is replaced

@@ -174,3 +174,70 @@ def test_export_hf_writes_a_sentence_transformers_folder_back(
     assert main(["import-hf", "--model", str(out), "--output-dir", str(tmp_path / "again")]) == 0
     assert main(["export-hf", "--checkpoint", str(tmp_path / "again"), "--output-dir",
                  str(out)]) == 0  # its own earlier output is replaced
+
+
+@pytest.mark.e2e
+def test_the_openvino_embedding_export_gives_the_same_vectors(
+        minilm_embedding: Path, tmp_path: Path) -> None:
+    checkpoint = minilm_embedding.parent / "ckpt"
+    ir = tmp_path / "ir"
+    assert main(["export", "--checkpoint", str(checkpoint), "--task", "embedding", "--runtime",
+                 "openvino", "--precision", "f32", "--output", str(ir)]) == 0
+    data = tmp_path / "texts.txt"
+    data.write_text("\n".join(texts()) + "\n")
+    np.testing.assert_allclose(embed(ir, data, tmp_path / "ir.npy"),
+                               embed(minilm_embedding, data, tmp_path / "onnx.npy"),
+                               atol=1e-5, rtol=0)
+
+
+def small_modernbert_sentence_transformer(directory: Path) -> None:
+    """A random two-layer ModernBERT with a small WordPiece tokenizer.json, as a
+    sentence-transformers folder (mean pooling, Normalize)."""
+    import transformers
+    from sentence_transformers import SentenceTransformer, models
+    from tokenizers import Tokenizer, pre_tokenizers, processors
+    from tokenizers import models as token_models
+
+    torch.manual_seed(0)
+    base = directory.parent / f"{directory.name}-modernbert"
+    vocab = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"] + [chr(c) for c in range(97, 123)]
+    vocab += ["the", "of", "and", "is", "in", "a", "to", "was", "##s", "##ed"]
+    vocab += [f"w{i}" for i in range(256 - len(vocab))]
+    config = transformers.ModernBertConfig(
+        vocab_size=len(vocab), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=96, max_position_embeddings=128, global_attn_every_n_layers=1,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    transformers.ModernBertModel(config).save_pretrained(str(base))
+    tokenizer = Tokenizer(token_models.WordPiece({w: i for i, w in enumerate(vocab)},
+                                                 unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+        special_tokens=[("[CLS]", 1), ("[SEP]", 2)])
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+        sep_token="[SEP]", mask_token="[MASK]").save_pretrained(str(base))
+    SentenceTransformer(modules=[models.Transformer(str(base), max_seq_length=64),
+                                 models.Pooling(64, pooling_mode="mean"), models.Normalize()],
+                        device="cpu").save(str(directory))
+
+
+@pytest.mark.e2e
+def test_a_modernbert_sentence_transformer_embeds_as_sentence_transformers(
+        tmp_path: Path) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    folder = tmp_path / "st"
+    small_modernbert_sentence_transformer(folder)
+    assert main(["import-hf", "--model", str(folder), "--output-dir", str(tmp_path / "ckpt")
+                 ]) == 0
+    model = tmp_path / "embedding.onnx"
+    assert main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--task", "embedding",
+                 "--output", str(model)]) == 0
+    lines = ["the cat is in a hat", "of and the", "a w12 w13 was to", "the dog barked",
+             " ".join(["the"] * 80)]  # over the 64-token length: cut as sentence-transformers
+    data = tmp_path / "texts.txt"
+    data.write_text("\n".join(lines) + "\n")
+    np.testing.assert_allclose(embed(model, data, tmp_path / "vectors.npy"),
+                               SentenceTransformer(str(folder), device="cpu").encode(lines),
+                               atol=1e-5, rtol=0)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from popbert.data.errors import DataError
 from popbert.textfile import read_text
@@ -94,6 +95,13 @@ def ranked(scores: Mapping[str, float]) -> list[str]:
     return sorted(by_id, key=lambda document: -scores[document])
 
 
+def run_of(scores: Any, queries: Sequence[str], documents: Sequence[str]
+           ) -> dict[str, dict[str, float]]:
+    """A [queries, documents] score matrix as a run (query id → document id → score)."""
+    return {query: dict(zip(documents, map(float, scores[row])))
+            for row, query in enumerate(queries)}
+
+
 def ranking_metrics(run: Run, qrels: Qrels, k: int = 10, recall_k: int = 100
                     ) -> dict[str, float]:
     """nDCG@k (trec_eval's ndcg_cut: gain = grade, log2 discount), MRR@k (the reciprocal rank
@@ -119,4 +127,4 @@ def ranking_metrics(run: Run, qrels: Qrels, k: int = 10, recall_k: int = 100
             "queries": n}
 
 
-__all__ = ["Qrels", "RetrievalSet", "Run", "ranked", "ranking_metrics", "read_beir"]
+__all__ = ["Qrels", "RetrievalSet", "Run", "ranked", "ranking_metrics", "read_beir", "run_of"]

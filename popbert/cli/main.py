@@ -254,7 +254,12 @@ def _add_rerank_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=paths.ONNX_MODEL, required=True, metavar="FILE.onnx",
                    help="a classification export with one output (finetune classify "
                         "--regression) or two labels, the second 'relevant'")
-    p.add_argument("--batch-size", type=int, default=32, help="pairs per run")
+    _add_runtime_options(p, 32, "pairs per run")
+
+
+def _add_runtime_options(p: argparse.ArgumentParser, batch_size: int, per_run: str) -> None:
+    """How an export is run by the commands that serve it (predict, evaluate)."""
+    p.add_argument("--batch-size", type=int, default=batch_size, help=per_run)
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
 
 
@@ -474,8 +479,7 @@ def _add_evaluate_commands(sub, common: argparse.ArgumentParser) -> None:
                    help="the model's prompt put before each query (e.g. query)")
     p.add_argument("--document-prompt", default=None, metavar="NAME",
                    help="the model's prompt put before each document")
-    p.add_argument("--batch-size", type=int, default=32, help="texts per run")
-    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    _add_runtime_options(p, 32, "texts per run")
     p.set_defaults(handler=_cmd_evaluate_retrieval)
 
 
@@ -493,9 +497,7 @@ def _add_predict_commands(sub, common: argparse.ArgumentParser) -> None:
                    metavar="FILE.json")
     p.add_argument("--n-best-size", type=int, default=20)
     p.add_argument("--max-answer-length", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=16,
-                   help="windows per run (a fixed-batch export uses its own)")
-    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    _add_runtime_options(p, 16, "windows per run (a fixed-batch export uses its own)")
     p.set_defaults(handler=_cmd_predict_squad)
     p = tasks.add_parser("classify", parents=[common],
                          help="label texts with a classification ONNX export",
@@ -514,9 +516,7 @@ def _add_predict_commands(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--label-column", default=None,
                    help="gold labels, scored (default: the label column, where the file has "
                         "one)")
-    p.add_argument("--batch-size", type=int, default=16,
-                   help="rows per run (a fixed-batch export uses its own)")
-    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    _add_runtime_options(p, 16, "rows per run (a fixed-batch export uses its own)")
     p.set_defaults(handler=_cmd_predict_classify)
     p = tasks.add_parser("embed", parents=[common],
                          help="one vector per text with an embedding export",
@@ -534,8 +534,7 @@ def _add_predict_commands(sub, common: argparse.ArgumentParser) -> None:
                    help="put the model's prompt of this name first (e.g. query), as "
                         "sentence-transformers' encode(prompt_name=...)")
     p.add_argument("--text-column", default=None, help="rows' text column")
-    p.add_argument("--batch-size", type=int, default=32, help="texts per run")
-    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    _add_runtime_options(p, 32, "texts per run")
     p.set_defaults(handler=_cmd_predict_embed)
     p = tasks.add_parser("ner", parents=[common], aliases=["token-classification"],
                          help="tag each word with a token-classification export",
@@ -549,8 +548,7 @@ def _add_predict_commands(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--output", "-o", type=paths.TAGGED_OUTPUT, required=True, metavar="FILE")
     p.add_argument("--tag-scheme", choices=("IOB1", "IOB2", "BIOES"), default=None,
                    help="the file's tag scheme, when it has tags (default: detected)")
-    p.add_argument("--batch-size", type=int, default=16, help="windows per run")
-    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    _add_runtime_options(p, 16, "windows per run")
     p.set_defaults(handler=_cmd_predict_ner)
     p = tasks.add_parser("rerank", parents=[common],
                          help="sort each query's candidates by a cross-encoder's score",

@@ -18,6 +18,7 @@ import numpy as np
 from popbert.atomic import atomic_write_bytes, atomic_write_text
 from popbert.data.classification import ClassificationData, encode_classification_counted
 from popbert.errors import UsageError
+from popbert.graph.annotations import METADATA_PREFIX
 from popbert.serve.predict import ExportedModel, PredictStats, read_texts
 
 log = logging.getLogger(__name__)
@@ -31,9 +32,10 @@ class EmbedPredictor(ExportedModel):
 
     def __init__(self, model: Path, threads: int | None = None) -> None:
         super().__init__(model, "embedding", threads)
-        self.pooling = json.loads(self.meta.get("popbert.pooling", '"mean"'))
-        self.normalize = bool(json.loads(self.meta.get("popbert.normalize", "false")))
-        self.prompts: dict[str, str] = json.loads(self.meta.get("popbert.prompts", "{}"))
+        self.pooling = json.loads(self.meta.get(f"{METADATA_PREFIX}pooling", '"mean"'))
+        self.normalize = bool(json.loads(self.meta.get(f"{METADATA_PREFIX}normalize", "false")))
+        self.prompts: dict[str, str] = json.loads(self.meta.get(f"{METADATA_PREFIX}prompts",
+                                                                "{}"))
 
     def embed(self, texts: list[str], batch_size: int = 32, prompt: str | None = None,
               stats: PredictStats | None = None) -> np.ndarray:
@@ -92,7 +94,7 @@ def evaluate_retrieval(model: Path, directory: Path, split: str = "test",
     """`popbert evaluate retrieval`: embed a BEIR directory's judged queries and its whole
     corpus, rank every document for each query by cosine similarity (exact search) and return
     nDCG@10, MRR@10 and Recall@100 (`popbert.data.retrieval.ranking_metrics`)."""
-    from popbert.data.retrieval import ranking_metrics, read_beir
+    from popbert.data.retrieval import ranking_metrics, read_beir, run_of
 
     predictor = EmbedPredictor(model, threads)
     beir = read_beir(directory, split)
@@ -107,9 +109,7 @@ def evaluate_retrieval(model: Path, directory: Path, split: str = "test",
     stats.seconds += time.perf_counter() - started
     corpus /= np.maximum(np.linalg.norm(corpus, axis=1, keepdims=True), 1e-12)
     asked /= np.maximum(np.linalg.norm(asked, axis=1, keepdims=True), 1e-12)
-    scores = asked @ corpus.T
-    run = {q: dict(zip(documents, map(float, scores[i]))) for i, q in enumerate(queries)}
-    metrics = ranking_metrics(run, beir.qrels)
+    metrics = ranking_metrics(run_of(asked @ corpus.T, queries, documents), beir.qrels)
     log.info("retrieved from %d documents for %d queries of %s: nDCG@10 %.4f, MRR@10 %.4f",
              len(documents), len(queries), directory, metrics["ndcg@10"], metrics["mrr@10"])
     log.info("predict: %s", stats.describe("texts"))

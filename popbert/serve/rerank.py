@@ -19,7 +19,7 @@ import numpy as np
 
 from popbert.atomic import atomic_write_text
 from popbert.data.classification import ClassificationData
-from popbert.data.retrieval import ranked, ranking_metrics, read_beir
+from popbert.data.retrieval import ranked, ranking_metrics, read_beir, run_of
 from popbert.errors import UsageError
 from popbert.serve.predict import ClassifyPredictor, PredictStats
 from popbert.textfile import read_text
@@ -119,7 +119,7 @@ def evaluate_rerank(model: Path, directory: Path, split: str = "test",
                          [beir.corpus[d] for _ in queries for d in documents], batch_size,
                          stats).reshape(len(queries), len(documents))
     stats.seconds += time.perf_counter() - started
-    run = {q: dict(zip(documents, map(float, scores[i]))) for i, q in enumerate(queries)}
+    run = run_of(scores, queries, documents)
     metrics = ranking_metrics(run, beir.qrels)
     log.info("reranked %d documents for each of %d queries of %s: nDCG@10 %.4f, MRR@10 %.4f",
              len(documents), len(queries), directory, metrics["ndcg@10"], metrics["mrr@10"])

@@ -28,6 +28,7 @@ from popbert.data.token_classification import (
     entity_metrics,
     label_list,
     read_tagged,
+    write_conll,
 )
 from popbert.data.tokenization import load_tokenizer
 from popbert.errors import UsageError
@@ -93,8 +94,6 @@ class TokenClassificationRun:
         """Tag the evaluation sentences: entity precision, recall and F1, overall and per type
         (eval_results.json), and each word with its gold and predicted tag
         (eval_predictions.conll)."""
-        from popbert.data.token_classification import write_conll
-
         logits = infer(self.eval_arrays)["logits"]
         predicted = decode_tags(self.eval_data, self.eval_windows, logits.argmax(axis=-1),
                                 self.labels)

@@ -194,11 +194,7 @@ def finetune_config(task: str, checkpoint: str | Path, train_file: str | Path,
 
 def _flat(section: Any, prefix: str) -> dict[str, Any]:
     """A config section's values by dotted key (nested sections flattened)."""
-    out: dict[str, Any] = {}
-    for name, value in dataclasses.asdict(section).items():
-        key = f"{prefix}.{name}"
-        out.update(_flat_dict(value, key) if isinstance(value, dict) else {key: value})
-    return out
+    return _flat_dict(dataclasses.asdict(section), prefix)
 
 
 def _flat_dict(values: dict[str, Any], prefix: str) -> dict[str, Any]:

@@ -71,6 +71,7 @@ class Encoded:
     hidden: str
     pooled: str | None  # None: an MLM-only model has no pooler
     word_table: str
+    input_mask: str | None = None  # [rows, S] 1 on real tokens (None for packed rows)
 
 
 # A task head adds its own inputs (labels, positions), computes its outputs into
@@ -123,15 +124,24 @@ def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = 
     seq: int | str = SEQUENCE if dynamic_sequence else config.sequence_length
     graph.sequence_length = seq
     family = family_of(config)
-    inputs = Inputs(graph.add_input("input_ids", [batch_size, seq]))
+    # A training row of several texts (an embedding pair: anchor, positive, negatives) has
+    # inputs [batch, texts, sequence]; the encoder reads them as [batch x texts, sequence].
+    texts = config.task.texts if with_loss and task == config.task.name else None
+    shape = [batch_size, texts, seq] if texts else [batch_size, seq]
+
+    def text_input(name: str) -> str:
+        tensor = graph.add_input(name, shape)
+        return b.aiOnnx.flatten([tensor], f"{name}/Texts", axis=2) if texts else tensor
+
+    inputs = Inputs(text_input("input_ids"))
     if family.segments:
-        inputs.segment_ids = graph.add_input("segment_ids", [batch_size, seq])
+        inputs.segment_ids = text_input("segment_ids")
     if config.packed:
         # Packed rows: positions restart per sequence and attention stays within a sequence.
         inputs.position_ids = graph.add_input("position_ids", [batch_size, seq])
         inputs.sequence_index = graph.add_input("sequence_index", [batch_size, seq])
     else:
-        inputs.input_mask = graph.add_input("input_mask", [batch_size, seq])
+        inputs.input_mask = text_input("input_mask")
 
     with plan.scope(b, plan.embeddings):
         embedded = family.embed(b, config, init, inputs, seq, dynamic_sequence)
@@ -146,7 +156,7 @@ def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = 
 
     with plan.scope(b, plan.heads):
         pooled = family.pool(b, config, init, graph, hidden, embedded.context, task)
-        encoded = Encoded(hidden, pooled, embedded.word_table)
+        encoded = Encoded(hidden, pooled, embedded.word_table, inputs.input_mask)
         TASK_HEADS[task](b, config, init, graph, encoded, with_loss)
         # Outputs get plain names ("loss", "mlm_accuracy", ...) users can ask for.
         for role, tensor in graph.outputs.items():
@@ -163,48 +173,6 @@ def encoder_outputs(b: Builder, config: BertConfig, init: layers.WeightInit, gra
     graph.outputs["last_hidden_state"] = encoded.hidden
     if encoded.pooled is not None:
         graph.outputs["pooler_output"] = encoded.pooled
-
-
-@register_task("embedding")
-def embedding_outputs(b: Builder, config: BertConfig, init: layers.WeightInit,
-                      graph: BertGraph, encoded: Encoded, with_loss: bool) -> None:
-    """One vector per text, `embedding` [B, H]: the token states pooled over the real tokens
-    as `model.task.pooling` says (sentence-transformers' Pooling: mean, the [CLS] state, the
-    max, or the sum over the square root of the length; default mean), then L2-normalised when
-    `model.task.normalize` (its Normalize: x / max(|x|, 1e-12)). No loss: inference only."""
-    hidden = encoded.hidden
-    pooling = config.task.pooling or "mean"
-    with b.nameScope("Embedding"):
-        seq_axis = b.addConstant(np.array([1], np.int64), "seq_axis")
-        if pooling == "cls":
-            pooled = b.aiOnnx.gather([hidden, b.addConstant(np.array(0, np.int64), "cls")],
-                                     "CLS", axis=1)
-        else:
-            keep = layers.padding_keep(b, graph.inputs["input_mask"])  # [B, S, 1]
-            if pooling == "max":  # padded tokens at -1e9, as sentence-transformers sets them
-                low = b.aiOnnx.mul([b.aiOnnx.sub([keep, layers.scalar(b, 1.0, np.float32,
-                                                                      "one")], "Padded"),
-                                    layers.scalar(b, 1e9, np.float32, "big")], "Low")
-                pooled = b.aiOnnx.reducemax([b.aiOnnx.add([b.aiOnnx.mul([hidden, keep], "Real"),
-                                                           low], "Masked"), seq_axis],
-                                            "Max", keepdims=0)
-            else:
-                total = b.aiOnnx.reducesum([b.aiOnnx.mul([hidden, keep], "Real"), seq_axis],
-                                           "Sum", keepdims=0)
-                count = b.aiOnnx.max([b.aiOnnx.reducesum([keep, seq_axis], "Count",
-                                                         keepdims=0),
-                                      layers.scalar(b, 1e-9, np.float32, "tiny")], "AtLeast")
-                if pooling == "mean_sqrt_len":
-                    count = b.aiOnnx.sqrt([count], "SqrtLength")
-                pooled = b.aiOnnx.div([total, count], "Mean")
-        if config.task.normalize:
-            square = b.aiOnnx.reducesum([b.aiOnnx.mul([pooled, pooled], "Square"),
-                                         b.addConstant(np.array([-1], np.int64), "last")],
-                                        "SumSquare", keepdims=1)
-            norm = b.aiOnnx.max([b.aiOnnx.sqrt([square], "L2"),
-                                 layers.scalar(b, 1e-12, np.float32, "eps")], "Norm")
-            pooled = b.aiOnnx.div([pooled, norm], "Normalize")
-    graph.outputs["embedding"] = pooled
 
 
 @register_task("pretraining")

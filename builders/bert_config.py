@@ -16,6 +16,7 @@ from popbert.rules import (
     POSITIVE_INT,
     Invalid,
     Rule,
+    above,
     at_least,
     check_fields,
     one_of,
@@ -24,7 +25,10 @@ from popbert.rules import (
 )
 
 # The fine-tuning tasks a checkpoint can be for (`model.task.name`); None = none (pre-training).
-TASK_NAMES = ("squad", "classification", "token-classification")
+TASK_NAMES = ("squad", "classification", "token-classification", "embedding")
+# How an embedding model is trained (`model.task.loss`): in-batch negatives (InfoNCE /
+# sentence-transformers' MultipleNegativesRankingLoss), or CoSENT on scored pairs.
+EMBEDDING_LOSSES = ("mnrl", "cosent")
 # How an embedding export pools token states into one vector (sentence-transformers' names).
 POOLINGS = ("mean", "cls", "max", "mean_sqrt_len")
 # The encoders the builder emits (`model.architecture`).
@@ -60,10 +64,24 @@ class TaskConfig:
     pooling: str | None = setting(None, one_of(POOLINGS).or_null())
     normalize: bool | None = None
     prompts: dict[str, str] | None = None
+    # embedding training (`popbert finetune embedding`): the texts of one training row (anchor,
+    # positive, hard negatives; or a scored pair's two), so the training graph's inputs are
+    # [batch, texts, sequence]; the loss, its similarity scale, whether in-batch negatives also
+    # go from positives to anchors, and the leading dimensions each trained on (Matryoshka).
+    texts: int | None = setting(None, at_least(2).or_null())
+    loss: str | None = setting(None, one_of(EMBEDDING_LOSSES).or_null())
+    scale: float | None = setting(None, above(0).or_null())
+    symmetric: bool | None = None
+    matryoshka_dims: list[int] | None = None
 
     def validate(self) -> None:
         """Raise :class:`~popbert.rules.Invalid` (a ConfigError) naming the offending key."""
         check_fields(self, "model.task")
+        if self.matryoshka_dims is not None and (
+                not self.matryoshka_dims or not all(isinstance(d, int) and not isinstance(d, bool)
+                                                    and d >= 1 for d in self.matryoshka_dims)):
+            raise Invalid(f"model.task.matryoshka_dims must be a list of integers >= 1, got "
+                          f"{self.matryoshka_dims!r}", "model.task.matryoshka_dims")
         if self.name in ("classification", "token-classification") and self.num_labels is None:
             raise Invalid(f"model.task.num_labels must be set for model.task.name "
                           f"{self.name!r}", "model.task.num_labels", "model.task.name")

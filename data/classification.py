@@ -13,9 +13,6 @@ a one-line DataError naming the file (and line, column or label).
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,15 +21,15 @@ from pathlib import Path
 import numpy as np
 
 from popbert.data.errors import DataError
+from popbert.data.rows import TEXT_FORMATS, read_rows
 from popbert.data.tokenization import TextTokenizer
-from popbert.textfile import read_text
 
 log = logging.getLogger(__name__)
 
 TEXT_COLUMNS = ("sentence", "text", "sentence1", "question", "question1", "premise")
 PAIR_COLUMNS = ("sentence2", "question2", "hypothesis")
 LABEL_COLUMN = "label"
-FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
+FORMATS = TEXT_FORMATS
 
 
 @dataclass
@@ -52,42 +49,7 @@ class ClassificationData:
 
 def _rows(path: Path) -> tuple[list[str], list[tuple[int, dict[str, object]]]]:
     """(column names, [(line, row)]) of a TSV/CSV/JSONL file."""
-    kind = FORMATS.get(path.suffix.lower())
-    if kind is None:
-        raise DataError(f"{path}: unknown format {path.suffix!r}; expected one of "
-                        f"{', '.join(sorted(FORMATS))}")
-    text = read_text(path, "classification rows (.tsv, .csv, .jsonl)", error=DataError)
-    if kind == "jsonl":
-        rows: list[tuple[int, dict[str, object]]] = []
-        columns: list[str] = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(f"{path}:{number}: invalid JSON ({error.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{number}: expected a JSON object per line")
-            columns.extend(k for k in row if k not in columns)
-            rows.append((number, row))
-        return columns, rows
-    delimiter = "\t" if kind == "tsv" else ","
-    quoting = csv.QUOTE_NONE if kind == "tsv" else csv.QUOTE_MINIMAL
-    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, quoting=quoting)
-    try:
-        header = next(reader)
-    except StopIteration:
-        raise DataError(f"{path}: empty file (expected a header row)") from None
-    rows = []
-    for row in reader:
-        number = reader.line_num
-        if not any(cell.strip() for cell in row):
-            continue
-        if len(row) != len(header):
-            raise DataError(f"{path}:{number}: {len(row)} fields, the header has {len(header)}")
-        rows.append((number, dict(zip(header, row))))
-    return header, rows
+    return read_rows(path, "classification rows (.tsv, .csv, .jsonl)", FORMATS)
 
 
 def _choose(columns: Sequence[str], wanted: str | None, defaults: Sequence[str], path: Path,

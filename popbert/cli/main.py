@@ -419,7 +419,7 @@ def _add_training_args(p: argparse.ArgumentParser, preset: str) -> None:
 
 
 # by `popbert.tasks.Task.files`
-TRAINING_METAVARS = {"squad": "FILE.json", "rows": "FILE", "tagged": "FILE"}
+TRAINING_METAVARS = {"squad": "FILE.json", "rows": "FILE", "tagged": "FILE", "pairs": "FILE"}
 
 
 def _add_finetune_commands(sub, common: argparse.ArgumentParser) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from popbert.builders.bert_config import TASK_NAMES, BertConfig
+from popbert.builders.bert_config import EMBEDDING_LOSSES, POOLINGS, TASK_NAMES, BertConfig
 from popbert.dtypes import FLOAT_FORMATS, rounds_stochastically
 from popbert.errors import ConfigError
 from popbert.rules import (
@@ -371,6 +371,21 @@ class FinetuneConfig:
     # sub-token of a word is labelled (default: its first only)
     tag_scheme: str | None = setting(None, one_of(("IOB1", "IOB2", "BIOES")).or_null())
     label_all_subtokens: bool = False
+    # embedding: the pairs file's columns (sentence-transformers' names; a scored pair's texts
+    # default to sentence1 and sentence2 where the file has no anchor and positive), the loss
+    # (null: cosent for a file with a score column, else mnrl), the similarity scale, whether
+    # positives are also ranked against anchors, and the dimensions trained on (Matryoshka)
+    anchor_column: str = "anchor"
+    positive_column: str = "positive"
+    negative_column: str = "negative"
+    score_column: str = "score"
+    loss: str | None = setting(None, one_of(EMBEDDING_LOSSES).or_null())
+    scale: float = setting(20.0, above(0))
+    symmetric: bool = False
+    matryoshka_dims: list[int] | None = None
+    # null: the checkpoint's pooling (mean where it has none) and normalisation
+    pooling: str | None = setting(None, one_of(POOLINGS).or_null())
+    normalize: bool | None = None
     eval_batch_size: int = setting(64, at_least(1))
     # hidden and attention dropout; null: the checkpoint's
     dropout: float | None = setting(None, within("[0, 1)").or_null())

@@ -320,6 +320,46 @@ def _tagged(path: Path, args: Any = None) -> str | None:
     return None if "tokens" in row else "JSON lines without \"tokens\""
 
 
+PAIR_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".parquet", ".pq")
+
+
+def _pairs(path: Path, args: Any = None) -> str | None:
+    """Embedding pairs: rows with an anchor and a positive column (`--anchor-column`,
+    `--positive-column`; STS-B's sentence1 and sentence2 for scored pairs), or Parquet."""
+    suffix = path.suffix.lower()
+    if suffix not in PAIR_SUFFIXES:
+        return f"a {path.suffix or 'suffix-less'} file (the format is read from the suffix)"
+    if suffix in (".parquet", ".pq"):
+        return None if _head(path, 4) == b"PAR1" else f"{describe(path)}, not Parquet"
+    problem = _text(path)
+    if problem:
+        return problem
+    if suffix in (".json", ".jsonl"):
+        row = _first_row(path)
+        if row is None:
+            value, _ = _json(path)
+            return "a SQuAD JSON file" if _is_squad(value) else \
+                "not JSON lines (one object a line)"
+        columns = list(row)
+    else:
+        import csv
+
+        columns = next(csv.reader([_first_line(path)], delimiter="\t" if suffix == ".tsv"
+                                  else ","), [])
+    from popbert.data.embedding_pairs import PAIR_DEFAULTS
+
+    for role in ("anchor", "positive"):
+        wanted = getattr(args, f"{role}_column", None) or role
+        if wanted not in columns and not (wanted == role and PAIR_DEFAULTS[role] in columns):
+            return (f"rows without a {role} column {wanted!r} (columns: "
+                    f"{', '.join(map(str, columns[:6]))})")
+    return None
+
+
+def _pairs_or_beir(path: Path, args: Any = None) -> str | None:
+    return _beir(path, args) if path.is_dir() else _pairs(path, args)
+
+
 def _beir(path: Path, args: Any = None) -> str | None:
     """A BEIR directory: corpus.jsonl, queries.jsonl and a qrels/ folder of TSV files."""
     missing = [name for name in ("corpus.jsonl", "queries.jsonl", "qrels")
@@ -485,6 +525,11 @@ BEIR = PathKind("a BEIR directory (corpus.jsonl, queries.jsonl, qrels/)", direct
 RERANK_ROWS = PathKind("JSON lines of a query and its candidates", sniff=_rerank_rows)
 TAGGED = PathKind("tagged words: CoNLL (.conll, .txt, .tsv, .bio, .iob) or JSON lines of "
                   "tokens and tags", sniff=_tagged)
+PAIRS = PathKind("embedding pairs: JSON lines, CSV, TSV or Parquet rows with anchor and positive "
+                 "columns (or sentence1, sentence2 and score)", sniff=_pairs)
+PAIRS_OR_BEIR = PathKind("embedding pairs (JSON lines, CSV, TSV or Parquet) or a BEIR directory "
+                         "(corpus.jsonl, queries.jsonl, qrels/)", directory=None,
+                         sniff=_pairs_or_beir)
 DUMP = PathKind("a MediaWiki XML dump (.xml or .xml.bz2)", urls=True, sniff=_dump)
 CORPUS = PathKind("a stage directory or text, JSON-lines or Parquet files (comma-separated, "
                   "globs)", directory=None, urls=True, globs=True, sniff=_corpus)
@@ -541,8 +586,10 @@ CONFIG_PATHS: dict[str, PathKind] = {
 # What a fine-tuning task's files are (`popbert.tasks.Task.files`): for training and
 # evaluation (`finetune.train_file`, `finetune.eval_file`), and for an export's `--eval` and
 # `--calibration` and prediction (a classifier also reads a .txt file of texts there).
-TRAINING_FILES: dict[str, PathKind] = {"squad": SQUAD, "rows": ROWS, "tagged": TAGGED}
-PREDICT_INPUTS: dict[str, PathKind] = {"squad": SQUAD, "rows": ROWS_OR_LINES, "tagged": TAGGED}
+TRAINING_FILES: dict[str, PathKind] = {"squad": SQUAD, "rows": ROWS, "tagged": TAGGED,
+                                       "pairs": PAIRS, "pairs_or_beir": PAIRS_OR_BEIR}
+PREDICT_INPUTS: dict[str, PathKind] = {"squad": SQUAD, "rows": ROWS_OR_LINES, "tagged": TAGGED,
+                                       "pairs": PAIRS}
 
 
 # ---------------------------------------------------------------------------------- checking
@@ -765,8 +812,12 @@ def check_config_paths(cfg: Any) -> None:
     if cfg.finetune.task is not None:  # the task's own file format
         from popbert.tasks import task_named
 
-        kind = TRAINING_FILES[task_named(cfg.finetune.task).files]
-        declared.update({"finetune.train_file": kind, "finetune.eval_file": kind})
+        task = task_named(cfg.finetune.task)
+        kind = TRAINING_FILES[task.files]
+        evaluated = next((flag.file for flag in task.flags
+                          if flag.key == "finetune.eval_file" and flag.file), task.files)
+        declared.update({"finetune.train_file": kind,
+                         "finetune.eval_file": TRAINING_FILES[evaluated]})
     for key, kind in declared.items():
         section, name = key.split(".")
         for value in _values(getattr(getattr(cfg, section), name)):
@@ -795,7 +846,8 @@ __all__ = ["BEIR", "CHECKPOINT", "CONFIG_FILE", "CONFIG_OUTPUT", "CONFIG_PATHS",
            "DATA_OUTPUT_DIR", "DATA_OUTPUT_FILE", "DUMP", "EMBEDDINGS_OUTPUT", "EXPORT_OUTPUT",
            "HF_EXPORT_OUTPUT",
            "HF_MODEL", "IMPORT_OUTPUT", "LABELS_OUTPUT", "METRICS", "ONNX_MODEL", "OUTPUT_DIR",
-           "OUTPUT_FILE", "PLOT_OUTPUT", "PREDICTIONS", "PREDICT_INPUTS", "RANKED_OUTPUT",
+           "OUTPUT_FILE", "PAIRS", "PAIRS_OR_BEIR", "PLOT_OUTPUT", "PREDICTIONS",
+           "PREDICT_INPUTS", "RANKED_OUTPUT",
            "RERANK_ROWS", "ROWS", "ROWS_OR_LINES", "ROWS_OR_SQUAD", "RUN", "SHARDS", "SQUAD",
            "SQUAD_PREDICTIONS_OUTPUT", "TAGGED", "TAGGED_OUTPUT", "TEXT", "TRAINING_DATA",
            "TRAINING_FILES", "TREC_RUN_OUTPUT", "VOCAB", "PathKind", "check_arguments",

@@ -198,38 +198,39 @@ class PaddingTrimmer:
                  slot_labels: str = "masked_lm_ids", multiple: int = TRIM_MULTIPLE):
         by_name = {s.name: s for s in specs}
         mask_dims = by_name[mask].dims if mask in by_name else None
-        if not mask_dims or len(mask_dims) != 2 or not isinstance(mask_dims[1], str):
+        if not mask_dims or len(mask_dims) < 2 or not isinstance(mask_dims[-1], str):
             raise ValueError(f"trimming padding needs a graph input {mask!r} of shape [batch, "
-                             f"sequence] with a symbolic sequence axis (build_bert(..., "
+                             f"(texts,) sequence] with a symbolic sequence axis (build_bert(..., "
                              f"dynamic_sequence=True)); the graph declares "
                              f"{by_name[mask].shape_text() if mask in by_name else 'none'}")
         self.mask, self.slot_labels, self.multiple = mask, slot_labels, multiple
-        self.sequence_inputs = _inputs_with_axis(specs, mask_dims[1])
+        self.sequence_inputs = _inputs_with_axis(specs, mask_dims[-1])
         label_dims = by_name[slot_labels].dims if slot_labels in by_name else None
-        self.slot_inputs = (_inputs_with_axis(specs, label_dims[1])
+        self.slot_inputs = (_inputs_with_axis(specs, label_dims[-1])
                             if label_dims and len(label_dims) == 2
-                            and isinstance(label_dims[1], str) else [])
+                            and isinstance(label_dims[-1], str) else [])
 
     def __call__(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         trimmed = dict(batch)
         width = self._width(batch[self.mask])
         for name in self.sequence_inputs:
-            trimmed[name] = batch[name][:, :width]
+            trimmed[name] = batch[name][..., :width]
         if self.slot_inputs:
             slots = self._width(batch[self.slot_labels])
             for name in self.slot_inputs:
-                trimmed[name] = batch[name][:, :slots]
+                trimmed[name] = batch[name][..., :slots]
         return trimmed
 
     def _width(self, marks: torch.Tensor) -> int:
         """One past the last nonzero column of any row, rounded up to `multiple` (at least
         `multiple`, at most the full width)."""
-        full = marks.shape[1]
-        used = marks.ne(0).any(dim=0).nonzero()
+        full = marks.shape[-1]
+        used = marks.reshape(-1, full).ne(0).any(dim=0).nonzero()
         last = int(used[-1]) + 1 if used.numel() else 1
         return min(full, -(-last // self.multiple) * self.multiple)
 
 
 def _inputs_with_axis(specs: Sequence[InputSpec], symbol: str) -> list[str]:
-    """The inputs whose axis 1 is the symbolic dimension `symbol`."""
-    return [s.name for s in specs if s.dims and len(s.dims) > 1 and s.dims[1] == symbol]
+    """The inputs whose last axis is the symbolic dimension `symbol` ([batch, sequence], or
+    [batch, texts, sequence] for rows of several texts)."""
+    return [s.name for s in specs if s.dims and len(s.dims) > 1 and s.dims[-1] == symbol]

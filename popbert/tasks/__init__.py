@@ -20,12 +20,13 @@ from __future__ import annotations
 from typing import Any
 
 from popbert.builders.bert_config import TASK_NAMES, BertConfig
-from popbert.tasks import classification, squad, token_classification
+from popbert.tasks import classification, embedding, squad, token_classification
 from popbert.tasks.task import Flag, Infer, Setting, Task, TaskData
 
 # Importing a task module registers its head with the builder (`register_task`).
 TASKS: dict[str, Task] = {task.name: task for task in (squad.TASK, classification.TASK,
-                                                        token_classification.TASK)}
+                                                        token_classification.TASK,
+                                                        embedding.TASK)}
 assert tuple(TASKS) == TASK_NAMES, "popbert.builders.bert_config.TASK_NAMES lists the tasks"
 
 

@@ -43,6 +43,8 @@ class Setting:
     max_seq_length: int
     family: str  # the checkpoint's model.architecture
     hf_architecture: str | None  # the task's transformers class for that family
+    hidden_size: int = 0  # the checkpoint's width
+    checkpoint_task: TaskConfig | None = None  # the checkpoint's own model.task (its pooling)
 
 
 class TaskData(Protocol):

@@ -363,6 +363,11 @@ def head_settings(cfg: RunConfig, task: str, model: BertConfig) -> BertConfig:
     return model
 
 
+def _row_lengths(mask: np.ndarray) -> np.ndarray:
+    """Each row's real tokens: of its longest text for rows of several texts."""
+    return mask.reshape(len(mask), -1, mask.shape[-1]).sum(axis=-1).max(axis=-1)
+
+
 class EpochBatches:
     """Shuffled mini-batches of in-memory features, a new order each epoch (the last batch of
     an epoch may be short); resumable by its position. `group_by_length`: each batch's rows of
@@ -374,7 +379,7 @@ class EpochBatches:
         self.batch_size = batch_size
         self.epochs = epochs
         self.seed = seed
-        self.lengths = (np.asarray(arrays["input_mask"]).sum(axis=1) if group_by_length
+        self.lengths = (_row_lengths(np.asarray(arrays["input_mask"])) if group_by_length
                         else None)
         self.num_samples = len(next(iter(arrays.values())))
         self.per_epoch = math.ceil(self.num_samples / batch_size)
@@ -424,9 +429,10 @@ class FinetuneJob(Job):
         self.pretrained = load_pretrained(Path(f.checkpoint))
         self.max_seq_length = f.max_seq_length or self.spec.default_max_seq_length
         family = self.pretrained.config.model.architecture
+        model = self.pretrained.config.model
         self.data: TaskData = self.spec.read(cfg, Setting(
             self.pretrained.vocab, self.pretrained.lowercase, self.max_seq_length, family,
-            self.spec.hf_architecture(family)))
+            self.spec.hf_architecture(family), model.hidden_size, model.task))
         self.arrays = self.data.arrays
         examples = len(next(iter(self.arrays.values())))
         steps = f.epochs * math.ceil(examples / cfg.execution.micro_batch_size)

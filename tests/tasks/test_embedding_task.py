@@ -1,0 +1,163 @@
+"""Embedding training through the task seam: the graph's losses are sentence-transformers'
+(MultipleNegativesRankingLoss with hard negatives, its symmetric form, CoSENTLoss,
+MatryoshkaLoss) on a SentenceTransformer holding the same weights, loss and gradients.
+
+Tolerances: loss at 1e-5 and every gradient at 1e-4 of its largest entry, + 1e-7 (the float32
+forward and backward of two implementations of one computation, summed in different orders).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from bert_helpers import small_config
+
+import popbert.tasks  # noqa: F401 (registers the task heads)
+from popbert.builders.bert import build_bert
+from popbert.builders.bert_config import TaskConfig
+from popbert.io import hf_mapping as hf
+from popbert.runtime.session import TrainingSession
+
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(295)]
+
+
+def sentence_transformer(config, weights: dict[str, np.ndarray], folder: Path, pooling: str):
+    """A SentenceTransformer (Transformer + Pooling) holding popbert's `weights`."""
+    import transformers
+    from sentence_transformers import SentenceTransformer, models
+
+    family = config.architecture
+    architecture = "BertModel" if family == "bert" else "ModernBertModel"
+    state = hf.to_hf_architecture(weights, config, architecture)
+    hf_config = hf.HF_FAMILIES[family].config_to_hf(config, architecture,
+                                                    {t: i for i, t in enumerate(VOCAB)})
+    config_class = getattr(transformers, "BertConfig" if family == "bert" else "ModernBertConfig")
+    their_config = config_class(**{k: v for k, v in hf_config.items() if k != "architectures"})
+    their_config._attn_implementation = "eager"
+    model = getattr(transformers, architecture)(their_config)
+    missing, unexpected = model.load_state_dict(
+        {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}, strict=False)
+    assert not unexpected and not [k for k in missing if "position_ids" not in k], missing
+    model.save_pretrained(str(folder))
+    (folder / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
+    transformers.BertTokenizerFast(str(folder / "vocab.txt"), do_lower_case=False
+                                   ).save_pretrained(str(folder))
+    transformer = models.Transformer(str(folder), model_kwargs={"attn_implementation": "eager"})
+    return SentenceTransformer(modules=[transformer, models.Pooling(config.hidden_size, pooling)],
+                               device="cpu")
+
+
+def rows_batch(texts: int, rows: int = 5, length: int = 24, seed: int = 0
+               ) -> dict[str, np.ndarray]:
+    """Rows of `texts` random texts of varying length, [rows, texts, length]."""
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((rows, texts, length), np.int64)
+    mask = np.zeros_like(ids)
+    for r in range(rows):
+        for t in range(texts):
+            n = int(rng.integers(4, length + 1))
+            ids[r, t, :n] = [2, *rng.integers(5, len(VOCAB), n - 2), 3]
+            mask[r, t, :n] = 1
+    return {"input_ids": ids, "segment_ids": np.zeros_like(ids), "input_mask": mask}
+
+
+CASES = {
+    "mnrl-hard-negatives": dict(texts=3, loss="mnrl"),
+    "mnrl-symmetric": dict(texts=2, loss="mnrl", symmetric=True),
+    "mnrl-matryoshka": dict(texts=3, loss="mnrl", matryoshka_dims=[64, 32, 8]),
+    "cosent": dict(texts=2, loss="cosent"),
+    "cosent-matryoshka-scale": dict(texts=2, loss="cosent", scale=7.0, matryoshka_dims=[64, 16]),
+}
+
+
+def their_loss(model, case: dict):
+    from sentence_transformers.sentence_transformer import losses
+
+    scale = case.get("scale", 20.0)
+    if case["loss"] == "cosent":
+        base = losses.CoSENTLoss(model, scale=scale)
+    elif case.get("symmetric"):  # the deprecated class's own recommended equivalent
+        base = losses.MultipleNegativesRankingLoss(
+            model, scale=scale, directions=("query_to_doc", "doc_to_query"),
+            partition_mode="per_direction")
+    else:
+        base = losses.MultipleNegativesRankingLoss(model, scale=scale)
+    dims = case.get("matryoshka_dims")
+    return losses.MatryoshkaLoss(model, base, dims) if dims else base
+
+
+@pytest.mark.parametrize("family,case", [("bert", name) for name in CASES]
+                         + [("modernbert", "mnrl-hard-negatives")])
+def test_losses_and_gradients_are_sentence_transformers(family: str, case: str,
+                                                        tmp_path: Path) -> None:
+    settings = CASES[case]
+    torch.manual_seed(0)
+    extra = {} if family == "bert" else {"architecture": "modernbert",
+                                         "next_sentence_prediction": False}
+    head = TaskConfig(name="embedding", pooling="mean", scale=settings.get("scale", 20.0),
+                      texts=settings["texts"], loss=settings["loss"],
+                      symmetric=settings.get("symmetric", False),
+                      matryoshka_dims=settings.get("matryoshka_dims"))
+    config = small_config(task=head, vocab_size=len(VOCAB), **extra)
+    model = build_bert(config, task="embedding", seed=5, dynamic_sequence=True).model()
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    reference = sentence_transformer(config, weights, tmp_path / "st", "mean")
+    reference.train()  # dropout is 0 in small_config: deterministic either way
+
+    batch = rows_batch(settings["texts"])
+    scores = np.array([0.1, 2.0, 3.5, 3.5, 5.0], np.float32)  # a tie, as STS-B has
+    if settings["loss"] == "cosent":
+        batch["labels"] = scores
+    session = TrainingSession(model, "loss", lambda p: torch.optim.SGD([x for _, x in p], lr=0))
+    ours = session.forward(batch)
+    ours["loss"].backward()
+
+    features = []
+    for text in range(settings["texts"]):
+        feature = {"input_ids": torch.from_numpy(batch["input_ids"][:, text]),
+                   "attention_mask": torch.from_numpy(batch["input_mask"][:, text])}
+        if family == "bert":
+            feature["token_type_ids"] = torch.from_numpy(batch["segment_ids"][:, text])
+        features.append(feature)
+    loss = their_loss(reference, settings)(features, torch.from_numpy(scores))
+    loss.backward()
+    torch.testing.assert_close(ours["loss"].detach(), loss.detach(), atol=1e-5, rtol=0)
+
+    architecture = "BertModel" if family == "bert" else "ModernBertModel"
+    # BertModel's pooler is in the graph but no embedding reads it: no gradient, as in theirs
+    grads = hf.to_hf_architecture({n: (p.grad if p.grad is not None else torch.zeros_like(p))
+                                   .numpy() for n, p in session.named_parameters},
+                                  config, architecture)
+    theirs = {name.split(".", 1)[1]: p.grad
+              for name, p in reference[0].named_parameters() if p.grad is not None}
+    assert theirs, "sentence-transformers computed no gradient"
+    for name, expected in theirs.items():
+        expected = expected.numpy()
+        assert name in grads, name
+        # + 1e-7: a key bias's gradient is zero but for rounding (softmax ignores a shift)
+        assert np.abs(grads[name] - expected).max() <= 1e-4 * np.abs(expected).max() + 1e-7, \
+            name
+
+
+def test_trimmed_rows_give_the_padded_loss() -> None:
+    """Rows of several texts cut to their longest text (`execution.trim_padding`) give the
+    loss of the padded rows."""
+    from popbert.runtime.inputs import PaddingTrimmer
+
+    head = TaskConfig(name="embedding", pooling="mean", scale=20.0, texts=3, loss="mnrl",
+                      symmetric=False)
+    config = small_config(task=head, vocab_size=len(VOCAB))
+    model = build_bert(config, task="embedding", seed=2, dynamic_sequence=True).model()
+    batch = rows_batch(3, length=32)
+    batch["input_ids"][..., 20:] = 0
+    batch["input_mask"][..., 20:] = 0
+    session = TrainingSession(model, "loss", lambda p: torch.optim.SGD([x for _, x in p], lr=0))
+    padded = session.forward(batch)["loss"]
+    trimmer = PaddingTrimmer(session.inputs.specs)
+    trimmed = trimmer({k: torch.from_numpy(v) for k, v in batch.items()})
+    assert trimmed["input_ids"].shape == (5, 3, 24)  # 20 real columns, rounded up to 8
+    torch.testing.assert_close(session.forward(trimmed)["loss"], padded, atol=1e-5, rtol=0)

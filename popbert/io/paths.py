@@ -351,7 +351,8 @@ def _pairs(path: Path, args: Any = None) -> str | None:
     for role in ("anchor", "positive"):
         wanted = getattr(args, f"{role}_column", None) or role
         if wanted not in columns and not (wanted == role and PAIR_DEFAULTS[role] in columns):
-            return (f"rows without a {role} column {wanted!r} (columns: "
+            article = "an" if role == "anchor" else "a"
+            return (f"rows without {article} {role} column {wanted!r} (columns: "
                     f"{', '.join(map(str, columns[:6]))})")
     return None
 

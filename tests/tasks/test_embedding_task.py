@@ -8,6 +8,7 @@ forward and backward of two implementations of one computation, summed in differ
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from bert_helpers import small_config
 import popbert.tasks  # noqa: F401 (registers the task heads)
 from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import TaskConfig
+from popbert.cli.main import main
 from popbert.io import hf_mapping as hf
 from popbert.runtime.session import TrainingSession
 
@@ -161,3 +163,105 @@ def test_trimmed_rows_give_the_padded_loss() -> None:
     trimmed = trimmer({k: torch.from_numpy(v) for k, v in batch.items()})
     assert trimmed["input_ids"].shape == (5, 3, 24)  # 20 real columns, rounded up to 8
     torch.testing.assert_close(session.forward(trimmed)["loss"], padded, atol=1e-5, rtol=0)
+
+
+FIXTURES = Path(__file__).parent.parent / "fixtures"
+TRIPLETS = FIXTURES / "embedding" / "triplets.jsonl"  # 30 inverse-cloze rows (README)
+BEIR = FIXTURES / "retrieval"
+
+
+@pytest.mark.e2e
+def test_finetune_export_predict_and_sentence_transformers(
+        pretrained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Fine-tune on (anchor, positive, negative) rows scored on a BEIR directory; the ONNX
+    export scores the same, and export-hf gives a folder sentence-transformers loads with the
+    export's vectors (1e-5)."""
+    from sentence_transformers import SentenceTransformer
+
+    run = tmp_path / "embed"
+    capsys.readouterr()
+    assert main(["finetune", "embedding", "--checkpoint", str(pretrained), "--train",
+                 str(TRIPLETS), "--eval", str(BEIR), "--epochs", "2", "--batch-size", "8",
+                 "--max-seq-length", "64", "--symmetric", "--device", "cpu",
+                 "--set", "execution.trim_padding=true", "-o", str(run)]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    results = json.loads((run / "eval_results.json").read_text())
+    assert printed["ndcg@10"] == results["ndcg@10"] and results["queries"] == 30
+    task = __import__("yaml").safe_load((run / "config.yaml").read_text())["model"]["task"]
+    assert (task["name"], task["texts"], task["loss"], task["symmetric"]) == \
+        ("embedding", 3, "mnrl", True)
+
+    model = tmp_path / "embed.onnx"
+    assert main(["export", "--checkpoint", str(run), "--task", "embedding", "--output",
+                 str(model)]) == 0
+    capsys.readouterr()
+    assert main(["evaluate", "retrieval", "--model", str(model), "--beir", str(BEIR)]) == 0
+    exported = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert exported["ndcg@10"] == pytest.approx(results["ndcg@10"], abs=1e-6)
+
+    texts = tmp_path / "texts.txt"
+    texts.write_text("The whale shark is a fish.\nPyongyang is a city.\n")
+    vectors = tmp_path / "vectors.npy"
+    assert main(["predict", "embed", "--model", str(model), "--data", str(texts), "-o",
+                 str(vectors)]) == 0
+    folder = tmp_path / "st"
+    assert main(["export-hf", "--checkpoint", str(run), "--output-dir", str(folder)]) == 0
+    theirs = SentenceTransformer(str(folder), device="cpu").encode(
+        texts.read_text().splitlines())
+    np.testing.assert_allclose(np.load(vectors), theirs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.e2e
+def test_scored_pairs_train_cosent_with_matryoshka(pretrained: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A file with a score column trains CoSENT (the default there) and is scored by Spearman's
+    correlation of cosine and score; Parquet reads as JSON lines does."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [line.split("\t") for line in
+            (FIXTURES / "classification" / "relatedness.tsv").read_text().splitlines()[1:]]
+    table = pa.table({"sentence1": [r[0] for r in rows], "sentence2": [r[1] for r in rows],
+                      "score": [float(r[2]) for r in rows]})
+    data = tmp_path / "pairs.parquet"
+    pq.write_table(table, data)
+    run = tmp_path / "cosent"
+    capsys.readouterr()
+    assert main(["finetune", "embedding", "--checkpoint", str(pretrained), "--train",
+                 str(data), "--matryoshka-dims", "64,16", "--epochs", "1", "--device", "cpu",
+                 "-o", str(run)]) == 0
+    results = json.loads((run / "eval_results.json").read_text())
+    assert set(results) == {"pearson", "spearman", "examples"} and results["examples"] == 60
+    task = __import__("yaml").safe_load((run / "config.yaml").read_text())["model"]["task"]
+    assert (task["loss"], task["texts"], task["matryoshka_dims"]) == ("cosent", 2, [64, 16])
+
+
+BAD_PAIRS = {
+    "empty-positive": ('{"anchor": "a b", "positive": ""}\n', ".jsonl",
+                       "column 'positive' is empty"),
+    "missing-negative": ('{"anchor": "a", "positive": "b", "negative": "c"}\n'
+                         '{"anchor": "a", "positive": "b"}\n', ".jsonl",
+                         ":2: column 'negative' is missing"),
+    "score-not-a-number": ("sentence1,sentence2,score\na,b,high\n", ".csv",
+                           "column 'score' is 'high'"),
+    "negatives-differ": ('{"anchor": "a", "positive": "b", "negative": ["c", "d"]}\n'
+                         '{"anchor": "a", "positive": "b", "negative": ["c"]}\n', ".jsonl",
+                         "1 negatives, line 1 has 2"),
+    "no-anchor": ('{"query": "a", "positive": "b"}\n', ".jsonl", "without an anchor column"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_PAIRS)
+def test_bad_pairs_are_one_line_and_write_nothing(case: str, pretrained: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    text, suffix, expected = BAD_PAIRS[case]
+    data = tmp_path / f"pairs{suffix}"
+    data.write_text(text)
+    run = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["finetune", "embedding", "--checkpoint", str(pretrained), "--train",
+                 str(data), "--device", "cpu", "-o", str(run)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines()
+              if line.startswith("popbert: error:")]
+    assert len(errors) == 1 and expected in errors[0], errors
+    assert not run.exists()

@@ -278,11 +278,14 @@ def architectures_of(family: str) -> list[str]:
 
 def architectures_by_heads(family: str) -> list[str]:
     """The `transformers` classes of `family` that hold heads, most specific first: each
-    task's (`popbert.tasks.TASKS`, in order), then the family's pre-training ones."""
+    task's (`popbert.tasks.TASKS`, in order), then the family's pre-training ones. The bare
+    encoder (an embedding model's class) holds none: it is `architecture_for`'s last resort."""
     from popbert.tasks import TASKS
 
+    base = FAMILIES[family].hf_base
     tasks = [task.hf_architecture(family) for task in TASKS.values()]
-    return [name for name in tasks if name] + list(FAMILIES[family].hf_pretraining)
+    return [name for name in tasks if name and name != base] + list(
+        FAMILIES[family].hf_pretraining)
 
 
 def architecture_for(weights: Mapping[str, object], config: BertConfig | None = None) -> str:

@@ -28,7 +28,7 @@ from popbert.errors import ConfigError, PopbertError
 PRESETS = ["tiny", "base-128", "base-384", "large-128", "large-384", "groupbert-mini",
            "groupbert-medium", "groupbert-base-128", "groupbert-base-384", "finetune-squad",
            "finetune-classification", "finetune-token-classification", "fast",
-           "groupbert-fast", "modernbert-base"]
+           "groupbert-fast", "modernbert-base", "finetune-embedding"]
 
 
 def write(tmp_path: Path, text: str, name: str = "config.yaml") -> Path:
@@ -613,12 +613,12 @@ def test_model_task_round_trip(tmp_path: Path) -> None:
     [
         ("model:\n  task:\n    nme: squad\n",
          "unknown key model.task.nme (did you mean 'name'?); valid keys: doc_stride, "
-         "hf_architecture, labels, lowercase, max_query_length, name, normalize, num_labels, "
-         "pooling, prompts"),
+         "hf_architecture, labels, loss, lowercase, matryoshka_dims, max_query_length, name, "
+         "normalize, num_labels, pooling, prompts, scale, symmetric, texts"),
         ("model:\n  task: squad\n", "model.task must be a mapping of keys, got 'squad'"),
         ("model:\n  task:\n    name: ner\n", "model.task.name must be one of squad, "
-                                             "classification, token-classification or null, "
-                                             "got 'ner'"),
+                                             "classification, token-classification, embedding "
+                                             "or null, got 'ner'"),
         ("model:\n  task:\n    lowercase: 1\n", "model.task.lowercase: expected bool, got 1"),
         ("model:\n  task:\n    name: classification\n",
          "model.task.num_labels must be set for model.task.name 'classification'"),
@@ -683,7 +683,7 @@ def test_legacy_extra_errors_name_model_task(tmp_path: Path) -> None:
     "override,expected",
     [
         ("finetune.task=ner", "finetune.task must be one of squad, classification, "
-                              "token-classification or null, got 'ner'"),
+                              "token-classification, embedding or null, got 'ner'"),
         ("finetune.epochs=0", "finetune.epochs must be >= 1, got 0"),
         ("finetune.warmup_proportion=1.5", "finetune.warmup_proportion must be in [0, 1], got 1.5"),
         ("finetune.warmup_proportion=-0.1",
@@ -731,7 +731,7 @@ def test_finetune_tasks_are_the_model_task_names() -> None:
     from popbert.config.sections import FINETUNE_TASKS
 
     assert FINETUNE_TASKS is TASK_NAMES
-    assert FINETUNE_TASKS == ("squad", "classification", "token-classification")
+    assert FINETUNE_TASKS == ("squad", "classification", "token-classification", "embedding")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -57,6 +57,10 @@ class TaskConfig:
     # classification: classes; 1: one score (regression, as transformers' num_labels=1)
     num_labels: int | None = setting(None, at_least(1).or_null())
     labels: list[str] | None = None  # classification: class names, in label-id order
+    # classification with one output: what its score goes through when served, as a
+    # sentence-transformers CrossEncoder folder records it ("sigmoid": CrossEncoder.predict's
+    # default; "identity"); None: the raw score (a regression model popbert trained).
+    activation: str | None = setting(None, one_of(("sigmoid", "identity")).or_null())
     # embedding (`export --task embedding`): how token states become one vector per text, as
     # sentence-transformers' Pooling module names them, and whether it is L2-normalised;
     # None: mean pooling, not normalised. `prompts`: the text put before a query's or a

@@ -612,9 +612,10 @@ def test_model_task_round_trip(tmp_path: Path) -> None:
     "text,fragment",
     [
         ("model:\n  task:\n    nme: squad\n",
-         "unknown key model.task.nme (did you mean 'name'?); valid keys: doc_stride, "
-         "hf_architecture, labels, loss, lowercase, matryoshka_dims, max_query_length, name, "
-         "normalize, num_labels, pooling, prompts, scale, symmetric, texts"),
+         "unknown key model.task.nme (did you mean 'name'?); valid keys: activation, "
+         "doc_stride, hf_architecture, labels, loss, lowercase, matryoshka_dims, "
+         "max_query_length, name, normalize, num_labels, pooling, prompts, scale, symmetric, "
+         "texts"),
         ("model:\n  task: squad\n", "model.task must be a mapping of keys, got 'squad'"),
         ("model:\n  task:\n    name: ner\n", "model.task.name must be one of squad, "
                                              "classification, token-classification, embedding "

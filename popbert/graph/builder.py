@@ -112,6 +112,13 @@ def _nll_outputs(inputs: list[onnx.TypeProto], attrs: dict) -> list[onnx.TypePro
     return [helper.make_tensor_type_proto(x.elem_type, [])]
 
 
+def _gathered_outputs(inputs: list[onnx.TypeProto], attrs: dict) -> list[onnx.TypeProto]:
+    """[rows, ...] → [every replica's rows, ...]: the first axis becomes a new symbol."""
+    x = inputs[0].tensor_type
+    dims = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in x.shape.dim]
+    return [helper.make_tensor_type_proto(x.elem_type, ["replicas_rows", *dims[1:]])]
+
+
 # The ai.graphcore ops BERT needs in the popart dialect (PopART's own op set, version 1), with
 # their input/output counts, attributes and shape inference: onnx knows no schema for them, so
 # the Builder infers their outputs itself and writes them to the graph's value_info.
@@ -124,6 +131,9 @@ GRAPHCORE_OPS = {
                                        _groupnorm_outputs),
     "nllloss": _GraphcoreOp("Nll", 2, 2, 1, ["reduction", "ignoreIndex", "inputIsLogProbability"],
                             _nll_outputs),
+    # Every replica's rows concatenated along the first axis, keeping the gradient (in-batch
+    # negatives across replicas; `popbert.distributed.gather`).
+    "replicatedallgather": _GraphcoreOp("ReplicatedAllGather", 1, 1, 1, [], _gathered_outputs),
 }
 
 

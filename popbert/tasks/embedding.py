@@ -7,9 +7,10 @@ Trained (`popbert finetune embedding`) on rows of several texts, each row one gr
 the graph from the rows' vectors:
 
 - `mnrl`: in-batch negatives (InfoNCE; `MultipleNegativesRankingLoss`). Each anchor's cosine
-  similarity to every positive and hard negative of the batch, times `scale` (20), is a softmax
-  over candidates whose target is its own positive; `symmetric` also ranks each positive
-  against every anchor and averages the two (its `doc_to_query` direction, per-direction).
+  similarity to every positive and hard negative of the global batch (all replicas'), times
+  `scale` (20), is a softmax over candidates whose target is its own positive; `symmetric`
+  also ranks each positive against every anchor and averages the two (its `doc_to_query`
+  direction, per-direction).
 - `cosent`: scored pairs (`CoSENTLoss`): log(1 + sum over pairs (i, j) with score_i < score_j
   of exp(scale · (cos_i - cos_j))).
 - Matryoshka (`MatryoshkaLoss`): the loss summed over the leading `matryoshka_dims` of each
@@ -119,7 +120,9 @@ def ranking_loss(b: Builder, rows: str, texts: int, scale: str, symmetric: bool
                  ) -> tuple[str, str]:
     """In-batch negatives over unit vectors [B, T, D] (anchor, positive, hard negatives): the
     mean over anchors of logsumexp(scale · cos(anchor, every candidate)) - scale ·
-    cos(anchor, its positive), and the fraction of anchors whose positive scores highest."""
+    cos(anchor, its positive), and the fraction of anchors whose positive scores highest. The
+    candidates are every replica's (`ReplicatedAllGather`, the identity in one process), as
+    sentence-transformers' `gather_across_devices`: N replicas of B rows train as 1 of N·B."""
     anchors, positives = _text(b, rows, 0, "Anchors"), _text(b, rows, 1, "Positives")
     # Candidates [C, D] as sentence-transformers concatenates them: every positive, then
     # every row's first negative, and so on (the loss does not depend on their order).
@@ -127,14 +130,17 @@ def ranking_loss(b: Builder, rows: str, texts: int, scale: str, symmetric: bool
                                  _axes(b, [1], "text_axis")], "Candidates")
     candidates = b.aiOnnx.transpose([candidates], "ByText", perm=[1, 0, 2])
     candidates = b.aiOnnx.flatten([candidates], "AllCandidates", axis=2)  # [(T-1)·B, D]
+    # Every replica's candidates (and anchors) are this replica's negatives too.
+    candidates = b.aiGraphcore.replicatedallgather([candidates], "EveryReplica")
     scores = _similarities(b, anchors, candidates, scale, "Scores")  # [B, C]
     positive = b.aiOnnx.mul([b.aiOnnx.reducesum([b.aiOnnx.mul([anchors, positives], "Dot"),
                                                  _axes(b, [-1], "last")], "Cosine",
                                                 keepdims=0), scale], "Positive")  # [B]
     partition = logsumexp(b, scores, -1, "Forward")
     if symmetric:  # each positive against every anchor, the two softmaxes averaged
-        backward = logsumexp(b, _similarities(b, positives, anchors, scale, "Backward"), -1,
-                             "BackwardLSE")
+        every_anchor = b.aiGraphcore.replicatedallgather([anchors], "EveryReplicaAnchors")
+        backward = logsumexp(b, _similarities(b, positives, every_anchor, scale, "Backward"),
+                             -1, "BackwardLSE")
         partition = b.aiOnnx.mul([b.aiOnnx.add([partition, backward], "BothDirections"),
                                   layers.scalar(b, 0.5, np.float32, "half")], "Mean")
     loss = b.aiOnnx.reducemean([b.aiOnnx.sub([partition, positive], "NLL")], "Loss",

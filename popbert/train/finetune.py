@@ -368,21 +368,36 @@ def _row_lengths(mask: np.ndarray) -> np.ndarray:
     return mask.reshape(len(mask), -1, mask.shape[-1]).sum(axis=-1).max(axis=-1)
 
 
+def batches_per_epoch(examples: int, micro_batch_size: int, replicas: int = 1) -> int:
+    """Global batches in one pass over `examples`: the last may be short in one process; across
+    replicas it is left out (every replica takes a full micro-batch of each global batch, as
+    `DistributedSampler(drop_last=True)` does), so one needs at least one full global batch."""
+    if replicas == 1:
+        return math.ceil(examples / micro_batch_size)
+    if examples < micro_batch_size * replicas:
+        raise UsageError(f"{examples} training examples cannot fill one global batch of "
+                         f"{replicas} replicas x {micro_batch_size} (--batch-size)")
+    return examples // (micro_batch_size * replicas)
+
+
 class EpochBatches:
     """Shuffled mini-batches of in-memory features, a new order each epoch (the last batch of
     an epoch may be short); resumable by its position. `group_by_length`: each batch's rows of
-    similar length (`length_grouped_order`, by `input_mask`), so trimmed batches are short."""
+    similar length (`length_grouped_order`, by `input_mask`), so trimmed batches are short.
+    Replica `rank` of `size` takes its share of each global batch of `batch_size` x `size`
+    rows (all replicas draw the same order)."""
 
     def __init__(self, arrays: Mapping[str, np.ndarray], batch_size: int, epochs: int,
-                 seed: int, group_by_length: bool = False):
+                 seed: int, group_by_length: bool = False, rank: int = 0, size: int = 1):
         self.arrays = arrays
         self.batch_size = batch_size
         self.epochs = epochs
         self.seed = seed
+        self.rank, self.size = rank, size
         self.lengths = (_row_lengths(np.asarray(arrays["input_mask"])) if group_by_length
                         else None)
         self.num_samples = len(next(iter(arrays.values())))
-        self.per_epoch = math.ceil(self.num_samples / batch_size)
+        self.per_epoch = batches_per_epoch(self.num_samples, batch_size, size)
         self.position = 0  # batches served so far
         self._order: tuple[int, np.ndarray] | None = None
 
@@ -397,9 +412,12 @@ class EpochBatches:
             rng = np.random.default_rng(self.seed + epoch)
             order = rng.permutation(self.num_samples)
             if self.lengths is not None:
-                order = length_grouped_order(order, self.lengths, self.batch_size, rng)
+                order = length_grouped_order(order, self.lengths, self.batch_size * self.size,
+                                             rng)
             self._order = (epoch, order)
-        rows = self._order[1][index * self.batch_size:(index + 1) * self.batch_size]
+        step = self.batch_size * self.size
+        rows = self._order[1][index * step:(index + 1) * step]
+        rows = rows[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
         self.position += 1
         return {k: torch.from_numpy(v[rows]) for k, v in self.arrays.items()}
 
@@ -435,7 +453,8 @@ class FinetuneJob(Job):
             self.spec.hf_architecture(family), model.hidden_size, model.task))
         self.arrays = self.data.arrays
         examples = len(next(iter(self.arrays.values())))
-        steps = f.epochs * math.ceil(examples / cfg.execution.micro_batch_size)
+        steps = f.epochs * batches_per_epoch(examples, cfg.execution.micro_batch_size,
+                                             cfg.execution.replicas)
         model = head_settings(cfg, self.task, task_model_config(
             self.pretrained.config.model, self.max_seq_length, self.data.task_config(),
             f.dropout))
@@ -481,9 +500,9 @@ class FinetuneJob(Job):
 
     def check(self, cfg: RunConfig) -> None:
         e = cfg.execution
-        if e.replicas != 1 or e.pipeline or e.replicated_tensor_sharding or e.backend != "torch":
-            raise ConfigError("fine-tuning runs in one process on the torch backend: set "
-                              "execution.replicas=1, execution.pipeline=false, "
+        if e.pipeline or e.replicated_tensor_sharding or e.backend != "torch":
+            raise ConfigError("fine-tuning runs on data-parallel replicas of the whole model on "
+                              "the torch backend: set execution.pipeline=false, "
                               "execution.replicated_tensor_sharding=false, "
                               "execution.backend=torch")
 
@@ -494,7 +513,7 @@ class FinetuneJob(Job):
     def loader(self, rank: int, size: int) -> EpochBatches:
         c = self.config
         return EpochBatches(self.arrays, c.execution.micro_batch_size, c.finetune.epochs,
-                            c.training.seed, c.finetune.group_by_length)
+                            c.training.seed, c.finetune.group_by_length, rank, size)
 
     def load_initial_weights(self, session: Session,
                              weights: dict[str, torch.Tensor] | None) -> list[str]:
@@ -568,5 +587,5 @@ def infer(model: BertConfig, task: str, weights: Mapping[str, torch.Tensor],
 
 __all__ = ["COMMON_FLAGS", "FLAG_KEYS", "GROUPBERT_FINETUNE_DROPOUT", "PATH_FLAGS",
            "RUN_FLAG_KEYS", "SIZE_DEFAULTS", "EpochBatches", "FinetuneJob", "Pretrained",
-           "finetune_config", "finetune_defaults", "finetune_job", "infer", "load_pretrained",
-           "task_flags", "task_model_config"]
+           "batches_per_epoch", "finetune_config", "finetune_defaults", "finetune_job", "infer",
+           "load_pretrained", "task_flags", "task_model_config"]

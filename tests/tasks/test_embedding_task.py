@@ -265,3 +265,44 @@ def test_bad_pairs_are_one_line_and_write_nothing(case: str, pretrained: Path, t
               if line.startswith("popbert: error:")]
     assert len(errors) == 1 and expected in errors[0], errors
     assert not run.exists()
+
+
+@pytest.mark.e2e
+def test_torchrun_two_replicas_train_as_one_process_of_the_global_batch(
+        pretrained: Path, tmp_path: Path) -> None:
+    """`torchrun --nproc-per-node 2 -m popbert finetune embedding --batch-size 4` (negatives
+    from both replicas) ends with the weights of one process at --batch-size 8 on the same
+    rows (24 rows: 3 global batches; no dropout). Relative 1e-5 over all weights."""
+    import os
+    import subprocess
+    import sys
+
+    from replica_helpers import assert_same, free_port
+
+    from popbert.io.checkpoint import load_checkpoint
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(TRIPLETS.read_text().splitlines(keepends=True)[:24]))
+    common = ["finetune", "embedding", "--checkpoint", str(pretrained), "--train", str(data),
+              "--epochs", "1", "--dropout", "0", "--device", "cpu", "--lr", "1e-3",
+              "--max-seq-length", "48", "--symmetric"]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    result = subprocess.run(
+        [str(torchrun), "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "popbert", *common,
+         "--batch-size", "4", "--set", "execution.replicas=2", "-o", str(tmp_path / "two")],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert main([*common, "--batch-size", "8", "--threads", "1", "-o",
+                 str(tmp_path / "one")]) == 0
+
+    def weights(run: Path) -> dict[str, np.ndarray]:
+        return {k: v.numpy() for k, v in load_checkpoint(run, weights_only=True)
+                .weights.items()}
+
+    two, one = weights(tmp_path / "two"), weights(tmp_path / "one")
+    assert_same(two, one, 1e-5, "2 replicas x 4 against 1 x 8")
+    assert json.loads((tmp_path / "two" / "eval_results.json").read_text())["queries"] == 24

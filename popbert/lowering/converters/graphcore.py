@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from popbert.distributed.gather import gather_rows
 from popbert.lowering.context import GRAPHCORE_DOMAINS, NodeContext, register_converter
 from popbert.lowering.converters.nn import loss_reduction
 from popbert.lowering.functional import onnx_group_norm_stats, onnx_nll_class_last
@@ -34,6 +35,11 @@ def convert_gc_gelu_erf(ctx: NodeContext) -> list[Any]:
 @register_converter("Detach", GRAPHCORE_DOMAINS)
 def convert_gc_detach(ctx: NodeContext) -> list[Any]:
     return [ctx.call(torch.Tensor.detach, ctx.inputs[0])]
+
+
+@register_converter("ReplicatedAllGather", GRAPHCORE_DOMAINS)
+def convert_gc_replicated_all_gather(ctx: NodeContext) -> list[Any]:
+    return [ctx.call(gather_rows, ctx.inputs[0])]
 
 
 @register_converter("Scale", GRAPHCORE_DOMAINS)

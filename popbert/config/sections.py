@@ -215,6 +215,11 @@ class ExecutionConfig:
     # it is not computed at all: GEMMs included, not only attention (model.dialect onnx, rows
     # not packed; the graph gets a symbolic sequence axis).
     trim_padding: bool = False
+    # Gradient caching (GradCache) for an embedding graph: each micro-batch's vectors are made
+    # this many rows at a time, the loss over all of them, then each chunk again with its share
+    # of their gradient; the gradients of the whole micro-batch with one chunk's activations in
+    # memory. null: one pass per micro-batch.
+    gradient_cache_rows: int | None = setting(None, at_least(1).or_null())
 
     @property
     def use_stochastic_rounding(self) -> bool:
@@ -576,6 +581,11 @@ def _check_across(cfg: RunConfig) -> None:
                       "model.dialect 'onnx' and model.packed false (packed rows carry no "
                       "padding to cut)", "execution.trim_padding", "model.dialect",
                       "model.packed")
+    if e.gradient_cache_rows is not None and (e.pipeline or cfg.finetune.task != "embedding"):
+        raise Invalid("execution.gradient_cache_rows caches the gradients of an embedding "
+                      "model's vectors: it needs finetune.task 'embedding' and "
+                      "execution.pipeline false", "execution.gradient_cache_rows",
+                      "finetune.task", "execution.pipeline")
     if e.trim_padding and cfg.finetune.task == "squad":
         raise Invalid("execution.trim_padding would change the loss of finetune.task 'squad': "
                       "its start/end softmax runs over every position, padding included (as in "

@@ -33,7 +33,7 @@ __all__ = ["SessionOptions"]
 _FROM_EXECUTION = {"replication_factor": "replicas", **{name: name for name in (
     "backend", "gradient_accumulation", "device_iterations", "weight_dtype", "compute_dtype",
     "compile", "replicated_tensor_sharding", "pipeline", "pipeline_schedule", "recompute",
-    "trim_padding")}}
+    "trim_padding", "gradient_cache_rows")}}
 
 
 @dataclass
@@ -66,6 +66,9 @@ class SessionOptions:
     backend: str = "torch"  # after the older options: positional construction keeps its meaning
     # Run each micro-batch cut to its longest row (the graph's sequence axis must be symbolic).
     trim_padding: bool = False
+    # Rows per pass of a micro-batch cut at its `embedding` output (`popbert.runtime.gradcache`);
+    # None: the whole micro-batch in one pass.
+    gradient_cache_rows: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()

@@ -224,6 +224,14 @@ class TrainingSession(_Session):
                 log.warning("pipeline of %d stages fed %d micro-batches per step: most stages "
                             "idle (raise gradient_accumulation to several times the stages)",
                             self.program.num_stages, self.options.gradient_accumulation)
+        if self.options.gradient_cache_rows:  # a micro-batch in chunks, cut at its vectors
+            if self.options.pipeline:
+                raise ValueError("gradient caching (gradient_cache_rows) runs the whole graph "
+                                 "in one process: it cannot be pipelined")
+            from popbert.runtime.gradcache import GradientCache
+
+            self._cache = GradientCache(self, self.options.gradient_cache_rows)
+            self._passes = self._cached_passes
         self.step = 0
         # Called before each optimizer step with the step index (learning-rate schedules).
         self.step_hook = step_hook
@@ -324,6 +332,15 @@ class TrainingSession(_Session):
             self.gradients.after_micro_batch()
             yield outputs
             del outputs  # not alive while the next micro-batch runs
+
+    def _cached_passes(self, micro_batches: list[Mapping[str, torch.Tensor]],
+                       scale: float) -> Iterator[dict[str, torch.Tensor]]:
+        """Each micro-batch in chunks with its gradients cached at the graph's vectors
+        (`popbert.runtime.gradcache`)."""
+        for micro in micro_batches:
+            outputs = self._cache.step(micro, scale / len(micro_batches))
+            self.gradients.after_micro_batch()
+            yield outputs
 
     def _pipelined_passes(self, micro_batches: list[Mapping[str, torch.Tensor]],
                           scale: float) -> Iterator[dict[str, torch.Tensor]]:

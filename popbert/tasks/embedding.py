@@ -179,8 +179,8 @@ def embedding_head(b: Builder, config: BertConfig, init: layers.WeightInit, grap
         raise ValueError("the embedding head pools over unpacked rows (an input_mask)")
     with b.nameScope("Embedding"):
         vectors = pooled_vectors(b, config, encoded.hidden, encoded.input_mask)
+    graph.outputs["embedding"] = vectors  # training too: gradient caching cuts the graph here
     if not with_loss:
-        graph.outputs["embedding"] = vectors
         return
     task = config.task
     if task.texts is None or task.loss is None:
@@ -376,6 +376,11 @@ TASK = Task(
              {"type": _dims, "metavar": "D,D,...",
               "help": "train the leading dimensions of each vector too (e.g. 768,512,256,128,"
                       "64), losses summed"}),
+        Flag("--mini-batch-size", "execution.gradient_cache_rows",
+             {"type": int, "metavar": "ROWS",
+              "help": "cached mode (GradCache, as sentence-transformers' Cached* losses): "
+                      "encode ROWS rows at a time, so --batch-size can outgrow memory with "
+                      "the same gradients"}),
         Flag("--pooling", "finetune.pooling",
              {"choices": POOLINGS,
               "help": "how token states become one vector (default: the checkpoint's, else "

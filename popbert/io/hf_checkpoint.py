@@ -10,6 +10,10 @@ MLM/NSP heads a `BertModel` lacks) initialised fresh and reported. Export writes
 the `transformers` class that holds exactly the checkpoint's heads, so `from_pretrained`
 reports no missing or unexpected keys.
 
+A sentence-transformers folder imports too: a SentenceTransformer's pooling, normalisation and
+prompts, or a CrossEncoder's activation (`model.task.activation`), which serving applies to the
+score and `export-hf` writes back into config.json.
+
 Layout of an imported directory (a run directory, so every `--checkpoint` option accepts it):
 `config.yaml`, `vocab.txt` or `tokenizer.json`, `import.json` (what was read, initialised
 fresh, ignored) and `checkpoints/step-000000/`.
@@ -136,6 +140,16 @@ def read_lowercase(model_dir: Path) -> bool:
     return bool(value) if value is not None else True
 
 
+ST_CONFIG = "config_sentence_transformers.json"
+# A CrossEncoder's activation as sentence-transformers records it (the dotted path of a torch
+# module; the short torch.nn names load the same) → popbert's `model.task.activation`.
+ST_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid",
+                  "torch.nn.Sigmoid": "sigmoid",
+                  "torch.nn.modules.linear.Identity": "identity",
+                  "torch.nn.Identity": "identity"}
+# popbert's `model.task.activation` → what export-hf records (sentence-transformers' own path).
+HF_ACTIVATIONS = {"sigmoid": "torch.nn.modules.activation.Sigmoid",
+                  "identity": "torch.nn.modules.linear.Identity"}
 # sentence-transformers' Pooling config keys → popbert's `model.task.pooling`.
 ST_POOLINGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
                "pooling_mode_max_tokens": "max",
@@ -184,19 +198,91 @@ def read_sentence_transformer(folder: Path) -> SentenceTransformer | None:
     if config.get("include_prompt") is False:
         raise UsageError(f"{pooling_file}: include_prompt false (the prompt's tokens left out "
                          "of the pooling); popbert pools over every token")
+    extra = folder / ST_CONFIG
+    prompts = (_read_json(extra, ST_CONFIG).get("prompts") or {} if extra.is_file() else {})
+    return SentenceTransformer(folder / paths[0], chosen[0], len(kinds) > 2,
+                               _max_length(folder, folder / paths[0]),
+                               {str(k): str(v) for k, v in prompts.items()})
+
+
+def _max_length(folder: Path, transformer_dir: Path) -> int | None:
+    """A sentence-transformers folder's longest input: sentence_bert_config.json's
+    max_seq_length, else (sentence-transformers 5 and later) its tokenizer's model_max_length."""
     settings = folder / "sentence_bert_config.json"
     length = (_read_json(settings, "sentence_bert_config.json").get("max_seq_length")
               if settings.is_file() else None)
-    tokenizer_config = folder / paths[0] / "tokenizer_config.json"
+    tokenizer_config = transformer_dir / "tokenizer_config.json"
     if length is None and tokenizer_config.is_file():  # sentence-transformers 5 keeps it here
         length = _read_json(tokenizer_config, "tokenizer_config.json").get("model_max_length")
         length = length if isinstance(length, int) and length < 1_000_000 else None
-    extra = folder / "config_sentence_transformers.json"
-    prompts = (_read_json(extra, "config_sentence_transformers.json").get("prompts") or {}
-               if extra.is_file() else {})
-    return SentenceTransformer(folder / paths[0], chosen[0], len(kinds) > 2,
-                               int(length) if length else None,
-                               {str(k): str(v) for k, v in prompts.items()})
+    return int(length) if length else None
+
+
+@dataclass(frozen=True)
+class CrossEncoder:
+    """What makes a Hugging Face `*ForSequenceClassification` directory a sentence-transformers
+    CrossEncoder: the activation its `predict` puts the logits through (the dotted torch path
+    as recorded, and the file recording it; None: its default) and its longest input."""
+
+    model_dir: Path  # where the transformer's config.json and weights are
+    activation: tuple[Path, str | None] | None
+    max_seq_length: int | None
+
+
+def read_cross_encoder(folder: Path) -> CrossEncoder | None:
+    """A CrossEncoder folder: sentence-transformers 5 and later write `modules.json` (one
+    Transformer) and `config_sentence_transformers.json` (`model_type` CrossEncoder,
+    `activation_fn`); older ones a plain Hugging Face directory whose config.json holds
+    `sentence_transformers.activation_fn` (4.x) or `sbert_ce_default_activation_function`.
+    None when `folder` is neither."""
+    extra = folder / ST_CONFIG
+    settings = _read_json(extra, ST_CONFIG) if extra.is_file() else {}
+    if settings.get("model_type") == "CrossEncoder":
+        modules_file = folder / "modules.json"
+        modules = (read_json(modules_file, "sentence-transformers' modules.json",
+                             error=UsageError) if modules_file.is_file() else
+                   [{"type": "Transformer", "path": ""}])
+        if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+            raise UsageError(f"{modules_file}: expected a list of modules")
+        kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
+        if kinds != ["Transformer"]:
+            raise UsageError(f"{modules_file}: modules {', '.join(kinds) or 'none'}; popbert "
+                             "reads a CrossEncoder of one Transformer (a "
+                             "*ForSequenceClassification)")
+        model_dir = folder / str(modules[0].get("path", ""))
+        recorded = (extra, settings["activation_fn"]) if settings.get("activation_fn") else None
+        return CrossEncoder(model_dir, recorded or _legacy_activation(model_dir) or
+                            (extra, None), _max_length(folder, model_dir))
+    recorded = _legacy_activation(folder)
+    return (None if recorded is None
+            else CrossEncoder(folder, recorded, _max_length(folder, folder)))
+
+
+def _legacy_activation(model_dir: Path) -> tuple[Path, str | None] | None:
+    """The activation config.json records for sentence-transformers before 5: its
+    `sentence_transformers` mapping (4.x; without `activation_fn`, the default) or
+    `sbert_ce_default_activation_function` (before 4); None when it records neither."""
+    path = model_dir / "config.json"
+    config = _read_json(path, "a Hugging Face config.json") if path.is_file() else {}
+    if isinstance(config.get("sentence_transformers"), dict):
+        return path, config["sentence_transformers"].get("activation_fn")
+    old = config.get("sbert_ce_default_activation_function")
+    return (path, old) if old is not None else None
+
+
+def cross_encoder_activation(cross: CrossEncoder) -> str | None:
+    """`model.task.activation` for the activation the folder records for
+    `CrossEncoder.predict`; None where it records none (its default: sigmoid for one output,
+    identity for classes). One popbert does not apply (Tanh, a function of the folder's own
+    code) is one line naming the file and the value."""
+    if cross.activation is None or cross.activation[1] is None:
+        return None
+    path, value = cross.activation
+    name = ST_ACTIVATIONS.get(str(value))
+    if name is None:
+        raise UsageError(f"{path}: activation_fn {value!r}; popbert applies "
+                         "torch.nn.Sigmoid or torch.nn.Identity to a CrossEncoder's scores")
+    return name
 
 
 def _tokenizer_file(model_dir: Path, family: str) -> Path:
@@ -239,10 +325,13 @@ def import_hf(model_dir: Path, output_dir: Path, sequence_length: int | None = N
     if not model_dir.is_dir():
         raise UsageError(f"--model: not a directory: {model_dir}")
     _prepare_output(output_dir, IMPORT_REPORT, "--output-dir")
-    sentence = read_sentence_transformer(model_dir)
-    if sentence is not None:  # its transformer may sit in a subfolder (0_Transformer)
-        model_dir = sentence.model_dir
-        sequence_length = sequence_length or sentence.max_seq_length
+    cross = read_cross_encoder(model_dir)
+    activation = cross_encoder_activation(cross) if cross is not None else None
+    folder = cross or read_sentence_transformer(model_dir)
+    sentence = folder if isinstance(folder, SentenceTransformer) else None
+    if folder is not None:  # its transformer may sit in a subfolder (0_Transformer)
+        model_dir = folder.model_dir
+        sequence_length = sequence_length or folder.max_seq_length
     config_path = model_dir / "config.json"
     hf_config = _read_json(config_path, "a Hugging Face config.json")
     bert = config_from_hf(hf_config, str(config_path), sequence_length)
@@ -281,6 +370,11 @@ def import_hf(model_dir: Path, output_dir: Path, sequence_length: int | None = N
         # One output is a score (a regression head, a cross-encoder): it names no classes.
         if bert.task.num_labels > 1 and all(isinstance(n, str) for n in names):
             bert.task.labels = names
+        if cross is not None and head == "Classifier/B":  # what CrossEncoder.predict applies
+            bert.task.activation = activation or ("sigmoid" if bert.task.num_labels == 1
+                                                  else "identity")
+            log.info("a sentence-transformers CrossEncoder: its scores go through %s",
+                     bert.task.activation)
 
     graph = build_bert(bert, task="pretraining", seed=seed)
     model = graph.model()
@@ -410,6 +504,9 @@ def export_hf(checkpoint: Path, output_dir: Path, architecture: str | None = Non
         hf_config["label2id"] = {name: i for i, name in enumerate(names)}
         if cfg.model.task.num_labels == 1:  # one score: transformers' MSE, not cross-entropy
             hf_config["problem_type"] = "regression"
+        if cfg.model.task.activation is not None and architecture.endswith(
+                "SequenceClassification"):  # a CrossEncoder: CrossEncoder(path) applies it
+            hf_config["sentence_transformers"] = _cross_encoder_key(cfg.model.task.activation)
     special = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]",
                "cls_token": "[CLS]", "mask_token": "[MASK]",
                "model_max_length": cfg.model.max_position_embeddings}
@@ -423,8 +520,13 @@ def export_hf(checkpoint: Path, output_dir: Path, architecture: str | None = Non
                         cfg.data.vocab_file, VOCAB)
         elif is_tokenizer_json(vocab):
             shutil.copyfile(vocab, tmp / TOKENIZER_JSON)
+            # A generic tokenizer returns no token_type_ids unless told to: a BERT then reads
+            # every pair's second text as sentence A (a cross-encoder scores the wrong input).
+            inputs = (["input_ids", "token_type_ids", "attention_mask"]
+                      if FAMILIES[family].segments else ["input_ids", "attention_mask"])
             (tmp / "tokenizer_config.json").write_text(json.dumps(
-                {"tokenizer_class": "PreTrainedTokenizerFast", **special}, indent=2))
+                {"tokenizer_class": "PreTrainedTokenizerFast", "model_input_names": inputs,
+                 **special}, indent=2))
         else:
             shutil.copyfile(vocab, tmp / VOCAB)
             (tmp / "tokenizer_config.json").write_text(json.dumps({
@@ -435,6 +537,19 @@ def export_hf(checkpoint: Path, output_dir: Path, architecture: str | None = Non
     log.info("wrote %s (%s, %d tensors%s)", output_dir, architecture, len(state),
              ", a sentence-transformers folder" if cfg.model.task.pooling else "")
     return output_dir
+
+
+def _cross_encoder_key(activation: str) -> dict[str, str]:
+    """config.json's `sentence_transformers` mapping, as sentence-transformers 4 wrote it and
+    every later version still reads it, recording the CrossEncoder's activation."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    key = {"activation_fn": HF_ACTIVATIONS[activation]}
+    try:
+        key["version"] = version("sentence-transformers")
+    except PackageNotFoundError:  # the version is a note; the activation is what loads
+        pass
+    return key
 
 
 def _write_sentence_transformer(directory: Path, model: BertConfig) -> None:
@@ -461,5 +576,6 @@ def _write_sentence_transformer(directory: Path, model: BertConfig) -> None:
         {"prompts": task.prompts or {}, "default_prompt_name": None}, indent=2))
 
 
-__all__ = ["ImportReport", "bert_config_from_hf", "checkpoint_vocab", "config_from_hf", "export_hf",
-           "hf_config_from_bert", "import_hf", "load_hf_state", "read_lowercase"]
+__all__ = ["CrossEncoder", "ImportReport", "bert_config_from_hf", "checkpoint_vocab",
+           "config_from_hf", "cross_encoder_activation", "export_hf", "hf_config_from_bert",
+           "import_hf", "load_hf_state", "read_cross_encoder", "read_lowercase"]

@@ -353,9 +353,22 @@ def read_texts(path: Path, text_column: str | None = None, pair_column: str | No
     return ClassificationData(path, texts, None, None, lines)
 
 
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """1 / (1 + e^-x) without overflow: e^-|x| never exceeds 1."""
+    small = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + small), small / (1.0 + small))
+
+
+# What a one-output model's score goes through (`model.task.activation`, metadata
+# `popbert.activation`): a sentence-transformers CrossEncoder's scores are sigmoid(logit).
+ACTIVATIONS = {"sigmoid": sigmoid, "identity": lambda x: x}
+
+
 class ClassifyPredictor(ExportedModel):
     """An exported `classification` model: texts in, label names and probabilities out; or, for
-    a regression model (one output, no labels: `finetune classify --regression`), a score."""
+    a regression model (one output, no labels: `finetune classify --regression`), a score, put
+    through the activation its metadata records (an imported CrossEncoder's), as
+    `CrossEncoder.predict` does."""
 
     def __init__(self, model: Path, threads: int | None = None) -> None:
         super().__init__(model, "classification", threads)
@@ -363,6 +376,10 @@ class ClassifyPredictor(ExportedModel):
         self.regression = outputs == 1
         self.labels = None if self.regression else [str(x) for x in
                                                     json.loads(self.text("labels"))]
+        self.activation = json.loads(self.meta.get(f"{METADATA_PREFIX}activation", "null"))
+        if self.activation is not None and self.activation not in ACTIVATIONS:
+            raise UsageError(f"--model: {model}: metadata {METADATA_PREFIX}activation is "
+                             f"{self.activation!r}; expected one of {', '.join(ACTIVATIONS)}")
         self.tokenizer = self.text_tokenizer
 
     def logits(self, data: ClassificationData, batch_size: int = 16,
@@ -379,11 +396,15 @@ class ClassifyPredictor(ExportedModel):
 
     def scores(self, data: ClassificationData, batch_size: int = 16,
                stats: PredictStats | None = None, bucket: bool = True) -> np.ndarray:
-        """A regression model's score, [N], for the rows of `data`."""
+        """A regression model's score, [N], for the rows of `data`: its output, through the
+        recorded activation (a CrossEncoder's sigmoid) where there is one."""
         if not self.regression:
             raise UsageError(f"--model: {self.path} is a classifier of {len(self.labels or [])} "
                              "labels, not a regression model (one score)")
-        return self.logits(data, batch_size, stats, bucket)[:, 0]
+        scores = self.logits(data, batch_size, stats, bucket)[:, 0]
+        if self.activation is None:
+            return scores
+        return np.asarray(ACTIVATIONS[self.activation](scores), np.float32)
 
     def probabilities(self, data: ClassificationData, batch_size: int = 16,
                       stats: PredictStats | None = None, bucket: bool = True) -> np.ndarray:

@@ -1,7 +1,9 @@
 """Reranking with a cross-encoder: a `classification` export that scores (query, passage) pairs
 — one output (`finetune classify --regression`, or transformers' `num_labels=1`), or two labels
 whose second is "relevant" — ranks candidates by that score (`popbert predict rerank`) and is
-judged on a BEIR directory by nDCG@10, MRR@10 and Recall@100 (`popbert evaluate rerank`).
+judged on a BEIR directory by nDCG@10, MRR@10 and Recall@100 (`popbert evaluate rerank`). An
+imported sentence-transformers CrossEncoder's score goes through its activation (sigmoid), so
+the scores are `CrossEncoder.predict`'s; the ranking is the logits' either way.
 
 Torch-free, as `popbert.serve.predict` is: ONNX Runtime or OpenVINO run the export.
 """
@@ -29,8 +31,9 @@ log = logging.getLogger(__name__)
 
 def pair_scores(predictor: ClassifyPredictor, queries: Sequence[str], passages: Sequence[str],
                 batch_size: int = 32, stats: PredictStats | None = None) -> np.ndarray:
-    """The cross-encoder's score of each (query, passage) pair: its one output, or a two-label
-    classifier's probability of its second label."""
+    """The cross-encoder's score of each (query, passage) pair: its one output (through the
+    activation a CrossEncoder records), or a two-label classifier's probability of its second
+    label."""
     if not predictor.regression and len(predictor.labels or []) != 2:
         raise UsageError(f"--model: {predictor.path} is a classifier of "
                          f"{len(predictor.labels or [])} labels; a reranker scores pairs with "

@@ -203,7 +203,8 @@ TASK = Task(
     size_defaults=((1e-3, 10), (2e-5, 3)),
     hf_architectures={"bert": "BertForSequenceClassification",
                       "modernbert": "ModernBertForSequenceClassification"},
-    outputs=("logits",), metadata_keys=("num_labels", "labels"),
+    # activation: what a one-output model's score goes through when served (a CrossEncoder's)
+    outputs=("logits",), metadata_keys=("num_labels", "labels", "activation"),
     head_keys=("model.modernbert.classifier_pooling",),
     always_print_metrics=True,
 )

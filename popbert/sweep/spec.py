@@ -43,16 +43,16 @@ NOT_SWEPT = ("model.", "data.", "training.steps", "optimizer.warmup_steps")
 
 
 def finetune_args(job: str) -> dict[str, Any]:
-    """The `args` a fine-tuning job takes (its command's flags that set `finetune.*` keys), each
-    with its kind: "path", bool, int, float or str (labels: comma-separated, as on the command
-    line)."""
-    from popbert.config import FinetuneConfig
+    """The `args` a fine-tuning job takes (its command's own flags, which set `finetune.*` keys
+    or an `execution.*` one), each with its kind: "path", bool, int, float or str (labels:
+    comma-separated, as on the command line)."""
+    from popbert.config.sections import SECTIONS
     from popbert.train.finetune import FLAG_KEYS, PATH_FLAGS, task_flags
 
-    hints = typing.get_type_hints(FinetuneConfig)
     kinds: dict[str, Any] = {}
     for flag in task_flags(FINETUNE_TASKS[job]):
-        field_type = hints[FLAG_KEYS[flag].split(".", 1)[1]]
+        section, key = FLAG_KEYS[flag].split(".", 1)
+        field_type = typing.get_type_hints(SECTIONS[section])[key]
         kinds[flag] = "path" if flag in PATH_FLAGS else next(
             (t for t in (bool, int, float) if t in typing.get_args(field_type)
              or t is field_type), str)

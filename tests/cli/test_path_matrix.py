@@ -97,6 +97,7 @@ class Inputs:
         (self.beir / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\n")
         self.rerank = self._write("rerank.jsonl", '{"query": "q", "candidates": ["a", "b"]}\n')
         self.tagged = self._write("tagged.conll", "Paris B-LOC\nis O\n\n")
+        self.pairs = self._write("pairs.jsonl", '{"anchor": "a", "positive": "b"}\n')
 
     def _write(self, name: str, text: str) -> Path:
         path = self.root / name
@@ -119,6 +120,7 @@ class Inputs:
             paths.CORPUS: self.text, paths.TEXT: self.text, paths.SHARDS: self.shard,
             paths.TRAINING_DATA: self.text, paths.VOCAB: bundled_vocab_path(),
             paths.BEIR: self.beir, paths.RERANK_ROWS: self.rerank, paths.TAGGED: self.tagged,
+            paths.PAIRS: self.pairs, paths.PAIRS_OR_BEIR: self.pairs,
         }[kind])
 
     def impostor(self, kind: PathKind) -> Path:
@@ -133,7 +135,8 @@ class Inputs:
             paths.TEXT: self.safetensors, paths.SHARDS: self.text,
             paths.TRAINING_DATA: self.safetensors, paths.VOCAB: self.shard,
             paths.BEIR: self.run, paths.RERANK_ROWS: self.rows_json,
-            paths.TAGGED: self.rows_json,
+            paths.TAGGED: self.rows_json, paths.PAIRS: self.rows_json,
+            paths.PAIRS_OR_BEIR: self.rows_json,
         }[kind]
 
     def cells(self, kind: PathKind, suffix: str) -> Iterator[tuple[str, str]]:
@@ -176,7 +179,8 @@ SUFFIX = {paths.SQUAD: ".json", paths.PREDICTIONS: ".json", paths.ROWS: ".tsv",
           paths.ROWS_OR_LINES: ".tsv", paths.ROWS_OR_SQUAD: ".json", paths.ONNX_MODEL: ".onnx",
           paths.SHARDS: ".h5", paths.CONFIG_FILE: ".yaml", SWEEP_FILE: ".yaml",
           paths.VOCAB: ".txt", paths.DUMP: ".xml.bz2", paths.METRICS: ".jsonl",
-          paths.RERANK_ROWS: ".jsonl", paths.TAGGED: ".conll"}
+          paths.RERANK_ROWS: ".jsonl", paths.TAGGED: ".conll", paths.PAIRS: ".jsonl",
+          paths.PAIRS_OR_BEIR: ".jsonl"}
 
 
 def example_parser() -> argparse.ArgumentParser:

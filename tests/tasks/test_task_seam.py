@@ -24,6 +24,7 @@ from popbert.builders.bert import TASK_HEADS, build_bert
 from popbert.builders.bert_config import TASK_NAMES, TaskConfig
 from popbert.cli.main import build_parser
 from popbert.config import FinetuneConfig, list_presets, load_config
+from popbert.config.sections import ExecutionConfig
 from popbert.io import hf_mapping, paths
 from popbert.io.export import TASKS as EXPORT_TASKS
 from popbert.sweep.spec import JOBS, finetune_args
@@ -34,7 +35,8 @@ FAMILY = {"bert": {}, "groupbert": {"architecture": "groupbert"},
 CONFIGS = {"squad": TaskConfig(name="squad"),
            "classification": TaskConfig(name="classification", num_labels=3),
            "token-classification": TaskConfig(name="token-classification", num_labels=3,
-                                              labels=["O", "B-X", "I-X"])}
+                                              labels=["O", "B-X", "I-X"]),
+           "embedding": TaskConfig(name="embedding", pooling="mean")}
 BEFORE_THE_SEAM = {
     "bert-squad": "55756700c0c754c8eaa28f65a07f86e443f26525dc9db36137bfe0fc6a68847b",
     "bert-squad-inference": "bc593abf30deb19c84fe4fc3eb8a6341e4fd91a6a3fe3429513df5e59881a81c",
@@ -73,9 +75,11 @@ def test_each_task_is_one_entry_that_every_layer_reads(name: str) -> None:
     # the inference graph's outputs are the ones the export and serving read
     graph = build_bert(small_config(task=CONFIGS[name]), task=name, with_loss=False).model()
     assert tuple(o.name for o in graph.graph.output) == task.outputs
-    # each flag sets a finetune key, and the command has them all
-    fields = {f.name for f in dataclasses.fields(FinetuneConfig)}
-    assert all(flag.key.split(".", 1)[1] in fields for flag in task.flags)
+    # each flag sets a finetune key (or how the session runs: an execution key), and the
+    # command has them all
+    fields = {f"finetune.{f.name}" for f in dataclasses.fields(FinetuneConfig)} | {
+        f"execution.{f.name}" for f in dataclasses.fields(ExecutionConfig)}
+    assert all(flag.key in fields for flag in task.flags)
     command = dict(paths.subparsers(build_parser()))[("finetune", task.command)]
     options = {o for action in command._actions for o in action.option_strings}
     assert {flag.name for flag in task.flags} <= options

@@ -15,7 +15,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from popbert import __version__
 from popbert.errors import PopbertError, UsageError, one_line
@@ -182,10 +182,25 @@ def finetune_config_from_args(args: argparse.Namespace) -> RunConfig:
     for flag in TASKS[args.finetune_task].flags:  # "a,b,c" → a list
         if flag.list_of_text and isinstance(given.get(flag.dest), str):
             given[flag.dest] = [x.strip() for x in given[flag.dest].split(",")]
+    _check_flag_values(given, FLAG_KEYS)
     flags = [f"{FLAG_KEYS[dest]}={json.dumps(str(v) if isinstance(v, Path) else v)}"
              for dest, v in given.items() if dest not in ("checkpoint", "train")]
     return finetune_config(args.finetune_task, args.checkpoint, args.train,
                            overrides=[*flags, *args.overrides], config=args.config)
+
+
+def _check_flag_values(given: dict[str, Any], keys: dict[str, str]) -> None:
+    """A flag's value that breaks its config key's rule is one line naming the flag (not the
+    `--set` it becomes)."""
+    from popbert.config.sections import SECTIONS
+    from popbert.rules import rule_of
+
+    for dest, value in given.items():
+        section, name = keys[dest].split(".", 1)
+        rule = rule_of(SECTIONS[section], name) if "." not in name else None
+        if rule is not None and not rule.allows(value):
+            flag = "--" + dest.replace("_", "-")
+            raise UsageError(f"{flag} {value}: {rule.message(keys[dest], value)}")
 
 
 def _cmd_finetune(args: argparse.Namespace) -> int:

@@ -337,3 +337,20 @@ def test_cached_gradients_equal_the_uncached(settings: dict) -> None:
     assert any(g.abs().max() > 0 for g in grads.values())
     for name, grad in grads.items():
         assert (cached[name] - grad).abs().max() <= 1e-4 * grad.abs().max() + 1e-7, name
+
+
+@pytest.mark.parametrize("flag,value,key", [("--mini-batch-size", "0",
+                                             "execution.gradient_cache_rows"),
+                                            ("--scale", "-1", "finetune.scale"),
+                                            ("--epochs", "0", "finetune.epochs")])
+def test_a_flag_out_of_range_is_named_as_the_flag(flag: str, value: str, key: str,
+                                                  pretrained: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    assert main(["finetune", "embedding", "--checkpoint", str(pretrained), "--train",
+                 str(TRIPLETS), flag, value, "-o", str(tmp_path / "run")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines()
+              if line.startswith("popbert: error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"popbert: error: {flag} ") \
+        and key in errors[0], errors
+    assert not (tmp_path / "run").exists()

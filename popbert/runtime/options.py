@@ -66,7 +66,7 @@ class SessionOptions:
     backend: str = "torch"  # after the older options: positional construction keeps its meaning
     # Run each micro-batch cut to its longest row (the graph's sequence axis must be symbolic).
     trim_padding: bool = False
-    # Rows per pass of a micro-batch cut at its `embedding` output (`popbert.runtime.gradcache`);
+    # Rows per pass of a micro-batch cut at its `embedding` output (`popbert.runtime.texts`);
     # None: the whole micro-batch in one pass.
     gradient_cache_rows: int | None = None
 

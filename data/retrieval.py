@@ -9,7 +9,6 @@ their id, descending, as trec_eval orders them, so a metric never depends on dic
 from __future__ import annotations
 
 import csv
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from popbert.data.errors import DataError
+from popbert.data.rows import json_lines
 from popbert.textfile import read_text
 
 Run = Mapping[str, Mapping[str, float]]  # query id → document id → score
@@ -37,18 +37,10 @@ def _jsonl(path: Path, what: str) -> list[tuple[int, dict]]:
     if not path.is_file():
         raise DataError(f"{path}: not found; a BEIR directory holds corpus.jsonl, queries.jsonl "
                         "and qrels/<split>.tsv")
-    rows = []
-    for number, line in enumerate(read_text(path, f"{what} JSON lines").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DataError(f"{path}:{number}: not JSON ({error.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("_id"), str | int) \
-                or not isinstance(row.get("text"), str):
+    rows = json_lines(path, read_text(path, f"{what} JSON lines"))
+    for number, row in rows:
+        if not isinstance(row.get("_id"), str | int) or not isinstance(row.get("text"), str):
             raise DataError(f"{path}:{number}: expected an object with \"_id\" and \"text\"")
-        rows.append((number, row))
     if not rows:
         raise DataError(f"{path}: no {what}")
     return rows

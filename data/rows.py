@@ -35,7 +35,11 @@ def read_rows(path: Path, what: str, formats: Mapping[str, str] = TEXT_FORMATS
         return _parquet_rows(path)
     text = read_text(path, what, error=DataError)
     if kind == "jsonl":
-        return _jsonl_rows(path, text)
+        rows = json_lines(path, text)
+        columns: list[str] = []
+        for _, row in rows:
+            columns.extend(k for k in row if k not in columns)
+        return columns, rows
     delimiter = "\t" if kind == "tsv" else ","
     quoting = csv.QUOTE_NONE if kind == "tsv" else csv.QUOTE_MINIMAL
     reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, quoting=quoting)
@@ -54,10 +58,11 @@ def read_rows(path: Path, what: str, formats: Mapping[str, str] = TEXT_FORMATS
     return header, rows
 
 
-def _jsonl_rows(path: Path, text: str) -> tuple[list[str], list[tuple[int, Row]]]:
+def json_lines(path: Path, text: str) -> list[tuple[int, Row]]:
+    """[(line, object)] of JSON-lines `text` read from `path` (blank lines skipped); a line that
+    is not JSON, or not an object, is one DataError naming it."""
     rows: list[tuple[int, Row]] = []
-    columns: list[str] = []
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -66,9 +71,8 @@ def _jsonl_rows(path: Path, text: str) -> tuple[list[str], list[tuple[int, Row]]
             raise DataError(f"{path}:{number}: invalid JSON ({error.msg})") from None
         if not isinstance(row, dict):
             raise DataError(f"{path}:{number}: expected a JSON object per line")
-        columns.extend(k for k in row if k not in columns)
         rows.append((number, row))
-    return columns, rows
+    return rows
 
 
 def _parquet_rows(path: Path) -> tuple[list[str], list[tuple[int, Row]]]:
@@ -85,4 +89,4 @@ def _parquet_rows(path: Path) -> tuple[list[str], list[tuple[int, Row]]]:
     return list(table.column_names), list(enumerate(table.to_pylist(), 1))
 
 
-__all__ = ["FORMATS", "TEXT_FORMATS", "Row", "read_rows"]
+__all__ = ["FORMATS", "TEXT_FORMATS", "Row", "json_lines", "read_rows"]

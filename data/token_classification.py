@@ -16,7 +16,6 @@ file is a one-line DataError naming the file and line.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections import defaultdict
@@ -29,6 +28,7 @@ import numpy as np
 
 from popbert.atomic import atomic_write_text
 from popbert.data.errors import DataError
+from popbert.data.rows import json_lines
 from popbert.data.tokenization import TextTokenizer
 from popbert.textfile import read_text
 
@@ -156,15 +156,7 @@ def _read_conll(path: Path, text: str, require_tags: bool) -> list[TaggedSentenc
 def _read_jsonl(path: Path, text: str, require_tags: bool) -> list[TaggedSentence]:
     sentences: list[TaggedSentence] = []
     tagged: tuple[bool, int] | None = None
-    for number, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DataError(f"{path}:{number}: invalid JSON ({error.msg})") from None
-        if not isinstance(row, dict):
-            raise DataError(f"{path}:{number}: expected a JSON object per line")
+    for number, row in json_lines(path, text):
         words = row.get("tokens")
         if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
             raise DataError(f"{path}:{number}: expected \"tokens\": a list of strings")

@@ -5,11 +5,13 @@ What each side does: sentence-transformers encodes in eager PyTorch FP32 (its `e
 by length, batches of `--batch-size`, each padded to its longest); popbert runs
 `popbert.serve.embed.EmbedPredictor` (what `popbert predict embed` runs: rows sorted by length,
 each batch cut to its longest) on `popbert export --task embedding` ONNX files, FP32 and INT8
-(ONNX Runtime's dynamic quantization of the MatMuls). The same number of intra-op threads on both
-sides; rounds interleaved (sentence-transformers, then each export), the median of the rounds
-reported. Agreement: the largest component difference from sentence-transformers' vectors.
-Retrieval: an inverse-cloze set from the texts (each lead's first sentence as the query, the rest
-as its one relevant document), nDCG@10 by exact cosine search, so a precision's cost shows.
+(ONNX Runtime's dynamic quantization of the MatMuls), and on OpenVINO IRs at FP32 and BF16
+(`--precision`; BF16 is what `auto` picks on a CPU with AVX512-BF16 or AMX). The same
+number of intra-op threads on both sides; rounds interleaved (sentence-transformers, then each
+export), the median of the rounds reported. Agreement: the largest component difference from
+sentence-transformers' vectors. Retrieval: an inverse-cloze set from the texts (each lead's
+first sentence as the query, the rest as its one relevant document), nDCG@10 by exact cosine
+search, so a precision's cost shows.
 
     python benchmarks/embed.py --threads 2 --rounds 3 --out benchmarks/embed_results.json
 """
@@ -70,11 +72,17 @@ def main() -> None:
     texts, pairs = texts_and_pairs(args.texts)
     work = Path(tempfile.mkdtemp(prefix="embed-bench-"))
     assert popbert(["import-hf", "--model", str(folder), "--output-dir", str(work / "ckpt")]) == 0
-    exports = {"popbert-onnx-fp32": work / "fp32.onnx", "popbert-onnx-int8": work / "int8.onnx"}
+    exports = {"popbert-onnx-fp32": work / "fp32.onnx", "popbert-onnx-int8": work / "int8.onnx",
+               "popbert-openvino-f32": work / "openvino-f32",
+               "popbert-openvino-bf16": work / "openvino-bf16"}
     assert popbert(["export", "--checkpoint", str(work / "ckpt"), "--task", "embedding",
                     "--output", str(exports["popbert-onnx-fp32"])]) == 0
     assert popbert(["export", "--checkpoint", str(work / "ckpt"), "--task", "embedding",
                     "--output", str(exports["popbert-onnx-int8"]), "--quantize", "int8"]) == 0
+    for precision in ("f32", "bf16"):  # bf16: what `auto` picks where the CPU has AVX512-BF16
+        assert popbert(["export", "--checkpoint", str(work / "ckpt"), "--task", "embedding",
+                        "--output", str(exports[f"popbert-openvino-{precision}"]), "--runtime",
+                        "openvino", "--precision", precision]) == 0
 
     reference = SentenceTransformer(str(folder), device="cpu")
     predictors = {name: EmbedPredictor(path, args.threads) for name, path in exports.items()}

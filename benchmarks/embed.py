@@ -6,7 +6,8 @@ by length, batches of `--batch-size`, each padded to its longest); popbert runs
 `popbert.serve.embed.EmbedPredictor` (what `popbert predict embed` runs: rows sorted by length,
 each batch cut to its longest) on `popbert export --task embedding` ONNX files, FP32 and INT8
 (ONNX Runtime's dynamic quantization of the MatMuls), and on OpenVINO IRs at FP32 and BF16
-(`--precision`; BF16 is what `auto` picks on a CPU with AVX512-BF16 or AMX). The same
+(`--precision`; BF16 is what `auto` picks on a CPU with AVX512-BF16 or AMX) and INT8 (NNCF's
+static quantization, calibrated on 150 leads of the training split). The same
 number of intra-op threads on both sides; rounds interleaved (sentence-transformers, then each
 export), the median of the rounds reported. Agreement: the largest component difference from
 sentence-transformers' vectors. Retrieval: an inverse-cloze set from the texts (each lead's
@@ -29,16 +30,20 @@ from pathlib import Path
 import numpy as np
 
 DATA = Path(__file__).parent / "data" / "topic-test.jsonl"  # 800 Wikipedia leads (ATTRIBUTION)
+TRAIN = Path(__file__).parent / "data" / "topic-train.jsonl"  # others: static INT8's calibration
+
+
+def pair_of(lead: str) -> tuple[str, str | None]:
+    """(first sentence, the rest) of a lead; the rest None when it is under five words."""
+    parts = re.split(r"(?<=[.!?])\s+", lead.strip(), maxsplit=1)
+    return (parts[0], parts[1]) if len(parts) == 2 and len(parts[1].split()) >= 5 else \
+        (parts[0], None)
 
 
 def texts_and_pairs(limit: int) -> tuple[list[str], list[tuple[str, str]]]:
     """The leads (real, mixed lengths) and inverse-cloze (first sentence, rest) pairs."""
     leads = [json.loads(line)["text"] for line in DATA.read_text().splitlines()][:limit]
-    pairs = []
-    for lead in leads:
-        parts = re.split(r"(?<=[.!?])\s+", lead.strip(), maxsplit=1)
-        if len(parts) == 2 and len(parts[1].split()) >= 5:
-            pairs.append((parts[0], parts[1]))
+    pairs = [(query, rest) for query, rest in map(pair_of, leads) if rest is not None]
     return leads, pairs
 
 
@@ -74,7 +79,8 @@ def main() -> None:
     assert popbert(["import-hf", "--model", str(folder), "--output-dir", str(work / "ckpt")]) == 0
     exports = {"popbert-onnx-fp32": work / "fp32.onnx", "popbert-onnx-int8": work / "int8.onnx",
                "popbert-openvino-f32": work / "openvino-f32",
-               "popbert-openvino-bf16": work / "openvino-bf16"}
+               "popbert-openvino-bf16": work / "openvino-bf16",
+               "popbert-openvino-int8": work / "openvino-int8"}
     assert popbert(["export", "--checkpoint", str(work / "ckpt"), "--task", "embedding",
                     "--output", str(exports["popbert-onnx-fp32"])]) == 0
     assert popbert(["export", "--checkpoint", str(work / "ckpt"), "--task", "embedding",
@@ -83,6 +89,14 @@ def main() -> None:
         assert popbert(["export", "--checkpoint", str(work / "ckpt"), "--task", "embedding",
                         "--output", str(exports[f"popbert-openvino-{precision}"]), "--runtime",
                         "openvino", "--precision", precision]) == 0
+    # Static INT8 calibrates on texts of the training split, not the measured ones.
+    calibration = work / "calibration.jsonl"
+    train = [json.loads(line)["text"] for line in TRAIN.read_text().splitlines()][:150]
+    calibration.write_text("".join(json.dumps({"anchor": a, "positive": p}) + "\n" for a, p in
+                                   (pair_of(lead) for lead in train) if p))
+    assert popbert(["export", "--checkpoint", str(work / "ckpt"), "--task", "embedding",
+                    "--output", str(exports["popbert-openvino-int8"]), "--runtime", "openvino",
+                    "--quantize", "int8", "--calibration", str(calibration)]) == 0
 
     reference = SentenceTransformer(str(folder), device="cpu")
     predictors = {name: EmbedPredictor(path, args.threads) for name, path in exports.items()}

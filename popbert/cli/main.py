@@ -622,7 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="onnxruntime: an ONNX file (default); openvino: an OpenVINO IR "
                         "directory (model.xml, model.bin) converted from the FP32 export, for "
                         "Intel and AMD CPUs (pip install 'popbert[openvino]')")
-    p.add_argument("--calibration", type=paths.ROWS_OR_SQUAD, default=None, metavar="FILE",
+    p.add_argument("--calibration", type=paths.TASK_DATA, default=None, metavar="FILE",
                    help="with --runtime openvino --quantize int8: the rows static INT8 "
                         "calibrates on (the formats of --eval; default: the first 300 rows of "
                         "the checkpoint's training file)")
@@ -656,7 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --quantize: weight roles left in FP32, comma-separated, from "
                         "qkv, attention-out, ffn-in, ffn-out, conv, head, or none "
                         "(default: head)")
-    p.add_argument("--eval", type=paths.ROWS_OR_SQUAD, default=None, metavar="FILE",
+    p.add_argument("--eval", type=paths.TASK_DATA, default=None, metavar="FILE",
                    help="score the export against the plain FP32 export on this file "
                         "(classification rows or SQuAD JSON): agreement and task metric")
     p.add_argument("--max-accuracy-drop", type=float, default=None, metavar="POINTS",

@@ -218,10 +218,14 @@ def _rows_or_lines(path: Path, args: Any = None) -> str | None:
     return _rows(path, args, (*ROW_SUFFIXES, ".txt"))
 
 
-def _rows_or_squad(path: Path, args: Any = None) -> str | None:
+def _task_data(path: Path, args: Any = None) -> str | None:
+    """What one of the tasks reads (`PREDICT_INPUTS`): the export then checks it is its
+    task's (`popbert.io.export.check_task_data`)."""
     if path.suffix.lower() == ".json" and _squad(path) is None:
         return None
-    return _rows_or_lines(path, args)
+    problems = [kind.sniff(path, args) for kind in PREDICT_INPUTS.values()
+                if kind.sniff is not None]
+    return None if None in problems else _rows_or_lines(path, args)
 
 
 def _onnx(path: Path, args: Any = None) -> str | None:
@@ -516,8 +520,9 @@ PREDICTIONS = PathKind("SQuAD predictions (a JSON object of question id to answe
 ROWS = PathKind("classification rows (.tsv, .csv or .jsonl)", sniff=_rows)
 ROWS_OR_LINES = PathKind("classification rows (.tsv, .csv, .jsonl) or a .txt file of texts",
                          sniff=_rows_or_lines)
-ROWS_OR_SQUAD = PathKind("classification rows (.tsv, .csv, .jsonl), a .txt file of texts or a "
-                         "SQuAD JSON file", sniff=_rows_or_squad)
+TASK_DATA = PathKind("a fine-tuning task's data: classification rows (.tsv, .csv, .jsonl) or a "
+                     ".txt file of texts, a SQuAD JSON file, tagged words (CoNLL or JSON lines) "
+                     "or embedding pairs", sniff=lambda path, args=None: _task_data(path, args))
 ONNX_MODEL = PathKind("an ONNX model or an OpenVINO IR directory (popbert export)",
                       directory=None, sniff=_model)
 METRICS = PathKind("a run directory or its metrics.jsonl", directory=None, sniff=_metrics)
@@ -849,8 +854,9 @@ __all__ = ["BEIR", "CHECKPOINT", "CONFIG_FILE", "CONFIG_OUTPUT", "CONFIG_PATHS",
            "HF_MODEL", "IMPORT_OUTPUT", "LABELS_OUTPUT", "METRICS", "ONNX_MODEL", "OUTPUT_DIR",
            "OUTPUT_FILE", "PAIRS", "PAIRS_OR_BEIR", "PLOT_OUTPUT", "PREDICTIONS",
            "PREDICT_INPUTS", "RANKED_OUTPUT",
-           "RERANK_ROWS", "ROWS", "ROWS_OR_LINES", "ROWS_OR_SQUAD", "RUN", "SHARDS", "SQUAD",
-           "SQUAD_PREDICTIONS_OUTPUT", "TAGGED", "TAGGED_OUTPUT", "TEXT", "TRAINING_DATA",
+           "RERANK_ROWS", "ROWS", "ROWS_OR_LINES", "RUN", "SHARDS", "SQUAD",
+           "SQUAD_PREDICTIONS_OUTPUT", "TAGGED", "TASK_DATA", "TAGGED_OUTPUT", "TEXT",
+           "TRAINING_DATA",
            "TRAINING_FILES", "TREC_RUN_OUTPUT", "VOCAB", "PathKind", "check_arguments",
            "check_config_paths", "check_output_directory", "check_output_file", "check_path",
            "declare_paths", "declared_paths", "describe", "subparsers", "yaml_keys"]

@@ -104,9 +104,10 @@ def _squad(reference: Path, candidate: Path, data: Path, threads: int | None) ->
 
 
 def calibration_rows(model: Path, task: str, data: Path, rows: int) -> list[dict[str, np.ndarray]]:
-    """Up to `rows` model rows of `data` (classification rows, or SQuAD windows), encoded as
-    the export `model` is served, one row each cut to its length: what static quantization
-    (`popbert.serve.openvino_ir.quantize`) calibrates its activation ranges on."""
+    """Up to `rows` model rows of `data` (classification rows, tagged words, SQuAD windows, or
+    every text of embedding pairs), encoded as the export `model` is served, one row each cut
+    to its length: what static quantization (`popbert.serve.openvino_ir.quantize`) calibrates
+    its activation ranges on."""
     from popbert.data.classification import encode_classification_counted
     from popbert.data.squad import build_windows, window_arrays
 
@@ -121,6 +122,13 @@ def calibration_rows(model: Path, task: str, data: Path, rows: int) -> list[dict
         predictor = TagPredictor(model)
         arrays, _ = encode_tagged(read_tagged(data, require_tags=False),
                                   predictor.text_tokenizer, None, predictor.sequence_length)
+    elif task == "embedding":
+        from popbert.data.embedding_pairs import encode_texts, read_pairs
+        from popbert.serve.embed import EmbedPredictor
+
+        predictor = EmbedPredictor(model)
+        texts = [text for row in read_pairs(data).texts for text in row]
+        arrays, _ = encode_texts(texts, predictor.text_tokenizer, predictor.sequence_length)
     else:
         predictor = SquadPredictor(model)
         questions, _ = read_squad(data)

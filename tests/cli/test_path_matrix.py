@@ -115,7 +115,7 @@ class Inputs:
             paths.CONFIG_FILE: "tiny", SWEEP_FILE: self.sweep, paths.RUN: self.checkpoint,
             paths.CHECKPOINT: self.checkpoint, paths.HF_MODEL: self.hf, paths.SQUAD: self.squad,
             paths.PREDICTIONS: self.predictions, paths.ROWS: self.rows,
-            paths.ROWS_OR_LINES: self.rows, paths.ROWS_OR_SQUAD: self.rows,
+            paths.ROWS_OR_LINES: self.rows, paths.TASK_DATA: self.rows,
             paths.ONNX_MODEL: self.onnx, paths.METRICS: self.run, paths.DUMP: self.dump,
             paths.CORPUS: self.text, paths.TEXT: self.text, paths.SHARDS: self.shard,
             paths.TRAINING_DATA: self.text, paths.VOCAB: bundled_vocab_path(),
@@ -130,7 +130,7 @@ class Inputs:
             paths.CHECKPOINT: self.hf, paths.HF_MODEL: self.checkpoint,
             paths.SQUAD: self.rows_json, paths.PREDICTIONS: self.squad,
             paths.ROWS: self.squad, paths.ROWS_OR_LINES: self.squad,
-            paths.ROWS_OR_SQUAD: self.predictions, paths.ONNX_MODEL: self.shard,
+            paths.TASK_DATA: self.predictions, paths.ONNX_MODEL: self.shard,
             paths.METRICS: self.config, paths.DUMP: self.text, paths.CORPUS: self.shard,
             paths.TEXT: self.safetensors, paths.SHARDS: self.text,
             paths.TRAINING_DATA: self.safetensors, paths.VOCAB: self.shard,
@@ -176,7 +176,7 @@ class Inputs:
 
 
 SUFFIX = {paths.SQUAD: ".json", paths.PREDICTIONS: ".json", paths.ROWS: ".tsv",
-          paths.ROWS_OR_LINES: ".tsv", paths.ROWS_OR_SQUAD: ".json", paths.ONNX_MODEL: ".onnx",
+          paths.ROWS_OR_LINES: ".tsv", paths.TASK_DATA: ".json", paths.ONNX_MODEL: ".onnx",
           paths.SHARDS: ".h5", paths.CONFIG_FILE: ".yaml", SWEEP_FILE: ".yaml",
           paths.VOCAB: ".txt", paths.DUMP: ".xml.bz2", paths.METRICS: ".jsonl",
           paths.RERANK_ROWS: ".jsonl", paths.TAGGED: ".conll", paths.PAIRS: ".jsonl",

@@ -190,6 +190,39 @@ def test_the_openvino_embedding_export_gives_the_same_vectors(
                                atol=1e-5, rtol=0)
 
 
+@pytest.mark.e2e
+def test_an_openvino_int8_embedding_export_calibrates_on_pairs(
+        minilm_embedding: Path, tmp_path: Path) -> None:
+    """`--runtime openvino --quantize int8 --calibration PAIRS` calibrates on every text of an
+    embedding pairs file; its vectors keep the FP32 export's directions (cosine > 0.99: INT8)."""
+    checkpoint = minilm_embedding.parent / "ckpt"
+    ir = tmp_path / "int8"
+    pairs = Path(__file__).parent.parent / "fixtures" / "embedding" / "triplets.jsonl"
+    assert main(["export", "--checkpoint", str(checkpoint), "--task", "embedding", "--runtime",
+                 "openvino", "--quantize", "int8", "--calibration", str(pairs), "--output",
+                 str(ir)]) == 0
+    data = tmp_path / "texts.txt"
+    data.write_text("\n".join(texts()) + "\n")
+    ours = embed(ir, data, tmp_path / "int8.npy")
+    exact = embed(minilm_embedding, data, tmp_path / "onnx.npy")
+    cosine = np.sum(ours * exact, axis=1) / (np.linalg.norm(ours, axis=1)
+                                             * np.linalg.norm(exact, axis=1))
+    assert cosine.min() > 0.99, cosine.min()
+
+
+def test_every_task_s_data_is_export_data(tmp_path: Path) -> None:
+    """--eval and --calibration take any task's data (the export then checks it is its own
+    task's): CoNLL tagged words and embedding pairs as well as rows and SQuAD."""
+    from popbert.io import paths
+
+    fixtures = Path(__file__).parent.parent / "fixtures"
+    for data in (fixtures / "embedding" / "triplets.jsonl",
+                 fixtures / "classification" / "sentiment.tsv",
+                 fixtures / "squad" / "squad-v1.1-sample.json",
+                 next((fixtures / "ner").glob("*.conll"))):
+        paths.check_path("--calibration", data, paths.TASK_DATA)
+
+
 def small_modernbert_sentence_transformer(directory: Path) -> None:
     """A random two-layer ModernBERT with a small WordPiece tokenizer.json, as a
     sentence-transformers folder (mean pooling, Normalize)."""

@@ -1,6 +1,9 @@
-"""Fine-tuning sentence embeddings: `popbert finetune embedding` against sentence-transformers'
-trainer with `MultipleNegativesRankingLoss`, from the same checkpoint with the same settings,
-side by side: training rows/s and retrieval nDCG@10 after training.
+"""Fine-tuning against the libraries people use, from the same checkpoint with the same settings,
+side by side: `popbert finetune embedding` against sentence-transformers' trainer with
+`MultipleNegativesRankingLoss` (training rows/s, retrieval nDCG@10 after training), and with
+`--task classification` `popbert finetune classify` against transformers' `Trainer` with
+`BertForSequenceClassification` on topic classification of the same leads (11 topics; training
+rows/s, test accuracy; transformers pads each batch to its longest, popbert trims it).
 
 The checkpoint: the real all-MiniLM-L6-v2 of the test extra (6 layers, hidden 384; popbert
 imports its sentence-transformers folder). The data (`benchmarks/data`, Wikipedia leads,
@@ -22,6 +25,8 @@ process, rounds interleaved; the median round is reported, with the load average
     python benchmarks/downstream.py --threads 2 --rounds 2 \
         --sides sentence-transformers,popbert-grouped \
         --out benchmarks/downstream_embedding_grouped.json
+    python benchmarks/downstream.py --task classification --rows 1600 --epochs 2 --lr 5e-5 \
+        --threads 2 --rounds 1 --out benchmarks/downstream_classification.json
 """
 
 from __future__ import annotations
@@ -141,6 +146,76 @@ def side_sentence_transformers(work: Path, train: Path, beir: Path, threads: int
             "ndcg@10": metrics["ndcg@10"], "steps": int(output.global_step)}
 
 
+def topic_rows(path: Path, limit: int) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()][:limit]
+
+
+def write_topic_inputs(directory: Path, train_rows: int) -> None:
+    """Topic classification (the lead's text, its vital-articles topic) as JSON lines."""
+    for name, source, limit in (("train", "topic-train.jsonl", train_rows),
+                                ("test", "topic-test.jsonl", 10_000)):
+        (directory / f"topic-{name}.jsonl").write_text("".join(
+            json.dumps({"text": r["text"], "label": r["label"]}) + "\n"
+            for r in topic_rows(DATA / source, limit)))
+
+
+def side_popbert_classify(work: Path, threads: int, lr: float, epochs: int) -> dict:
+    """popbert: `finetune classify` from the imported folder, scored on the test leads."""
+    import popbert
+    from popbert.cli.main import main
+
+    imported = work / "imported"
+    if not imported.exists():
+        assert main(["import-hf", "--model", str(minilm()), "--output-dir", str(imported)]) == 0
+    train = work / "topic-train.jsonl"
+    cfg = popbert.finetune_config("classification", imported, train,
+                                  eval_file=work / "topic-test.jsonl", overrides=[
+        f"finetune.epochs={epochs}", f"optimizer.lr={lr}", f"execution.micro_batch_size={BATCH}",
+        f"finetune.max_seq_length={LENGTH}", f"execution.threads={threads}",
+        "execution.device=cpu", "execution.trim_padding=true", f"training.seed={SEED}",
+        "optimizer.eps=1e-8"])
+    result = popbert.Trainer.from_config(cfg, output_dir=work / f"cls-{os.getpid()}").train()
+    rows = epochs * sum(1 for _ in train.open())
+    return {"rows_per_s": rows / result.seconds, "train_s": result.seconds,
+            "accuracy": result.metrics["accuracy"], "steps": result.steps}
+
+
+def side_transformers_classify(work: Path, threads: int, lr: float, epochs: int) -> dict:
+    """transformers: its Trainer with BertForSequenceClassification from the same folder,
+    batches padded to their longest (DataCollatorWithPadding)."""
+    import numpy as np
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    rows = [json.loads(x) for x in (work / "topic-train.jsonl").read_text().splitlines()]
+    test = [json.loads(x) for x in (work / "topic-test.jsonl").read_text().splitlines()]
+    labels = sorted({r["label"] for r in rows})
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(minilm()))
+    model = transformers.BertForSequenceClassification.from_pretrained(
+        str(minilm()), num_labels=len(labels))
+
+    def encode(data: list[dict]) -> list[dict]:
+        return [{**tokenizer(r["text"], truncation=True, max_length=LENGTH),
+                 "labels": labels.index(r["label"])} for r in data]
+
+    args = transformers.TrainingArguments(
+        output_dir=str(work / f"hf-{os.getpid()}"), num_train_epochs=epochs,
+        per_device_train_batch_size=BATCH, per_device_eval_batch_size=64, learning_rate=lr,
+        weight_decay=0.01, warmup_steps=0.1, lr_scheduler_type="linear", seed=SEED,
+        save_strategy="no", report_to="none", logging_steps=10_000, use_cpu=True,
+        max_grad_norm=1.0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=encode(rows),
+                                   data_collator=transformers.DataCollatorWithPadding(tokenizer))
+    output = trainer.train()
+    seconds = float(output.metrics["train_runtime"])
+    predicted = trainer.predict(encode(test)).predictions.argmax(-1)
+    gold = np.array([labels.index(r["label"]) for r in test])
+    return {"rows_per_s": epochs * len(rows) / seconds, "train_s": seconds,
+            "accuracy": float((predicted == gold).mean()), "steps": int(output.global_step)}
+
+
+CLASSIFY_SIDES = {"popbert": side_popbert_classify, "transformers": side_transformers_classify}
 SIDES = {"popbert": side_popbert, "sentence-transformers": side_sentence_transformers,
          "popbert-grouped": lambda *args: side_popbert(*args, grouped=True)}
 
@@ -155,14 +230,24 @@ def main() -> None:
     parser.add_argument("--sides", default="sentence-transformers,popbert",
                         help="comma-separated, run in this order each round (also: "
                              "popbert-grouped)")
-    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--task", choices=("embedding", "classification"), default="embedding",
+                        help="classification: topic classification of the leads (11 topics) "
+                             "against transformers' Trainer; --epochs of --rows leads")
+    parser.add_argument("--epochs", type=int, default=2, help="classification's epochs")
+    parser.add_argument("--side", help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:  # one side in this process: print its figures
         work = args.work
-        figures = SIDES[args.side](work, work / "pairs.jsonl", work / "beir", args.threads,
-                                   args.lr)
+        if args.task == "classification":
+            figures = CLASSIFY_SIDES[args.side](work, args.threads, args.lr, args.epochs)
+        else:
+            figures = SIDES[args.side](work, work / "pairs.jsonl", work / "beir",
+                                       args.threads, args.lr)
         print(json.dumps(figures))
+        return
+    if args.task == "classification":
+        classification(args)
         return
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
@@ -194,6 +279,40 @@ def main() -> None:
               "median": summary, "rows_per_s_ratio": ratio, "ndcg10_points_gap": gap,
               "cpu": os.cpu_count()}
     print(json.dumps({"rows_per_s_ratio": ratio, "ndcg10_points_gap": gap, **summary},
+                     indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def classification(args: argparse.Namespace) -> None:
+    """Both classification sides, interleaved rounds, medians (see `--task`)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        work = Path(scratch)
+        write_topic_inputs(work, args.rows)
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        rounds: dict[str, list[dict]] = {name: [] for name in ("transformers", "popbert")}
+        for round_index in range(args.rounds):
+            for name in rounds:
+                load = os.getloadavg()[0]
+                done = subprocess.run(
+                    [sys.executable, __file__, "--task", "classification", "--side", name,
+                     "--work", str(work), "--threads", str(args.threads), "--lr", str(args.lr),
+                     "--epochs", str(args.epochs)], capture_output=True, text=True, env=env)
+                if done.returncode:
+                    sys.exit(f"{name}: {done.stderr[-2000:]}")
+                figures = json.loads(done.stdout.strip().splitlines()[-1])
+                figures["load_before"] = load
+                rounds[name].append(figures)
+                print(f"round {round_index + 1} {name}: {figures}", flush=True)
+    summary = {name: {key: statistics.median(r[key] for r in runs)
+                      for key in ("rows_per_s", "train_s", "accuracy")}
+               for name, runs in rounds.items()}
+    ratio = summary["popbert"]["rows_per_s"] / summary["transformers"]["rows_per_s"]
+    gap = 100 * (summary["popbert"]["accuracy"] - summary["transformers"]["accuracy"])
+    result = {"task": "classification", "threads": args.threads, "rows": args.rows,
+              "epochs": args.epochs, "lr": args.lr, "rounds": rounds, "median": summary,
+              "rows_per_s_ratio": ratio, "accuracy_points_gap": gap, "cpu": os.cpu_count()}
+    print(json.dumps({"rows_per_s_ratio": ratio, "accuracy_points_gap": gap, **summary},
                      indent=2))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

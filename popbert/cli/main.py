@@ -607,7 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", type=paths.CHECKPOINT, required=True, metavar="DIR")
     from popbert.tasks import TASKS
 
-    p.add_argument("--task", choices=("pretraining", "encoder", "embedding", *TASKS),
+    p.add_argument("--task", choices=("pretraining", "encoder", *TASKS),
                    required=True,
                    help="pretraining: MLM + NSP heads; encoder: last hidden state and pooled "
                         "output (like transformers.BertModel); embedding: one pooled (and, "

@@ -35,7 +35,7 @@ from popbert.tasks import task_metadata as finetune_metadata
 
 log = logging.getLogger(__name__)
 
-TASKS = ("pretraining", "encoder", "embedding", *FINETUNE_TASKS)
+TASKS = ("pretraining", "encoder", *FINETUNE_TASKS)  # the table holds "embedding"
 # The float formats an inference export may be written in (`popbert export --dtype`).
 EXPORT_DTYPES = ("float32", "float16")
 # ORT's fused CPU kernels (Attention, LayerNorm, GELU) reorder FP32 sums; logits of O(10) agree
@@ -390,7 +390,7 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
     cfg = config_from_dict(restored.config,
                            source=str(find_checkpoint(checkpoint, warn=False)))  # said once
     metadata = vocab = None
-    if task in FINETUNE_TASKS or task == "embedding":  # served from text: its vocabulary
+    if task in FINETUNE_TASKS:  # served from text: its vocabulary
         vocab = checkpoint_vocab(checkpoint, cfg.data.vocab_file)
         metadata = task_metadata(cfg.model, vocab, task)
     if eval_data is not None and vocab is None:

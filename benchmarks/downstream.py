@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 DATA = Path(__file__).parent / "data"
 SEED, BATCH, LENGTH, SCALE = 42, 32, 128, 20.0
@@ -249,17 +250,26 @@ def main() -> None:
     if args.task == "classification":
         classification(args)
         return
+    sides = args.sides.split(",")
+    rounds = run_rounds(args, sides, write_inputs, [])
+    ours = next(name for name in sides if name.startswith("popbert"))
+    report(args, rounds, ours, "sentence-transformers", "ndcg@10", "ndcg10_points_gap", {})
+
+
+def run_rounds(args: argparse.Namespace, sides: list[str], write: Any, extra: list[str]
+               ) -> dict[str, list[dict]]:
+    """Each side in its own process, `args.rounds` rounds interleaved, on inputs `write` made
+    once in a scratch directory; the figures each printed, with the load average before it."""
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
-        write_inputs(work, args.rows)
+        write(work, args.rows)
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-        sides = args.sides.split(",")
         rounds: dict[str, list[dict]] = {name: [] for name in sides}
         for round_index in range(args.rounds):
-            for name in sides:  # interleaved
+            for name in sides:
                 load = os.getloadavg()[0]
                 done = subprocess.run(
-                    [sys.executable, __file__, "--side", name, "--work", str(work),
+                    [sys.executable, __file__, *extra, "--side", name, "--work", str(work),
                      "--threads", str(args.threads), "--lr", str(args.lr)],
                     capture_output=True, text=True, env=env)
                 if done.returncode:
@@ -268,54 +278,31 @@ def main() -> None:
                 figures["load_before"] = load
                 rounds[name].append(figures)
                 print(f"round {round_index + 1} {name}: {figures}", flush=True)
-    summary = {}
-    for name, runs in rounds.items():
-        summary[name] = {key: statistics.median(r[key] for r in runs)
-                         for key in ("rows_per_s", "train_s", "ndcg@10")}
-    ours = next(name for name in sides if name.startswith("popbert"))
-    ratio = summary[ours]["rows_per_s"] / summary["sentence-transformers"]["rows_per_s"]
-    gap = 100 * (summary[ours]["ndcg@10"] - summary["sentence-transformers"]["ndcg@10"])
-    result = {"threads": args.threads, "rows": args.rows, "lr": args.lr, "rounds": rounds,
-              "median": summary, "rows_per_s_ratio": ratio, "ndcg10_points_gap": gap,
+    return rounds
+
+
+def report(args: argparse.Namespace, rounds: dict[str, list[dict]], ours: str, theirs: str,
+           quality: str, gap_name: str, settings: dict) -> None:
+    """Medians, the rows/s ratio and the quality gap in points; printed, and kept in --out."""
+    summary = {name: {key: statistics.median(r[key] for r in runs)
+                      for key in ("rows_per_s", "train_s", quality)}
+               for name, runs in rounds.items()}
+    ratio = summary[ours]["rows_per_s"] / summary[theirs]["rows_per_s"]
+    gap = 100 * (summary[ours][quality] - summary[theirs][quality])
+    result = {**settings, "threads": args.threads, "rows": args.rows, "lr": args.lr,
+              "rounds": rounds, "median": summary, "rows_per_s_ratio": ratio, gap_name: gap,
               "cpu": os.cpu_count()}
-    print(json.dumps({"rows_per_s_ratio": ratio, "ndcg10_points_gap": gap, **summary},
-                     indent=2))
+    print(json.dumps({"rows_per_s_ratio": ratio, gap_name: gap, **summary}, indent=2))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 def classification(args: argparse.Namespace) -> None:
     """Both classification sides, interleaved rounds, medians (see `--task`)."""
-    with tempfile.TemporaryDirectory() as scratch:
-        work = Path(scratch)
-        write_topic_inputs(work, args.rows)
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-        rounds: dict[str, list[dict]] = {name: [] for name in ("transformers", "popbert")}
-        for round_index in range(args.rounds):
-            for name in rounds:
-                load = os.getloadavg()[0]
-                done = subprocess.run(
-                    [sys.executable, __file__, "--task", "classification", "--side", name,
-                     "--work", str(work), "--threads", str(args.threads), "--lr", str(args.lr),
-                     "--epochs", str(args.epochs)], capture_output=True, text=True, env=env)
-                if done.returncode:
-                    sys.exit(f"{name}: {done.stderr[-2000:]}")
-                figures = json.loads(done.stdout.strip().splitlines()[-1])
-                figures["load_before"] = load
-                rounds[name].append(figures)
-                print(f"round {round_index + 1} {name}: {figures}", flush=True)
-    summary = {name: {key: statistics.median(r[key] for r in runs)
-                      for key in ("rows_per_s", "train_s", "accuracy")}
-               for name, runs in rounds.items()}
-    ratio = summary["popbert"]["rows_per_s"] / summary["transformers"]["rows_per_s"]
-    gap = 100 * (summary["popbert"]["accuracy"] - summary["transformers"]["accuracy"])
-    result = {"task": "classification", "threads": args.threads, "rows": args.rows,
-              "epochs": args.epochs, "lr": args.lr, "rounds": rounds, "median": summary,
-              "rows_per_s_ratio": ratio, "accuracy_points_gap": gap, "cpu": os.cpu_count()}
-    print(json.dumps({"rows_per_s_ratio": ratio, "accuracy_points_gap": gap, **summary},
-                     indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    rounds = run_rounds(args, ["transformers", "popbert"], write_topic_inputs,
+                        ["--task", "classification", "--epochs", str(args.epochs)])
+    report(args, rounds, "popbert", "transformers", "accuracy", "accuracy_points_gap",
+           {"task": "classification", "epochs": args.epochs})
 
 
 if __name__ == "__main__":

@@ -109,7 +109,6 @@ def side_popbert(work: Path, train: Path, beir: Path, threads: int, lr: float,
 def side_sentence_transformers(work: Path, train: Path, beir: Path, threads: int,
                                lr: float) -> dict:
     """sentence-transformers: its trainer with MultipleNegativesRankingLoss, then `encode`."""
-    import numpy as np
     import torch
     from datasets import Dataset
     from sentence_transformers import (
@@ -119,7 +118,7 @@ def side_sentence_transformers(work: Path, train: Path, beir: Path, threads: int
     )
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
-    from popbert.data.retrieval import ranking_metrics, read_beir, run_of
+    from popbert.data.retrieval import exact_search_metrics, read_beir
 
     torch.set_num_threads(threads)
     model = SentenceTransformer(str(minilm()), device="cpu")
@@ -136,13 +135,8 @@ def side_sentence_transformers(work: Path, train: Path, beir: Path, threads: int
                                          loss=MultipleNegativesRankingLoss(model, scale=SCALE))
     output = trainer.train()
     seconds = float(output.metrics["train_runtime"])
-    retrieval = read_beir(beir)
-    documents, queries = sorted(retrieval.corpus), sorted(retrieval.qrels)
-    q = model.encode([retrieval.queries[x] for x in queries], batch_size=64)
-    d = model.encode([retrieval.corpus[x] for x in documents], batch_size=64)
-    q = q / np.linalg.norm(q, axis=1, keepdims=True)
-    d = d / np.linalg.norm(d, axis=1, keepdims=True)
-    metrics = ranking_metrics(run_of(q @ d.T, queries, documents), retrieval.qrels)
+    encode = lambda texts: model.encode(texts, batch_size=64)  # noqa: E731
+    metrics = exact_search_metrics(read_beir(beir), encode, encode)
     return {"rows_per_s": len(rows) / seconds, "train_s": seconds,
             "ndcg@10": metrics["ndcg@10"], "steps": int(output.global_step)}
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from popbert.data.errors import DataError
 from popbert.data.rows import json_lines
@@ -94,6 +96,24 @@ def run_of(scores: Any, queries: Sequence[str], documents: Sequence[str]
             for row, query in enumerate(queries)}
 
 
+def unit_rows(vectors: Any) -> np.ndarray:
+    """Each row divided by its L2 norm (at least 1e-12), in float64: cosines are dot products."""
+    vectors = np.asarray(vectors, np.float64)
+    return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+
+
+def exact_search_metrics(retrieval: RetrievalSet,
+                         embed_queries: Callable[[list[str]], Any],
+                         embed_documents: Callable[[list[str]], Any]) -> dict[str, float]:
+    """Embed the judged queries and the whole corpus, rank every document for each query by
+    the cosine of their vectors (exact search, no index) and score the ranking
+    (`ranking_metrics`): what `popbert evaluate retrieval` and an embedding fine-tune report."""
+    documents, queries = sorted(retrieval.corpus), sorted(retrieval.qrels)
+    asked = unit_rows(embed_queries([retrieval.queries[q] for q in queries]))
+    corpus = unit_rows(embed_documents([retrieval.corpus[d] for d in documents]))
+    return ranking_metrics(run_of(asked @ corpus.T, queries, documents), retrieval.qrels)
+
+
 def ranking_metrics(run: Run, qrels: Qrels, k: int = 10, recall_k: int = 100
                     ) -> dict[str, float]:
     """nDCG@k (trec_eval's ndcg_cut: gain = grade, log2 discount), MRR@k (the reciprocal rank
@@ -119,4 +139,5 @@ def ranking_metrics(run: Run, qrels: Qrels, k: int = 10, recall_k: int = 100
             "queries": n}
 
 
-__all__ = ["Qrels", "RetrievalSet", "Run", "ranked", "ranking_metrics", "read_beir", "run_of"]
+__all__ = ["Qrels", "RetrievalSet", "Run", "exact_search_metrics", "ranked", "ranking_metrics",
+           "read_beir", "run_of", "unit_rows"]

@@ -94,26 +94,21 @@ def evaluate_retrieval(model: Path, directory: Path, split: str = "test",
     """`popbert evaluate retrieval`: embed a BEIR directory's judged queries and its whole
     corpus, rank every document for each query by cosine similarity (exact search) and return
     nDCG@10, MRR@10 and Recall@100 (`popbert.data.retrieval.ranking_metrics`)."""
-    from popbert.data.retrieval import ranking_metrics, read_beir, run_of
+    from popbert.data.retrieval import exact_search_metrics, read_beir
 
     predictor = EmbedPredictor(model, threads)
     beir = read_beir(directory, split)
-    documents = sorted(beir.corpus)
-    queries = sorted(beir.qrels)
     stats = PredictStats()
     started = time.perf_counter()
-    corpus = predictor.embed([beir.corpus[d] for d in documents], batch_size,
-                             document_prompt, stats)
-    asked = predictor.embed([beir.queries[q] for q in queries], batch_size, query_prompt,
-                            stats)
+    metrics = exact_search_metrics(
+        beir, lambda texts: predictor.embed(texts, batch_size, query_prompt, stats),
+        lambda texts: predictor.embed(texts, batch_size, document_prompt, stats))
     stats.seconds += time.perf_counter() - started
-    corpus /= np.maximum(np.linalg.norm(corpus, axis=1, keepdims=True), 1e-12)
-    asked /= np.maximum(np.linalg.norm(asked, axis=1, keepdims=True), 1e-12)
-    metrics = ranking_metrics(run_of(asked @ corpus.T, queries, documents), beir.qrels)
     log.info("retrieved from %d documents for %d queries of %s: nDCG@10 %.4f, MRR@10 %.4f",
-             len(documents), len(queries), directory, metrics["ndcg@10"], metrics["mrr@10"])
+             len(beir.corpus), len(beir.qrels), directory, metrics["ndcg@10"],
+             metrics["mrr@10"])
     log.info("predict: %s", stats.describe("texts"))
-    return {**metrics, "documents": len(documents)}
+    return {**metrics, "documents": len(beir.corpus)}
 
 
 __all__ = ["FORMATS", "EmbedPredictor", "evaluate_retrieval", "predict_embed"]

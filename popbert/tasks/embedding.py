@@ -37,7 +37,7 @@ from popbert.builders.bert import BertGraph, Encoded, register_task
 from popbert.builders.bert_config import POOLINGS, BertConfig, TaskConfig
 from popbert.data.classification import regression_metrics
 from popbert.data.embedding_pairs import PairsData, encode_pairs, encode_texts, read_pairs
-from popbert.data.retrieval import RetrievalSet, ranking_metrics, read_beir, run_of
+from popbert.data.retrieval import RetrievalSet, exact_search_metrics, read_beir, unit_rows
 from popbert.data.tokenization import load_tokenizer
 from popbert.errors import UsageError
 from popbert.graph.builder import Builder
@@ -233,48 +233,42 @@ class EmbeddingRun:
 
         def embed(texts: list[str]) -> np.ndarray:
             arrays, _ = encode_texts(texts, tokenizer, self.setting.max_seq_length)
-            vectors = infer(arrays)["embedding"].astype(np.float64)
-            return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+            return infer(arrays)["embedding"]
 
         metrics: dict[str, Any]
         if self.eval_beir is not None:
-            beir = self.eval_beir
-            documents, queries = sorted(beir.corpus), sorted(beir.qrels)
-            scores = (embed([beir.queries[q] for q in queries])
-                      @ embed([beir.corpus[d] for d in documents]).T)
-            metrics = ranking_metrics(run_of(scores, queries, documents), beir.qrels)
-            where = str(beir.directory)
+            metrics = exact_search_metrics(self.eval_beir, embed, embed)
+            where = str(self.eval_beir.directory)
         else:
             pairs = self.eval_pairs
             assert pairs is not None
             where = str(pairs.path)
             if pairs.scores is not None:
-                cosine = np.sum(embed([row[0] for row in pairs.texts])
-                                * embed([row[1] for row in pairs.texts]), axis=1)
+                cosine = np.sum(unit_rows(embed([row[0] for row in pairs.texts]))
+                                * unit_rows(embed([row[1] for row in pairs.texts])), axis=1)
                 metrics = {**regression_metrics(cosine, pairs.scores),
                            "examples": len(pairs)}
                 metrics.pop("mse")  # a cosine is not on the scores' scale
             else:
-                metrics = _pairs_retrieval(pairs, embed)
+                metrics = exact_search_metrics(_pairs_as_retrieval(pairs), embed, embed)
         atomic_write_text(output_dir / "eval_results.json", json.dumps(metrics, indent=2))
         shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
         log.info("embedding %s: %s", where, shown)
         return metrics
 
 
-def _pairs_retrieval(pairs: PairsData, embed: Any) -> dict[str, float]:
-    """Each anchor a query whose one relevant document is its positive, ranked among every
+def _pairs_as_retrieval(pairs: PairsData) -> RetrievalSet:
+    """Each distinct anchor a query whose relevant documents are its positives, among every
     distinct positive and negative of the file."""
-    documents = list(dict.fromkeys(text for row in pairs.texts for text in row[1:]))
-    index = {text: f"d{i}" for i, text in enumerate(documents)}
-    anchors = list(dict.fromkeys(row[0] for row in pairs.texts))
-    positives: dict[str, dict[str, int]] = {}
+    documents = {text: f"d{i}" for i, text in enumerate(
+        dict.fromkeys(text for row in pairs.texts for text in row[1:]))}
+    queries = {anchor: f"q{i}" for i, anchor in enumerate(
+        dict.fromkeys(row[0] for row in pairs.texts))}
+    qrels: dict[str, dict[str, int]] = {}
     for row in pairs.texts:
-        positives.setdefault(row[0], {})[index[row[1]]] = 1
-    queries = [f"q{i}" for i in range(len(anchors))]
-    qrels = {query: positives[anchor] for query, anchor in zip(queries, anchors)}
-    scores = embed(anchors) @ embed(documents).T
-    return ranking_metrics(run_of(scores, queries, [index[d] for d in documents]), qrels)
+        qrels.setdefault(queries[row[0]], {})[documents[row[1]]] = 1
+    return RetrievalSet(pairs.path, {i: text for text, i in documents.items()},
+                        {i: text for text, i in queries.items()}, qrels)
 
 
 def _loss(cfg: Any, pairs: PairsData) -> str:

@@ -17,7 +17,8 @@ import torch
 
 from popbert.errors import InputError
 
-__all__ = ["TRIM_MULTIPLE", "InputChecker", "InputSpec", "PaddingTrimmer", "input_specs"]
+__all__ = ["TRIM_MULTIPLE", "InputChecker", "InputSpec", "PaddingTrimmer", "input_specs",
+           "trimmed_width"]
 
 Dim = int | str | None  # static size, symbolic name, or unknown
 # Ops that pass their first input's values through unchanged (only the layout may change).
@@ -222,12 +223,16 @@ class PaddingTrimmer:
         return trimmed
 
     def _width(self, marks: torch.Tensor) -> int:
-        """One past the last nonzero column of any row, rounded up to `multiple` (at least
-        `multiple`, at most the full width)."""
-        full = marks.shape[-1]
-        used = marks.reshape(-1, full).ne(0).any(dim=0).nonzero()
-        last = int(used[-1]) + 1 if used.numel() else 1
-        return min(full, -(-last // self.multiple) * self.multiple)
+        return trimmed_width(marks, self.multiple)
+
+
+def trimmed_width(marks: torch.Tensor, multiple: int = TRIM_MULTIPLE) -> int:
+    """One past the last nonzero column (last axis) of any row of `marks`, rounded up to
+    `multiple` (at least `multiple`, at most the full width)."""
+    full = marks.shape[-1]
+    used = marks.reshape(-1, full).ne(0).any(dim=0).nonzero()
+    last = int(used[-1]) + 1 if used.numel() else 1
+    return min(full, -(-last // multiple) * multiple)
 
 
 def _inputs_with_axis(specs: Sequence[InputSpec], symbol: str) -> list[str]:

@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from popbert.lowering.functional import onnx_identity
+from popbert.runtime.inputs import trimmed_width
 
 CUT = "embedding"  # the output the graph is cut at: [texts, hidden]
 TEXT_INPUTS = ("input_ids", "segment_ids", "input_mask")  # the inputs with a texts axis
@@ -67,14 +68,6 @@ def _subgraph(module: fx.GraphModule, inputs: Mapping[fx.Node, str],
             env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(tuple(env[o] for o in outputs))
     return fx.GraphModule(module, graph)
-
-
-def _trimmed(mask: torch.Tensor, multiple: int = 8) -> int:
-    """One past the last real column of `mask` [rows, sequence], rounded up to `multiple`."""
-    full = mask.shape[-1]
-    used = mask.ne(0).any(dim=0).nonzero()
-    last = int(used[-1]) + 1 if used.numel() else 1
-    return min(full, -(-last // multiple) * multiple)
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -123,7 +116,7 @@ class TextRows:
     def _encode(self, micro: Mapping[str, torch.Tensor], rows: slice, text: int) -> torch.Tensor:
         """The vectors [rows, hidden] of one text slot of `rows` rows, trimmed to its longest."""
         mask = micro["input_mask"][rows, text]
-        width = _trimmed(mask) if self.trim else mask.shape[-1]
+        width = trimmed_width(mask) if self.trim else mask.shape[-1]
         feeds = [torch.as_tensor(micro[name][rows, text, :width]).to(self.device)
                  for name in self.text_inputs]
         return self.encoder(*feeds)[0]

@@ -342,6 +342,8 @@ class Candidate:
     start_logit: float
     end_logit: float
     probability: float = 0.0
+    start: int = 0  # the answer's character span in the context (`popbert serve`'s /predict)
+    end: int = 0
 
     @property
     def score(self) -> float:
@@ -389,7 +391,8 @@ def decode_answers(questions: Sequence[Question], windows: Sequence[Window],
             if text in seen:
                 continue
             seen.add(text)
-            chosen.append(Candidate(text, float(start_logits[w][i]), float(end_logits[w][j])))
+            chosen.append(Candidate(text, float(start_logits[w][i]), float(end_logits[w][j]),
+                                    start=windows[w].spans[i][0], end=windows[w].spans[j][1]))
             if len(chosen) == n_best_size:
                 break
         if not chosen:

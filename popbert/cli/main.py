@@ -308,6 +308,26 @@ def _cmd_predict_classify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from popbert.config.loading import DEFAULT_PRESET, load_config
+    from popbert.config.sections import ServeConfig
+
+    try:
+        from popbert.serve.server import serve
+    except ImportError as missing:  # fastapi, uvicorn, prometheus-client: the serve extra
+        raise UsageError(f"popbert serve needs {missing.name}: pip install "
+                         "'popbert[serve]'") from None
+    config = (load_config(args.config or DEFAULT_PRESET, args.overrides).serve
+              if args.config or args.overrides else ServeConfig())
+    for key in (f.name for f in dataclasses.fields(ServeConfig)):
+        value = getattr(args, key, None)
+        if value is not None:
+            setattr(config, key, value)
+    return serve(args.model, config, args.api_key)
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from popbert.atomic import atomic_write_text
     from popbert.config import dump_config, warn_config
@@ -577,6 +597,55 @@ def _add_predict_commands(sub, common: argparse.ArgumentParser) -> None:
     p.set_defaults(handler=_cmd_predict_rerank)
 
 
+def _add_serve_command(sub: Any, common: argparse.ArgumentParser) -> None:
+    """`popbert serve`: an export behind HTTP; each flag is a key of the config's serve
+    section (flags win over --config and --set)."""
+    p = sub.add_parser("serve", parents=[common],
+                       help="serve an export over HTTP (OpenAI and TEI routes)",
+                       description="Serve any `popbert export` (ONNX, INT8, OpenVINO IR) over "
+                                   "HTTP: POST /v1/embeddings (OpenAI), /embed, /predict, "
+                                   "/rerank, /tokenize (Text Embeddings Inference), GET "
+                                   "/health, /info, /metrics (Prometheus), /docs. Requests "
+                                   "from all clients are batched by a token budget. SIGTERM "
+                                   "or SIGINT: stop accepting, answer what was accepted, exit "
+                                   "0.")
+    p.add_argument("--model", type=paths.ONNX_MODEL, required=True, metavar="EXPORT")
+    p.add_argument("--config", "-c", metavar="FILE", default=None, type=paths.CONFIG_FILE,
+                   help="a YAML config whose serve: section holds these settings")
+    p.add_argument("--set", dest="overrides", metavar="serve.KEY=VALUE", action="append",
+                   default=[], help="override one serve setting, e.g. --set serve.port=9000")
+    p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="default 8080")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` (all routes but /health); "
+                        "prefer the environment's POPBERT_API_KEY, which no process list shows")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name in /v1/models and requests (default: the export's "
+                        "file stem)")
+    p.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
+                   help="tokens (rows x the longest) in one model run (default 16384)")
+    p.add_argument("--max-wait-ms", type=float, default=None, metavar="MS",
+                   help="how long a batch waits for more requests (default 2)")
+    p.add_argument("--max-input-tokens", type=int, default=None, metavar="N",
+                   help="longest input; longer ones are truncated (\"truncate\": false: 413) "
+                        "(default: the export's length)")
+    p.add_argument("--max-client-batch-size", type=int, default=None, metavar="N",
+                   help="inputs in one request; more: 413 (default 256)")
+    p.add_argument("--max-concurrent-requests", type=int, default=None, metavar="N",
+                   help="requests in flight; more: 503 with Retry-After (default 512)")
+    p.add_argument("--payload-limit", type=int, default=None, metavar="BYTES",
+                   help="largest request body; larger: 413 (default 2000000)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="processes sharing the port, each with the model (default 1)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="the runtime's intra-op threads per worker (default: the runtime's)")
+    p.add_argument("--ssl-certfile", default=None, metavar="FILE", help="TLS certificate")
+    p.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="TLS private key")
+    p.add_argument("--access-log", action="store_const", const=True, default=None,
+                   help="log every request (uvicorn's access log)")
+    p.set_defaults(handler=_cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree of the `popbert` command."""
     parser = argparse.ArgumentParser(
@@ -695,6 +764,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: the imported or fine-tuned model's class, else the one that "
                         "holds exactly the checkpoint's heads")
     p.set_defaults(handler=_cmd_export_hf)
+
+    _add_serve_command(sub, common)
 
     p = sub.add_parser("config", parents=[common],
                        help="print (or save) the resolved, validated config")

@@ -342,6 +342,34 @@ class TrackingConfig:
 
 
 @dataclass
+class ServeConfig:
+    """`popbert serve`: where it listens and what it takes (each key is also a flag of the same
+    name). The API key is not a key here: a secret stays out of files (`POPBERT_API_KEY`)."""
+
+    host: str = setting("127.0.0.1", Rule(bool, "a host name or address"))
+    port: int = setting(8080, within("[0, 65535]"))
+    served_model_name: str | None = None  # None: the export's file stem
+    # Tokens (rows x the batch's longest row) in one model run, batched across requests.
+    max_batch_tokens: int = setting(16384, at_least(1))
+    max_wait_ms: float = setting(2.0, at_least(0))  # for other requests to join a batch
+    max_input_tokens: int | None = setting(None, at_least(3).or_null())  # None: the model's
+    max_client_batch_size: int = setting(256, at_least(1))  # inputs in one request
+    max_concurrent_requests: int = setting(512, at_least(1))  # beyond it: 503, Retry-After
+    payload_limit: int = setting(2_000_000, at_least(1))  # request body bytes; beyond it: 413
+    workers: int = setting(1, at_least(1))
+    threads: int | None = setting(None, at_least(1).or_null())  # the runtime's, per worker
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    access_log: bool = False
+
+    def validate(self) -> None:
+        check_fields(self, "serve")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise Invalid("serve.ssl_certfile and serve.ssl_keyfile go together: give both "
+                          "for TLS, or neither", "serve.ssl_certfile", "serve.ssl_keyfile")
+
+
+@dataclass
 class FinetuneConfig:
     """A fine-tuning run: the checkpoint it starts from, its task data and the task's own knobs.
 
@@ -424,6 +452,7 @@ SECTIONS: dict[str, type] = {
     "training": TrainingConfig,
     "tracking": TrackingConfig,
     "finetune": FinetuneConfig,
+    "serve": ServeConfig,
 }
 
 # The top-level keys of a config file: the preset it is laid over, then the sections.
@@ -447,6 +476,7 @@ class RunConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     @property
     def global_batch_size(self) -> int:
@@ -457,12 +487,13 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (YAML/JSON-ready) that `config_from_dict` turns back into an equal
         config: `preset`, then one mapping per section (`finetune` only for a fine-tuning
-        run: a pre-training config reads as it always did). Credentials in
+        run, `serve` only when set: a pre-training config reads as it always did). Credentials in
         `data.storage_options` are left out: everything a run writes comes from here, and a
         resumed run takes them from the environment again."""
         out = {"preset": self.preset,
                **{name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS
-                  if name != "finetune" or self.finetune.task is not None}}
+                  if (name != "finetune" or self.finetune.task is not None)
+                  and (name != "serve" or self.serve != ServeConfig())}}
         out["data"]["storage_options"] = without_secrets(out["data"]["storage_options"])
         return out
 

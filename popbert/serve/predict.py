@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -125,6 +126,37 @@ def length_order(input_mask: np.ndarray) -> np.ndarray:
     return np.argsort(-np.asarray(input_mask).sum(axis=1), kind="stable")
 
 
+def export_task(model: Path) -> str:
+    """The task a popbert export was made for (its `popbert.task` metadata), read without
+    loading it into a runtime; a one-line error for anything else."""
+    model = Path(model)
+    if not model.exists():
+        raise UsageError(f"--model: file not found: {model}")
+    if is_ir(model):
+        from popbert.serve.openvino_ir import ir_file, metadata, openvino
+
+        try:
+            meta = metadata(openvino().Core().read_model(str(ir_file(model))))
+        except Exception as error:  # OpenVINO's own exception types
+            raise UsageError(f"--model: {model}: OpenVINO cannot read it "
+                             f"({one_line(error, 200)})") from None
+    else:
+        import onnx
+
+        try:
+            proto = onnx.load(str(model), load_external_data=False)
+        except Exception as error:  # a protobuf DecodeError, an OSError: not an ONNX file
+            raise UsageError(f"--model: {model}: not an ONNX model ({one_line(error, 200)})"
+                             ) from None
+        meta = {prop.key: prop.value for prop in proto.metadata_props}
+    task = meta.get(f"{METADATA_PREFIX}task")
+    if task is None:
+        raise UsageError(f"--model: {model} is not a popbert task export (no "
+                         f"{METADATA_PREFIX}task metadata): export it with `popbert export "
+                         "--task TASK` from a fine-tuned checkpoint")
+    return task
+
+
 class ExportedModel:
     """A popbert `task` export in ONNX Runtime's CPU provider (an OpenVINO IR in OpenVINO's CPU
     plugin, at the precision it was verified at), with its metadata.
@@ -202,6 +234,14 @@ class ExportedModel:
         self.output_names = [o.get_any_name() for o in network.outputs]
         self._run = lambda feeds: [run(compiled, feeds)[name] for name in self.output_names]
 
+    # `popbert serve` sets a `popbert.serve.batcher.RowBatcher` here: `run` then hands the rows
+    # to it, batched with other requests' rows, instead of running them itself.
+    batcher: Any = None
+
+    def forward(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One run of the model on ready feeds ([B, W] each): every output by name."""
+        return dict(zip(self.output_names, self._run(dict(feeds))))
+
     def text(self, key: str) -> str:
         """Metadata `popbert.<key>`; a one-line error naming the model if it is missing."""
         value = self.meta.get(f"{METADATA_PREFIX}{key}")
@@ -225,6 +265,8 @@ class ExportedModel:
         """
         from tqdm import tqdm
 
+        if self.batcher is not None:
+            return self.batcher.run(arrays, batch_size, per_token, stats, bucket)
         if batch_size < 1:
             raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
         step = self.batch_size or batch_size
@@ -511,4 +553,5 @@ def _predict_scores(predictor: ClassifyPredictor, rows: ClassificationData, outp
 
 
 __all__ = ["CUT_LOGIT", "ClassifyPredictor", "ExportedModel", "PredictStats", "SquadPredictor",
-           "length_order", "predict_classify", "predict_squad", "read_texts", "window_cuts"]
+           "export_task", "length_order", "predict_classify", "predict_squad", "read_texts",
+           "window_cuts"]

@@ -1,0 +1,482 @@
+"""`popbert serve`'s HTTP face: a FastAPI application over one export.
+
+Routes: OpenAI's `POST /v1/embeddings` and `GET /v1/models`; Text Embeddings Inference's `POST
+/embed`, `/predict`, `/rerank` and `/tokenize`; `GET /health`, `/info` and `/metrics`
+(Prometheus); the OpenAPI schema at `/docs`. What a route computes is `popbert.serve.routes`;
+rows from all requests meet in one `RowBatcher`. Around the routes, one ASGI layer
+(`Guard`) holds what every request goes through first: the body limit (413), the API key (401,
+compared in constant time; `/health` needs none), the bound on requests in flight (503 with
+`Retry-After`) and the request metrics. Errors are OpenAI's error object under `/v1/`, TEI's
+(`{"error", "error_type"}`) elsewhere; nothing a client sends makes a 5xx.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from popbert import __version__
+from popbert.config.sections import ServeConfig
+from popbert.serve.batcher import BatchRecord, RowBatcher
+from popbert.serve.metrics import ServeMetrics
+from popbert.serve.routes import RequestError, Served, Usage, encode_vectors
+
+log = logging.getLogger(__name__)
+
+OPEN_ROUTES = ("/health",)  # answered without a key: probes carry none
+UNCOUNTED = ("/health", "/metrics")  # not bounded by max_concurrent_requests
+
+Texts = StrictStr | list[StrictStr]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EmbeddingsRequest(_Request):
+    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields such as `user`
+    input: StrictStr | list[StrictStr] | list[int] | list[list[int]]
+    model: StrictStr
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    truncate: bool = True
+
+
+class EmbedRequest(_Request):
+    inputs: Texts
+    normalize: bool = True
+    truncate: bool = True
+    prompt_name: StrictStr | None = None
+    dimensions: int | None = Field(default=None, ge=1)
+
+
+class QuestionContext(_Request):
+    question: StrictStr
+    context: StrictStr
+
+
+PredictInput = (StrictStr | tuple[StrictStr, StrictStr] | QuestionContext
+                | list[StrictStr | tuple[StrictStr, StrictStr] | QuestionContext])
+
+
+class PredictRequest(_Request):
+    inputs: PredictInput
+    raw_scores: bool = False
+    truncate: bool = True
+
+
+class RerankRequest(_Request):
+    query: StrictStr
+    texts: list[StrictStr]
+    raw_scores: bool = False
+    return_text: bool = False
+    truncate: bool = True
+
+
+class TokenizeRequest(_Request):
+    inputs: Texts
+    add_special_tokens: bool = True
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the model, its batcher, the limits, the metrics."""
+
+    served: Served
+    config: ServeConfig
+    metrics: ServeMetrics
+    batcher: RowBatcher | None = None
+    first_request_logged: bool = False
+
+
+def error_body(path: str, status: int, message: str, field: str | None = None,
+               kind: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object under /v1/, TEI's elsewhere."""
+    kind = kind or {401: "authentication_error", 404: "not_found", 405: "method_not_allowed",
+                    413: "payload_too_large", 503: "overloaded"}.get(status,
+                                                                     "invalid_request_error")
+    if path.startswith("/v1/"):
+        return {"error": {"message": message, "type": kind, "param": field,
+                          "code": None if status in (400, 422) else kind}}
+    return {"error": message, "error_type": kind}
+
+
+def error_response(path: str, status: int, message: str, field: str | None = None,
+                   kind: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(path, status, message, field, kind), status_code=status,
+                        headers=headers)
+
+
+def _field_of(location: tuple[Any, ...]) -> str:
+    """A pydantic error location as the field a client wrote: ("body", "input", 2) →
+    input[2]; the union member names pydantic adds are left out."""
+    parts = [part for part in location if part != "body"]
+    text = ""
+    for part in parts:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif part.startswith(("list[", "tuple[", "str", "int", "function-", "QuestionContext")) \
+                or "[" in part:
+            continue
+        else:
+            text += ("." if text else "") + part
+    return text or "body"
+
+
+def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str]:
+    """(message, field) for a request pydantic refused: the first error, said plainly."""
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'bad JSON')})", \
+            "body"
+    field = _field_of(tuple(first.get("loc", ())))
+    if first.get("type") == "missing":
+        return f"{field} is required", field
+    if first.get("type") == "extra_forbidden":
+        return f"{field}: no such field", field
+    kinds = {error.get("type") for error in errors}
+    if field in ("input", "inputs") and len(kinds) > 1:
+        return (f"{field}: expected a text, a list of texts"
+                + (", or lists of token ids" if field == "input" else "")), field
+    return f"{field}: {first.get('msg', 'invalid')}", field
+
+
+def _empty(field: str, values: Any) -> None:
+    if isinstance(values, str):
+        values = [values]
+    if not values:
+        raise RequestError(422, f"{field}: expected at least one input, got none", field)
+    for index, value in enumerate(values):
+        if isinstance(value, str) and not value.strip():
+            raise RequestError(422, f"{field}[{index}] is an empty text", field)
+        if isinstance(value, list) and not value:
+            raise RequestError(422, f"{field}[{index}] is empty", field)
+
+
+def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
+               multiprocess: bool = False) -> FastAPI:
+    """The application over a loaded export (`popbert.serve.server` loads it and runs
+    uvicorn); its rows batched and the model warmed when it starts."""
+    metrics = ServeMetrics(multiprocess)
+    state = ServerState(served, config, metrics)
+
+    def on_batch(record: BatchRecord) -> None:
+        metrics.batch(record.rows, record.tokens, record.computed, record.seconds,
+                      record.queued)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        import anyio.to_thread
+
+        # One worker thread per request in flight: each waits on its rows' batch.
+        anyio.to_thread.current_default_thread_limiter().total_tokens = max(
+            40, config.max_concurrent_requests)
+        state.batcher = RowBatcher(served.predictor, config.max_batch_tokens,
+                                   config.max_wait_ms, on_batch)
+        served.predictor.batcher = state.batcher
+        started = time.perf_counter()
+        await run_in_threadpool(served.warm_up)
+        log.info("serving %s (%s, %s, %s) as %r: routes %s; warmed up in %.2f s; limits: "
+                 "%d tokens per batch, %.1f ms wait, %d input tokens, %d inputs per request, "
+                 "%d requests in flight, %d-byte bodies; pid %d", served.path, served.task,
+                 served.predictor.runtime, served.info()["model_dtype"], served.name,
+                 ", ".join(served.routes()), time.perf_counter() - started,
+                 config.max_batch_tokens, config.max_wait_ms, served.max_input_tokens,
+                 config.max_client_batch_size, config.max_concurrent_requests,
+                 config.payload_limit, os.getpid())
+        try:
+            yield
+        finally:
+            served.predictor.batcher = None
+            await run_in_threadpool(state.batcher.close)
+
+    app = FastAPI(title="popbert serve", version=__version__, lifespan=lifespan,
+                  description=f"popbert's {served.task} export {served.name} over HTTP: "
+                              "OpenAI- and Text Embeddings Inference-compatible routes.")
+    app.state.popbert = state
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, error: RequestError) -> JSONResponse:
+        return error_response(request.url.path, error.status, str(error), error.field,
+                              None if error.kind == "invalid_request_error" and
+                              error.status != 422 else error.kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        message, field = _validation_message(list(error.errors()))
+        return error_response(request.url.path, 422, message, field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        message = {404: f"no route {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(
+            error.status_code, str(error.detail))
+        return error_response(request.url.path, error.status_code, message,
+                              headers=getattr(error, "headers", None))
+
+    def needs(route: str) -> None:
+        if route not in served.routes():
+            raise RequestError(404, f"{route} is not served: {served.name} is for the "
+                               f"{served.task} task (its routes: {', '.join(served.routes())})",
+                               kind="not_found")
+
+    async def work(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if not state.first_request_logged:
+            state.first_request_logged = True
+            log.info("first request")
+        return await run_in_threadpool(function, *args, **kwargs)
+
+    def counted(usage: Usage) -> None:
+        metrics.tokens(usage.tokens)
+
+    def too_many(field: str, count: int) -> None:
+        if count > config.max_client_batch_size:
+            raise RequestError(413, f"{field}: {count} inputs, more than the "
+                               f"{config.max_client_batch_size} one request may carry "
+                               "(max_client_batch_size)", field)
+
+    @app.post("/v1/embeddings", summary="OpenAI-compatible embeddings")
+    async def embeddings(body: EmbeddingsRequest) -> Response:
+        needs("/v1/embeddings")
+        if body.model != served.name:
+            raise RequestError(404, f"The model `{body.model}` does not exist; this server "
+                               f"serves `{served.name}`", "model", "model_not_found")
+        given = body.input
+        if isinstance(given, str):
+            given = [given]
+        if given and isinstance(given[0], int):
+            given = [given]  # one input as token ids
+        _empty("input", given)
+        too_many("input", len(given))
+        if isinstance(given[0], str):
+            vectors, usage = await work(served.embed, given, None, body.truncate)
+        else:
+            vectors, usage = await work(served.embed_ids, given, body.truncate)
+        vectors = served.shape_vectors(vectors, body.dimensions)
+        counted(usage)
+        data = [{"object": "embedding", "index": index, "embedding": vector}
+                for index, vector in enumerate(encode_vectors(vectors, body.encoding_format))]
+        return _json({"object": "list", "data": data, "model": served.name,
+                      "usage": {"prompt_tokens": usage.tokens, "total_tokens": usage.tokens,
+                                "truncated_inputs": usage.truncated}})
+
+    @app.get("/v1/models", summary="the served model, as OpenAI lists models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": served.name, "object": "model",
+                                            "created": int(started_at), "owned_by": "popbert"}]}
+
+    @app.post("/embed", summary="TEI-compatible embeddings")
+    async def embed(body: EmbedRequest) -> Response:
+        needs("/embed")
+        texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+        _empty("inputs", texts)
+        too_many("inputs", len(texts))
+        vectors, usage = await work(served.embed, texts, body.prompt_name, body.truncate,
+                                    "inputs")
+        counted(usage)
+        vectors = served.shape_vectors(vectors, body.dimensions, body.normalize)
+        return _json(vectors.tolist(), usage)
+
+    @app.post("/predict", summary="classification, token classification or SQuAD")
+    async def predict(body: PredictRequest) -> Response:
+        needs("/predict")
+        given = body.inputs
+        single = not isinstance(given, list)
+        items = [given] if single else given
+        _empty("inputs", items)
+        too_many("inputs", len(items))
+        questions = [isinstance(item, QuestionContext) for item in items]
+        if served.task == "squad":
+            if not all(questions):
+                raise RequestError(422, "inputs: a SQuAD model takes {\"question\", "
+                                   "\"context\"} objects", "inputs")
+            found, usage = await work(served.answer, [item.model_dump() for item in items])
+        elif any(questions):
+            raise RequestError(422, f"inputs: {{\"question\", \"context\"}} is for a SQuAD "
+                               f"model; {served.name} is a {served.task} model", "inputs")
+        elif served.task == "token-classification":
+            if not all(isinstance(item, str) for item in items):
+                raise RequestError(422, "inputs: a token-classification model takes texts, "
+                                   "not pairs", "inputs")
+            found, usage = await work(served.entities, items)
+        else:
+            found, usage = await work(served.classify, items, body.raw_scores, body.truncate)
+        counted(usage)
+        return _json(found[0] if single else found, usage)
+
+    @app.post("/rerank", summary="TEI-compatible reranking with a cross-encoder")
+    async def rerank(body: RerankRequest) -> Response:
+        needs("/rerank")
+        _empty("query", [body.query])
+        _empty("texts", body.texts)
+        too_many("texts", len(body.texts))
+        ranked, usage = await work(served.rerank, body.query, body.texts, body.raw_scores,
+                                   body.truncate, body.return_text)
+        counted(usage)
+        return _json(ranked, usage)
+
+    @app.post("/tokenize", summary="TEI-compatible tokenization")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+        _empty("inputs", texts)
+        too_many("inputs", len(texts))
+        return _json(await work(served.tokenize, texts, body.add_special_tokens))
+
+    @app.get("/health", summary="200 once the model is loaded and warmed")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/info", summary="the model and the server's limits")
+    async def info() -> dict[str, Any]:
+        return {**served.info(), "routes": list(served.routes()), "version": __version__,
+                "max_batch_tokens": config.max_batch_tokens, "max_wait_ms": config.max_wait_ms,
+                "max_client_batch_size": config.max_client_batch_size,
+                "max_concurrent_requests": config.max_concurrent_requests,
+                "payload_limit": config.payload_limit, "workers": config.workers,
+                "threads": config.threads, "auth": api_key is not None}
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def prometheus() -> Response:
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    started_at = time.time()
+    return Guard(app, config, api_key, metrics)
+
+
+def _json(value: Any, usage: Usage | None = None) -> Response:
+    """A JSON response built by `json.dumps` (far quicker than FastAPI's encoder on vectors),
+    with the request's tokens in headers as TEI sends them."""
+    headers = {}
+    if usage is not None:
+        headers = {"x-prompt-tokens": str(usage.tokens),
+                   "x-truncated-inputs": str(usage.truncated)}
+    return Response(json.dumps(value, allow_nan=False), media_type="application/json",
+                    headers=headers)
+
+
+class Guard:
+    """The ASGI layer in front of every route: metrics, body limit, API key, bound on requests
+    in flight. Plain ASGI, so a refused request never reaches the framework."""
+
+    def __init__(self, app: FastAPI, config: ServeConfig, api_key: str | None,
+                 metrics: ServeMetrics) -> None:
+        self.app = app
+        self.state = app.state
+        self.config = config
+        self.key = api_key.encode() if api_key else None
+        self.metrics = metrics
+        self.in_flight = 0
+        self.known = {route.path for route in app.routes}
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Any]],
+                       send: Callable[[Any], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        route = path if path in self.known else "other"
+        started = time.perf_counter()
+        status = [500]
+
+        async def counting_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        counts = path not in UNCOUNTED
+        if counts:
+            self.in_flight += 1
+            self.metrics.in_flight(1)
+        try:
+            refusal = self._refusal(scope, path)
+            if refusal is not None:
+                await refusal(scope, receive, counting_send)
+                return
+            body = await self._body(receive, path)
+            if isinstance(body, Response):
+                await body(scope, receive, counting_send)
+                return
+            if scope["method"] == "POST":  # the body is JSON whatever it says (curl -d)
+                scope = {**scope, "headers": [
+                    (name, value) for name, value in scope.get("headers") or []
+                    if name != b"content-type"] + [(b"content-type", b"application/json")]}
+            await self.app(scope, _replay(body, receive), counting_send)
+        finally:
+            if counts:
+                self.in_flight -= 1
+                self.metrics.in_flight(-1)
+            self.metrics.request(route, status[0], time.perf_counter() - started)
+
+    def _refusal(self, scope: dict[str, Any], path: str) -> Response | None:
+        headers = dict(scope.get("headers") or [])
+        if self.key is not None and path not in OPEN_ROUTES:
+            given = headers.get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                return error_response(path, 401, "missing or wrong API key: send "
+                                      "`Authorization: Bearer KEY`",
+                                      headers={"WWW-Authenticate": "Bearer"})
+        if path not in UNCOUNTED and self.in_flight > self.config.max_concurrent_requests:
+            return error_response(path, 503, f"the server has "
+                                  f"{self.config.max_concurrent_requests} requests in flight "
+                                  "(max_concurrent_requests); retry shortly",
+                                  headers={"Retry-After": "1"})
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.config.payload_limit:
+            return self._too_large(path)
+        return None
+
+    def _too_large(self, path: str) -> Response:
+        return error_response(path, 413, f"the body is larger than "
+                              f"{self.config.payload_limit} bytes (payload_limit)",
+                              field="body")
+
+    async def _body(self, receive: Callable[[], Awaitable[Any]], path: str
+                    ) -> bytes | Response:
+        """The whole body, read here so its size is bounded whatever the headers say."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return b"".join(chunks)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.config.payload_limit:
+                return self._too_large(path)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Callable[[], Awaitable[Any]]
+            ) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """A `receive` that gives the body read already, then waits on the real one (for a
+    disconnect)."""
+    sent = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+__all__ = ["Guard", "create_app", "error_body"]

@@ -1,0 +1,229 @@
+"""Rows from concurrent requests batched by a token budget (`popbert serve`).
+
+Every request's handler encodes its inputs as the batch predictors do (`popbert.serve.predict`)
+and hands the rows to one `RowBatcher`, which runs the export on its own thread: it waits at most
+`max_wait_ms` after the oldest waiting row for others to join, then runs the oldest row with the
+waiting rows nearest to it in length (so long and short rows are not padded to each other, and no
+row waits behind a stream of newer ones), as many as fit `max_batch_tokens` (rows times the
+batch's longest row). Each row's outputs are cut back to the row, so what a request gets does not
+depend on who shared its batch; the model's threads do the work, never the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from popbert.serve.predict import ExportedModel, PredictStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    """One `run` call: its rows, the outputs gathered so far, and who waits for them."""
+
+    arrays: dict[str, np.ndarray]
+    lengths: np.ndarray
+    per_token: Mapping[str, float]
+    outputs: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(order=True)
+class _Row:
+    arrived: float
+    sequence: int
+    length: int = field(compare=False)
+    job: _Job = field(compare=False)
+    index: int = field(compare=False)
+
+
+@dataclass
+class BatchRecord:
+    """What one model run did, for the metrics (`on_batch`)."""
+
+    rows: int
+    tokens: int  # real tokens in the rows
+    computed: int  # rows x width actually run (padding included)
+    seconds: float
+    queued: int  # rows left waiting when it started
+
+
+class RowBatcher:
+    """Runs `model` on rows from many threads at once, in token-budgeted batches.
+
+    `run` has `ExportedModel.run`'s signature and results, so a predictor whose `run` is this
+    batcher's (`ExportedModel.batcher`) serves exactly what `popbert predict` computes.
+    """
+
+    def __init__(self, model: ExportedModel, max_batch_tokens: int = 16384,
+                 max_wait_ms: float = 2.0,
+                 on_batch: Callable[[BatchRecord], None] | None = None) -> None:
+        if max_batch_tokens < model.sequence_length:
+            raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must hold one row of the "
+                             f"model's length ({model.sequence_length})")
+        self.model = model
+        self.max_batch_tokens = max_batch_tokens
+        self.max_wait = max_wait_ms / 1000.0
+        self.on_batch = on_batch
+        self._pending: list[_Row] = []
+        self._sequence = 0
+        self._condition = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="popbert-batcher", daemon=True)
+        self._thread.start()
+
+    @property
+    def queued_rows(self) -> int:
+        """Rows waiting for a batch (the queue depth)."""
+        return len(self._pending)
+
+    def run(self, arrays: Mapping[str, np.ndarray], batch_size: int = 0,
+            per_token: Mapping[str, float] | None = None, stats: PredictStats | None = None,
+            bucket: bool = True) -> dict[str, np.ndarray]:
+        """Every output for the rows of `arrays` ([N, S] inputs), in the rows' order; outputs
+        named in `per_token` padded back to S with its value, as `ExportedModel.run` gives them.
+        Blocks the calling thread until the rows have run (`batch_size` and `bucket` are the
+        batcher's business here)."""
+        arrays = {name: np.asarray(value) for name, value in arrays.items()}
+        lengths = arrays["input_mask"].sum(axis=1).astype(np.int64)
+        job = _Job(arrays, lengths, dict(per_token or {}))
+        rows = len(lengths)
+        if rows:
+            with self._condition:
+                if self._closed:
+                    raise RuntimeError("the batcher is closed")
+                now = time.monotonic()
+                for index in range(rows):
+                    self._sequence += 1
+                    self._pending.append(_Row(now, self._sequence, max(1, int(lengths[index])),
+                                              job, index))
+                self._condition.notify()
+            job.done.wait()
+            if job.error is not None:
+                raise job.error
+        if stats is not None:
+            stats.rows += rows
+            stats.tokens += int(lengths.sum())
+            stats.runtime = self.model.runtime
+        return self._assemble(job, rows)
+
+    def _assemble(self, job: _Job, rows: int) -> dict[str, np.ndarray]:
+        full = next(iter(job.arrays.values())).shape[1]
+        result: dict[str, np.ndarray] = {}
+        for name in self.model.output_names:
+            parts = []
+            for index in range(rows):
+                value = job.outputs[index][name]
+                if name in job.per_token and value.shape[0] < full:
+                    pad = [(0, 0)] * value.ndim
+                    pad[0] = (0, full - value.shape[0])
+                    value = np.pad(value, pad, constant_values=job.per_token[name])
+                parts.append(value)
+            if parts:
+                result[name] = np.stack(parts)
+            else:
+                result[name] = np.zeros((0,), np.float32)
+        masked = job.arrays["input_mask"] == 0
+        for name, fill in job.per_token.items():
+            if name in result and rows:
+                result[name][masked] = fill
+        return result
+
+    def close(self) -> None:
+        """Stop the thread after the rows already waiting have run."""
+        with self._condition:
+            self._closed = True
+            self._condition.notify()
+        self._thread.join()
+
+    # --- the batching thread ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._condition:
+                while not self._pending and not self._closed:
+                    self._condition.wait()
+                if not self._pending and self._closed:
+                    return
+                deadline = min(row.arrived for row in self._pending) + self.max_wait
+                while (not self._closed and self._waiting_tokens() < self.max_batch_tokens
+                       and time.monotonic() < deadline):
+                    self._condition.wait(max(0.0, deadline - time.monotonic()))
+                chosen = self._choose()
+                queued = len(self._pending)
+            self._run_batch(chosen, queued)
+
+    def _waiting_tokens(self) -> int:
+        return sum(row.length for row in self._pending)
+
+    def _choose(self) -> list[_Row]:
+        """The oldest waiting row and its nearest neighbours by length that fit the budget
+        (rows x the longest of them); removed from the queue."""
+        limit = self.model.batch_size  # a fixed-batch export runs exactly its batch
+        full = None if self.model.dynamic_sequence else self.model.sequence_length
+        by_length = sorted(self._pending, key=lambda row: (row.length, row.sequence))
+        oldest = min(range(len(by_length)), key=lambda i: by_length[i].sequence)
+        low = high = oldest  # the chosen rows are by_length[low:high + 1]
+        while True:
+            count = high - low + 2
+            if limit is not None and count > limit:
+                break
+            options = []
+            if low > 0:
+                options.append((by_length[oldest].length - by_length[low - 1].length, -1))
+            if high + 1 < len(by_length):
+                options.append((by_length[high + 1].length - by_length[oldest].length, 1))
+            if not options:
+                break
+            _, side = min(options)
+            longest = by_length[high + 1].length if side == 1 else by_length[high].length
+            if count * (full or longest) > self.max_batch_tokens:
+                break
+            if side == 1:
+                high += 1
+            else:
+                low -= 1
+        chosen = by_length[low:high + 1]
+        taken = {id(row) for row in chosen}
+        self._pending = [row for row in self._pending if id(row) not in taken]
+        return chosen
+
+    def _run_batch(self, chosen: list[_Row], queued: int) -> None:
+        model = self.model
+        width = max(row.length for row in chosen) if model.dynamic_sequence \
+            else model.sequence_length
+        rows = list(chosen)
+        if model.batch_size is not None:  # pad a fixed-batch export with copies of the last row
+            rows += [rows[-1]] * (model.batch_size - len(rows))
+        feeds = {name: np.ascontiguousarray(np.stack([row.job.arrays[name][row.index, :width]
+                                                      for row in rows]))
+                 for name in chosen[0].job.arrays if name in model.input_names}
+        started = time.perf_counter()
+        try:
+            outputs = model.forward(feeds)
+        except BaseException as error:  # every waiting request gets it; the thread goes on
+            log.exception("a batch of %d rows failed", len(chosen))
+            for row in chosen:
+                row.job.error = error
+                row.job.done.set()
+            return
+        seconds = time.perf_counter() - started
+        for position, row in enumerate(chosen):
+            row.job.outputs[row.index] = {name: np.asarray(value[position], np.float32)
+                                          for name, value in outputs.items()}
+            if len(row.job.outputs) == len(row.job.lengths):
+                row.job.done.set()
+        if self.on_batch is not None:
+            self.on_batch(BatchRecord(len(chosen), sum(row.length for row in chosen),
+                                      len(rows) * width, seconds, queued))
+
+
+__all__ = ["BatchRecord", "RowBatcher"]

@@ -1,0 +1,333 @@
+"""What each route of `popbert serve` computes, with no HTTP in it: requests' fields in, JSON-ready
+answers out, through the same predictors as `popbert predict` (so a route and the batch command
+cannot disagree). `popbert.serve.app` puts these behind FastAPI.
+
+A `Served` model is one export with its predictor: the task, labels, tokenizer and maximum
+length come from the export's metadata. Client mistakes raise `RequestError` with the HTTP
+status and the field to blame.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from popbert.data.classification import ClassificationData
+from popbert.data.squad import Question
+from popbert.errors import UsageError
+from popbert.graph.annotations import METADATA_PREFIX
+from popbert.serve.embed import EmbedPredictor
+from popbert.serve.predict import (
+    ClassifyPredictor,
+    ExportedModel,
+    PredictStats,
+    SquadPredictor,
+    export_task,
+)
+from popbert.serve.rerank import pair_scores
+from popbert.serve.tag import TagPredictor, tag_texts
+
+log = logging.getLogger(__name__)
+
+PREDICTORS: dict[str, type[ExportedModel]] = {
+    "embedding": EmbedPredictor,
+    "classification": ClassifyPredictor,
+    "token-classification": TagPredictor,
+    "squad": SquadPredictor,
+}
+
+
+class RequestError(Exception):
+    """A request the server will not answer: its HTTP status, the message, the field."""
+
+    def __init__(self, status: int, message: str, field: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.field = field
+        self.kind = kind
+
+
+@dataclass
+class Usage:
+    """Tokens a request fed the model, and how many of its inputs were cut to fit."""
+
+    tokens: int = 0
+    truncated: int = 0
+
+    @classmethod
+    def of(cls, stats: PredictStats) -> Usage:
+        return cls(stats.tokens, stats.truncated or 0)
+
+
+class Served:
+    """One export behind the server: its predictor, and what each route does with it."""
+
+    def __init__(self, model: Path, threads: int | None = None,
+                 served_model_name: str | None = None,
+                 max_input_tokens: int | None = None) -> None:
+        model = Path(model)
+        self.task = export_task(model)
+        if self.task not in PREDICTORS:
+            raise UsageError(f"--model: {model} is a popbert {self.task} export, which "
+                             f"`popbert serve` does not serve (it serves "
+                             f"{', '.join(PREDICTORS)})")
+        self.path = model
+        self.predictor: Any = PREDICTORS[self.task](model, threads)
+        self.name = served_model_name or (model.stem if model.is_file() else model.name)
+        if max_input_tokens is not None:
+            if not self.predictor.dynamic_sequence and max_input_tokens != \
+                    self.predictor.sequence_length:
+                log.warning("%s has a fixed sequence length of %d: --max-input-tokens %d is "
+                            "not applied", model, self.predictor.sequence_length,
+                            max_input_tokens)
+            else:
+                self.predictor.sequence_length = min(self.predictor.sequence_length,
+                                                     max_input_tokens)
+        self.max_input_tokens = int(self.predictor.sequence_length)
+        tokenizer = self.predictor.text_tokenizer
+        self.tokenizer = tokenizer
+        self.reranker = self.task == "classification" and (
+            self.predictor.regression or len(self.predictor.labels or []) == 2)
+
+    # --- what describes the model ---------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        """The model's side of `GET /info`."""
+        meta = self.predictor.meta
+        out: dict[str, Any] = {
+            "model_id": self.name, "model_path": str(self.path), "task": self.task,
+            "runtime": self.predictor.runtime,
+            "model_dtype": json_or_text(meta.get(f"{METADATA_PREFIX}dtype", "float32")),
+            "quantized": f"{METADATA_PREFIX}quantized" in meta,
+            "max_input_length": self.max_input_tokens,
+            "vocab_size": self.tokenizer.vocab_size,
+        }
+        precision = meta.get(f"{METADATA_PREFIX}precision")
+        if precision is not None:
+            out["precision"] = json_or_text(precision)
+        if self.task == "embedding":
+            out.update(pooling=self.predictor.pooling, normalize=self.predictor.normalize,
+                       prompts=sorted(self.predictor.prompts))
+        labels = getattr(self.predictor, "labels", None)
+        if labels is not None:
+            out["labels"] = labels
+        if self.task == "classification":
+            out["reranker"] = self.reranker
+        return out
+
+    def routes(self) -> tuple[str, ...]:
+        """The task routes this model answers."""
+        if self.task == "embedding":
+            return ("/v1/embeddings", "/embed")
+        return ("/predict", "/rerank") if self.reranker else ("/predict",)
+
+    def warm_up(self) -> None:
+        """One request of the task's own kind, so the first client does not pay for it."""
+        if self.task == "embedding":
+            self.embed(["warm up"])
+        elif self.task == "squad":
+            self.answer([{"question": "warm up?", "context": "warm up"}])
+        elif self.task == "token-classification":
+            self.entities(["warm up"])
+        else:
+            self.classify(["warm up"])
+
+    # --- the tasks -------------------------------------------------------------------------
+
+    def check_length(self, texts: Sequence[str], truncate: bool, field: str,
+                     pairs: Sequence[str] | None = None) -> None:
+        """With `truncate` off, an input longer than the model takes is refused (413)."""
+        if truncate:
+            return
+        firsts = self.tokenizer.encode_batch(list(texts))
+        seconds = self.tokenizer.encode_batch(list(pairs)) if pairs is not None else None
+        specials = 2 if pairs is None else 3
+        for index, ids in enumerate(firsts):
+            length = len(ids) + specials + (len(seconds[index]) if seconds else 0)
+            if length > self.max_input_tokens:
+                raise RequestError(413, f"{field}[{index}] has {length} tokens, more than the "
+                                   f"model takes ({self.max_input_tokens}); send it with "
+                                   "\"truncate\": true to have it cut", field)
+
+    def embed(self, texts: Sequence[str], prompt_name: str | None = None,
+              truncate: bool = True, field: str = "input") -> tuple[np.ndarray, Usage]:
+        """[N, H] vectors of `texts`, as `popbert predict embed` makes them."""
+        if prompt_name is not None and prompt_name not in self.predictor.prompts:
+            raise RequestError(422, f"prompt_name {prompt_name!r}: the model has "
+                               + (f"the prompts {', '.join(sorted(self.predictor.prompts))}"
+                                  if self.predictor.prompts else "no prompts"), "prompt_name")
+        if prompt_name is not None:
+            texts = [self.predictor.prompts[prompt_name] + text for text in texts]
+        self.check_length(texts, truncate, field)
+        stats = PredictStats()
+        vectors = self.predictor.embed(list(texts), stats=stats)
+        return vectors, Usage.of(stats)
+
+    def embed_ids(self, rows: Sequence[Sequence[int]], truncate: bool = True,
+                  field: str = "input") -> tuple[np.ndarray, Usage]:
+        """Vectors of texts given as token ids (no special tokens: [CLS] and [SEP] are added),
+        as OpenAI's API takes them."""
+        length = self.max_input_tokens
+        vocab = self.tokenizer.vocab_size
+        arrays = {name: np.zeros((len(rows), length), np.int64)
+                  for name in ("input_ids", "segment_ids", "input_mask")}
+        arrays["input_ids"][:] = self.tokenizer.pad_id
+        truncated = 0
+        for row, ids in enumerate(rows):
+            bad = next((i for i in ids if not 0 <= i < vocab), None)
+            if bad is not None:
+                raise RequestError(422, f"{field}[{row}]: token id {bad} is not in the model's "
+                                   f"vocabulary of {vocab}", field)
+            if len(ids) > length - 2:
+                if not truncate:
+                    raise RequestError(413, f"{field}[{row}] has {len(ids) + 2} tokens, more "
+                                       f"than the model takes ({length}); send it with "
+                                       "\"truncate\": true to have it cut", field)
+                truncated += 1
+                ids = ids[:length - 2]
+            full = [self.tokenizer.cls_id, *ids, self.tokenizer.sep_id]
+            arrays["input_ids"][row, :len(full)] = full
+            arrays["input_mask"][row, :len(full)] = 1
+        stats = PredictStats()
+        vectors = self.predictor.run(arrays, stats=stats)["embedding"].astype(np.float32)
+        return vectors, Usage(stats.tokens, truncated)
+
+    def shape_vectors(self, vectors: np.ndarray, dimensions: int | None,
+                      normalize: bool = False) -> np.ndarray:
+        """Vectors cut to `dimensions` (Matryoshka), normalised again when the model's are
+        (or when `normalize` asks)."""
+        if dimensions is not None:
+            if dimensions > vectors.shape[1]:
+                raise RequestError(422, f"dimensions {dimensions}: the model's vectors have "
+                                   f"{vectors.shape[1]}", "dimensions")
+            vectors = vectors[:, :dimensions]
+        if normalize or (dimensions is not None and self.predictor.normalize):
+            norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+            vectors = vectors / np.maximum(norms, 1e-12)
+        return vectors
+
+    def classify(self, inputs: Sequence[str | Sequence[str]], raw_scores: bool = False,
+                 truncate: bool = True, field: str = "inputs"
+                 ) -> tuple[list[list[dict[str, Any]]], Usage]:
+        """Each input's labels with their scores, best first (a regression model: its one
+        score), as `popbert predict classify` computes them."""
+        texts = [item if isinstance(item, str) else item[0] for item in inputs]
+        pairs = [item[1] for item in inputs if not isinstance(item, str)]
+        if pairs and len(pairs) != len(texts):
+            raise RequestError(422, f"{field}: give every input as a text, or every input as "
+                               "a pair [text, text], not both in one request", field)
+        second = pairs or None
+        self.check_length(texts, truncate, field, second)
+        data = ClassificationData(Path("request"), texts, second, None,
+                                  list(range(1, len(texts) + 1)))
+        stats = PredictStats()
+        predictor: ClassifyPredictor = self.predictor
+        if predictor.regression:
+            scores = (predictor.logits(data, stats=stats)[:, 0] if raw_scores
+                      else predictor.scores(data, stats=stats))
+            return [[{"label": "score", "score": float(s)}] for s in scores], Usage.of(stats)
+        values = (predictor.logits(data, stats=stats) if raw_scores
+                  else predictor.probabilities(data, stats=stats))
+        labels = predictor.labels or []
+        out = []
+        for row in values:
+            order = np.argsort(-row, kind="stable")
+            out.append([{"label": labels[i], "score": float(row[i])} for i in order])
+        return out, Usage.of(stats)
+
+    def rerank(self, query: str, texts: Sequence[str], raw_scores: bool = False,
+               truncate: bool = True, return_text: bool = False
+               ) -> tuple[list[dict[str, Any]], Usage]:
+        """`texts` sorted by the cross-encoder's score for `query`, highest first, as `popbert
+        predict rerank` sorts them."""
+        if not self.reranker:
+            raise RequestError(404, f"{self.name} is a classifier of "
+                               f"{len(self.predictor.labels or [])} labels, not a reranker "
+                               "(one output, or two labels)", kind="not_found")
+        self.check_length([query] * len(texts), truncate, "texts", texts)
+        stats = PredictStats()
+        if raw_scores:
+            data = ClassificationData(Path("request"), [query] * len(texts), list(texts), None,
+                                      list(range(1, len(texts) + 1)))
+            logits = self.predictor.logits(data, stats=stats)
+            scores = logits[:, 0] if self.predictor.regression else logits[:, 1] - logits[:, 0]
+        else:
+            scores = pair_scores(self.predictor, [query] * len(texts), texts, stats=stats)
+        order = np.argsort(-scores, kind="stable")
+        out = []
+        for index in order:
+            item: dict[str, Any] = {"index": int(index), "score": float(scores[index])}
+            if return_text:
+                item["text"] = texts[index]
+            out.append(item)
+        return out, Usage.of(stats)
+
+    def entities(self, texts: Sequence[str]) -> tuple[list[list[dict[str, Any]]], Usage]:
+        """Each text's entities with character offsets, as `popbert predict ner` finds them in
+        plain text."""
+        stats = PredictStats()
+        return tag_texts(self.predictor, list(texts), stats=stats), Usage.of(stats)
+
+    def answer(self, inputs: Sequence[dict[str, str]]) -> tuple[list[dict[str, Any]], Usage]:
+        """Each (question, context)'s best answer, its probability among the n-best and its
+        character span in the context, as `popbert predict squad` chooses it."""
+        questions = [Question(str(index), item["question"], item["context"], [], index)
+                     for index, item in enumerate(inputs)]
+        stats = PredictStats()
+        _, nbest = self.predictor.predict(questions, stats=stats)
+        out = []
+        for question in questions:
+            best = nbest[question.id][0]
+            out.append({"answer": best.text, "score": float(best.probability),
+                        "start": best.start, "end": best.end})
+        return out, Usage.of(stats)
+
+    def tokenize(self, texts: Sequence[str], add_special_tokens: bool = True
+                 ) -> list[list[dict[str, Any]]]:
+        """Each text's tokens: id, text, whether special, and character span (TEI's form)."""
+        backend = self.tokenizer.backend
+        special_ids = self.tokenizer.special_ids
+        out = []
+        for text in texts:
+            encoding = backend.encode(text, add_special_tokens=False)
+            tokens = [{"id": int(i), "text": token, "special": False, "start": int(a),
+                       "stop": int(b)}
+                      for i, token, (a, b) in zip(encoding.ids, encoding.tokens,
+                                                  encoding.offsets)]
+            if add_special_tokens:
+                cls_id, sep_id = self.tokenizer.cls_id, self.tokenizer.sep_id
+                tokens = ([{"id": cls_id, "text": backend.id_to_token(cls_id), "special": True,
+                            "start": None, "stop": None}] + tokens
+                          + [{"id": sep_id, "text": backend.id_to_token(sep_id),
+                              "special": True, "start": None, "stop": None}])
+            for token in tokens:
+                token["special"] = token["special"] or token["id"] in special_ids
+            out.append(tokens)
+        return out
+
+
+def json_or_text(value: str) -> Any:
+    """A metadata value: JSON where it is JSON, else the text."""
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def encode_vectors(vectors: np.ndarray, encoding_format: str) -> list[Any]:
+    """OpenAI's `embedding` field: floats, or base64 of little-endian float32."""
+    if encoding_format == "base64":
+        return [base64.b64encode(np.ascontiguousarray(v, "<f4").tobytes()).decode("ascii")
+                for v in vectors]
+    return vectors.tolist()
+
+
+__all__ = ["PREDICTORS", "RequestError", "Served", "Usage", "encode_vectors", "json_or_text"]

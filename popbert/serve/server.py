@@ -1,0 +1,146 @@
+"""`popbert serve`: load an export, check the settings, and run the application on uvicorn — in
+this process (`workers: 1`), or in N worker processes sharing one port, each with its own copy of
+the model (uvicorn's supervisor; the settings reach them through the environment, the API key
+as `POPBERT_API_KEY`, never on a command line or in a log).
+
+SIGTERM or SIGINT: uvicorn stops accepting, answers every request it accepted, the batcher runs
+the rows it holds, and the command returns 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from popbert.config.sections import ServeConfig
+from popbert.errors import ConfigError, UsageError
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "POPBERT_API_KEY"
+SETTINGS_ENV = "POPBERT_SERVE_SETTINGS"  # the model and the serve section, for workers
+
+
+def check_settings(model: Path, config: ServeConfig) -> None:
+    """The settings' mistakes as one line each, before anything is loaded."""
+    try:
+        config.validate()
+    except ConfigError as error:
+        raise UsageError(str(error)) from None
+    for flag, value in (("--ssl-certfile", config.ssl_certfile),
+                        ("--ssl-keyfile", config.ssl_keyfile)):
+        if value is not None and not Path(value).is_file():
+            raise UsageError(f"{flag}: file not found: {value}")
+    if not Path(model).exists():
+        raise UsageError(f"--model: file not found: {model}")
+
+
+def load(model: Path, config: ServeConfig) -> Any:
+    """The export, loaded and checked against the limits (`popbert.serve.routes.Served`)."""
+    from popbert.serve.routes import Served
+
+    served = Served(model, config.threads, config.served_model_name, config.max_input_tokens)
+    if config.max_batch_tokens < served.max_input_tokens:
+        raise UsageError(f"--max-batch-tokens {config.max_batch_tokens}: a batch must hold one "
+                         f"input of the model's length ({served.max_input_tokens} tokens)")
+    return served
+
+
+def serve(model: Path, config: ServeConfig, api_key: str | None = None) -> int:
+    """Run the server until SIGTERM or SIGINT; 0 once every accepted request is answered."""
+    import uvicorn
+
+    check_settings(model, config)
+    api_key = api_key or os.environ.get(API_KEY_ENV) or None
+    served = load(model, config)  # a bad export is one line here, before the port is taken
+    options: dict[str, Any] = {
+        "host": config.host, "port": config.port, "log_config": None,
+        "access_log": config.access_log, "timeout_graceful_shutdown": None,
+        "ssl_certfile": config.ssl_certfile, "ssl_keyfile": config.ssl_keyfile}
+    scheme = "https" if config.ssl_certfile else "http"
+    log.info("popbert serve: %s on %s://%s:%d, %d worker%s%s", model, scheme, config.host,
+             config.port, config.workers, "" if config.workers == 1 else "s",
+             ", API key required" if api_key else "")
+    if config.workers == 1:
+        from popbert.serve.app import create_app
+
+        server = uvicorn.Server(uvicorn.Config(create_app(served, config, api_key), **options))
+        return _run(server, config)
+    del served  # each worker loads its own
+    metrics_dir = tempfile.mkdtemp(prefix="popbert-serve-metrics-")
+    environment = {SETTINGS_ENV: json.dumps({"model": str(model),
+                                             "serve": dataclasses.asdict(config)}),
+                   "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
+    if api_key:
+        environment[API_KEY_ENV] = api_key
+    saved = {name: os.environ.get(name) for name in environment}
+    os.environ.update(environment)
+    try:
+        server = uvicorn.Server(uvicorn.Config("popbert.serve.server:app_from_environment",
+                                               factory=True, workers=config.workers, **options))
+        from uvicorn.supervisors import Multiprocess
+
+        sock = server.config.bind_socket()
+        with _quiet_signals():
+            Multiprocess(server.config, target=server.run, sockets=[sock]).run()
+        return 0
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _run(server: Any, config: ServeConfig) -> int:
+    with _quiet_signals():
+        try:
+            server.run()
+        except SystemExit:  # uvicorn exits 1 when it cannot listen (the port is taken)
+            raise UsageError(f"--port {config.port}: cannot listen on {config.host}:"
+                             f"{config.port} (in use, or not this machine's address)") from None
+    if not server.started:
+        raise UsageError(f"--port {config.port}: the server did not start on "
+                         f"{config.host}:{config.port}")
+    log.info("popbert serve: stopped; every accepted request was answered")
+    return 0
+
+
+class _quiet_signals:
+    """While uvicorn runs, SIGTERM and SIGINT are its (a graceful stop); the signal it raises
+    again once stopped lands here and is dropped, so a stopped server exits 0."""
+
+    def __enter__(self) -> None:
+        self.previous = {sig: signal.signal(sig, lambda *_: None)
+                         for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def __exit__(self, *_: Any) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def app_from_environment() -> Any:
+    """A worker's application (`--workers N`): the settings from `POPBERT_SERVE_SETTINGS`,
+    the key from `POPBERT_API_KEY`."""
+    from popbert.serve.app import create_app
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname).1s %(name)s: %(message)s",
+                                           datefmt="%H:%M:%S"))
+    logging.getLogger("popbert").addHandler(handler)
+    logging.getLogger("popbert").setLevel(logging.INFO)
+    settings = json.loads(os.environ[SETTINGS_ENV])
+    config = ServeConfig(**settings["serve"])
+    served = load(Path(settings["model"]), config)
+    return create_app(served, config, os.environ.get(API_KEY_ENV) or None, multiprocess=True)
+
+
+__all__ = ["API_KEY_ENV", "app_from_environment", "check_settings", "load", "serve"]

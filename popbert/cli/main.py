@@ -321,10 +321,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                          "'popbert[serve]'") from None
     config = (load_config(args.config or DEFAULT_PRESET, args.overrides).serve
               if args.config or args.overrides else ServeConfig())
-    for key in (f.name for f in dataclasses.fields(ServeConfig)):
-        value = getattr(args, key, None)
-        if value is not None:
-            setattr(config, key, value)
+    given = {key: getattr(args, key) for key in (f.name for f in dataclasses.fields(ServeConfig))
+             if getattr(args, key, None) is not None}
+    _check_flag_values(given, {key: f"serve.{key}" for key in given})
+    for key, value in given.items():
+        setattr(config, key, value)
     return serve(args.model, config, args.api_key)
 
 

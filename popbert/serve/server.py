@@ -87,9 +87,13 @@ def serve(model: Path, config: ServeConfig, api_key: str | None = None) -> int:
                                                factory=True, workers=config.workers, **options))
         from uvicorn.supervisors import Multiprocess
 
-        sock = server.config.bind_socket()
+        try:
+            sock = server.config.bind_socket()
+        except SystemExit:  # uvicorn exits 1 when it cannot listen (the port is taken)
+            raise _cannot_listen(config) from None
         with _quiet_signals():
-            Multiprocess(server.config, target=server.run, sockets=[sock]).run()
+            Multiprocess(server.config, sockets=[sock]).run()
+        log.info("popbert serve: stopped; every worker answered its accepted requests")
         return 0
     finally:
         for name, value in saved.items():
@@ -105,13 +109,17 @@ def _run(server: Any, config: ServeConfig) -> int:
         try:
             server.run()
         except SystemExit:  # uvicorn exits 1 when it cannot listen (the port is taken)
-            raise UsageError(f"--port {config.port}: cannot listen on {config.host}:"
-                             f"{config.port} (in use, or not this machine's address)") from None
+            raise _cannot_listen(config) from None
     if not server.started:
         raise UsageError(f"--port {config.port}: the server did not start on "
                          f"{config.host}:{config.port}")
     log.info("popbert serve: stopped; every accepted request was answered")
     return 0
+
+
+def _cannot_listen(config: ServeConfig) -> UsageError:
+    return UsageError(f"--port {config.port}: cannot listen on {config.host}:{config.port} "
+                      "(in use, or not this machine's address)")
 
 
 class _quiet_signals:

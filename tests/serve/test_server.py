@@ -1,0 +1,329 @@
+"""`popbert serve` as a process on 127.0.0.1 with the clients people use: the official `openai`
+package (float and base64), `httpx` with concurrent async clients, Prometheus' text read by
+prometheus-client's parser; the real all-MiniLM-L6-v2 exported with `--task embedding`.
+
+Tolerances: 1e-5 on each component against `popbert predict embed` and sentence-transformers on
+the same export and weights (float32 in both; measured 1.5e-7 against sentence-transformers), and
+between a text served alone and the same text batched with others (the batch's width changes
+which padding ONNX Runtime skips; measured 9e-8).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from serve_helpers import Server
+
+from popbert.cli.main import main
+
+pytestmark = pytest.mark.e2e
+
+FIXTURE = Path(__file__).parent.parent / "fixtures" / "retrieval" / "corpus.jsonl"
+
+
+def texts() -> list[str]:
+    """Real Wikipedia leads of mixed lengths (the retrieval fixture) and two short texts."""
+    leads = [" ".join(json.loads(line)["text"].split())
+             for line in FIXTURE.read_text().splitlines()]
+    return leads[:14] + ["short", "Two words"]
+
+
+@pytest.fixture(scope="module")
+def minilm_export(minilm_imported: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output = tmp_path_factory.mktemp("serve-minilm") / "minilm.onnx"
+    assert main(["export", "--checkpoint", str(minilm_imported), "--task", "embedding",
+                 "--output", str(output)]) == 0
+    return output
+
+
+@pytest.fixture(scope="module")
+def predicted(minilm_export: Path, tmp_path_factory: pytest.TempPathFactory) -> np.ndarray:
+    """`popbert predict embed`'s vectors of `texts()` on the same export."""
+    root = tmp_path_factory.mktemp("serve-predicted")
+    (root / "texts.txt").write_text("\n".join(texts()) + "\n")
+    assert main(["predict", "embed", "--model", str(minilm_export), "--data",
+                 str(root / "texts.txt"), "-o", str(root / "out.npy")]) == 0
+    return np.load(root / "out.npy")
+
+
+@pytest.fixture(scope="module")
+def server(minilm_export: Path, tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("serve-log") / "server.log"
+    with Server(minilm_export, "--max-wait-ms", "5", "--max-client-batch-size", "20",
+                "--payload-limit", "20000", log_path=log) as running:
+        yield running
+
+
+def test_openai_client_gets_predict_embeds_vectors_as_float_and_base64(
+        server: Server, predicted: np.ndarray, minilm_dir: Path) -> None:
+    import openai
+    from sentence_transformers import SentenceTransformer
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    listed = client.models.list().data
+    assert [model.id for model in listed] == ["minilm"]
+    base64 = client.embeddings.create(model="minilm", input=texts())  # the client's default
+    floats = client.embeddings.create(model="minilm", input=texts(), encoding_format="float")
+    for response in (base64, floats):
+        vectors = np.array([item.embedding for item in response.data])
+        assert [item.index for item in response.data] == list(range(len(texts())))
+        np.testing.assert_allclose(vectors, predicted, atol=1e-5, rtol=0)
+    reference = SentenceTransformer(str(minilm_dir), device="cpu").encode(texts())
+    np.testing.assert_allclose(vectors, reference, atol=1e-5, rtol=0)
+    tokens = sum(len(ids) + 2 for ids in
+                 _tokenizer(minilm_dir).encode_batch(texts(), add_special_tokens=False))
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens == tokens
+    one = client.embeddings.create(model="minilm", input=texts()[0], encoding_format="float")
+    np.testing.assert_allclose(one.data[0].embedding, predicted[0], atol=1e-5, rtol=0)
+
+    # Matryoshka: cut to 64 and normalised again, as the model's vectors are normalised.
+    cut = client.embeddings.create(model="minilm", input=texts()[:2], dimensions=64,
+                                   encoding_format="float")
+    expected = predicted[:2, :64] / np.linalg.norm(predicted[:2, :64], axis=1, keepdims=True)
+    np.testing.assert_allclose([item.embedding for item in cut.data], expected, atol=1e-5)
+
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.embeddings.create(model="text-embedding-3-small", input="x")
+
+
+def _tokenizer(folder: Path):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.no_truncation()  # the folder's file cuts at 128; the export takes 256
+    tokenizer.no_padding()
+    return tokenizer
+
+
+def test_token_ids_and_tei_embed_give_the_same_vectors(server: Server, minilm_dir: Path,
+                                                      predicted: np.ndarray) -> None:
+    ids = [encoding.ids for encoding in
+           _tokenizer(minilm_dir).encode_batch(texts()[:3], add_special_tokens=False)]
+    with server.client() as client:
+        by_ids = client.post("/v1/embeddings", json={"model": "minilm", "input": ids}).json()
+        tei = client.post("/embed", json={"inputs": texts()[:3]})
+        assert tei.status_code == 200
+        assert int(tei.headers["x-prompt-tokens"]) == sum(len(i) + 2 for i in ids)
+        np.testing.assert_allclose(tei.json(), predicted[:3], atol=1e-5, rtol=0)
+    np.testing.assert_allclose([item["embedding"] for item in by_ids["data"]], predicted[:3],
+                               atol=1e-5, rtol=0)
+
+
+def test_concurrent_clients_get_what_each_text_gets_alone(server: Server) -> None:
+    """32 async clients at once, each text its own request: the answers equal the one-at-a-time
+    answers, whatever batches the server made of them."""
+    corpus = texts() * 2
+
+    async def run() -> tuple[list, list]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            alone = [(await client.post("/embed", json={"inputs": text})).json()[0]
+                     for text in corpus]
+            together = await asyncio.gather(*[client.post("/embed", json={"inputs": text})
+                                              for text in corpus])
+            assert all(response.status_code == 200 for response in together)
+            return alone, [response.json()[0] for response in together]
+
+    before = server.metric("popbert_batch_rows_count")
+    alone, together = asyncio.run(run())
+    np.testing.assert_allclose(together, alone, atol=1e-5, rtol=0)
+    runs = server.metric("popbert_batch_rows_count") - before
+    assert 0 < runs <= 2 * len(corpus)  # every row ran, in at most one run each
+    assert server.metric("popbert_batch_rows_sum") >= 2 * len(corpus)
+
+
+def test_bad_requests_are_4xx_naming_the_field_and_the_server_lives_on(server: Server) -> None:
+    long_text = " ".join(["word"] * 400)  # past the export's 256 tokens
+    cases = [  # (method, route, body, status, words in the message)
+        ("post", "/v1/embeddings", b"not json", 422, "not valid JSON"),
+        ("post", "/v1/embeddings", {"input": "x"}, 422, "model is required"),
+        ("post", "/v1/embeddings", {"model": "minilm", "input": []}, 422, "input"),
+        ("post", "/v1/embeddings", {"model": "minilm", "input": [""]}, 422, "input[0]"),
+        ("post", "/v1/embeddings", {"model": "minilm", "input": {"a": 1}}, 422, "input"),
+        ("post", "/v1/embeddings", {"model": "minilm", "input": [[1, 10 ** 9]]}, 422,
+         "vocabulary"),
+        ("post", "/v1/embeddings", {"model": "minilm", "input": "x", "dimensions": 0}, 422,
+         "dimensions"),
+        ("post", "/v1/embeddings", {"model": "minilm", "input": "x", "dimensions": 999}, 422,
+         "dimensions"),
+        ("post", "/v1/embeddings", {"model": "minilm", "input": "x",
+                                    "encoding_format": "hex"}, 422, "encoding_format"),
+        ("post", "/embed", {"inputs": 5}, 422, "inputs"),
+        ("post", "/embed", {"inputs": "x", "normalise": True}, 422, "normalise"),
+        ("post", "/embed", {"inputs": "x", "prompt_name": "query"}, 422, "prompt_name"),
+        ("post", "/embed", {"inputs": ["x"] * 21}, 413, "max_client_batch_size"),
+        ("post", "/embed", {"inputs": long_text, "truncate": False}, 413, "truncate"),
+        ("post", "/embed", {"inputs": "y" * 30000}, 413, "payload_limit"),
+        ("post", "/predict", {"inputs": "x"}, 404, "embedding"),
+        ("post", "/rerank", {"query": "x", "texts": ["y"]}, 404, "embedding"),
+        ("get", "/embed", None, 405, "GET"),
+        ("get", "/nowhere", None, 404, "/nowhere"),
+        ("post", "/tokenize", {"inputs": []}, 422, "inputs"),
+    ]
+    with server.client() as client:
+        for method, route, body, status, words in cases:
+            if method == "get":
+                response = client.get(route)
+            elif isinstance(body, bytes):
+                response = client.post(route, content=body)
+            else:
+                response = client.post(route, json=body)
+            assert response.status_code == status, (route, body, response.text)
+            error = response.json()["error"]
+            message = error["message"] if route.startswith("/v1/") else error
+            assert words in message, (route, body, message)
+        # a long input is cut by default, as TEI does, and the usage says so
+        cut = client.post("/v1/embeddings", json={"model": "minilm", "input": long_text})
+        assert cut.status_code == 200 and cut.json()["usage"]["truncated_inputs"] == 1
+        assert client.get("/health").status_code == 200
+    assert server.metric("popbert_requests_total", status="500") == 0
+    assert "Traceback" not in server.output()
+
+
+def test_metrics_count_requests_by_route_and_status(server: Server) -> None:
+    with server.client() as client:
+        before = server.metric("popbert_requests_total", route="/tokenize", status="200")
+        for _ in range(3):
+            tokens = client.post("/tokenize", json={"inputs": "Hello world!"}).json()[0]
+        assert [t["text"] for t in tokens] == ["[CLS]", "hello", "world", "!", "[SEP]"]
+        assert tokens[1]["start"] == 0 and tokens[1]["stop"] == 5 and tokens[0]["special"]
+        info = client.get("/info").json()
+    assert server.metric("popbert_requests_total", route="/tokenize", status="200") \
+        == before + 3
+    assert server.metric("popbert_request_duration_seconds_count", route="/tokenize") >= 3
+    assert info["task"] == "embedding" and info["max_input_length"] == 256
+    assert info["pooling"] == "mean" and info["normalize"] is True
+
+
+def test_an_api_key_guards_every_route_but_health(minilm_export: Path, tmp_path: Path) -> None:
+    key = "s3cret-key-for-the-test"
+    with Server(minilm_export, log_path=tmp_path / "log", env={"POPBERT_API_KEY": key}) as server:
+        with server.client() as client:
+            body = {"model": "minilm", "input": "x"}
+            assert client.post("/v1/embeddings", json=body).status_code == 401
+            wrong = client.post("/v1/embeddings", json=body,
+                                headers={"Authorization": "Bearer wrong"})
+            assert wrong.status_code == 401 and key not in wrong.text
+            assert wrong.json()["error"]["type"] == "authentication_error"
+            assert client.get("/metrics").status_code == 401
+            assert client.get("/health").status_code == 200  # probes carry no key
+            right = client.post("/v1/embeddings", json=body,
+                                headers={"Authorization": f"Bearer {key}"})
+            assert right.status_code == 200
+        assert server.stop() == 0
+    assert key not in (tmp_path / "log").read_text()
+
+
+def test_sigterm_under_load_answers_every_accepted_request(minilm_export: Path,
+                                                           tmp_path: Path) -> None:
+    """Requests held in the batcher (a long wait) when SIGTERM comes are all answered, then the
+    process exits 0; a new connection afterwards is refused."""
+    with Server(minilm_export, "--max-wait-ms", "1500", log_path=tmp_path / "log") as server:
+        results: list[int] = []
+
+        def ask(text: str) -> None:
+            with server.client() as client:
+                results.append(client.post("/embed", json={"inputs": text}).status_code)
+
+        threads = [threading.Thread(target=ask, args=(text,)) for text in texts()[:8]]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while server.metric("popbert_requests_in_flight") < 8:
+            assert time.monotonic() < deadline, "the requests never arrived"
+            time.sleep(0.05)
+        assert server.stop(signal.SIGTERM) == 0
+        for thread in threads:
+            thread.join(60)
+        assert results == [200] * 8
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{server.url}/health", timeout=5)
+    assert "every accepted request was answered" in (tmp_path / "log").read_text()
+
+
+def test_a_full_server_answers_503_with_retry_after(minilm_export: Path, tmp_path: Path) -> None:
+    with Server(minilm_export, "--max-wait-ms", "3000", "--max-concurrent-requests", "2",
+                log_path=tmp_path / "log") as server:
+        held: list[int] = []
+        threads = [threading.Thread(target=lambda: held.append(
+            httpx.post(f"{server.url}/embed", json={"inputs": "held"}, timeout=60).status_code))
+            for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while server.metric("popbert_requests_in_flight") < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        refused = httpx.post(f"{server.url}/embed", json={"inputs": "more"}, timeout=60)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert "max_concurrent_requests" in refused.json()["error"]
+        assert httpx.get(f"{server.url}/health").status_code == 200  # probes still answered
+        for thread in threads:
+            thread.join(60)
+        assert held == [200, 200]
+
+
+def test_two_workers_share_the_port_and_sum_their_metrics(minilm_export: Path,
+                                                          tmp_path: Path) -> None:
+    with Server(minilm_export, "--workers", "2", log_path=tmp_path / "log") as server:
+        with server.client() as client:
+            for text in texts()[:6]:
+                assert client.post("/embed", json={"inputs": text},
+                                   headers={"Connection": "close"}).status_code == 200
+        assert server.metric("popbert_requests_total", route="/embed", status="200") == 6
+        assert server.stop() == 0
+    log = (tmp_path / "log").read_text()
+    assert log.count("warmed up") == 2  # each worker loaded and warmed its own model
+
+
+def test_tls_from_the_certificate_options(minilm_export: Path, tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    made = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days",
+                           "1", "-subj", "/CN=127.0.0.1", "-addext",
+                           "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out",
+                           str(cert)], capture_output=True)
+    if made.returncode != 0:
+        pytest.fail(f"openssl could not make a certificate: {made.stderr.decode()}")
+    with Server(minilm_export, "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
+                log_path=tmp_path / "log", scheme="https",
+                verify=ssl.create_default_context(cafile=str(cert))) as server:
+        with server.client() as client:
+            assert client.post("/embed", json={"inputs": "secure"}).status_code == 200
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(server.url.replace("https", "http") + "/health", timeout=5)
+
+
+def test_bad_settings_are_one_line_and_exit_2(minilm_export: Path, tmp_path: Path) -> None:
+    not_popbert = tmp_path / "plain.onnx"
+    not_popbert.write_bytes(b"not a model")
+    taken = Server(minilm_export, log_path=tmp_path / "log")
+    cases = [
+        (["--model", str(tmp_path / "missing.onnx")], "--model"),
+        (["--model", str(not_popbert)], "--model"),
+        (["--model", str(minilm_export), "--port", "70000"], "--port 70000"),
+        (["--model", str(minilm_export), "--workers", "0"], "--workers 0"),
+        (["--model", str(minilm_export), "--ssl-certfile", str(tmp_path / "none.pem"),
+          "--ssl-keyfile", str(tmp_path / "none.pem")], "--ssl-certfile"),
+        (["--model", str(minilm_export), "--ssl-certfile", str(not_popbert)], "ssl_keyfile"),
+        (["--model", str(minilm_export), "--max-batch-tokens", "100"], "--max-batch-tokens"),
+        (["--model", str(minilm_export), "--set", "serve.max_wait_ms=-1"], "max_wait_ms"),
+    ]
+    with taken:
+        cases.append((["--model", str(minilm_export), "--port", str(taken.port)],
+                      f"--port {taken.port}"))
+        for args, words in cases:
+            done = subprocess.run([sys.executable, "-m", "popbert", "serve", *args],
+                                  capture_output=True, text=True, timeout=120)
+            assert done.returncode == 2, (args, done.stderr)
+            lines = done.stderr.strip().splitlines()
+            assert words in lines[-1] and "Traceback" not in done.stderr, (args, done.stderr)

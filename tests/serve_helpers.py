@@ -1,0 +1,99 @@
+"""A real `popbert serve` process on 127.0.0.1 for the server tests: started on a free port,
+waited for until `/health` answers, stopped with SIGTERM (killed only if it hangs), its log kept
+for the assertions."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """`python -m popbert serve --model MODEL ARGS...` with its output in `log_path`."""
+
+    def __init__(self, model: Path, *args: str, log_path: Path, env: dict[str, str] | None = None,
+                 scheme: str = "http", verify: ssl.SSLContext | bool = False) -> None:
+        self.port = free_port()
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.verify = verify
+        self.command = [sys.executable, "-m", "popbert", "serve", "--model", str(model),
+                        "--port", str(self.port), "--threads", "1", *args]
+        self.env = {**os.environ, **(env or {})}
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> Server:
+        self.log = open(self.log_path, "w")  # noqa: SIM115 (closed in __exit__)
+        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env=self.env)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"popbert serve exited {self.process.returncode}:\n"
+                                   + self.log_path.read_text())
+            try:
+                if httpx.get(f"{self.url}/health", verify=self.verify, timeout=2).status_code \
+                        == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("popbert serve did not become healthy:\n" + self.log_path.read_text())
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        """Signal the server; its exit status (killed, and -9, if it does not stop)."""
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        return self.process.returncode
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def client(self, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60, verify=self.verify, **kwargs)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of `/metrics`, read with prometheus-client's own parser (0 if absent)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        headers = kwargs_headers(self.env)
+        text = httpx.get(f"{self.url}/metrics", verify=self.verify, headers=headers,
+                         timeout=30).text
+        total = 0.0
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v
+                                               for k, v in labels.items()):
+                    total += sample.value
+        return total
+
+
+def kwargs_headers(env: dict[str, str]) -> dict[str, str]:
+    key = env.get("POPBERT_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}

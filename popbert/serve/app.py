@@ -20,7 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
@@ -69,8 +69,12 @@ class QuestionContext(_Request):
     context: StrictStr
 
 
-PredictInput = (StrictStr | tuple[StrictStr, StrictStr] | QuestionContext
-                | list[StrictStr | tuple[StrictStr, StrictStr] | QuestionContext])
+# As TEI reads `inputs`: a list of exactly two texts is one pair, [text, text]; any other list
+# is a batch (of texts, pairs or SQuAD questions). Tried in this order.
+Pair = tuple[StrictStr, StrictStr]
+PredictInput = Annotated[
+    Pair | StrictStr | QuestionContext | list[Pair | StrictStr | QuestionContext],
+    Field(union_mode="left_to_right")]
 
 
 class PredictRequest(_Request):

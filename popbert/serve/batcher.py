@@ -119,14 +119,14 @@ class RowBatcher:
         full = next(iter(job.arrays.values())).shape[1]
         result: dict[str, np.ndarray] = {}
         for name in self.model.output_names:
-            parts = []
-            for index in range(rows):
-                value = job.outputs[index][name]
-                if name in job.per_token and value.shape[0] < full:
-                    pad = [(0, 0)] * value.ndim
-                    pad[0] = (0, full - value.shape[0])
-                    value = np.pad(value, pad, constant_values=job.per_token[name])
-                parts.append(value)
+            parts = [job.outputs[index][name] for index in range(rows)]
+            # A per-token output ([width, ...] per row) is padded back to the rows' length, S:
+            # with its fill where the caller named one, else 0.
+            if name in job.per_token or len({part.shape for part in parts}) > 1:
+                fill = job.per_token.get(name, 0.0)
+                parts = [np.pad(part, [(0, full - part.shape[0])] + [(0, 0)] * (part.ndim - 1),
+                                constant_values=fill) if part.shape[0] < full else part
+                         for part in parts]
             if parts:
                 result[name] = np.stack(parts)
             else:

@@ -1,0 +1,133 @@
+"""`RowBatcher`: rows from many threads run together within the token budget, each caller gets
+exactly its own rows' outputs (per-token outputs padded back with their fill), a fixed-batch
+export gets its whole batch, the oldest row is never left behind, and a failing run reaches
+every caller waiting on it while the batcher goes on. A stand-in model whose outputs depend on
+each row alone makes the expected values exact, and holding its first run shows what queued
+behind it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from popbert.serve.batcher import RowBatcher
+
+
+class Model:
+    """Rows in, per row: `embedding` = [sum of its ids, its length], `logits` = ids + 0.5 per
+    token. `hold` stops the first run until released."""
+
+    runtime = "stand-in"
+    input_names = {"input_ids", "input_mask", "segment_ids"}
+    output_names = ["embedding", "logits"]
+
+    def __init__(self, sequence_length: int = 16, batch_size: int | None = None,
+                 dynamic: bool = True) -> None:
+        self.sequence_length = sequence_length
+        self.batch_size = batch_size
+        self.dynamic_sequence = dynamic
+        self.calls: list[tuple[int, int]] = []  # (rows, width) of each run
+        self.hold = threading.Event()
+        self.held = threading.Event()
+        self.hold.set()
+        self.fail_next = False
+
+    def forward(self, feeds):
+        ids, mask = feeds["input_ids"], feeds["input_mask"]
+        self.calls.append(ids.shape)
+        self.held.set()
+        self.hold.wait(30)
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("the runtime failed")
+        return {"embedding": np.stack([(ids * mask).sum(1), mask.sum(1)], 1).astype(np.float32),
+                "logits": (ids + 0.5).astype(np.float32)[..., None]}
+
+
+def rows(lengths: list[int], width: int = 16, first_id: int = 1) -> dict[str, np.ndarray]:
+    ids = np.zeros((len(lengths), width), np.int64)
+    mask = np.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, :length] = np.arange(first_id, first_id + length) + row
+        mask[row, :length] = 1
+    return {"input_ids": ids, "input_mask": mask, "segment_ids": np.zeros_like(ids)}
+
+
+def expected(arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    ids, mask = arrays["input_ids"], arrays["input_mask"]
+    embedding = np.stack([(ids * mask).sum(1), mask.sum(1)], 1)
+    logits = np.where(mask == 1, ids + 0.5, -7.0)[..., None]
+    return embedding, logits
+
+
+def test_rows_queued_behind_a_run_go_together_and_get_their_own_outputs() -> None:
+    model = Model()
+    batcher = RowBatcher(model, max_batch_tokens=1000, max_wait_ms=0)
+    model.hold.clear()
+    results: dict[int, dict[str, np.ndarray]] = {}
+    requests = {i: rows([1 + (i * 5) % 13, 2 + i % 3], first_id=10 * i) for i in range(6)}
+
+    def ask(i: int) -> None:
+        results[i] = batcher.run(requests[i], per_token={"logits": -7.0})
+
+    first = threading.Thread(target=ask, args=(0,))
+    first.start()
+    model.held.wait(30)  # request 0 is running; the others queue behind it
+    others = [threading.Thread(target=ask, args=(i,)) for i in range(1, 6)]
+    for thread in others:
+        thread.start()
+    while batcher.queued_rows < 10:
+        threading.Event().wait(0.01)
+    model.hold.set()
+    for thread in [first, *others]:
+        thread.join(30)
+    batcher.close()
+    assert [rows_ for rows_, _ in model.calls] == [2, 10]  # one run for all that queued
+    for i, arrays in requests.items():
+        embedding, logits = expected(arrays)
+        np.testing.assert_array_equal(results[i]["embedding"], embedding)
+        np.testing.assert_array_equal(results[i]["logits"], logits)  # padded back to 16
+
+
+def test_the_token_budget_bounds_every_run_and_similar_lengths_go_together() -> None:
+    model = Model(sequence_length=16)
+    batcher = RowBatcher(model, max_batch_tokens=32, max_wait_ms=50)
+    lengths = [16, 2, 3, 15, 2, 16, 3, 14]
+    arrays = rows(lengths)
+    out = batcher.run(arrays)
+    batcher.close()
+    assert all(count * width <= 32 for count, width in model.calls)
+    assert sum(count for count, _ in model.calls) == len(lengths)
+    # the oldest row (16) with its nearest in length, then the oldest left (2) with the short
+    # ones, then the rest: long and short rows are never padded to each other
+    assert model.calls == [(2, 16), (4, 3), (2, 15)]
+    np.testing.assert_array_equal(out["embedding"], expected(arrays)[0])
+
+
+def test_a_fixed_export_runs_its_whole_batch_at_its_length() -> None:
+    model = Model(sequence_length=16, batch_size=4, dynamic=False)
+    batcher = RowBatcher(model, max_batch_tokens=1000, max_wait_ms=0)
+    arrays = rows([3, 5, 7, 2, 9, 4])
+    out = batcher.run(arrays)
+    batcher.close()
+    assert all(shape == (4, 16) for shape in model.calls)
+    np.testing.assert_array_equal(out["embedding"], expected(arrays)[0])
+
+
+def test_a_failed_run_reaches_its_callers_and_the_batcher_goes_on() -> None:
+    model = Model()
+    batcher = RowBatcher(model, max_batch_tokens=1000, max_wait_ms=0)
+    model.fail_next = True
+    with pytest.raises(RuntimeError, match="the runtime failed"):
+        batcher.run(rows([3, 4]))
+    arrays = rows([5])
+    np.testing.assert_array_equal(batcher.run(arrays)["embedding"], expected(arrays)[0])
+    batcher.close()
+
+
+def test_a_budget_below_one_row_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        RowBatcher(Model(sequence_length=64), max_batch_tokens=32)

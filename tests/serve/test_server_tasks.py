@@ -1,0 +1,166 @@
+"""Every task's route of `popbert serve` against `popbert predict` on the same export: a
+classifier's `/predict`, a cross-encoder's `/rerank`, a tagger's `/predict` (entities with
+character offsets) and a SQuAD model's `/predict` (answer, score, character span). Small random
+models (the answers are arbitrary, but must be the batch command's); a real server process,
+`httpx` as the client.
+
+Tolerance: 1e-5 on probabilities and scores (the same export in the same runtime, batched with
+other rows or not).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from checkpoint_helpers import random_task_run
+from serve_helpers import Server
+
+import popbert.tasks  # noqa: F401 (registers the task heads)
+from popbert.cli.main import main
+from popbert.config import TaskConfig, load_config
+from popbert.data.tokenization import bundled_vocab_path
+
+pytestmark = pytest.mark.e2e
+
+SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",
+         "model.intermediate_size=64", "model.sequence_length=40",
+         "model.max_position_embeddings=64", "model.max_predictions_per_seq=5"]
+SQUAD = Path(__file__).parent.parent / "fixtures" / "squad" / "squad-v1.1-sample.json"
+TEXTS = ["a short one", "the film was long and, frankly, far too slow for anyone to enjoy at all",
+         "fine", "Paris is in France and Berlin in Germany", "bad", "Ada Lovelace met Babbage"]
+TAGS = ["O", "B-LOC", "I-LOC", "B-PER", "I-PER"]
+
+
+def export_of(root: Path, task: str, config: TaskConfig, seed: int) -> Path:
+    """A random `task` model of the small shape, exported as `popbert export` writes it."""
+    cfg = load_config("tiny", SMALL)
+    cfg.model.task = config
+    cfg.data.vocab_file = str(bundled_vocab_path())
+    head = ("Classifier", "NSP/Pool", "Squad", "Tagger")
+    random_task_run(root / "run", cfg, task, seed=seed,
+                    scale=lambda n: 30 if n.startswith(head) else 3)
+    output = root / f"{task}.onnx"
+    assert main(["export", "--checkpoint", str(root / "run"), "--task", task, "--output",
+                 str(output)]) == 0
+    return output
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("serve-tasks")
+
+
+def serving(model: Path, root: Path, name: str) -> Server:
+    return Server(model, "--max-wait-ms", "5", log_path=root / f"{name}.log")
+
+
+def test_classify_route_is_predict_classify(root: Path) -> None:
+    model = export_of(root / "classify", "classification",
+                      TaskConfig(name="classification", num_labels=3,
+                                 labels=["neg", "neutral", "pos"]), seed=5)
+    (root / "texts.txt").write_text("\n".join(TEXTS) + "\n")
+    assert main(["predict", "classify", "--model", str(model), "--data",
+                 str(root / "texts.txt"), "-o", str(root / "classified.jsonl")]) == 0
+    expected = [json.loads(line) for line in (root / "classified.jsonl").read_text().splitlines()]
+    with serving(model, root, "classify") as server, server.client() as client:
+        answers = client.post("/predict", json={"inputs": TEXTS}).json()
+        single = client.post("/predict", json={"inputs": TEXTS[1]}).json()
+        raw = client.post("/predict", json={"inputs": TEXTS, "raw_scores": True}).json()
+        pair = client.post("/predict", json={"inputs": ["a question", "an answer"]})
+        info = client.get("/info").json()
+        not_reranker = client.post("/rerank", json={"query": "q", "texts": ["a"]})
+        squad_shaped = client.post("/predict", json={"inputs": {"question": "q",
+                                                                 "context": "c"}})
+    assert len(answers) == len(TEXTS) and single == answers[1]
+    for answer, row, logits in zip(answers, expected, raw):
+        assert answer[0]["label"] == row["label"]  # best first
+        assert [a["score"] for a in answer] == sorted((a["score"] for a in answer), reverse=True)
+        got = {a["label"]: a["score"] for a in answer}
+        np.testing.assert_allclose([got[k] for k in row["probabilities"]],
+                                   list(row["probabilities"].values()), atol=1e-5)
+        scores = np.array([a["score"] for a in logits])
+        softmax = np.exp(scores - scores.max()) / np.exp(scores - scores.max()).sum()
+        by_label = dict(zip([a["label"] for a in logits], softmax))
+        np.testing.assert_allclose([by_label[k] for k in row["probabilities"]],
+                                   list(row["probabilities"].values()), atol=1e-5)
+    assert pair.status_code == 200 and len(pair.json()) == 3  # one pair, its three labels
+    assert info["labels"] == ["neg", "neutral", "pos"] and info["reranker"] is False
+    assert not_reranker.status_code == 404
+    assert squad_shaped.status_code == 422
+
+
+def test_rerank_route_is_predict_rerank(root: Path) -> None:
+    model = export_of(root / "rerank", "classification",
+                      TaskConfig(name="classification", num_labels=1), seed=7)
+    query, candidates = "where is the film set", TEXTS
+    (root / "rerank.jsonl").write_text(json.dumps({"query": query,
+                                                   "candidates": candidates}) + "\n")
+    assert main(["predict", "rerank", "--model", str(model), "--data",
+                 str(root / "rerank.jsonl"), "-o", str(root / "ranked.jsonl")]) == 0
+    expected = json.loads((root / "ranked.jsonl").read_text())["ranked"]
+    with serving(model, root, "rerank") as server, server.client() as client:
+        ranked = client.post("/rerank", json={"query": query, "texts": candidates,
+                                              "return_text": True})
+        scored = client.post("/predict", json={"inputs": [[query, text]
+                                                          for text in candidates]}).json()
+    assert ranked.status_code == 200
+    ranked = ranked.json()
+    assert [r["index"] for r in ranked] == [e["id"] for e in expected]
+    assert [r["text"] for r in ranked] == [e["text"] for e in expected]
+    np.testing.assert_allclose([r["score"] for r in ranked], [e["score"] for e in expected],
+                               atol=1e-5)
+    np.testing.assert_allclose([s[0]["score"] for s in scored],
+                               [ranked[[r["index"] for r in ranked].index(i)]["score"]
+                                for i in range(len(candidates))], atol=1e-5)
+
+
+def test_token_classification_route_is_predict_ner_on_text(root: Path) -> None:
+    model = export_of(root / "ner", "token-classification",
+                      TaskConfig(name="token-classification", num_labels=len(TAGS),
+                                 labels=TAGS), seed=11)
+    (root / "plain.txt").write_text("\n".join(TEXTS) + "\n")
+    assert main(["predict", "ner", "--model", str(model), "--data", str(root / "plain.txt"),
+                 "-o", str(root / "entities.jsonl")]) == 0
+    expected = [json.loads(line)["entities"]
+                for line in (root / "entities.jsonl").read_text().splitlines()]
+    with serving(model, root, "ner") as server, server.client() as client:
+        found = client.post("/predict", json={"inputs": TEXTS}).json()
+        pair = client.post("/predict", json={"inputs": [["a", "b"], ["c", "d"]]})
+    assert sum(map(len, expected)) > 0  # the random tagger finds something to compare
+    for text, ours, theirs in zip(TEXTS, found, expected):
+        assert [(e["entity_group"], e["start"], e["end"], e["word"]) for e in ours] == \
+            [(e["entity_group"], e["start"], e["end"], e["word"]) for e in theirs]
+        np.testing.assert_allclose([e["score"] for e in ours], [e["score"] for e in theirs],
+                                   atol=1e-5)
+        for entity in ours:
+            assert text[entity["start"]:entity["end"]].lower().startswith(
+                entity["word"].split()[0].lower().lstrip("#"))
+    assert pair.status_code == 422
+
+
+def test_squad_route_is_predict_squad(root: Path) -> None:
+    model = export_of(root / "squad", "squad",
+                      TaskConfig(name="squad", lowercase=True, doc_stride=8,
+                                 max_query_length=12), seed=3)
+    assert main(["predict", "squad", "--model", str(model), "--data", str(SQUAD), "-o",
+                 str(root / "answers.json")]) == 0
+    expected = json.loads((root / "answers.json").read_text())
+    questions = [(q["id"], q["question"], paragraph["context"])
+                 for article in json.loads(SQUAD.read_text())["data"]
+                 for paragraph in article["paragraphs"] for q in paragraph["qas"]][:6]
+    with serving(model, root, "squad") as server, server.client() as client:
+        answers = client.post("/predict", json={"inputs": [
+            {"question": question, "context": context} for _, question, context in questions]})
+        one = client.post("/predict", json={"inputs": {"question": questions[0][1],
+                                                        "context": questions[0][2]}}).json()
+        texts = client.post("/predict", json={"inputs": "not a question"})
+    assert answers.status_code == 200
+    for (qid, _, context), answer in zip(questions, answers.json()):
+        assert answer["answer"] == expected[qid]
+        assert context[answer["start"]:answer["end"]] == answer["answer"]
+        assert 0 < answer["score"] <= 1
+    assert one == answers.json()[0]
+    assert texts.status_code == 422

@@ -325,7 +325,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
              if getattr(args, key, None) is not None}
     _check_flag_values(given, {key: f"serve.{key}" for key in given})
     for key, value in given.items():
-        setattr(config, key, value)
+        setattr(config, key, str(value) if isinstance(value, Path) else value)
     return serve(args.model, config, args.api_key)
 
 
@@ -640,8 +640,10 @@ def _add_serve_command(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="processes sharing the port, each with the model (default 1)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="the runtime's intra-op threads per worker (default: the runtime's)")
-    p.add_argument("--ssl-certfile", default=None, metavar="FILE", help="TLS certificate")
-    p.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="TLS private key")
+    p.add_argument("--ssl-certfile", type=paths.PEM, default=None, metavar="FILE.pem",
+                   help="TLS certificate (PEM)")
+    p.add_argument("--ssl-keyfile", type=paths.PEM, default=None, metavar="FILE.pem",
+                   help="TLS private key (PEM)")
     p.add_argument("--access-log", action="store_const", const=True, default=None,
                    help="log every request (uvicorn's access log)")
     p.set_defaults(handler=_cmd_serve)

@@ -285,6 +285,13 @@ def _vocab(path: Path, args: Any = None) -> str | None:
     return _text(path)
 
 
+def _pem(path: Path, args: Any = None) -> str | None:
+    problem = _text(path)
+    if problem:
+        return problem
+    return None if b"-----BEGIN " in _head(path) else "text without a PEM block (-----BEGIN ...)"
+
+
 def _checkpoint(path: Path, args: Any = None) -> str | None:
     if (path / "state.json").exists():
         return None
@@ -546,6 +553,7 @@ SHARDS = PathKind("an instances stage directory or HDF5 shards (comma-separated,
 TRAINING_DATA = PathKind("text files or HDF5 shards (globs)", urls=True, globs=True,
                          sniff=_text_or_shards)
 VOCAB = PathKind("a WordPiece vocab.txt or a tokenizer.json", urls=True, sniff=_vocab)
+PEM = PathKind("a PEM file (a TLS certificate or private key)", sniff=_pem)
 OUTPUT_FILE = PathKind("a file to write", output=True)
 EXPORT_OUTPUT = PathKind("a new file or an earlier export (an IR directory with --runtime "
                          "openvino)", directory=None, output=True, owns=_owns_export,

@@ -98,6 +98,8 @@ class Inputs:
         self.rerank = self._write("rerank.jsonl", '{"query": "q", "candidates": ["a", "b"]}\n')
         self.tagged = self._write("tagged.conll", "Paris B-LOC\nis O\n\n")
         self.pairs = self._write("pairs.jsonl", '{"anchor": "a", "positive": "b"}\n')
+        self.pem = self._write("cert.pem", "-----BEGIN CERTIFICATE-----\nMIIB\n"
+                               "-----END CERTIFICATE-----\n")
 
     def _write(self, name: str, text: str) -> Path:
         path = self.root / name
@@ -120,7 +122,7 @@ class Inputs:
             paths.CORPUS: self.text, paths.TEXT: self.text, paths.SHARDS: self.shard,
             paths.TRAINING_DATA: self.text, paths.VOCAB: bundled_vocab_path(),
             paths.BEIR: self.beir, paths.RERANK_ROWS: self.rerank, paths.TAGGED: self.tagged,
-            paths.PAIRS: self.pairs, paths.PAIRS_OR_BEIR: self.pairs,
+            paths.PAIRS: self.pairs, paths.PAIRS_OR_BEIR: self.pairs, paths.PEM: self.pem,
         }[kind])
 
     def impostor(self, kind: PathKind) -> Path:
@@ -136,7 +138,7 @@ class Inputs:
             paths.TRAINING_DATA: self.safetensors, paths.VOCAB: self.shard,
             paths.BEIR: self.run, paths.RERANK_ROWS: self.rows_json,
             paths.TAGGED: self.rows_json, paths.PAIRS: self.rows_json,
-            paths.PAIRS_OR_BEIR: self.rows_json,
+            paths.PAIRS_OR_BEIR: self.rows_json, paths.PEM: self.text,
         }[kind]
 
     def cells(self, kind: PathKind, suffix: str) -> Iterator[tuple[str, str]]:
@@ -180,7 +182,7 @@ SUFFIX = {paths.SQUAD: ".json", paths.PREDICTIONS: ".json", paths.ROWS: ".tsv",
           paths.SHARDS: ".h5", paths.CONFIG_FILE: ".yaml", SWEEP_FILE: ".yaml",
           paths.VOCAB: ".txt", paths.DUMP: ".xml.bz2", paths.METRICS: ".jsonl",
           paths.RERANK_ROWS: ".jsonl", paths.TAGGED: ".conll", paths.PAIRS: ".jsonl",
-          paths.PAIRS_OR_BEIR: ".jsonl"}
+          paths.PAIRS_OR_BEIR: ".jsonl", paths.PEM: ".pem"}
 
 
 def example_parser() -> argparse.ArgumentParser:

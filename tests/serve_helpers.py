@@ -97,3 +97,30 @@ class Server:
 def kwargs_headers(env: dict[str, str]) -> dict[str, str]:
     key = env.get("POPBERT_API_KEY")
     return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+class SlowClient:
+    """A request whose body arrives in two parts: between them the server counts it in flight
+    but has none of its rows, so the batcher holds the batches it could join (up to
+    `--max-wait-ms`): a deterministic way to have requests wait inside the server."""
+
+    def __init__(self, server: Server, route: str, body: dict) -> None:
+        import json
+
+        self.payload = json.dumps(body).encode()
+        self.sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        head = (f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(self.payload)}\r\n\r\n").encode()
+        self.sock.sendall(head + self.payload[:5])
+
+    def finish(self) -> int:
+        """Send the rest; the response's status."""
+        self.sock.sendall(self.payload[5:])
+        response = b""
+        while b"\r\n" not in response:
+            chunk = self.sock.recv(4096)
+            if not chunk:
+                break
+            response += chunk
+        self.sock.close()
+        return int(response.split(b" ", 2)[1])

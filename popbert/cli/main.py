@@ -626,7 +626,10 @@ def _add_serve_command(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
                    help="tokens (rows x the longest) in one model run (default 16384)")
     p.add_argument("--max-wait-ms", type=float, default=None, metavar="MS",
-                   help="how long a batch waits for more requests (default 2)")
+                   help="how long a batch waits for requests on their way (default 5)")
+    p.add_argument("--max-padding", type=float, default=None, metavar="SHARE",
+                   help="the share of a batch's tokens that may be padding; rows further apart "
+                        "in length run in separate batches (default 0.1)")
     p.add_argument("--max-input-tokens", type=int, default=None, metavar="N",
                    help="longest input; longer ones are truncated (\"truncate\": false: 413) "
                         "(default: the export's length)")

@@ -351,7 +351,11 @@ class ServeConfig:
     served_model_name: str | None = None  # None: the export's file stem
     # Tokens (rows x the batch's longest row) in one model run, batched across requests.
     max_batch_tokens: int = setting(16384, at_least(1))
-    max_wait_ms: float = setting(2.0, at_least(0))  # for other requests to join a batch
+    # How long a batch waits for requests on their way to join it (a lone request: none).
+    max_wait_ms: float = setting(5.0, at_least(0))
+    # The share of a batch's tokens that may be padding: rows too far apart in length run
+    # apart (padding is computed work on a CPU; batching gains little else there).
+    max_padding: float = setting(0.1, within("[0, 1]"))
     max_input_tokens: int | None = setting(None, at_least(3).or_null())  # None: the model's
     max_client_batch_size: int = setting(256, at_least(1))  # inputs in one request
     max_concurrent_requests: int = setting(512, at_least(1))  # beyond it: 503, Retry-After

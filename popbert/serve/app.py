@@ -190,7 +190,8 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
         anyio.to_thread.current_default_thread_limiter().total_tokens = max(
             40, config.max_concurrent_requests)
         state.batcher = RowBatcher(served.predictor, config.max_batch_tokens,
-                                   config.max_wait_ms, on_batch)
+                                   config.max_wait_ms, config.max_padding, on_batch,
+                                   lambda: guard.in_flight)
         served.predictor.batcher = state.batcher
         started = time.perf_counter()
         await run_in_threadpool(served.warm_up)
@@ -348,6 +349,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
     async def info() -> dict[str, Any]:
         return {**served.info(), "routes": list(served.routes()), "version": __version__,
                 "max_batch_tokens": config.max_batch_tokens, "max_wait_ms": config.max_wait_ms,
+                "max_padding": config.max_padding,
                 "max_client_batch_size": config.max_client_batch_size,
                 "max_concurrent_requests": config.max_concurrent_requests,
                 "payload_limit": config.payload_limit, "workers": config.workers,
@@ -359,7 +361,8 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
         return Response(body, media_type=content_type)
 
     started_at = time.time()
-    return Guard(app, config, api_key, metrics)
+    guard = Guard(app, config, api_key, metrics)
+    return guard
 
 
 def _json(value: Any, usage: Usage | None = None) -> Response:

@@ -5,8 +5,13 @@ and hands the rows to one `RowBatcher`, which runs the export on its own thread:
 `max_wait_ms` after the oldest waiting row for others to join, then runs the oldest row with the
 waiting rows nearest to it in length (so long and short rows are not padded to each other, and no
 row waits behind a stream of newer ones), as many as fit `max_batch_tokens` (rows times the
-batch's longest row). Each row's outputs are cut back to the row, so what a request gets does not
-depend on who shared its batch; the model's threads do the work, never the event loop.
+batch's longest row) with at most `max_padding` of their tokens padding. It waits only while
+requests in flight have not handed their rows over yet: a lone client never waits.
+
+On a CPU, batching saves little beyond the per-run overhead, while padding is computed work; so
+the padding bound matters more than batch size. Each row's outputs are cut back to the row, so
+what a request gets does not depend on who shared its batch; the model's threads do the work,
+never the event loop.
 """
 
 from __future__ import annotations
@@ -64,14 +69,18 @@ class RowBatcher:
     """
 
     def __init__(self, model: ExportedModel, max_batch_tokens: int = 16384,
-                 max_wait_ms: float = 2.0,
-                 on_batch: Callable[[BatchRecord], None] | None = None) -> None:
+                 max_wait_ms: float = 5.0, max_padding: float = 0.1,
+                 on_batch: Callable[[BatchRecord], None] | None = None,
+                 in_flight: Callable[[], int] | None = None) -> None:
         if max_batch_tokens < model.sequence_length:
             raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must hold one row of the "
                              f"model's length ({model.sequence_length})")
         self.model = model
         self.max_batch_tokens = max_batch_tokens
         self.max_wait = max_wait_ms / 1000.0
+        self.max_padding = max_padding
+        self.in_flight = in_flight  # the server's requests in flight, for `_expecting`
+        self._jobs = 0  # `run` calls between hand-over and answer
         self.on_batch = on_batch
         self._pending: list[_Row] = []
         self._sequence = 0
@@ -105,8 +114,13 @@ class RowBatcher:
                     self._sequence += 1
                     self._pending.append(_Row(now, self._sequence, max(1, int(lengths[index])),
                                               job, index))
+                self._jobs += 1
                 self._condition.notify()
-            job.done.wait()
+            try:
+                job.done.wait()
+            finally:
+                with self._condition:
+                    self._jobs -= 1
             if job.error is not None:
                 raise job.error
         if stats is not None:
@@ -155,11 +169,16 @@ class RowBatcher:
                     return
                 deadline = min(row.arrived for row in self._pending) + self.max_wait
                 while (not self._closed and self._waiting_tokens() < self.max_batch_tokens
-                       and time.monotonic() < deadline):
+                       and self._expecting() and time.monotonic() < deadline):
                     self._condition.wait(max(0.0, deadline - time.monotonic()))
                 chosen = self._choose()
                 queued = len(self._pending)
             self._run_batch(chosen, queued)
+
+    def _expecting(self) -> bool:
+        """Whether more rows are on their way: requests in flight that have not handed theirs
+        over yet (always, when the server does not say). A lone client does not wait."""
+        return self.in_flight is None or self.in_flight() > self._jobs
 
     def _waiting_tokens(self) -> int:
         return sum(row.length for row in self._pending)
@@ -187,6 +206,11 @@ class RowBatcher:
             longest = by_length[high + 1].length if side == 1 else by_length[high].length
             if count * (full or longest) > self.max_batch_tokens:
                 break
+            if full is None:  # padding is computed work: keep it under max_padding
+                real = sum(row.length for row in by_length[low:high + 1]) + (
+                    by_length[high + 1].length if side == 1 else by_length[low - 1].length)
+                if 1 - real / (count * longest) > self.max_padding:
+                    break
             if side == 1:
                 high += 1
             else:

@@ -166,7 +166,8 @@ class ExportedModel:
     `popbert.sequence_length`), which serving pads or truncates inputs to.
     """
 
-    def __init__(self, model: Path, task: str, threads: int | None = None) -> None:
+    def __init__(self, model: Path, task: str, threads: int | None = None,
+                 spinning: bool = True) -> None:
         model = Path(model)
         if not model.exists():
             raise UsageError(f"--model: file not found: {model}")
@@ -174,7 +175,7 @@ class ExportedModel:
         if is_ir(model):  # an OpenVINO IR directory (popbert export --runtime openvino)
             self._load_openvino(model, threads)
         else:
-            self._load_onnxruntime(model, threads)
+            self._load_onnxruntime(model, threads, spinning)
         if self.meta.get(f"{METADATA_PREFIX}task") != task:
             raise UsageError(f"--model: {model} is not a popbert {task} export (export it with "
                              f"`popbert export --task {task}` from a fine-tuned checkpoint)")
@@ -196,12 +197,15 @@ class ExportedModel:
                      "export with a symbolic sequence axis cuts each batch to its longest row)",
                      model, self.sequence_length)
 
-    def _load_onnxruntime(self, model: Path, threads: int | None) -> None:
+    def _load_onnxruntime(self, model: Path, threads: int | None, spinning: bool) -> None:
         import onnxruntime as ort
 
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads = threads
+        if not spinning:  # a server: idle runtime threads must not spin on the cores that the
+            # event loop and the requests' threads need between batches
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
             session = ort.InferenceSession(str(model), options,
                                            providers=["CPUExecutionProvider"])
@@ -322,8 +326,8 @@ class ExportedModel:
 class SquadPredictor(ExportedModel):
     """An exported `squad` model in ONNX Runtime, with the tokenizer its metadata describes."""
 
-    def __init__(self, model: Path, threads: int | None = None) -> None:
-        super().__init__(model, "squad", threads)
+    def __init__(self, model: Path, threads: int | None = None, spinning: bool = True) -> None:
+        super().__init__(model, "squad", threads, spinning)
         self.tokenizer = self.text_tokenizer.backend
         self.options = WindowOptions(self.sequence_length,
                                      int(json.loads(self.text("doc_stride"))),
@@ -412,8 +416,8 @@ class ClassifyPredictor(ExportedModel):
     through the activation its metadata records (an imported CrossEncoder's), as
     `CrossEncoder.predict` does."""
 
-    def __init__(self, model: Path, threads: int | None = None) -> None:
-        super().__init__(model, "classification", threads)
+    def __init__(self, model: Path, threads: int | None = None, spinning: bool = True) -> None:
+        super().__init__(model, "classification", threads, spinning)
         outputs = json.loads(self.meta.get(f"{METADATA_PREFIX}num_labels", "null"))
         self.regression = outputs == 1
         self.labels = None if self.regression else [str(x) for x in

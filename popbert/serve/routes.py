@@ -80,7 +80,7 @@ class Served:
                              f"`popbert serve` does not serve (it serves "
                              f"{', '.join(PREDICTORS)})")
         self.path = model
-        self.predictor: Any = PREDICTORS[self.task](model, threads)
+        self.predictor: Any = PREDICTORS[self.task](model, threads, spinning=False)
         self.name = served_model_name or (model.stem if model.is_file() else model.name)
         if max_input_tokens is not None:
             if not self.predictor.dynamic_sequence and max_input_tokens != \

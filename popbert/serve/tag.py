@@ -38,8 +38,8 @@ TASK = "token-classification"
 class TagPredictor(ExportedModel):
     """An exported `token-classification` model: words in, IOB2 tags out."""
 
-    def __init__(self, model: Path, threads: int | None = None) -> None:
-        super().__init__(model, TASK, threads)
+    def __init__(self, model: Path, threads: int | None = None, spinning: bool = True) -> None:
+        super().__init__(model, TASK, threads, spinning)
         self.labels = [str(x) for x in json.loads(self.text("labels"))]
 
     def tags(self, data: TaggedData, batch_size: int = 16,

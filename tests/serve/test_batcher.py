@@ -65,7 +65,7 @@ def expected(arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 
 def test_rows_queued_behind_a_run_go_together_and_get_their_own_outputs() -> None:
     model = Model()
-    batcher = RowBatcher(model, max_batch_tokens=1000, max_wait_ms=0)
+    batcher = RowBatcher(model, max_batch_tokens=1000, max_wait_ms=0, max_padding=1.0)
     model.hold.clear()
     results: dict[int, dict[str, np.ndarray]] = {}
     requests = {i: rows([1 + (i * 5) % 13, 2 + i % 3], first_id=10 * i) for i in range(6)}
@@ -94,7 +94,7 @@ def test_rows_queued_behind_a_run_go_together_and_get_their_own_outputs() -> Non
 
 def test_the_token_budget_bounds_every_run_and_similar_lengths_go_together() -> None:
     model = Model(sequence_length=16)
-    batcher = RowBatcher(model, max_batch_tokens=32, max_wait_ms=50)
+    batcher = RowBatcher(model, max_batch_tokens=32, max_wait_ms=50, max_padding=1.0)
     lengths = [16, 2, 3, 15, 2, 16, 3, 14]
     arrays = rows(lengths)
     out = batcher.run(arrays)
@@ -131,3 +131,36 @@ def test_a_failed_run_reaches_its_callers_and_the_batcher_goes_on() -> None:
 def test_a_budget_below_one_row_is_refused() -> None:
     with pytest.raises(ValueError, match="max_batch_tokens"):
         RowBatcher(Model(sequence_length=64), max_batch_tokens=32)
+
+
+def test_rows_far_apart_in_length_run_apart_within_max_padding() -> None:
+    model = Model(sequence_length=16)
+    batcher = RowBatcher(model, max_batch_tokens=1000, max_wait_ms=0, max_padding=0.1)
+    lengths = [16, 15, 4, 4, 3, 14, 16]
+    arrays = rows(lengths)
+    out = batcher.run(arrays)
+    batcher.close()
+    # (16, 16, 15, 14): 5 of 64 tokens padding; (4, 4, 3): 1 of 12
+    assert sorted(model.calls) == [(3, 4), (4, 16)]
+    np.testing.assert_array_equal(out["embedding"], expected(arrays)[0])
+
+
+def test_a_lone_request_does_not_wait_for_others() -> None:
+    """With the server saying no other request is on its way, a row runs at once, however long
+    `max_wait_ms`; while one is on its way, the batch waits for it."""
+    model = Model()
+    on_the_way = [0]
+    batcher = RowBatcher(model, max_batch_tokens=1000, max_wait_ms=60_000, max_padding=1.0,
+                         in_flight=lambda: batcher._jobs + on_the_way[0])
+    arrays = rows([3])
+    np.testing.assert_array_equal(batcher.run(arrays)["embedding"], expected(arrays)[0])
+    on_the_way[0] = 1
+    done = threading.Event()
+    threading.Thread(target=lambda: (batcher.run(rows([4])), done.set())).start()
+    assert not done.wait(0.3)  # held for the request on its way
+    second = rows([5])
+    on_the_way[0] = 0
+    np.testing.assert_array_equal(batcher.run(second)["embedding"], expected(second)[0])
+    assert done.wait(30)
+    assert model.calls[-1] == (2, 5)  # they ran together
+    batcher.close()

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from serve_helpers import Server
+from serve_helpers import Server, SlowClient
 
 from popbert.cli.main import main
 
@@ -226,9 +226,11 @@ def test_an_api_key_guards_every_route_but_health(minilm_export: Path, tmp_path:
 
 def test_sigterm_under_load_answers_every_accepted_request(minilm_export: Path,
                                                            tmp_path: Path) -> None:
-    """Requests held in the batcher (a long wait) when SIGTERM comes are all answered, then the
-    process exits 0; a new connection afterwards is refused."""
-    with Server(minilm_export, "--max-wait-ms", "1500", log_path=tmp_path / "log") as server:
+    """Requests waiting inside the server when SIGTERM comes (held in the batcher by a request
+    whose body is still arriving) are all answered, the late body too, then the process exits
+    0; a new connection afterwards is refused."""
+    with Server(minilm_export, "--max-wait-ms", "60000", log_path=tmp_path / "log") as server:
+        slow = SlowClient(server, "/embed", {"inputs": "the last one"})
         results: list[int] = []
 
         def ask(text: str) -> None:
@@ -239,27 +241,52 @@ def test_sigterm_under_load_answers_every_accepted_request(minilm_export: Path,
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + 60
-        while server.metric("popbert_requests_in_flight") < 8:
+        while server.metric("popbert_requests_in_flight") < 9:
             assert time.monotonic() < deadline, "the requests never arrived"
             time.sleep(0.05)
-        assert server.stop(signal.SIGTERM) == 0
+        assert results == []  # all eight wait in the server
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert slow.finish() == 200
         for thread in threads:
             thread.join(60)
         assert results == [200] * 8
+        assert server.stop() == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{server.url}/health", timeout=5)
     assert "every accepted request was answered" in (tmp_path / "log").read_text()
 
 
+def test_a_client_that_disconnects_does_not_disturb_its_batch(minilm_export: Path,
+                                                               predicted: np.ndarray,
+                                                               tmp_path: Path) -> None:
+    with Server(minilm_export, "--max-wait-ms", "60000", log_path=tmp_path / "log") as server:
+        slow = SlowClient(server, "/embed", {"inputs": texts()[2]})
+        gone = SlowClient(server, "/embed", {"inputs": texts()[1]})
+        answers: list = []
+        thread = threading.Thread(target=lambda: answers.append(httpx.post(
+            f"{server.url}/embed", json={"inputs": texts()[0]}, timeout=60)))
+        thread.start()
+        deadline = time.monotonic() + 60
+        while server.metric("popbert_requests_in_flight") < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        gone.sock.close()  # mid-body: the batch it would have joined goes on without it
+        assert slow.finish() == 200
+        thread.join(60)
+        assert answers[0].status_code == 200
+        np.testing.assert_allclose(answers[0].json()[0], predicted[0], atol=1e-5, rtol=0)
+        assert server.metric("popbert_requests_total", status="500") == 0
+
+
 def test_a_full_server_answers_503_with_retry_after(minilm_export: Path, tmp_path: Path) -> None:
-    with Server(minilm_export, "--max-wait-ms", "3000", "--max-concurrent-requests", "2",
+    with Server(minilm_export, "--max-wait-ms", "60000", "--max-concurrent-requests", "2",
                 log_path=tmp_path / "log") as server:
+        slow = SlowClient(server, "/embed", {"inputs": "slow"})
         held: list[int] = []
-        threads = [threading.Thread(target=lambda: held.append(
+        thread = threading.Thread(target=lambda: held.append(
             httpx.post(f"{server.url}/embed", json={"inputs": "held"}, timeout=60).status_code))
-            for _ in range(2)]
-        for thread in threads:
-            thread.start()
+        thread.start()
         deadline = time.monotonic() + 60
         while server.metric("popbert_requests_in_flight") < 2:
             assert time.monotonic() < deadline
@@ -268,9 +295,9 @@ def test_a_full_server_answers_503_with_retry_after(minilm_export: Path, tmp_pat
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert "max_concurrent_requests" in refused.json()["error"]
         assert httpx.get(f"{server.url}/health").status_code == 200  # probes still answered
-        for thread in threads:
-            thread.join(60)
-        assert held == [200, 200]
+        assert slow.finish() == 200
+        thread.join(60)
+        assert held == [200]
 
 
 def test_two_workers_share_the_port_and_sum_their_metrics(minilm_export: Path,
@@ -306,6 +333,8 @@ def test_tls_from_the_certificate_options(minilm_export: Path, tmp_path: Path) -
 def test_bad_settings_are_one_line_and_exit_2(minilm_export: Path, tmp_path: Path) -> None:
     not_popbert = tmp_path / "plain.onnx"
     not_popbert.write_bytes(b"not a model")
+    pem = tmp_path / "cert.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
     taken = Server(minilm_export, log_path=tmp_path / "log")
     cases = [
         (["--model", str(tmp_path / "missing.onnx")], "--model"),
@@ -314,7 +343,9 @@ def test_bad_settings_are_one_line_and_exit_2(minilm_export: Path, tmp_path: Pat
         (["--model", str(minilm_export), "--workers", "0"], "--workers 0"),
         (["--model", str(minilm_export), "--ssl-certfile", str(tmp_path / "none.pem"),
           "--ssl-keyfile", str(tmp_path / "none.pem")], "--ssl-certfile"),
-        (["--model", str(minilm_export), "--ssl-certfile", str(not_popbert)], "ssl_keyfile"),
+        (["--model", str(minilm_export), "--ssl-certfile", str(pem)], "ssl_keyfile"),
+        (["--model", str(minilm_export), "--ssl-certfile", str(not_popbert), "--ssl-keyfile",
+          str(pem)], "--ssl-certfile"),
         (["--model", str(minilm_export), "--max-batch-tokens", "100"], "--max-batch-tokens"),
         (["--model", str(minilm_export), "--set", "serve.max_wait_ms=-1"], "max_wait_ms"),
     ]

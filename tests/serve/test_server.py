@@ -358,3 +358,21 @@ def test_bad_settings_are_one_line_and_exit_2(minilm_export: Path, tmp_path: Pat
             assert done.returncode == 2, (args, done.stderr)
             lines = done.stderr.strip().splitlines()
             assert words in lines[-1] and "Traceback" not in done.stderr, (args, done.stderr)
+
+
+def test_settings_come_from_the_config_files_serve_section(minilm_export: Path,
+                                                           tmp_path: Path) -> None:
+    """A `serve:` section sets what the flags set; --set overrides a key; a flag wins over
+    both."""
+    config = tmp_path / "serve.yaml"
+    config.write_text("serve:\n  served_model_name: from-config\n  max_client_batch_size: 3\n"
+                      "  max_padding: 0.2\n  port: 1\n")
+    with Server(minilm_export, "--config", str(config), "--set",
+                "serve.max_client_batch_size=4", log_path=tmp_path / "log") as server:
+        with server.client() as client:
+            info = client.get("/info").json()
+            models = client.get("/v1/models").json()
+            too_many = client.post("/embed", json={"inputs": ["x"] * 5})
+    assert models["data"][0]["id"] == info["model_id"] == "from-config"
+    assert info["max_client_batch_size"] == 4 and info["max_padding"] == 0.2
+    assert too_many.status_code == 413

@@ -201,6 +201,9 @@ def test_metrics_count_requests_by_route_and_status(server: Server) -> None:
     assert server.metric("popbert_requests_total", route="/tokenize", status="200") \
         == before + 3
     assert server.metric("popbert_request_duration_seconds_count", route="/tokenize") >= 3
+        schema = client.get("/openapi.json").json()
+        assert {"/v1/embeddings", "/embed", "/predict", "/rerank"} <= set(schema["paths"])
+        assert client.get("/docs").status_code == 200
     assert info["task"] == "embedding" and info["max_input_length"] == 256
     assert info["pooling"] == "mean" and info["normalize"] is True
 
@@ -376,3 +379,12 @@ def test_settings_come_from_the_config_files_serve_section(minilm_export: Path,
     assert models["data"][0]["id"] == info["model_id"] == "from-config"
     assert info["max_client_batch_size"] == 4 and info["max_padding"] == 0.2
     assert too_many.status_code == 413
+
+
+def test_the_server_never_imports_torch() -> None:
+    """A serving image needs ONNX Runtime (or OpenVINO), not torch."""
+    code = ("import sys, popbert.serve.server, popbert.serve.app, popbert.serve.routes; "
+            "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "False"

@@ -198,12 +198,12 @@ def test_metrics_count_requests_by_route_and_status(server: Server) -> None:
         assert [t["text"] for t in tokens] == ["[CLS]", "hello", "world", "!", "[SEP]"]
         assert tokens[1]["start"] == 0 and tokens[1]["stop"] == 5 and tokens[0]["special"]
         info = client.get("/info").json()
-    assert server.metric("popbert_requests_total", route="/tokenize", status="200") \
-        == before + 3
-    assert server.metric("popbert_request_duration_seconds_count", route="/tokenize") >= 3
         schema = client.get("/openapi.json").json()
         assert {"/v1/embeddings", "/embed", "/predict", "/rerank"} <= set(schema["paths"])
         assert client.get("/docs").status_code == 200
+    assert server.metric("popbert_requests_total", route="/tokenize", status="200") \
+        == before + 3
+    assert server.metric("popbert_request_duration_seconds_count", route="/tokenize") >= 3
     assert info["task"] == "embedding" and info["max_input_length"] == 256
     assert info["pooling"] == "mean" and info["normalize"] is True
 

@@ -309,6 +309,10 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
             if not all(questions):
                 raise RequestError(422, "inputs: a SQuAD model takes {\"question\", "
                                    "\"context\"} objects", "inputs")
+            for index, item in enumerate(items):
+                for key in ("question", "context"):
+                    if not getattr(item, key).strip():
+                        raise RequestError(422, f"inputs[{index}].{key} is empty", "inputs")
             found, usage = await work(served.answer, [item.model_dump() for item in items])
         elif any(questions):
             raise RequestError(422, f"inputs: {{\"question\", \"context\"}} is for a SQuAD "

@@ -157,6 +157,11 @@ def test_squad_route_is_predict_squad(root: Path) -> None:
         one = client.post("/predict", json={"inputs": {"question": questions[0][1],
                                                         "context": questions[0][2]}}).json()
         texts = client.post("/predict", json={"inputs": "not a question"})
+        odd = [client.post("/predict", json={"inputs": {"question": question,
+                                                         "context": context}})
+               for question, context in (("", "a context"), ("a question?", ""),
+                                         ("?", "\u200b"), ("why " * 300, "short"),
+                                         ("who", "word " * 2000))]
     assert answers.status_code == 200
     for (qid, _, context), answer in zip(questions, answers.json()):
         assert answer["answer"] == expected[qid]
@@ -164,3 +169,6 @@ def test_squad_route_is_predict_squad(root: Path) -> None:
         assert 0 < answer["score"] <= 1
     assert one == answers.json()[0]
     assert texts.status_code == 422
+    # empty or odd fields are a 422 naming them, or an answer: never a 5xx
+    assert [r.status_code for r in odd] == [422, 422, 200, 200, 200], [r.text for r in odd]
+    assert "question" in odd[0].json()["error"] and "context" in odd[1].json()["error"]

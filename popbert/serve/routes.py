@@ -10,6 +10,7 @@ status and the field to blame.
 from __future__ import annotations
 
 import base64
+import importlib
 import json
 import logging
 from collections.abc import Sequence
@@ -23,25 +24,23 @@ from popbert.data.classification import ClassificationData
 from popbert.data.squad import Question
 from popbert.errors import UsageError
 from popbert.graph.annotations import METADATA_PREFIX
-from popbert.serve.embed import EmbedPredictor
-from popbert.serve.predict import (
-    ClassifyPredictor,
-    ExportedModel,
-    PredictStats,
-    SquadPredictor,
-    export_task,
-)
+from popbert.serve.predict import ClassifyPredictor, ExportedModel, PredictStats, export_task
 from popbert.serve.rerank import pair_scores
-from popbert.serve.tag import TagPredictor, tag_texts
+from popbert.serve.tag import tag_texts
 
 log = logging.getLogger(__name__)
 
-PREDICTORS: dict[str, type[ExportedModel]] = {
-    "embedding": EmbedPredictor,
-    "classification": ClassifyPredictor,
-    "token-classification": TagPredictor,
-    "squad": SquadPredictor,
-}
+
+
+def predictor_class(task: str) -> type[ExportedModel] | None:
+    """The predictor the task table names for `task`'s exports (None: not served)."""
+    from popbert.tasks import TASKS
+
+    entry = TASKS.get(task)
+    if entry is None or entry.predictor is None:
+        return None
+    module, _, name = entry.predictor.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 class RequestError(Exception):
@@ -75,12 +74,15 @@ class Served:
                  max_input_tokens: int | None = None) -> None:
         model = Path(model)
         self.task = export_task(model)
-        if self.task not in PREDICTORS:
+        predictor = predictor_class(self.task)
+        if predictor is None:
+            from popbert.tasks import TASKS
+
             raise UsageError(f"--model: {model} is a popbert {self.task} export, which "
                              f"`popbert serve` does not serve (it serves "
-                             f"{', '.join(PREDICTORS)})")
+                             f"{', '.join(t for t in TASKS if predictor_class(t))})")
         self.path = model
-        self.predictor: Any = PREDICTORS[self.task](model, threads, spinning=False)
+        self.predictor: Any = predictor(model, threads, spinning=False)
         self.name = served_model_name or (model.stem if model.is_file() else model.name)
         if max_input_tokens is not None:
             if not self.predictor.dynamic_sequence and max_input_tokens != \
@@ -330,4 +332,4 @@ def encode_vectors(vectors: np.ndarray, encoding_format: str) -> list[Any]:
     return vectors.tolist()
 
 
-__all__ = ["PREDICTORS", "RequestError", "Served", "Usage", "encode_vectors", "json_or_text"]
+__all__ = ["RequestError", "Served", "Usage", "encode_vectors", "json_or_text", "predictor_class"]

@@ -173,6 +173,7 @@ def read(cfg: Any, setting: Setting) -> ClassificationRun:
 
 
 TASK = Task(
+    predictor="popbert.serve.predict:ClassifyPredictor",
     name=NAME, command="classify",
     help="sentence or sentence-pair classification (TSV/CSV/JSONL)",
     description="Fine-tune a pooled-output classifier; report accuracy and F1 on --eval "

@@ -335,6 +335,7 @@ def _dims(text: str) -> list[int]:
 
 
 TASK = Task(
+    predictor="popbert.serve.embed:EmbedPredictor",
     name=NAME, command="embedding",
     help="sentence embeddings from (anchor, positive[, negatives]) rows or scored pairs",
     description="Fine-tune sentence embeddings with in-batch negatives (InfoNCE / multiple-"

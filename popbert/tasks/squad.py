@@ -129,6 +129,7 @@ def read(cfg: Any, setting: Setting) -> SquadRun:
 
 
 TASK = Task(
+    predictor="popbert.serve.predict:SquadPredictor",
     name=NAME, command="squad",
     help="SQuAD v1.1 question answering",
     description="Fine-tune the span head on a SQuAD v1.1 training file; write "

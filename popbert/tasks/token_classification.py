@@ -134,6 +134,7 @@ def read(cfg: Any, setting: Setting) -> TokenClassificationRun:
 
 
 TASK = Task(
+    predictor="popbert.serve.tag:TagPredictor",
     name=NAME, command="token-classification", aliases=("ner",),
     help="token classification / named entities (CoNLL or JSON lines)",
     description="Fine-tune a per-token tagger on CoNLL (the word first, the tag last) or JSON "

@@ -142,3 +142,19 @@ def test_rows_cut_to_their_longest_give_the_padded_loss(case: str, pretrained: P
                            for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses[True]) >= 4
     np.testing.assert_allclose(losses[True], losses[False], atol=1e-5, rtol=0)
+
+
+def test_every_task_names_the_predictor_that_serves_it() -> None:
+    """`popbert serve` finds each task's predictor through the table: a class of
+    `popbert.serve` that loads that task's exports."""
+    import inspect
+
+    from popbert.serve.predict import ExportedModel
+    from popbert.serve.routes import predictor_class
+    from popbert.tasks import TASKS
+
+    for name in TASKS:
+        predictor = predictor_class(name)
+        assert predictor is not None and issubclass(predictor, ExportedModel), name
+        assert predictor.__module__.startswith("popbert.serve."), name
+        assert "spinning" in inspect.signature(predictor).parameters, name

@@ -64,8 +64,10 @@ import numpy as np
 HERE = Path(__file__).parent
 DATA = HERE / "data" / "topic-test.jsonl"  # 800 Wikipedia leads (ATTRIBUTION)
 LEVELS = (1, 8, 32, 128)
-SIDES = ("st-server", "infinity-torch", "infinity-optimum", "infinity-optimum-int8",
-         "popbert-fp32", "popbert-int8", "popbert-fp32-2w", "popbert-int8-2w")
+# The order they run in: popbert's sides between the others', so slow drifts in the machine's
+# load fall on both.
+SIDES = ("popbert-fp32", "infinity-optimum", "popbert-int8", "infinity-optimum-int8",
+         "st-server", "infinity-torch", "popbert-fp32-2w", "popbert-int8-2w")
 
 
 def read_texts() -> list[str]:

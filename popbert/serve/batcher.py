@@ -3,8 +3,9 @@
 Every request's handler encodes its inputs as the batch predictors do (`popbert.serve.predict`)
 and hands the rows to one `RowBatcher`, which runs the export on its own thread: it waits at most
 `max_wait_ms` after the oldest waiting row for others to join, then runs the oldest row with the
-waiting rows nearest to it in length (so long and short rows are not padded to each other, and no
-row waits behind a stream of newer ones), as many as fit `max_batch_tokens` (rows times the
+waiting rows nearest to it in length (so long and short rows are not padded to each other), taken
+from the rows that were waiting when the current round began (so no row waits behind a stream of
+newer ones), as many as fit `max_batch_tokens` (rows times the
 batch's longest row) with at most `max_padding` of their tokens padding. It waits only while
 requests in flight have not handed their rows over yet: a lone client never waits.
 
@@ -84,6 +85,7 @@ class RowBatcher:
         self.on_batch = on_batch
         self._pending: list[_Row] = []
         self._sequence = 0
+        self._round: set[int] = set()  # the rows (by sequence) of the round being run
         self._condition = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="popbert-batcher", daemon=True)
@@ -184,11 +186,17 @@ class RowBatcher:
         return sum(row.length for row in self._pending)
 
     def _choose(self) -> list[_Row]:
-        """The oldest waiting row and its nearest neighbours by length that fit the budget
-        (rows x the longest of them); removed from the queue."""
+        """The oldest row of the round and its nearest neighbours by length in the round that
+        fit the budget (rows x the longest of them) and the padding bound; removed from the
+        queue. A round is the rows waiting when it starts: they all run before any row that
+        came later, so a row of an unusual length is never overtaken by newer rows of common
+        ones (no row waits more than two rounds)."""
         limit = self.model.batch_size  # a fixed-batch export runs exactly its batch
         full = None if self.model.dynamic_sequence else self.model.sequence_length
-        by_length = sorted(self._pending, key=lambda row: (row.length, row.sequence))
+        if not self._round:
+            self._round = {row.sequence for row in self._pending}
+        by_length = sorted((row for row in self._pending if row.sequence in self._round),
+                           key=lambda row: (row.length, row.sequence))
         oldest = min(range(len(by_length)), key=lambda i: by_length[i].sequence)
         low = high = oldest  # the chosen rows are by_length[low:high + 1]
         while True:
@@ -216,8 +224,9 @@ class RowBatcher:
             else:
                 low -= 1
         chosen = by_length[low:high + 1]
-        taken = {id(row) for row in chosen}
-        self._pending = [row for row in self._pending if id(row) not in taken]
+        taken = {row.sequence for row in chosen}
+        self._pending = [row for row in self._pending if row.sequence not in taken]
+        self._round -= taken
         return chosen
 
     def _run_batch(self, chosen: list[_Row], queued: int) -> None:

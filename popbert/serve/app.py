@@ -195,11 +195,11 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
         served.predictor.batcher = state.batcher
         started = time.perf_counter()
         await run_in_threadpool(served.warm_up)
-        log.info("serving %s (%s, %s, %s) as %r: routes %s; warmed up in %.2f s; limits: "
+        log.info("serving %s (%s, %s, %s) as %r: routes %s; warmed up in %.0f ms; limits: "
                  "%d tokens per batch, %.1f ms wait, %d input tokens, %d inputs per request, "
                  "%d requests in flight, %d-byte bodies; pid %d", served.path, served.task,
                  served.predictor.runtime, served.info()["model_dtype"], served.name,
-                 ", ".join(served.routes()), time.perf_counter() - started,
+                 ", ".join(served.routes()), 1000 * (time.perf_counter() - started),
                  config.max_batch_tokens, config.max_wait_ms, served.max_input_tokens,
                  config.max_client_batch_size, config.max_concurrent_requests,
                  config.payload_limit, os.getpid())
@@ -357,7 +357,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
                 "max_client_batch_size": config.max_client_batch_size,
                 "max_concurrent_requests": config.max_concurrent_requests,
                 "payload_limit": config.payload_limit, "workers": config.workers,
-                "threads": config.threads, "auth": api_key is not None}
+                "threads": config.threads, "auth": api_key is not None, "pid": os.getpid()}
 
     @app.get("/metrics", summary="Prometheus metrics")
     async def prometheus() -> Response:

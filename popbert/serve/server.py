@@ -1,7 +1,8 @@
 """`popbert serve`: load an export, check the settings, and run the application on uvicorn — in
 this process (`workers: 1`), or in N worker processes sharing one port, each with its own copy of
-the model (uvicorn's supervisor; the settings reach them through the environment, the API key
-as `POPBERT_API_KEY`, never on a command line or in a log).
+the model and its own socket on the port (SO_REUSEPORT: the kernel spreads the connections); the
+settings reach them through the environment, the API key as `POPBERT_API_KEY`, never on a
+command line or in a log.
 
 SIGTERM or SIGINT: uvicorn stops accepting, answers every request it accepted, the batcher runs
 the rows it holds, and the command returns 0.
@@ -15,7 +16,9 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -83,16 +86,8 @@ def serve(model: Path, config: ServeConfig, api_key: str | None = None) -> int:
     saved = {name: os.environ.get(name) for name in environment}
     os.environ.update(environment)
     try:
-        server = uvicorn.Server(uvicorn.Config("popbert.serve.server:app_from_environment",
-                                               factory=True, workers=config.workers, **options))
-        from uvicorn.supervisors import Multiprocess
-
-        try:
-            sock = server.config.bind_socket()
-        except SystemExit:  # uvicorn exits 1 when it cannot listen (the port is taken)
-            raise _cannot_listen(config) from None
-        with _quiet_signals():
-            Multiprocess(server.config, sockets=[sock]).run()
+        _check_port(config)
+        _supervise(config, options)
         log.info("popbert serve: stopped; every worker answered its accepted requests")
         return 0
     finally:
@@ -102,6 +97,77 @@ def serve(model: Path, config: ServeConfig, api_key: str | None = None) -> int:
             else:
                 os.environ[name] = value
         shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A socket on (host, port) with SO_REUSEPORT: each worker binds its own, and the kernel
+    spreads new connections across them. (One socket shared by the workers, as uvicorn's
+    supervisor does it, lets whichever worker wakes first take a burst of keep-alive
+    connections: 32 clients opened at once went nearly all to one of two workers.)"""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def _check_port(config: ServeConfig) -> None:
+    """The port taken by anything else is one line before any worker starts."""
+    if config.port == 0:
+        raise UsageError("--port 0: with --workers above 1 every worker must listen on the "
+                         "same port; give one")
+    try:
+        _listening_socket(config.host, config.port).close()
+    except OSError as error:
+        raise UsageError(f"--port {config.port}: cannot listen on {config.host}:{config.port} "
+                         f"({error.strerror or error})") from None
+
+
+def _worker(options: dict[str, Any]) -> None:
+    """One worker process: its own socket on the shared port, the app from the environment."""
+    import uvicorn
+
+    sock = _listening_socket(options["host"], options["port"])
+    config = uvicorn.Config("popbert.serve.server:app_from_environment", factory=True,
+                            **options)
+    with _quiet_signals():  # stopped by a signal: exit 0, not re-raised
+        uvicorn.Server(config).run(sockets=[sock])
+
+
+def _supervise(config: ServeConfig, options: dict[str, Any]) -> None:
+    """Start `config.workers` worker processes; on SIGTERM or SIGINT stop them gracefully (each
+    answers what it accepted) and return. A worker that dies on its own stops the rest."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_worker, args=(options,), name=f"popbert-serve-{n}")
+               for n in range(config.workers)]
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set())
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for worker in workers:
+            worker.start()
+        while not stop.wait(0.5):
+            dead = [worker for worker in workers if not worker.is_alive()]
+            if dead:
+                stop.set()
+                log.error("worker %s exited (%s); stopping the others", dead[0].name,
+                          dead[0].exitcode)
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.terminate()  # SIGTERM: uvicorn's graceful stop
+        for worker in workers:
+            worker.join()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    failed = [worker for worker in workers if worker.exitcode != 0]
+    if failed:
+        raise UsageError(f"--workers {config.workers}: worker {failed[0].name} failed "
+                         f"(exit {failed[0].exitcode}); its log is above")
 
 
 def _run(server: Any, config: ServeConfig) -> int:

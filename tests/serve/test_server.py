@@ -311,6 +311,12 @@ def test_two_workers_share_the_port_and_sum_their_metrics(minilm_export: Path,
                 assert client.post("/embed", json={"inputs": text},
                                    headers={"Connection": "close"}).status_code == 200
         assert server.metric("popbert_requests_total", route="/embed", status="200") == 6
+        # 16 keep-alive clients opened at once reach both workers (each has its own socket)
+        clients = [server.client() for _ in range(16)]
+        pids = {client.get("/info").json()["pid"] for client in clients}
+        for client in clients:
+            client.close()
+        assert len(pids) == 2
         assert server.stop() == 0
     log = (tmp_path / "log").read_text()
     assert log.count("warmed up") == 2  # each worker loaded and warmed its own model
@@ -355,6 +361,10 @@ def test_bad_settings_are_one_line_and_exit_2(minilm_export: Path, tmp_path: Pat
     with taken:
         cases.append((["--model", str(minilm_export), "--port", str(taken.port)],
                       f"--port {taken.port}"))
+        cases.append((["--model", str(minilm_export), "--port", str(taken.port), "--workers",
+                       "2"], f"--port {taken.port}"))
+        cases.append((["--model", str(minilm_export), "--port", "0", "--workers", "2"],
+                      "--port 0"))
         for args, words in cases:
             done = subprocess.run([sys.executable, "-m", "popbert", "serve", *args],
                                   capture_output=True, text=True, timeout=120)

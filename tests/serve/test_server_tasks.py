@@ -172,3 +172,27 @@ def test_squad_route_is_predict_squad(root: Path) -> None:
     # empty or odd fields are a 422 naming them, or an answer: never a 5xx
     assert [r.status_code for r in odd] == [422, 422, 200, 200, 200], [r.text for r in odd]
     assert "question" in odd[0].json()["error"] and "context" in odd[1].json()["error"]
+
+
+def test_a_modernbert_export_is_served_as_sentence_transformers_encodes(root: Path) -> None:
+    """A family without segment ids (ModernBERT) through the same server: its vectors are
+    sentence-transformers' on the same weights (a small random model, 1e-5)."""
+    from sentence_transformers import SentenceTransformer
+    from test_embed import small_modernbert_sentence_transformer
+
+    folder = root / "modernbert-st"
+    small_modernbert_sentence_transformer(folder)
+    assert main(["import-hf", "--model", str(folder), "--output-dir",
+                 str(root / "modernbert-ckpt")]) == 0
+    model = root / "modernbert.onnx"
+    assert main(["export", "--checkpoint", str(root / "modernbert-ckpt"), "--task",
+                 "embedding", "--output", str(model)]) == 0
+    lines = ["the cat is in a hat", "of and the", "a w12 w13 was to", "the dog barked",
+             " ".join(["the"] * 80)]  # over the 64-token length: cut, as sentence-transformers
+    with serving(model, root, "modernbert") as server, server.client() as client:
+        answer = client.post("/v1/embeddings", json={"model": "modernbert", "input": lines})
+    assert answer.status_code == 200
+    assert answer.json()["usage"]["truncated_inputs"] == 1
+    np.testing.assert_allclose([item["embedding"] for item in answer.json()["data"]],
+                               SentenceTransformer(str(folder), device="cpu").encode(lines),
+                               atol=1e-5, rtol=0)

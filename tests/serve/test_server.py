@@ -398,3 +398,28 @@ def test_the_server_never_imports_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True)
     assert done.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("form", ["int8", "openvino"])
+def test_int8_and_openvino_exports_are_served_as_predict_runs_them(
+        form: str, minilm_imported: Path, tmp_path: Path) -> None:
+    """The other export forms `popbert export` writes: the server's vectors are `popbert
+    predict embed`'s on the same file, row for row (the same runtime, precision and shapes:
+    1e-5). Rows are compared one at a time: ONNX Runtime's dynamic INT8 takes each batch's
+    activation scale from the whole batch, and OpenVINO's BF16 kernels block by shape, so in
+    either a row's vector moves with its batch (measured 0.017 and 5e-4), in `predict` as in
+    the server."""
+    model = tmp_path / ("minilm-int8.onnx" if form == "int8" else "minilm-ir")
+    flags = ["--quantize", "int8"] if form == "int8" else ["--runtime", "openvino"]
+    assert main(["export", "--checkpoint", str(minilm_imported), "--task", "embedding",
+                 "--output", str(model), *flags]) == 0
+    (tmp_path / "texts.txt").write_text("\n".join(texts()[:6]) + "\n")
+    assert main(["predict", "embed", "--model", str(model), "--data", str(tmp_path / "texts.txt"),
+                 "-o", str(tmp_path / "out.npy"), "--batch-size", "1"]) == 0
+    with Server(model, log_path=tmp_path / "log") as server, server.client() as client:
+        info = client.get("/info").json()
+        served = [client.post("/embed", json={"inputs": text}).json()[0]
+                  for text in texts()[:6]]  # one client: each row runs alone
+    assert info["runtime"] == ("ONNX Runtime" if form == "int8" else "OpenVINO")
+    assert info["quantized"] is (form == "int8")
+    np.testing.assert_allclose(served, np.load(tmp_path / "out.npy"), atol=1e-5, rtol=0)

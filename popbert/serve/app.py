@@ -160,6 +160,7 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str]:
 
 
 def _empty(field: str, values: Any) -> None:
+    """A request with no inputs, or an empty (or blank) text or pair member, is a 422."""
     if isinstance(values, str):
         values = [values]
     if not values:
@@ -169,6 +170,8 @@ def _empty(field: str, values: Any) -> None:
             raise RequestError(422, f"{field}[{index}] is an empty text", field)
         if isinstance(value, list) and not value:
             raise RequestError(422, f"{field}[{index}] is empty", field)
+        if isinstance(value, tuple) and not all(text.strip() for text in value):
+            raise RequestError(422, f"{field}[{index}] has an empty text in its pair", field)
 
 
 def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
@@ -387,7 +390,6 @@ class Guard:
     def __init__(self, app: FastAPI, config: ServeConfig, api_key: str | None,
                  metrics: ServeMetrics) -> None:
         self.app = app
-        self.state = app.state
         self.config = config
         self.key = api_key.encode() if api_key else None
         self.metrics = metrics

@@ -74,6 +74,7 @@ def test_classify_route_is_predict_classify(root: Path) -> None:
         not_reranker = client.post("/rerank", json={"query": "q", "texts": ["a"]})
         squad_shaped = client.post("/predict", json={"inputs": {"question": "q",
                                                                  "context": "c"}})
+        empty_pair = client.post("/predict", json={"inputs": [["a text", " "]]})
     assert len(answers) == len(TEXTS) and single == answers[1]
     for answer, row, logits in zip(answers, expected, raw):
         assert answer[0]["label"] == row["label"]  # best first
@@ -90,6 +91,7 @@ def test_classify_route_is_predict_classify(root: Path) -> None:
     assert info["labels"] == ["neg", "neutral", "pos"] and info["reranker"] is False
     assert not_reranker.status_code == 404
     assert squad_shaped.status_code == 422
+    assert empty_pair.status_code == 422 and "inputs[0]" in empty_pair.json()["error"]
 
 
 def test_rerank_route_is_predict_rerank(root: Path) -> None:

@@ -630,6 +630,9 @@ def _add_serve_command(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--max-padding", type=float, default=None, metavar="SHARE",
                    help="the share of a batch's tokens that may be padding; rows further apart "
                         "in length run in separate batches (default 0.1)")
+    p.add_argument("--max-batch-rows", type=int, default=None, metavar="N",
+                   help="rows in one model run (default: unbounded, but 1 for a dynamic-INT8 "
+                        "export, so a text's vector does not depend on its batch)")
     p.add_argument("--max-input-tokens", type=int, default=None, metavar="N",
                    help="longest input; longer ones are truncated (\"truncate\": false: 413) "
                         "(default: the export's length)")

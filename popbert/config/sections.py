@@ -356,6 +356,10 @@ class ServeConfig:
     # The share of a batch's tokens that may be padding: rows too far apart in length run
     # apart (padding is computed work on a CPU; batching gains little else there).
     max_padding: float = setting(0.1, within("[0, 1]"))
+    # Rows in one model run. null: as many as the bounds allow, except for an export with
+    # dynamic INT8 (`export --quantize int8`), whose activation scale comes from the whole batch:
+    # there 1, so a text's vector never depends on who shared its batch.
+    max_batch_rows: int | None = setting(None, at_least(1).or_null())
     max_input_tokens: int | None = setting(None, at_least(3).or_null())  # None: the model's
     max_client_batch_size: int = setting(256, at_least(1))  # inputs in one request
     max_concurrent_requests: int = setting(512, at_least(1))  # beyond it: 503, Retry-After

@@ -192,9 +192,10 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
         # One worker thread per request in flight: each waits on its rows' batch.
         anyio.to_thread.current_default_thread_limiter().total_tokens = max(
             40, config.max_concurrent_requests)
+        max_rows = config.max_batch_rows or (1 if served.batch_dependent else None)
         state.batcher = RowBatcher(served.predictor, config.max_batch_tokens,
                                    config.max_wait_ms, config.max_padding, on_batch,
-                                   lambda: guard.in_flight)
+                                   lambda: guard.in_flight, max_rows)
         served.predictor.batcher = state.batcher
         started = time.perf_counter()
         await run_in_threadpool(served.warm_up)
@@ -357,6 +358,8 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
         return {**served.info(), "routes": list(served.routes()), "version": __version__,
                 "max_batch_tokens": config.max_batch_tokens, "max_wait_ms": config.max_wait_ms,
                 "max_padding": config.max_padding,
+                "max_batch_rows": config.max_batch_rows or (1 if served.batch_dependent
+                                                            else None),
                 "max_client_batch_size": config.max_client_batch_size,
                 "max_concurrent_requests": config.max_concurrent_requests,
                 "payload_limit": config.payload_limit, "workers": config.workers,

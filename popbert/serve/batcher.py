@@ -72,7 +72,8 @@ class RowBatcher:
     def __init__(self, model: ExportedModel, max_batch_tokens: int = 16384,
                  max_wait_ms: float = 5.0, max_padding: float = 0.1,
                  on_batch: Callable[[BatchRecord], None] | None = None,
-                 in_flight: Callable[[], int] | None = None) -> None:
+                 in_flight: Callable[[], int] | None = None,
+                 max_rows: int | None = None) -> None:
         if max_batch_tokens < model.sequence_length:
             raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must hold one row of the "
                              f"model's length ({model.sequence_length})")
@@ -80,12 +81,14 @@ class RowBatcher:
         self.max_batch_tokens = max_batch_tokens
         self.max_wait = max_wait_ms / 1000.0
         self.max_padding = max_padding
+        self.max_rows = max_rows  # rows in one run (None: as many as the bounds allow)
         self.in_flight = in_flight  # the server's requests in flight, for `_expecting`
         self._jobs = 0  # `run` calls between hand-over and answer
         self.on_batch = on_batch
         self._pending: list[_Row] = []
         self._sequence = 0
         self._round: set[int] = set()  # the rows (by sequence) of the round being run
+        self._idle_since = 0.0  # when the last batch finished
         self._condition = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="popbert-batcher", daemon=True)
@@ -169,13 +172,17 @@ class RowBatcher:
                     self._condition.wait()
                 if not self._pending and self._closed:
                     return
-                deadline = min(row.arrived for row in self._pending) + self.max_wait
+                oldest = min(row.arrived for row in self._pending)
+                # Rows that queued while the last batch ran mean a backlog: waiting then only
+                # idles the model. The wait is for a burst reaching an idle batcher.
+                deadline = oldest + self.max_wait if oldest >= self._idle_since else oldest
                 while (not self._closed and self._waiting_tokens() < self.max_batch_tokens
                        and self._expecting() and time.monotonic() < deadline):
                     self._condition.wait(max(0.0, deadline - time.monotonic()))
                 chosen = self._choose()
                 queued = len(self._pending)
             self._run_batch(chosen, queued)
+            self._idle_since = time.monotonic()
 
     def _expecting(self) -> bool:
         """Whether more rows are on their way: requests in flight that have not handed theirs
@@ -191,7 +198,9 @@ class RowBatcher:
         queue. A round is the rows waiting when it starts: they all run before any row that
         came later, so a row of an unusual length is never overtaken by newer rows of common
         ones (no row waits more than two rounds)."""
-        limit = self.model.batch_size  # a fixed-batch export runs exactly its batch
+        # A fixed-batch export runs exactly its batch; `max_rows` may bound it further.
+        limits = [n for n in (self.model.batch_size, self.max_rows) if n is not None]
+        limit = min(limits) if limits else None
         full = None if self.model.dynamic_sequence else self.model.sequence_length
         if not self._round:
             self._round = {row.sequence for row in self._pending}

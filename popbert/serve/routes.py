@@ -96,6 +96,9 @@ class Served:
         self.max_input_tokens = int(self.predictor.sequence_length)
         tokenizer = self.predictor.text_tokenizer
         self.tokenizer = tokenizer
+        # ONNX Runtime's dynamic INT8 scales activations by the whole batch's range.
+        self.batch_dependent = (self.predictor.runtime == "ONNX Runtime"
+                                and f"{METADATA_PREFIX}quantized" in self.predictor.meta)
         self.reranker = self.task == "classification" and (
             self.predictor.regression or len(self.predictor.labels or []) == 2)
 

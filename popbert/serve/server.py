@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 API_KEY_ENV = "POPBERT_API_KEY"
 SETTINGS_ENV = "POPBERT_SERVE_SETTINGS"  # the model and the serve section, for workers
+KEEP_ALIVE_SECONDS = 75
 
 
 def check_settings(model: Path, config: ServeConfig) -> None:
@@ -66,6 +67,10 @@ def serve(model: Path, config: ServeConfig, api_key: str | None = None) -> int:
     options: dict[str, Any] = {
         "host": config.host, "port": config.port, "log_config": None,
         "access_log": config.access_log, "timeout_graceful_shutdown": None,
+        # Longer than the idle timeout of the load balancers in front (60 s on the common
+        # ones), so a kept-alive connection is never closed by the server while a client is
+        # about to reuse it (uvicorn's 5 s default makes that race likely under load).
+        "timeout_keep_alive": KEEP_ALIVE_SECONDS,
         "ssl_certfile": config.ssl_certfile, "ssl_keyfile": config.ssl_keyfile}
     scheme = "https" if config.ssl_certfile else "http"
     log.info("popbert serve: %s on %s://%s:%d, %d worker%s%s", model, scheme, config.host,

@@ -164,3 +164,14 @@ def test_a_lone_request_does_not_wait_for_others() -> None:
     assert done.wait(30)
     assert model.calls[-1] == (2, 5)  # they ran together
     batcher.close()
+
+
+def test_max_rows_bounds_every_run() -> None:
+    model = Model()
+    batcher = RowBatcher(model, max_batch_tokens=1000, max_wait_ms=0, max_padding=1.0,
+                         max_rows=2)
+    arrays = rows([3, 4, 5, 6, 7])
+    out = batcher.run(arrays)
+    batcher.close()
+    assert [count for count, _ in model.calls] == [2, 2, 1]
+    np.testing.assert_array_equal(out["embedding"], expected(arrays)[0])

@@ -405,10 +405,11 @@ def test_int8_and_openvino_exports_are_served_as_predict_runs_them(
         form: str, minilm_imported: Path, tmp_path: Path) -> None:
     """The other export forms `popbert export` writes: the server's vectors are `popbert
     predict embed`'s on the same file, row for row (the same runtime, precision and shapes:
-    1e-5). Rows are compared one at a time: ONNX Runtime's dynamic INT8 takes each batch's
-    activation scale from the whole batch, and OpenVINO's BF16 kernels block by shape, so in
-    either a row's vector moves with its batch (measured 0.017 and 5e-4), in `predict` as in
-    the server."""
+    1e-5). ONNX Runtime's dynamic INT8 takes each batch's activation scale from the whole
+    batch, so the server runs its rows one at a time (`max_batch_rows` 1): a text's vector is
+    the same whatever else was asked at once. OpenVINO's BF16 kernels block by shape, so there a
+    row's vector moves with its batch (measured 5e-4), in `predict` as in the server: compared
+    one request at a time."""
     model = tmp_path / ("minilm-int8.onnx" if form == "int8" else "minilm-ir")
     flags = ["--quantize", "int8"] if form == "int8" else ["--runtime", "openvino"]
     assert main(["export", "--checkpoint", str(minilm_imported), "--task", "embedding",
@@ -418,8 +419,21 @@ def test_int8_and_openvino_exports_are_served_as_predict_runs_them(
                  "-o", str(tmp_path / "out.npy"), "--batch-size", "1"]) == 0
     with Server(model, log_path=tmp_path / "log") as server, server.client() as client:
         info = client.get("/info").json()
-        served = [client.post("/embed", json={"inputs": text}).json()[0]
-                  for text in texts()[:6]]  # one client: each row runs alone
+        if form == "int8":  # all six at once, and from concurrent clients
+            served = client.post("/embed", json={"inputs": texts()[:6]}).json()
+
+            async def concurrently() -> list:
+                async with httpx.AsyncClient(base_url=server.url, timeout=60) as many:
+                    answers = await asyncio.gather(*[many.post("/embed", json={"inputs": text})
+                                                     for text in texts()[:6]])
+                    return [answer.json()[0] for answer in answers]
+
+            np.testing.assert_allclose(asyncio.run(concurrently()), np.load(tmp_path / "out.npy"),
+                                       atol=1e-5, rtol=0)
+        else:
+            served = [client.post("/embed", json={"inputs": text}).json()[0]
+                      for text in texts()[:6]]
     assert info["runtime"] == ("ONNX Runtime" if form == "int8" else "OpenVINO")
     assert info["quantized"] is (form == "int8")
+    assert info["max_batch_rows"] == (1 if form == "int8" else None)
     np.testing.assert_allclose(served, np.load(tmp_path / "out.npy"), atol=1e-5, rtol=0)

@@ -221,8 +221,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, error: RequestError) -> JSONResponse:
         return error_response(request.url.path, error.status, str(error), error.field,
-                              None if error.kind == "invalid_request_error" and
-                              error.status != 422 else error.kind)
+                              error.kind)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -240,8 +239,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
     def needs(route: str) -> None:
         if route not in served.routes():
             raise RequestError(404, f"{route} is not served: {served.name} is for the "
-                               f"{served.task} task (its routes: {', '.join(served.routes())})",
-                               kind="not_found")
+                               f"{served.task} task (its routes: {', '.join(served.routes())})")
 
     async def work(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not state.first_request_logged:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from popbert.serve.predict import ExportedModel, PredictStats
+from popbert.serve.predict import ExportedModel, PredictStats, pad_positions
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +42,15 @@ class _Job:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-@dataclass(order=True)
+@dataclass
 class _Row:
+    """One row waiting: when it came, its place in arrival order, its length, and whose."""
+
     arrived: float
     sequence: int
-    length: int = field(compare=False)
-    job: _Job = field(compare=False)
-    index: int = field(compare=False)
+    length: int
+    job: _Job
+    index: int
 
 
 @dataclass
@@ -143,9 +145,7 @@ class RowBatcher:
             # with its fill where the caller named one, else 0.
             if name in job.per_token or len({part.shape for part in parts}) > 1:
                 fill = job.per_token.get(name, 0.0)
-                parts = [np.pad(part, [(0, full - part.shape[0])] + [(0, 0)] * (part.ndim - 1),
-                                constant_values=fill) if part.shape[0] < full else part
-                         for part in parts]
+                parts = [pad_positions(part, full, fill, axis=0) for part in parts]
             if parts:
                 result[name] = np.stack(parts)
             else:
@@ -208,6 +208,7 @@ class RowBatcher:
                            key=lambda row: (row.length, row.sequence))
         oldest = min(range(len(by_length)), key=lambda i: by_length[i].sequence)
         low = high = oldest  # the chosen rows are by_length[low:high + 1]
+        real = by_length[oldest].length  # their tokens
         while True:
             count = high - low + 2
             if limit is not None and count > limit:
@@ -220,14 +221,14 @@ class RowBatcher:
             if not options:
                 break
             _, side = min(options)
-            longest = by_length[high + 1].length if side == 1 else by_length[high].length
+            added = by_length[high + 1] if side == 1 else by_length[low - 1]
+            longest = max(added.length, by_length[high].length)
             if count * (full or longest) > self.max_batch_tokens:
                 break
-            if full is None:  # padding is computed work: keep it under max_padding
-                real = sum(row.length for row in by_length[low:high + 1]) + (
-                    by_length[high + 1].length if side == 1 else by_length[low - 1].length)
-                if 1 - real / (count * longest) > self.max_padding:
-                    break
+            # padding is computed work: keep it under max_padding
+            if full is None and 1 - (real + added.length) / (count * longest) > self.max_padding:
+                break
+            real += added.length
             if side == 1:
                 high += 1
             else:

@@ -121,6 +121,16 @@ class PredictStats:
         return text
 
 
+def pad_positions(value: np.ndarray, full: int, fill: float, axis: int = 1) -> np.ndarray:
+    """A per-token output cut to its batch's width, padded back to `full` positions along
+    `axis` with `fill` (what a masked position holds)."""
+    if value.shape[axis] >= full:
+        return value
+    pad = [(0, 0)] * value.ndim
+    pad[axis] = (0, full - value.shape[axis])
+    return np.pad(value, pad, constant_values=fill)
+
+
 def length_order(input_mask: np.ndarray) -> np.ndarray:
     """Row indices longest first (by `input_mask`), ties in input order."""
     return np.argsort(-np.asarray(input_mask).sum(axis=1), kind="stable")
@@ -299,10 +309,8 @@ class ExportedModel:
             computed += len(chosen) * width
             for name, value in zip(self.output_names, outputs):
                 value = np.asarray(value, np.float32)[:real]
-                if name in per_token and value.shape[1] < full:
-                    pad = [(0, 0)] * value.ndim
-                    pad[1] = (0, full - value.shape[1])
-                    value = np.pad(value, pad, constant_values=per_token[name])
+                if name in per_token:
+                    value = pad_positions(value, full, per_token[name])
                 parts[name].append(value)
         if stats is not None:
             stats.rows += rows
@@ -557,5 +565,5 @@ def _predict_scores(predictor: ClassifyPredictor, rows: ClassificationData, outp
 
 
 __all__ = ["CUT_LOGIT", "ClassifyPredictor", "ExportedModel", "PredictStats", "SquadPredictor",
-           "export_task", "length_order", "predict_classify", "predict_squad", "read_texts",
-           "window_cuts"]
+           "export_task", "length_order", "pad_positions", "predict_classify", "predict_squad",
+           "read_texts", "window_cuts"]

@@ -31,7 +31,6 @@ from popbert.serve.tag import tag_texts
 log = logging.getLogger(__name__)
 
 
-
 def predictor_class(task: str) -> type[ExportedModel] | None:
     """The predictor the task table names for `task`'s exports (None: not served)."""
     from popbert.tasks import TASKS
@@ -44,10 +43,11 @@ def predictor_class(task: str) -> type[ExportedModel] | None:
 
 
 class RequestError(Exception):
-    """A request the server will not answer: its HTTP status, the message, the field."""
+    """A request the server will not answer: its HTTP status, the message, the field, and the
+    error type where the status alone does not say it (None: the status's)."""
 
     def __init__(self, status: int, message: str, field: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.field = field
@@ -94,8 +94,7 @@ class Served:
                 self.predictor.sequence_length = min(self.predictor.sequence_length,
                                                      max_input_tokens)
         self.max_input_tokens = int(self.predictor.sequence_length)
-        tokenizer = self.predictor.text_tokenizer
-        self.tokenizer = tokenizer
+        self.tokenizer = self.predictor.text_tokenizer
         # ONNX Runtime's dynamic INT8 scales activations by the whole batch's range.
         self.batch_dependent = (self.predictor.runtime == "ONNX Runtime"
                                 and f"{METADATA_PREFIX}quantized" in self.predictor.meta)
@@ -256,7 +255,7 @@ class Served:
         if not self.reranker:
             raise RequestError(404, f"{self.name} is a classifier of "
                                f"{len(self.predictor.labels or [])} labels, not a reranker "
-                               "(one output, or two labels)", kind="not_found")
+                               "(one output, or two labels)")
         self.check_length([query] * len(texts), truncate, "texts", texts)
         stats = PredictStats()
         if raw_scores:

@@ -20,6 +20,7 @@ from popbert.builders import layers
 from popbert.builders.bert_config import BertConfig
 from popbert.builders.families import Inputs, family_of
 from popbert.builders.placement import PlacementPlan
+from popbert.graph.annotations import LOSS_MEAN_KEY, LossMean
 from popbert.graph.builder import Builder, TensorInfo
 
 BATCH = "batch_size"
@@ -43,6 +44,9 @@ class BertGraph:
     outputs: dict[str, str] = field(default_factory=dict)
     batch_size: int | str = BATCH
     sequence_length: int | str | None = None  # set by build_bert: an int, or SEQUENCE
+    # What the loss is the mean over, when a head knows (the model's metadata says it: a session
+    # may then run a micro-batch in parts of similar length, `popbert.runtime.groups`).
+    loss_mean: LossMean | None = None
 
     def add_input(self, name: str, shape: list, signed: bool = False) -> str:
         """An integer input; `signed` if it can hold negative values. Its type follows the
@@ -61,7 +65,10 @@ class BertGraph:
         return self.outputs.get("loss")
 
     def model(self) -> onnx.ModelProto:
-        return self.builder.getModel()
+        model = self.builder.getModel()
+        if self.loss_mean is not None and self.loss is not None:
+            model.metadata_props.add(key=LOSS_MEAN_KEY, value=self.loss_mean.text())
+        return model
 
 
 @dataclass

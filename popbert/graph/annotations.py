@@ -8,11 +8,13 @@ same to both backends. The lowering copies them onto fx nodes (``node.meta["onnx
 runtime reads them back with :func:`annotation` to split stages and recompute regions.
 
 The model's metadata lists the initializers that are constants (shape vectors, scales, position
-ids) under :data:`CONSTANTS_KEY`: sessions never train them, exports keep them.
+ids) under :data:`CONSTANTS_KEY`: sessions never train them, exports keep them. A training
+graph's metadata may say what its loss is the mean over (:data:`LOSS_MEAN_KEY`, `LossMean`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import onnx
@@ -35,6 +37,37 @@ METADATA_PREFIX = "popbert."
 # Model metadata key listing the initializers that are constants, not weights.
 CONSTANTS_KEY = f"{METADATA_PREFIX}constants"
 _LEGACY_CONSTANTS_KEY = "popbert.frozen"  # graphs saved before 0.2 (checkpoints' model.onnx)
+# Model metadata key saying what a training graph's loss is the mean over (`LossMean`).
+LOSS_MEAN_KEY = f"{METADATA_PREFIX}loss_mean"
+
+
+@dataclass(frozen=True)
+class LossMean:
+    """What a training graph's loss (and each of its scalar outputs) is the mean over: its
+    rows (`input` None), or the entries of the input `input` that are not `ignore` (labelled
+    tokens). A session that runs a micro-batch in parts weights each part's loss by its share
+    of these (`popbert.runtime.groups`)."""
+
+    input: str | None = None
+    ignore: int = 0
+
+    def text(self) -> str:
+        return "rows" if self.input is None else f"{self.input}!={self.ignore}"
+
+    @classmethod
+    def parse(cls, text: str) -> LossMean:
+        if text == "rows":
+            return cls()
+        name, _, ignore = text.partition("!=")
+        return cls(name, int(ignore))
+
+
+def loss_mean(model: onnx.ModelProto) -> LossMean | None:
+    """What `model`'s loss is the mean over, when its builder said (None: unknown)."""
+    for prop in model.metadata_props:
+        if prop.key == LOSS_MEAN_KEY:
+            return LossMean.parse(prop.value)
+    return None
 
 
 class RecomputeType:
@@ -95,7 +128,7 @@ def strip_annotations(model: onnx.ModelProto) -> onnx.ModelProto:
         del node.attribute[:]
         node.attribute.extend(kept)
     kept_props = [p for p in clean.metadata_props
-                  if p.key not in (CONSTANTS_KEY, _LEGACY_CONSTANTS_KEY)]
+                  if p.key not in (CONSTANTS_KEY, _LEGACY_CONSTANTS_KEY, LOSS_MEAN_KEY)]
     del clean.metadata_props[:]
     clean.metadata_props.extend(kept_props)
     return clean

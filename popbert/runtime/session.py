@@ -23,9 +23,10 @@ import torch
 from popbert.distributed import Replicas, broadcast_parameters, gradient_sync
 from popbert.dtypes import torch_dtype
 from popbert.errors import CheckpointError, InputError, one_line
-from popbert.graph.annotations import constant_initializers
+from popbert.graph.annotations import constant_initializers, loss_mean
 from popbert.optimizers import LossScaler
 from popbert.runtime.devices import resolve_device
+from popbert.runtime.groups import RowGroups
 from popbert.runtime.inputs import InputChecker, PaddingTrimmer
 from popbert.runtime.options import SessionOptions
 from popbert.runtime.partition import Program
@@ -242,6 +243,15 @@ class TrainingSession(_Session):
         if cached and self._rows is None:
             raise ValueError("gradient caching (gradient_cache_rows) needs a graph whose "
                              "'embedding' output a loss follows (an embedding training graph)")
+        # A graph whose loss is a mean over rows or labelled tokens runs each micro-batch in
+        # groups of rows of similar length (`popbert.runtime.groups`); not compiled (each group
+        # is a new shape) and not pipelined (the engine schedules whole micro-batches).
+        self._groups: RowGroups | None = None
+        mean = loss_mean(self.proto)
+        if (self.options.trim_padding and self._rows is None and mean is not None
+                and self.engine is None and not self.options.compile):
+            self._groups = RowGroups(mean, self._trim.sequence_inputs)
+            self._passes = self._grouped_passes
         self.step = 0
         # Called before each optimizer step with the step index (learning-rate schedules).
         self.step_hook = step_hook
@@ -342,6 +352,16 @@ class TrainingSession(_Session):
             self.gradients.after_micro_batch()
             yield outputs
             del outputs  # not alive while the next micro-batch runs
+
+    def _grouped_passes(self, micro_batches: list[Mapping[str, torch.Tensor]],
+                        scale: float) -> Iterator[dict[str, torch.Tensor]]:
+        """Each micro-batch in groups of rows of similar length (`popbert.runtime.groups`)."""
+        assert self._groups is not None
+        for micro in micro_batches:
+            outputs = self._groups.step(micro, self.forward, self.loss_name,
+                                        scale / len(micro_batches))
+            self.gradients.after_micro_batch()
+            yield outputs
 
     def _text_passes(self, micro_batches: list[Mapping[str, torch.Tensor]],
                      scale: float) -> Iterator[dict[str, torch.Tensor]]:

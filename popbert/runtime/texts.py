@@ -6,9 +6,11 @@ An embedding training graph takes [batch, texts, sequence] inputs, flattens them
 texts for the encoder, pools one vector per text (its `embedding` output) and computes the loss
 from the vectors (`popbert.tasks.embedding`). `TextRows` cuts the lowered graph there into two
 graphs over the same weights: the encoder (flattened text rows → vectors) and the loss (vectors
-→ loss). A step then runs the encoder once per text slot, each slot cut to its own longest text
-(an anchor of 20 tokens is not padded to its positive's 128, which sentence-transformers does
-not do either), and the loss once over all the vectors.
+→ loss). A step then runs the encoder over every text of the micro-batch in groups of similar
+length, each cut to its own longest text (`popbert.runtime.groups`: an anchor of 20 tokens is
+not padded to its positive's 128, nor to the longest anchor of its batch, which
+sentence-transformers does), and the loss once over all the vectors, in the rows' order: the
+loss and gradients of the padded pass, with the padding left out.
 
 The cached mode (`gradient_cache_rows`; gradient caching, Gao et al. 2021, as
 sentence-transformers' `CachedMultipleNegativesRankingLoss`) runs the encoder `rows` rows at a
@@ -22,10 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.fx as fx
 
 from popbert.lowering.functional import onnx_identity
+from popbert.runtime.groups import length_groups, text_lengths
 from popbert.runtime.inputs import trimmed_width
 
 CUT = "embedding"  # the output the graph is cut at: [texts, hidden]
@@ -121,6 +125,24 @@ class TextRows:
                  for name in self.text_inputs]
         return self.encoder(*feeds)[0]
 
+    def _encode_grouped(self, micro: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The vectors [rows · texts, hidden] of every text of `micro`, in groups of similar
+        length (`popbert.runtime.groups.length_groups`), each cut to its longest."""
+        mask = torch.as_tensor(micro["input_mask"])
+        full = mask.shape[-1]
+        flat_mask = mask.reshape(-1, full)
+        groups = length_groups(text_lengths(flat_mask))
+        flat = {name: torch.as_tensor(micro[name]).reshape(-1, full)
+                for name in self.text_inputs}
+        parts = []
+        for group in groups:
+            width = min(full, trimmed_width(flat_mask[group]))
+            index = torch.from_numpy(group)
+            parts.append(self.encoder(*[flat[name][index, :width].to(self.device)
+                                        for name in self.text_inputs])[0])
+        order = torch.from_numpy(np.concatenate(groups)).to(self.device)
+        return torch.cat(parts).index_select(0, torch.argsort(order))
+
     def _losses(self, vectors: torch.Tensor, micro: Mapping[str, torch.Tensor]
                 ) -> dict[str, torch.Tensor]:
         feeds = [torch.as_tensor(micro[name]).to(self.device) for name in self.loss_inputs]
@@ -132,9 +154,13 @@ class TextRows:
         the loss part's outputs."""
         rows, texts = micro["input_mask"].shape[:2]
         if not self.cache_rows:
-            every = slice(0, rows)
-            vectors = torch.stack([self._encode(micro, every, t) for t in range(texts)], dim=1)
-            outputs = self._losses(vectors.reshape(rows * texts, -1), micro)
+            if self.trim:
+                vectors = self._encode_grouped(micro)
+            else:
+                every = slice(0, rows)
+                vectors = torch.stack([self._encode(micro, every, t) for t in range(texts)],
+                                      dim=1).reshape(rows * texts, -1)
+            outputs = self._losses(vectors, micro)
             (outputs[loss_name].float() * weight).backward()
             return {k: v.detach() for k, v in outputs.items()}
         chunks = [slice(s, min(s + self.cache_rows, rows)) for s in range(0, rows,

@@ -31,6 +31,7 @@ from popbert.data.classification import (
 )
 from popbert.data.tokenization import load_tokenizer
 from popbert.errors import UsageError
+from popbert.graph.annotations import LossMean
 from popbert.graph.builder import Builder
 from popbert.tasks.task import Flag, Infer, Setting, Task
 
@@ -63,6 +64,7 @@ def classification_head(b: Builder, config: BertConfig, init: layers.WeightInit,
     graph.outputs["logits"] = logits
     if not with_loss:
         return
+    graph.loss_mean = LossMean()  # over the rows, regression's too
     if classes == 1:
         targets = graph.add_float_input("labels", [graph.batch_size])
         with b.nameScope("Loss"):

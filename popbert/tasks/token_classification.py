@@ -32,6 +32,7 @@ from popbert.data.token_classification import (
 )
 from popbert.data.tokenization import load_tokenizer
 from popbert.errors import UsageError
+from popbert.graph.annotations import LossMean
 from popbert.graph.builder import Builder
 from popbert.tasks.task import Flag, Infer, Setting, Task
 
@@ -64,6 +65,7 @@ def token_head(b: Builder, config: BertConfig, init: layers.WeightInit, graph: B
     if not with_loss:
         return
     labels = graph.add_input("labels", [graph.batch_size, graph.sequence_length], signed=True)
+    graph.loss_mean = LossMean("labels", IGNORE)  # over the labelled tokens
     with b.nameScope("Loss"):
         flat = b.addConstant(np.array([-1, classes], np.int64), "flat_shape")
         flat_logits = b.aiOnnx.reshape([logits, flat], "FlatLogits")

@@ -25,7 +25,7 @@ from popbert.data.classification import (
 from popbert.data.squad import read_squad
 from popbert.data.squad_metric import evaluate as squad_evaluate
 from popbert.errors import PopbertError, UsageError
-from popbert.serve.predict import ClassifyPredictor, SquadPredictor, read_texts
+from popbert.serve.predict import ClassifyPredictor, SquadPredictor, predictor_class, read_texts
 
 log = logging.getLogger(__name__)
 
@@ -108,32 +108,11 @@ def calibration_rows(model: Path, task: str, data: Path, rows: int) -> list[dict
     every text of embedding pairs), encoded as the export `model` is served, one row each cut
     to its length: what static quantization (`popbert.serve.openvino_ir.quantize`) calibrates
     its activation ranges on."""
-    from popbert.data.classification import encode_classification_counted
-    from popbert.data.squad import build_windows, window_arrays
-
-    if task == "classification":
-        predictor = ClassifyPredictor(model)
-        arrays, _ = encode_classification_counted(read_texts(data), predictor.tokenizer,
-                                                  predictor.sequence_length)
-    elif task == "token-classification":
-        from popbert.data.token_classification import encode_tagged, read_tagged
-        from popbert.serve.tag import TagPredictor
-
-        predictor = TagPredictor(model)
-        arrays, _ = encode_tagged(read_tagged(data, require_tags=False),
-                                  predictor.text_tokenizer, None, predictor.sequence_length)
-    elif task == "embedding":
-        from popbert.data.embedding_pairs import encode_texts, read_pairs
-        from popbert.serve.embed import EmbedPredictor
-
-        predictor = EmbedPredictor(model)
-        texts = [text for row in read_pairs(data).texts for text in row]
-        arrays, _ = encode_texts(texts, predictor.text_tokenizer, predictor.sequence_length)
-    else:
-        predictor = SquadPredictor(model)
-        questions, _ = read_squad(data)
-        arrays = window_arrays(build_windows(questions, predictor.tokenizer, predictor.vocab,
-                                             predictor.options))
+    chosen = predictor_class(task)
+    if chosen is None:
+        raise UsageError(f"--calibration: a {task} export has no calibration rows")
+    predictor = chosen(model)
+    arrays = predictor.calibration_arrays(data)
     lengths = np.asarray(arrays["input_mask"]).sum(axis=1)
     return [{name: np.ascontiguousarray(np.asarray(value)[i:i + 1, :max(1, int(lengths[i]))])
              for name, value in arrays.items() if name in predictor.input_names}

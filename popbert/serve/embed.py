@@ -37,6 +37,14 @@ class EmbedPredictor(ExportedModel):
         self.prompts: dict[str, str] = json.loads(self.meta.get(f"{METADATA_PREFIX}prompts",
                                                                 "{}"))
 
+    def calibration_arrays(self, data: Path) -> dict[str, np.ndarray]:
+        """Every text of the pairs file `data` (anchors, positives, negatives)."""
+        from popbert.data.embedding_pairs import encode_texts, read_pairs
+
+        texts = [text for row in read_pairs(data).texts for text in row]
+        arrays, _ = encode_texts(texts, self.text_tokenizer, self.sequence_length)
+        return arrays
+
     def embed(self, texts: list[str], batch_size: int = 32, prompt: str | None = None,
               stats: PredictStats | None = None) -> np.ndarray:
         """[N, H] float32 vectors of `texts`, each with the model's `prompt` put first."""

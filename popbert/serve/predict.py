@@ -9,6 +9,7 @@ ONNX Runtime in batches. Its imports must never pull in torch. How: docs/design.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import math
@@ -167,6 +168,17 @@ def export_task(model: Path) -> str:
     return task
 
 
+def predictor_class(task: str) -> type[ExportedModel] | None:
+    """The predictor the task table names for `task`'s exports (None: the task has none)."""
+    from popbert.tasks import TASKS
+
+    entry = TASKS.get(task)
+    if entry is None or entry.predictor is None:
+        return None
+    module, _, name = entry.predictor.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 class ExportedModel:
     """A popbert `task` export in ONNX Runtime's CPU provider (an OpenVINO IR in OpenVINO's CPU
     plugin, at the precision it was verified at), with its metadata.
@@ -263,6 +275,11 @@ class ExportedModel:
             raise UsageError(f"--model: {self.path}: metadata {METADATA_PREFIX}{key} missing")
         return value
 
+    def calibration_arrays(self, data: Path) -> dict[str, np.ndarray]:
+        """The model rows of the task's file `data` (its `--train` format), encoded as this
+        export is served: what static quantization calibrates on."""
+        raise NotImplementedError(f"{type(self).__name__} reads no calibration file")
+
     def run(self, arrays: Mapping[str, np.ndarray], batch_size: int = 16,
             per_token: Mapping[str, float] | None = None, stats: PredictStats | None = None,
             bucket: bool = True) -> dict[str, np.ndarray]:
@@ -340,6 +357,11 @@ class SquadPredictor(ExportedModel):
         self.options = WindowOptions(self.sequence_length,
                                      int(json.loads(self.text("doc_stride"))),
                                      int(json.loads(self.text("max_query_length"))))
+
+    def calibration_arrays(self, data: Path) -> dict[str, np.ndarray]:
+        """The windows of the questions of the SQuAD file `data`."""
+        questions, _ = read_squad(data)
+        return window_arrays(build_windows(questions, self.tokenizer, self.vocab, self.options))
 
     def logits(self, windows: Sequence[Window], batch_size: int = 16,
                stats: PredictStats | None = None, bucket: bool = True
@@ -435,6 +457,12 @@ class ClassifyPredictor(ExportedModel):
             raise UsageError(f"--model: {model}: metadata {METADATA_PREFIX}activation is "
                              f"{self.activation!r}; expected one of {', '.join(ACTIVATIONS)}")
         self.tokenizer = self.text_tokenizer
+
+    def calibration_arrays(self, data: Path) -> dict[str, np.ndarray]:
+        """The rows (texts or pairs) of `data`."""
+        arrays, _ = encode_classification_counted(read_texts(data), self.tokenizer,
+                                                  self.sequence_length)
+        return arrays
 
     def logits(self, data: ClassificationData, batch_size: int = 16,
                stats: PredictStats | None = None, bucket: bool = True) -> np.ndarray:
@@ -566,4 +594,5 @@ def _predict_scores(predictor: ClassifyPredictor, rows: ClassificationData, outp
 
 __all__ = ["CUT_LOGIT", "ClassifyPredictor", "ExportedModel", "PredictStats", "SquadPredictor",
            "export_task", "length_order", "pad_positions", "predict_classify", "predict_squad",
+           "predictor_class",
            "read_texts", "window_cuts"]

@@ -10,7 +10,6 @@ status and the field to blame.
 from __future__ import annotations
 
 import base64
-import importlib
 import json
 import logging
 from collections.abc import Sequence
@@ -24,22 +23,16 @@ from popbert.data.classification import ClassificationData
 from popbert.data.squad import Question
 from popbert.errors import UsageError
 from popbert.graph.annotations import METADATA_PREFIX
-from popbert.serve.predict import ClassifyPredictor, ExportedModel, PredictStats, export_task
+from popbert.serve.predict import (
+    ClassifyPredictor,
+    PredictStats,
+    export_task,
+    predictor_class,
+)
 from popbert.serve.rerank import pair_scores
 from popbert.serve.tag import tag_texts
 
 log = logging.getLogger(__name__)
-
-
-def predictor_class(task: str) -> type[ExportedModel] | None:
-    """The predictor the task table names for `task`'s exports (None: not served)."""
-    from popbert.tasks import TASKS
-
-    entry = TASKS.get(task)
-    if entry is None or entry.predictor is None:
-        return None
-    module, _, name = entry.predictor.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 class RequestError(Exception):
@@ -334,4 +327,4 @@ def encode_vectors(vectors: np.ndarray, encoding_format: str) -> list[Any]:
     return vectors.tolist()
 
 
-__all__ = ["RequestError", "Served", "Usage", "encode_vectors", "json_or_text", "predictor_class"]
+__all__ = ["RequestError", "Served", "Usage", "encode_vectors", "json_or_text"]

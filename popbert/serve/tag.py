@@ -42,6 +42,12 @@ class TagPredictor(ExportedModel):
         super().__init__(model, TASK, threads, spinning)
         self.labels = [str(x) for x in json.loads(self.text("labels"))]
 
+    def calibration_arrays(self, data: Path) -> dict[str, np.ndarray]:
+        """The windows of the sentences of `data` (CoNLL or JSON lines; tags not needed)."""
+        arrays, _ = encode_tagged(read_tagged(data, require_tags=False), self.text_tokenizer,
+                                  None, self.sequence_length)
+        return arrays
+
     def tags(self, data: TaggedData, batch_size: int = 16,
              stats: PredictStats | None = None) -> list[list[str]]:
         """Each sentence's tags, one per word."""

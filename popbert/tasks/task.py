@@ -83,8 +83,9 @@ class Task:
     head_keys: tuple[str, ...] = ()  # model.* keys that set the new head (they take effect)
     aliases: tuple[str, ...] = ()  # other names of its `popbert finetune` subcommand
     always_print_metrics: bool = False  # print the JSON line even when nothing was scored
-    # "module:Class" of the torch-free predictor that serves its exports (`popbert serve`, in
-    # `popbert.serve`); named, not imported, so a task never depends on serving.
+    # "module:Class" of the torch-free predictor that runs its exports (`popbert serve`, and the
+    # rows `export --calibration` reads, in `popbert.serve`); named, not imported, so a task
+    # never depends on serving.
     predictor: str | None = None
 
     @property

@@ -149,8 +149,7 @@ def test_every_task_names_the_predictor_that_serves_it() -> None:
     `popbert.serve` that loads that task's exports."""
     import inspect
 
-    from popbert.serve.predict import ExportedModel
-    from popbert.serve.routes import predictor_class
+    from popbert.serve.predict import ExportedModel, predictor_class
     from popbert.tasks import TASKS
 
     for name in TASKS:

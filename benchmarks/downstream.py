@@ -3,7 +3,11 @@ side by side: `popbert finetune embedding` against sentence-transformers' traine
 `MultipleNegativesRankingLoss` (training rows/s, retrieval nDCG@10 after training), and with
 `--task classification` `popbert finetune classify` against transformers' `Trainer` with
 `BertForSequenceClassification` on topic classification of the same leads (11 topics; training
-rows/s, test accuracy; transformers pads each batch to its longest, popbert trims it).
+rows/s, test accuracy; transformers pads each batch to its longest, popbert trims it), and
+with `--task ner` `popbert finetune token-classification` against transformers' `Trainer` with
+`BertForTokenClassification` on `benchmarks/data/wiki-links-ner-*.conll` (Wikipedia sentences,
+link anchors typed PER/LOC/MISC: `benchmarks/ner_data.py`; training rows/s, seqeval's entity
+F1, precision and recall on the same test words).
 
 The checkpoint: the real all-MiniLM-L6-v2 of the test extra (6 layers, hidden 384; popbert
 imports its sentence-transformers folder). The data (`benchmarks/data`, Wikipedia leads,
@@ -27,6 +31,20 @@ process, rounds interleaved; the median round is reported, with the load average
         --out benchmarks/downstream_embedding_grouped.json
     python benchmarks/downstream.py --task classification --rows 1600 --epochs 2 --lr 5e-5 \
         --threads 2 --rounds 1 --out benchmarks/downstream_classification.json
+    pip install accelerate   # transformers' Trainer needs it (not in the test extra)
+    python benchmarks/downstream.py --task ner --rows 2218 --epochs 3 --lr 5e-5 \
+        --threads 2 --rounds 1 --out benchmarks/downstream_ner.json
+
+NER, both sides: the first `--rows` sentences of the training file (all 2,218: none is over
+128 WordPiece tokens, so transformers cuts none and popbert windows none; transformers' side
+reports how many it cut, `sentences_truncated`), `--epochs` epochs, batch 32, AdamW at `--lr`
+(eps 1e-8, weight decay 0.01 but not on biases and norms, gradient clipping at 1.0), 10%
+linear warm-up then linear decay, FP32, seed 42; each word tokenized on its own and its first
+sub-token labelled (transformers: `is_split_into_words=True`, the later sub-tokens -100,
+`DataCollatorForTokenClassification` padding each batch to its longest; popbert:
+`execution.trim_padding`). Scores: seqeval's default (conlleval) entity F1, precision and
+recall over the 588 test sentences, each word's tag read at its first sub-token (popbert's
+`eval_results.json`, equal to seqeval's; for transformers `seqeval.metrics` itself).
 """
 
 from __future__ import annotations
@@ -210,32 +228,163 @@ def side_transformers_classify(work: Path, threads: int, lr: float, epochs: int)
             "accuracy": float((predicted == gold).mean()), "steps": int(output.global_step)}
 
 
+NER_FILES = {"train": "wiki-links-ner-train.conll", "test": "wiki-links-ner-test.conll"}
+
+
+def read_conll(path: Path) -> list[tuple[list[str], list[str]]]:
+    """(words, tags) of each sentence: the word first, the tag last, blank lines between."""
+    sentences = []
+    for block in path.read_text(encoding="utf-8").strip().split("\n\n"):
+        cells = [line.split() for line in block.splitlines() if line.strip()]
+        sentences.append(([c[0] for c in cells], [c[-1] for c in cells]))
+    return sentences
+
+
+def write_ner_inputs(directory: Path, train_rows: int) -> None:
+    """The first `train_rows` training sentences and every test sentence, as CoNLL."""
+    for name, limit in (("train", train_rows), ("test", None)):
+        rows = read_conll(DATA / NER_FILES[name])[:limit]
+        (directory / NER_FILES[name]).write_text("".join(
+            "".join(f"{w}\t{t}\n" for w, t in zip(words, tags)) + "\n"
+            for words, tags in rows), encoding="utf-8")
+
+
+def side_popbert_ner(work: Path, threads: int, lr: float, epochs: int) -> dict:
+    """popbert: `finetune token-classification` from the imported folder, scored on the test
+    sentences (its entity scores equal seqeval's)."""
+    import popbert
+    from popbert.cli.main import main
+
+    imported = work / "imported"
+    if not imported.exists():
+        assert main(["import-hf", "--model", str(minilm()), "--output-dir", str(imported)]) == 0
+    train = work / NER_FILES["train"]
+    cfg = popbert.finetune_config("token-classification", imported, train,
+                                  eval_file=work / NER_FILES["test"], overrides=[
+        f"finetune.epochs={epochs}", f"optimizer.lr={lr}", f"execution.micro_batch_size={BATCH}",
+        f"finetune.max_seq_length={LENGTH}", f"execution.threads={threads}",
+        "execution.device=cpu", "execution.trim_padding=true", f"training.seed={SEED}",
+        "optimizer.eps=1e-8"])
+    run = work / f"ner-{os.getpid()}"
+    result = popbert.Trainer.from_config(cfg, output_dir=run).train()
+    scores = json.loads((run / "eval_results.json").read_text())
+    rows = epochs * len(read_conll(train))
+    return {"rows_per_s": rows / result.seconds, "train_s": result.seconds,
+            "f1": result.metrics["f1"], "precision": result.metrics["precision"],
+            "recall": result.metrics["recall"], "steps": result.steps,
+            "f1_per_type": {k: v["f1"] for k, v in scores["per_type"].items()}}
+
+
+def side_transformers_ner(work: Path, threads: int, lr: float, epochs: int) -> dict:
+    """transformers: its Trainer with BertForTokenClassification from the same folder, the
+    first sub-token of each word labelled, batches padded to their longest
+    (DataCollatorForTokenClassification); predictions read back at each word's first sub-token
+    and scored by seqeval."""
+    import numpy as np
+    import torch
+    import transformers
+    from seqeval.metrics import classification_report, f1_score, precision_score, recall_score
+
+    torch.set_num_threads(threads)
+    rows = read_conll(work / NER_FILES["train"])
+    test = read_conll(work / NER_FILES["test"])
+    types = sorted({t[2:] for _, tags in rows for t in tags if t != "O"})
+    labels = ["O"] + [f"{prefix}-{t}" for t in types for prefix in "BI"]  # popbert's order
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(minilm()))
+    model = transformers.BertForTokenClassification.from_pretrained(
+        str(minilm()), num_labels=len(labels), id2label=dict(enumerate(labels)),
+        label2id={label: i for i, label in enumerate(labels)})
+    cut = 0
+
+    def encode(data: list[tuple[list[str], list[str]]]) -> list[dict]:
+        nonlocal cut
+        encoded = []
+        for words, tags in data:
+            row = tokenizer(words, is_split_into_words=True, truncation=True,
+                            max_length=LENGTH)
+            word_ids = row.word_ids()
+            cut += len(set(word_ids) - {None}) < len(words)
+            first = [i is not None and (p == 0 or word_ids[p - 1] != i)
+                     for p, i in enumerate(word_ids)]
+            encoded.append({**row, "labels": [labels.index(tags[i]) if f else -100
+                                              for i, f in zip(word_ids, first)],
+                            "word_ids": word_ids})
+        return encoded
+
+    train, test_rows = encode(rows), encode(test)
+    args = transformers.TrainingArguments(
+        output_dir=str(work / f"hf-ner-{os.getpid()}"), num_train_epochs=epochs,
+        per_device_train_batch_size=BATCH, per_device_eval_batch_size=64, learning_rate=lr,
+        weight_decay=0.01, warmup_steps=0.1, lr_scheduler_type="linear", seed=SEED,
+        save_strategy="no", eval_strategy="no", report_to=[], logging_steps=10_000,
+        use_cpu=True, max_grad_norm=1.0)
+
+    def strip(data: list[dict]) -> list[dict]:  # the model's inputs and labels only
+        return [{k: v for k, v in r.items() if k != "word_ids"} for r in data]
+
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=strip(train),
+        data_collator=transformers.DataCollatorForTokenClassification(tokenizer))
+    output = trainer.train()
+    seconds = float(output.metrics["train_runtime"])
+    logits = trainer.predict(strip(test_rows)).predictions
+    predicted = []
+    for (words, _), row, ids in zip(test, test_rows, np.asarray(logits).argmax(-1)):
+        tags = ["O"] * len(words)  # a word cut off by truncation is predicted O
+        for p, (i, label) in enumerate(zip(row["word_ids"], row["labels"])):
+            if label != -100:
+                tags[i] = labels[int(ids[p])]
+        predicted.append(tags)
+    gold = [tags for _, tags in test]
+    report = classification_report(gold, predicted, output_dict=True)
+    return {"rows_per_s": epochs * len(rows) / seconds, "train_s": seconds,
+            "f1": float(f1_score(gold, predicted)),
+            "precision": float(precision_score(gold, predicted)),
+            "recall": float(recall_score(gold, predicted)), "steps": int(output.global_step),
+            "f1_per_type": {t: float(report[t]["f1-score"]) for t in types},
+            "sentences_truncated": cut}
+
+
 CLASSIFY_SIDES = {"popbert": side_popbert_classify, "transformers": side_transformers_classify}
+NER_SIDES = {"popbert": side_popbert_ner, "transformers": side_transformers_ner}
 SIDES = {"popbert": side_popbert, "sentence-transformers": side_sentence_transformers,
          "popbert-grouped": lambda *args: side_popbert(*args, grouped=True)}
 
 
 def main() -> None:
+    global SEED  # a side reads it: --seed sets it
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--rows", type=int, default=640, help="training pairs")
+    parser.add_argument("--rows", type=int, default=640,
+                        help="training pairs (classification: leads; ner: sentences)")
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--sides", default="sentence-transformers,popbert",
                         help="comma-separated, run in this order each round (also: "
                              "popbert-grouped)")
-    parser.add_argument("--task", choices=("embedding", "classification"), default="embedding",
+    parser.add_argument("--task", choices=("embedding", "classification", "ner"),
+                        default="embedding",
                         help="classification: topic classification of the leads (11 topics) "
-                             "against transformers' Trainer; --epochs of --rows leads")
-    parser.add_argument("--epochs", type=int, default=2, help="classification's epochs")
+                             "against transformers' Trainer; --epochs of --rows leads. ner: "
+                             "named entities (PER/LOC/MISC) against transformers' Trainer; "
+                             "--epochs of --rows sentences")
+    parser.add_argument("--epochs", type=int, default=2,
+                        help="classification's and ner's epochs")
+    parser.add_argument("--seed", type=int, default=SEED,
+                        help="both sides' seed (the new head's weights, dropout, shuffling)")
+    parser.add_argument("--vary-seed", action="store_true",
+                        help="round r runs seed --seed + r on both sides: the quality gap "
+                             "over several seeds (reported as the mean), not one draw")
     parser.add_argument("--side", help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    SEED = args.seed
     if args.side:  # one side in this process: print its figures
         work = args.work
-        if args.task == "classification":
-            figures = CLASSIFY_SIDES[args.side](work, args.threads, args.lr, args.epochs)
+        if args.task in ("classification", "ner"):
+            sides = CLASSIFY_SIDES if args.task == "classification" else NER_SIDES
+            figures = sides[args.side](work, args.threads, args.lr, args.epochs)
         else:
             figures = SIDES[args.side](work, work / "pairs.jsonl", work / "beir",
                                        args.threads, args.lr)
@@ -243,6 +392,9 @@ def main() -> None:
         return
     if args.task == "classification":
         classification(args)
+        return
+    if args.task == "ner":
+        ner(args)
         return
     sides = args.sides.split(",")
     rounds = run_rounds(args, sides, write_inputs, [])
@@ -262,28 +414,36 @@ def run_rounds(args: argparse.Namespace, sides: list[str], write: Any, extra: li
         for round_index in range(args.rounds):
             for name in sides:
                 load = os.getloadavg()[0]
+                seed = args.seed + round_index if args.vary_seed else args.seed
                 done = subprocess.run(
                     [sys.executable, __file__, *extra, "--side", name, "--work", str(work),
-                     "--threads", str(args.threads), "--lr", str(args.lr)],
+                     "--threads", str(args.threads), "--lr", str(args.lr),
+                     "--seed", str(seed)],
                     capture_output=True, text=True, env=env)
                 if done.returncode:
                     sys.exit(f"{name}: {done.stderr[-2000:]}")
                 figures = json.loads(done.stdout.strip().splitlines()[-1])
                 figures["load_before"] = load
+                figures["seed"] = seed
                 rounds[name].append(figures)
                 print(f"round {round_index + 1} {name}: {figures}", flush=True)
     return rounds
 
 
 def report(args: argparse.Namespace, rounds: dict[str, list[dict]], ours: str, theirs: str,
-           quality: str, gap_name: str, settings: dict) -> None:
-    """Medians, the rows/s ratio and the quality gap in points; printed, and kept in --out."""
+           quality: str, gap_name: str, settings: dict, also: tuple[str, ...] = ()) -> None:
+    """Medians (of the speed, `quality` and `also`; with --vary-seed, `quality` is the mean over
+    the seeds), the rows/s ratio and the quality gap in points; printed, and kept in --out."""
     summary = {name: {key: statistics.median(r[key] for r in runs)
-                      for key in ("rows_per_s", "train_s", quality)}
+                      for key in ("rows_per_s", "train_s", quality, *also)}
                for name, runs in rounds.items()}
     ratio = summary[ours]["rows_per_s"] / summary[theirs]["rows_per_s"]
+    if args.vary_seed:  # the quality of each side as the mean over its seeds
+        for name, runs in rounds.items():
+            summary[name][quality] = statistics.mean(r[quality] for r in runs)
     gap = 100 * (summary[ours][quality] - summary[theirs][quality])
     result = {**settings, "threads": args.threads, "rows": args.rows, "lr": args.lr,
+              "seeds": sorted({r["seed"] for runs in rounds.values() for r in runs}),
               "rounds": rounds, "median": summary, "rows_per_s_ratio": ratio, gap_name: gap,
               "cpu": os.cpu_count()}
     print(json.dumps({"rows_per_s_ratio": ratio, gap_name: gap, **summary}, indent=2))
@@ -297,6 +457,15 @@ def classification(args: argparse.Namespace) -> None:
                         ["--task", "classification", "--epochs", str(args.epochs)])
     report(args, rounds, "popbert", "transformers", "accuracy", "accuracy_points_gap",
            {"task": "classification", "epochs": args.epochs})
+
+
+def ner(args: argparse.Namespace) -> None:
+    """Both NER sides, interleaved rounds, medians (see `--task`)."""
+    rounds = run_rounds(args, ["transformers", "popbert"], write_ner_inputs,
+                        ["--task", "ner", "--epochs", str(args.epochs)])
+    report(args, rounds, "popbert", "transformers", "f1", "f1_points_gap",
+           {"task": "ner", "epochs": args.epochs, "data": list(NER_FILES.values())},
+           also=("precision", "recall"))
 
 
 if __name__ == "__main__":

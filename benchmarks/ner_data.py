@@ -12,10 +12,10 @@ sample dump of gensim 4.4.0's test data (106 articles of wikitext) and the vital
 summaries (`{title: {title, extract, description, topic}}`, 10,033 articles).
 
 1. Text: each article (namespace 0, not a redirect: `popbert.data.wikipedia.iter_pages`) is
-   cleaned by wikiextractor as `popbert.data.wikipedia.clean_page` cleans it (templates,
-   tables, references, files, categories, lists and section titles removed), except that the
-   wikilinks are kept (`keepLinks`); an anchor's link trail ("[[dog]]s") is part of the anchor,
-   as MediaWiki shows it.
+   cleaned by wikiextractor through `popbert.data.wikipedia.clean_page` (templates, tables,
+   references, files, categories, lists and section titles removed) with the wikilinks kept
+   (`keep_links`) and every paragraph, however short; an anchor's link trail ("[[dog]]s") is
+   part of the anchor, as MediaWiki shows it.
 2. Words: runs of letters and digits with inner hyphens ("Pierre-Joseph", "20th-century"),
    numbers with inner points or commas ("13.9", "1,000"), abbreviations ("U.S.", "D.C."), and
    every other non-space character on its own (so "Portugal's" is "Portugal", "'", "s"):
@@ -97,7 +97,6 @@ PLACE = re.compile(
     r"^(?:\w+ )?(?:country|city|capital|continent|sea|ocean|river|lake|island|mountain|"
     r"desert|region|subregion|peninsula|archipelago|province|gulf|strait|bay)\b", re.I)
 DEMONYM = re.compile(r"(?:an|ish|ese|ic|i|ch)$")
-MAGIC_TIME = re.compile(r"^(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})")  # as clean_page's
 
 
 def words_of(text: str) -> tuple[str, ...]:
@@ -162,25 +161,6 @@ def proper_names(vital: dict[str, dict], texts: list[str]) -> dict[tuple[str, ..
             if len(kinds) == 1:
                 proper[words] = next(iter(kinds))
     return proper
-
-
-def cleaned_paragraphs(page) -> list[str]:
-    """`popbert.data.wikipedia.clean_page` with the links kept (`<a href="target">`)."""
-    from wikiextractor.extract import Extractor, clean, compact
-
-    extractor = Extractor(page.id, "", "", page.title, [page.text], keepSections=False,
-                          keepLinks=True)
-    words = extractor.magicWords
-    words["namespace"] = ""
-    words["pagename"] = words["fullpagename"] = page.title
-    match = MAGIC_TIME.match(page.timestamp)
-    year, month, day, hour, minute, second = match.groups() if match else (
-        "2000", "01", "01", "00", "00", "00")
-    words["currentyear"], words["currentmonth"], words["currentday"] = year, month, day
-    words["currenthour"], words["currenttime"] = hour, f"{hour}:{minute}:{second}"
-    text = clean(extractor, page.text, expand_templates=True, html_safe=False)
-    return [p.strip() for p in compact(text, mark_headers=False, extractor=extractor)
-            if p.strip()]
 
 
 @dataclass
@@ -347,10 +327,11 @@ class Tagger:
 def build(dump: Path, vital_path: Path) -> tuple[list, list, dict, collections.Counter]:
     import pysbd
 
-    from popbert.data.wikipedia import iter_pages
+    from popbert.data.wikipedia import clean_page, iter_pages
 
     vital = json.loads(vital_path.read_text(encoding="utf-8"))
-    articles = [Article(page.title, [unlink(p) for p in cleaned_paragraphs(page)])
+    articles = [Article(page.title, [unlink(p) for p in clean_page(page, keep_links=True,
+                                                                   min_chars=1)])
                 for page in iter_pages(dump)]
     texts = [a.get("extract") or "" for a in vital.values()]
     texts += [text for article in articles for text, _ in article.paragraphs]

@@ -138,15 +138,18 @@ def iter_parts(path: str | os.PathLike, part_bytes: int,
 _MAGIC_TIME = re.compile(r"^(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})")
 
 
-def clean_page(page: Page) -> list[str]:
-    """Paragraphs of plain text of one page, by wikiextractor.
+def clean_page(page: Page, keep_links: bool = False,
+               min_chars: int = MIN_PARAGRAPH_CHARS) -> list[str]:
+    """Paragraphs of plain text of one page, by wikiextractor, each at least `min_chars` long.
 
     Time-dependent magic words ({{CURRENTYEAR}} ...) are set from the revision's timestamp
-    instead of the clock, so a dump always extracts to the same text.
+    instead of the clock, so a dump always extracts to the same text. `keep_links`: wikilinks
+    stay as `<a href="target">anchor</a>` (what a data set tagged from its links reads).
     """
     from wikiextractor.extract import Extractor, clean, compact
 
-    extractor = Extractor(page.id, "", "", page.title, [page.text], keepSections=False)
+    extractor = Extractor(page.id, "", "", page.title, [page.text], keepSections=False,
+                          keepLinks=keep_links)
     words = extractor.magicWords
     words["namespace"] = ""
     words["pagename"] = words["fullpagename"] = page.title
@@ -157,7 +160,7 @@ def clean_page(page: Page) -> list[str]:
     words["currenthour"], words["currenttime"] = hour, f"{hour}:{minute}:{second}"
     text = clean(extractor, page.text, expand_templates=True, html_safe=False)
     paragraphs = compact(text, mark_headers=False, extractor=extractor)
-    return [p.strip() for p in paragraphs if len(p.strip()) >= MIN_PARAGRAPH_CHARS]
+    return [p.strip() for p in paragraphs if len(p.strip()) >= max(min_chars, 1)]
 
 
 def extract_part(pages: list[Page], out_path: str) -> dict:

@@ -7,7 +7,7 @@ to norm 1.0).
 Dropout is off on both sides (its masks are random draws), so the steps are deterministic; the
 head starts from popbert's fresh draw, copied into transformers' model. popbert runs its
 micro-batches trimmed and in groups of similar length (`execution.trim_padding`), transformers
-its padded batches: the losses agree to 2e-5 at every step (10 and 40 of them; measured: about
+its padded batches: the losses agree to 2e-5 at every step (10 and 20 of them; measured: about
 1e-6, FP32 sums in another order), while the loss moves by 100 times that over the run.
 """
 
@@ -24,19 +24,22 @@ import popbert
 from popbert.train.finetune import EpochBatches
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-CASES = {"token-classification": (FIXTURES / "ner" / "sample.conll", "BertForTokenClassification"),
+# The file, transformers' class and the batch: 5 epochs of 4 sentences / 16 rows are 10 and 20
+# steps, whose 10% warm-up is a whole number of steps (popbert rounds it down, as Google's BERT
+# does; transformers up).
+CASES = {"token-classification": (FIXTURES / "ner" / "sample.conll", "BertForTokenClassification",
+                                  2),
          "classification": (FIXTURES / "classification" / "sentiment.tsv",
-                            "BertForSequenceClassification")}
-# 5 epochs: 10 and 40 steps, whose 10% warm-up is a whole number of steps (popbert rounds it
-# down, as Google's BERT does; transformers up).
-BATCH, EPOCHS, LR = 2, 5, 1e-4
+                            "BertForSequenceClassification", 4)}
+EPOCHS, LR = 5, 1e-4
 
 
 def popbert_steps(task: str, imported: Path, output: Path
                   ) -> tuple[list[float], dict[str, torch.Tensor], dict, list[str]]:
     """popbert's per-step losses, its fresh head, its training arrays and labels."""
     cfg = popbert.finetune_config(task, imported, CASES[task][0], overrides=[
-        f"finetune.epochs={EPOCHS}", f"optimizer.lr={LR}", f"execution.micro_batch_size={BATCH}",
+        f"finetune.epochs={EPOCHS}", f"optimizer.lr={LR}",
+        f"execution.micro_batch_size={CASES[task][2]}",
         "finetune.max_seq_length=64", "execution.device=cpu", "execution.trim_padding=true",
         "optimizer.eps=1e-8", "finetune.dropout=0.0", "training.log_every=1",
         "training.seed=3"])
@@ -63,7 +66,7 @@ def transformers_steps(task: str, model_dir: Path, head: dict[str, torch.Tensor]
         model.classifier.weight.copy_(head["W"].T)
         model.classifier.bias.copy_(head["B"])
     model.train()
-    batches = list(EpochBatches(arrays, BATCH, EPOCHS, 3))
+    batches = list(EpochBatches(arrays, CASES[task][2], EPOCHS, 3))
     no_decay = [p for n, p in model.named_parameters() if n.endswith("bias") or "LayerNorm" in n]
     decay = [p for n, p in model.named_parameters()
              if not (n.endswith("bias") or "LayerNorm" in n)]

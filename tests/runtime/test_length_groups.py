@@ -20,6 +20,7 @@ import torch
 from bert_helpers import one_thread, small_config  # noqa: F401 (one_thread: autouse)
 
 import popbert.runtime.groups as groups
+import popbert.tasks  # noqa: F401 (registers the task heads build_bert reads)
 from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import TaskConfig
 from popbert.graph.annotations import LOSS_MEAN_KEY, LossMean, loss_mean, strip_annotations

@@ -80,6 +80,13 @@ class RowGroups:
         labels = torch.as_tensor(micro[self.mean.input])
         return labels.ne(self.mean.ignore).reshape(labels.shape[0], -1).sum(dim=1).float()
 
+    def _part(self, micro: Mapping[str, torch.Tensor], index: torch.Tensor
+              ) -> dict[str, torch.Tensor]:
+        """The rows `index` of `micro`, cut to their longest."""
+        width = trimmed_width(micro[self.mask][index])
+        return {name: value[index][..., :width] if name in self.sequence_inputs
+                else value[index] for name, value in micro.items()}
+
     def step(self, micro: Mapping[str, torch.Tensor],
              forward: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]],
              loss_name: str, weight: float) -> dict[str, torch.Tensor]:
@@ -88,19 +95,12 @@ class RowGroups:
         total = float(units.sum())
         groups = length_groups(text_lengths(micro[self.mask]))
         if len(groups) == 1 or total == 0:  # nothing to split (or nothing scored at all)
-            outputs = forward(micro)
-            (outputs[loss_name].float() * weight).backward()
-            return {k: v.detach().float() for k, v in outputs.items()
-                    if v is not None and v.dim() == 0}
+            parts = [(micro, 1.0)]
+        else:
+            parts = [(self._part(micro, torch.from_numpy(group)), share) for group in groups
+                     if (share := float(units[torch.from_numpy(group)].sum()) / total) > 0]
         sums: dict[str, torch.Tensor] = {}
-        for group in groups:
-            index = torch.from_numpy(group)
-            share = float(units[index].sum()) / total
-            if share == 0:  # no scored unit: its loss adds nothing to the mean
-                continue
-            width = trimmed_width(micro[self.mask][index])
-            part = {name: (value[index][..., :width] if name in self.sequence_inputs
-                           else value[index]) for name, value in micro.items()}
+        for part, share in parts:  # a group with no scored unit adds nothing to the mean
             outputs = forward(part)
             (outputs[loss_name].float() * (weight * share)).backward()
             for name, value in outputs.items():

@@ -142,12 +142,16 @@ class DaskCluster:
         self.workers[name].wait(timeout=30)
 
     def close(self) -> None:
+        """SIGTERM to all, then SIGKILL to any still running after 3 s in all: a worker
+        whose scheduler went first may wait out its reconnect attempts, which a test's
+        throw-away cluster does not need."""
         for process in reversed(self.processes):
             if process.poll() is None:
                 process.terminate()
+        deadline = time.monotonic() + 3
         for process in self.processes:
             try:
-                process.wait(timeout=15)
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=15)

@@ -21,6 +21,10 @@ and stopped (SIGTERM to its process group, SIGKILL after 15 s). Sides:
   `popbert import-hf` of the model, `--threads T`, one worker.
 - `popbert-fp32-2w`, `popbert-int8-2w`: `--workers 2 --threads T/2`: the same cores and threads
   in all, two processes.
+- `popbert-openvino-int8`: `popbert serve` on `popbert export --task embedding --runtime
+  openvino --quantize int8` (static INT8, calibrated on 150 inverse-cloze pairs of the
+  training split's leads, as `benchmarks/embed.py` builds it), `--threads T`, one worker.
+  Another runtime than Infinity's: its figures against Infinity's ONNX sides say so.
 - `st-server`: `benchmarks/st_server.py`, FastAPI + sentence-transformers, one `encode` per
   request (what people write by hand), `torch.set_num_threads(T)`.
 - `infinity-torch`: `infinity_emb v2 --engine torch` (its default backend: sentence-transformers
@@ -67,7 +71,8 @@ LEVELS = (1, 8, 32, 128)
 # The order they run in: popbert's sides between the others', so slow drifts in the machine's
 # load fall on both.
 SIDES = ("popbert-fp32", "infinity-optimum", "popbert-int8", "infinity-optimum-int8",
-         "st-server", "infinity-torch", "popbert-fp32-2w", "popbert-int8-2w")
+         "st-server", "infinity-torch", "popbert-fp32-2w", "popbert-int8-2w",
+         "popbert-openvino-int8")
 
 
 def read_texts() -> list[str]:
@@ -109,6 +114,24 @@ def popbert_exports(folder: Path, work: Path) -> dict[str, Path]:
                                       "embedding", "--output", str(path)]
                            + (["--quantize", "int8"] if precision == "int8" else []), check=True)
     return exports
+
+
+def popbert_openvino_int8(work: Path) -> Path:
+    """The static-INT8 OpenVINO IR of the same checkpoint, calibrated on inverse-cloze pairs of
+    the training split's leads (not the served texts), as benchmarks/embed.py builds it."""
+    from embed import TRAIN, pair_of
+
+    target = work / "openvino-int8"
+    if not (target / "model.xml").exists():
+        calibration = work / "calibration.jsonl"
+        leads = [json.loads(line)["text"] for line in TRAIN.read_text().splitlines()][:150]
+        calibration.write_text("".join(json.dumps({"anchor": a, "positive": p}) + "\n"
+                                       for a, p in (pair_of(lead) for lead in leads) if p))
+        subprocess.run([sys.executable, "-m", "popbert", "export", "--checkpoint",
+                        str(work / "ckpt"), "--task", "embedding", "--output", str(target),
+                        "--runtime", "openvino", "--quantize", "int8", "--calibration",
+                        str(calibration)], check=True)
+    return target
 
 
 INFINITY_PREPARE = r'''
@@ -192,8 +215,15 @@ def build_sides(args, folder: Path, work: Path) -> dict[str, Side]:
     half = str(max(1, args.threads // 2))
     sides: dict[str, Side] = {}
     wanted = set(args.sides)
-    if wanted & {"popbert-fp32", "popbert-int8", "popbert-fp32-2w", "popbert-int8-2w"}:
+    if wanted & {"popbert-fp32", "popbert-int8", "popbert-fp32-2w", "popbert-int8-2w",
+                  "popbert-openvino-int8"}:
         exports = popbert_exports(folder, work)
+        if "popbert-openvino-int8" in wanted:
+            sides["popbert-openvino-int8"] = Side(
+                "popbert-openvino-int8",
+                [sys.executable, "-m", "popbert", "serve", "--model",
+                 str(popbert_openvino_int8(work)), "--host", "127.0.0.1", "--threads", threads,
+                 "--workers", "1"], "/v1/embeddings", "/v1/models")
         for precision, path in exports.items():
             base = [sys.executable, "-m", "popbert", "serve", "--model", str(path),
                     "--host", "127.0.0.1"]

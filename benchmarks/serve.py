@@ -25,6 +25,7 @@ and stopped (SIGTERM to its process group, SIGKILL after 15 s). Sides:
   openvino --quantize int8` (static INT8, calibrated on 150 inverse-cloze pairs of the
   training split's leads, as `benchmarks/embed.py` builds it), `--threads T`, one worker.
   Another runtime than Infinity's: its figures against Infinity's ONNX sides say so.
+  `popbert-openvino-int8-2w`: the same with `--workers 2 --threads T/2`.
 - `st-server`: `benchmarks/st_server.py`, FastAPI + sentence-transformers, one `encode` per
   request (what people write by hand), `torch.set_num_threads(T)`.
 - `infinity-torch`: `infinity_emb v2 --engine torch` (its default backend: sentence-transformers
@@ -72,7 +73,7 @@ LEVELS = (1, 8, 32, 128)
 # load fall on both.
 SIDES = ("popbert-fp32", "infinity-optimum", "popbert-int8", "infinity-optimum-int8",
          "st-server", "infinity-torch", "popbert-fp32-2w", "popbert-int8-2w",
-         "popbert-openvino-int8")
+         "popbert-openvino-int8", "popbert-openvino-int8-2w")
 
 
 def read_texts() -> list[str]:
@@ -216,14 +217,17 @@ def build_sides(args, folder: Path, work: Path) -> dict[str, Side]:
     sides: dict[str, Side] = {}
     wanted = set(args.sides)
     if wanted & {"popbert-fp32", "popbert-int8", "popbert-fp32-2w", "popbert-int8-2w",
-                  "popbert-openvino-int8"}:
+                  "popbert-openvino-int8", "popbert-openvino-int8-2w"}:
         exports = popbert_exports(folder, work)
-        if "popbert-openvino-int8" in wanted:
+        if wanted & {"popbert-openvino-int8", "popbert-openvino-int8-2w"}:
+            base = [sys.executable, "-m", "popbert", "serve", "--model",
+                    str(popbert_openvino_int8(work)), "--host", "127.0.0.1"]
             sides["popbert-openvino-int8"] = Side(
-                "popbert-openvino-int8",
-                [sys.executable, "-m", "popbert", "serve", "--model",
-                 str(popbert_openvino_int8(work)), "--host", "127.0.0.1", "--threads", threads,
-                 "--workers", "1"], "/v1/embeddings", "/v1/models")
+                "popbert-openvino-int8", base + ["--threads", threads, "--workers", "1"],
+                "/v1/embeddings", "/v1/models")
+            sides["popbert-openvino-int8-2w"] = Side(
+                "popbert-openvino-int8-2w", base + ["--threads", half, "--workers", "2"],
+                "/v1/embeddings", "/v1/models")
         for precision, path in exports.items():
             base = [sys.executable, "-m", "popbert", "serve", "--model", str(path),
                     "--host", "127.0.0.1"]

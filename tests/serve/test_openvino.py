@@ -143,6 +143,11 @@ def test_predict_on_the_ir_equals_predict_on_the_onnx_export(
                           for r in theirs])
     np.testing.assert_allclose(probabilities, reference,
                                atol=1e-5 if precision == "f32" else 2e-2)
+    # Served as predict serves it, its threads are not pinned: OpenVINO pins from the first
+    # core on, so `popbert serve --workers 2 --threads 1` ran both workers on one core.
+    from popbert.serve.openvino_ir import compile_model, ir_file, openvino
+    network = openvino().Core().read_model(str(ir_file(tmp_path / "ir")))
+    assert compile_model(network, precision, 1).get_property("ENABLE_CPU_PINNING") is False
 
 
 def test_squad_predictions_equal_too(runs: dict[str, Path], tmp_path: Path) -> None:

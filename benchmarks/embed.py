@@ -40,6 +40,16 @@ def pair_of(lead: str) -> tuple[str, str | None]:
         (parts[0], None)
 
 
+def write_calibration_pairs(path: Path, leads: int = 150) -> Path:
+    """Inverse-cloze pairs of the first `leads` leads of the training split, as JSON lines at
+    `path`: what static INT8 calibrates on (texts of the training split, not the measured
+    ones)."""
+    train = [json.loads(line)["text"] for line in TRAIN.read_text().splitlines()][:leads]
+    path.write_text("".join(json.dumps({"anchor": a, "positive": p}) + "\n"
+                            for a, p in (pair_of(lead) for lead in train) if p))
+    return path
+
+
 def texts_and_pairs(limit: int) -> tuple[list[str], list[tuple[str, str]]]:
     """The leads (real, mixed lengths) and inverse-cloze (first sentence, rest) pairs."""
     leads = [json.loads(line)["text"] for line in DATA.read_text().splitlines()][:limit]
@@ -89,11 +99,7 @@ def main() -> None:
         assert popbert(["export", "--checkpoint", str(work / "ckpt"), "--task", "embedding",
                         "--output", str(exports[f"popbert-openvino-{precision}"]), "--runtime",
                         "openvino", "--precision", precision]) == 0
-    # Static INT8 calibrates on texts of the training split, not the measured ones.
-    calibration = work / "calibration.jsonl"
-    train = [json.loads(line)["text"] for line in TRAIN.read_text().splitlines()][:150]
-    calibration.write_text("".join(json.dumps({"anchor": a, "positive": p}) + "\n" for a, p in
-                                   (pair_of(lead) for lead in train) if p))
+    calibration = write_calibration_pairs(work / "calibration.jsonl")
     assert popbert(["export", "--checkpoint", str(work / "ckpt"), "--task", "embedding",
                     "--output", str(exports["popbert-openvino-int8"]), "--runtime", "openvino",
                     "--quantize", "int8", "--calibration", str(calibration)]) == 0

@@ -120,14 +120,11 @@ def popbert_exports(folder: Path, work: Path) -> dict[str, Path]:
 def popbert_openvino_int8(work: Path) -> Path:
     """The static-INT8 OpenVINO IR of the same checkpoint, calibrated on inverse-cloze pairs of
     the training split's leads (not the served texts), as benchmarks/embed.py builds it."""
-    from embed import TRAIN, pair_of
+    from embed import write_calibration_pairs
 
     target = work / "openvino-int8"
     if not (target / "model.xml").exists():
-        calibration = work / "calibration.jsonl"
-        leads = [json.loads(line)["text"] for line in TRAIN.read_text().splitlines()][:150]
-        calibration.write_text("".join(json.dumps({"anchor": a, "positive": p}) + "\n"
-                                       for a, p in (pair_of(lead) for lead in leads) if p))
+        calibration = write_calibration_pairs(work / "calibration.jsonl")
         subprocess.run([sys.executable, "-m", "popbert", "export", "--checkpoint",
                         str(work / "ckpt"), "--task", "embedding", "--output", str(target),
                         "--runtime", "openvino", "--quantize", "int8", "--calibration",
@@ -220,14 +217,7 @@ def build_sides(args, folder: Path, work: Path) -> dict[str, Side]:
                   "popbert-openvino-int8", "popbert-openvino-int8-2w"}:
         exports = popbert_exports(folder, work)
         if wanted & {"popbert-openvino-int8", "popbert-openvino-int8-2w"}:
-            base = [sys.executable, "-m", "popbert", "serve", "--model",
-                    str(popbert_openvino_int8(work)), "--host", "127.0.0.1"]
-            sides["popbert-openvino-int8"] = Side(
-                "popbert-openvino-int8", base + ["--threads", threads, "--workers", "1"],
-                "/v1/embeddings", "/v1/models")
-            sides["popbert-openvino-int8-2w"] = Side(
-                "popbert-openvino-int8-2w", base + ["--threads", half, "--workers", "2"],
-                "/v1/embeddings", "/v1/models")
+            exports["openvino-int8"] = popbert_openvino_int8(work)
         for precision, path in exports.items():
             base = [sys.executable, "-m", "popbert", "serve", "--model", str(path),
                     "--host", "127.0.0.1"]

@@ -16,7 +16,7 @@ once per run:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -95,10 +95,10 @@ class RowGroups:
         total = float(units.sum())
         groups = length_groups(text_lengths(micro[self.mask]))
         if len(groups) == 1 or total == 0:  # nothing to split (or nothing scored at all)
-            parts = [(micro, 1.0)]
-        else:
-            parts = [(self._part(micro, torch.from_numpy(group)), share) for group in groups
-                     if (share := float(units[torch.from_numpy(group)].sum()) / total) > 0]
+            parts: Iterable[tuple[Mapping[str, torch.Tensor], float]] = [(micro, 1.0)]
+        else:  # each group cut as its turn comes
+            parts = ((self._part(micro, torch.from_numpy(group)), share) for group in groups
+                     if (share := float(units[torch.from_numpy(group)].sum()) / total) > 0)
         sums: dict[str, torch.Tensor] = {}
         for part, share in parts:  # a group with no scored unit adds nothing to the mean
             outputs = forward(part)

@@ -278,7 +278,8 @@ class ExportedModel:
     def calibration_arrays(self, data: Path) -> dict[str, np.ndarray]:
         """The model rows of the task's file `data` (its `--train` format), encoded as this
         export is served: what static quantization calibrates on."""
-        raise NotImplementedError(f"{type(self).__name__} reads no calibration file")
+        task = self.meta.get(f"{METADATA_PREFIX}task")
+        raise UsageError(f"--calibration: a {task} export has no calibration rows")
 
     def run(self, arrays: Mapping[str, np.ndarray], batch_size: int = 16,
             per_token: Mapping[str, float] | None = None, stats: PredictStats | None = None,

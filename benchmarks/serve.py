@@ -87,6 +87,7 @@ class Side:
     route: str  # the embedding route
     models_route: str | None  # where the model's name is listed (data[0].id)
     health: str = "/health"
+    workers: int = 1  # popbert's processes: measured only once every one of them listens
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
     notes: str = ""
@@ -226,7 +227,7 @@ def build_sides(args, folder: Path, work: Path) -> dict[str, Side]:
                 "/v1/embeddings", "/v1/models")
             sides[f"popbert-{precision}-2w"] = Side(
                 f"popbert-{precision}-2w", base + ["--threads", half, "--workers", "2"],
-                "/v1/embeddings", "/v1/models")
+                "/v1/embeddings", "/v1/models", workers=2)
     sides["st-server"] = Side(
         "st-server", [sys.executable, str(HERE / "st_server.py"), "--model", str(folder),
                       "--host", "127.0.0.1", "--threads", threads],
@@ -282,6 +283,20 @@ class Server:
                     return time.perf_counter() - started
             time.sleep(0.25)
         raise TimeoutError(f"not ready in {timeout} s: {self.log.read_text()[-3000:]}")
+
+    def wait_workers(self, workers: int, timeout: float) -> None:
+        """Until `workers` distinct popbert worker pids answer `/info` on fresh connections:
+        `/health` answers once the first worker listens, and the kernel only hashes new
+        connections onto a worker's socket once that worker has warmed up and listens."""
+        import httpx
+
+        started, pids = time.perf_counter(), set()
+        while len(pids) < workers:
+            if time.perf_counter() - started > timeout:
+                raise TimeoutError(f"only {len(pids)} of {workers} workers listen after "
+                                   f"{timeout} s: {self.log.read_text()[-3000:]}")
+            with httpx.Client(timeout=10) as client:
+                pids.add(client.get(self.base + "/info").json()["pid"])
 
     def cpu_seconds(self) -> float:
         """User + system CPU of the server and all its descendants (workers) so far; a process
@@ -449,6 +464,8 @@ def run_side(side: Side, args, texts, check_texts, reference, work: Path) -> dic
                  "loadavg_before": load_before}
     try:
         out["ready_seconds"] = server.wait_ready(side.health, args.start_timeout)
+        if side.workers > 1:
+            server.wait_workers(side.workers, args.start_timeout)
         model = "unused"
         if side.models_route:
             model = httpx.get(server.base + side.models_route, timeout=10).json()["data"][0]["id"]

@@ -32,8 +32,8 @@ def main() -> None:
     import torch
     import transformers
 
-    from popbert.io.export import export_checkpoint
-    from popbert.io.hf_checkpoint import export_hf
+    from popbert.export.inference import export_checkpoint
+    from popbert.hf.checkpoint import export_hf
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:

@@ -34,7 +34,7 @@ from popbert.builders.bert_config import BertConfig
 from popbert.config import load_config
 from popbert.data.packing import PackingStats, pack_instance_arrays
 from popbert.data.pretraining import load_training_data
-from popbert.io.hf_mapping import to_hf
+from popbert.hf.mapping import to_hf
 from popbert.optimizers import AdamW, param_groups_by_name
 from popbert.plan.flops import training_flops_per_sequence
 from popbert.runtime.session import SessionOptions, TrainingSession

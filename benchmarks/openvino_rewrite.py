@@ -1,4 +1,4 @@
-"""What `popbert.serve.openvino_ir.convert`'s rewrites buy: the same FP32 ONNX export converted
+"""What `popbert.export.openvino.convert`'s rewrites buy: the same FP32 ONNX export converted
 by OpenVINO's converter alone and by popbert's `convert` (fused projections split, NaN guards
 after attention dropped), each made static INT8 by NNCF on the same calibration rows and timed
 side by side in OpenVINO, in rotating blocks, with the same settings as `benchmarks/inference.py`
@@ -33,7 +33,7 @@ def int8_irs(onnx_fp32: Path, calibration: Path, rows: int, directory: Path
     """Both INT8 IRs of `onnx_fp32`, cached in `directory`."""
     import openvino as ov
 
-    from popbert.serve.openvino_ir import convert, quantize
+    from popbert.export.openvino import convert, quantize
 
     converters = {"converter": lambda: ov.convert_model(str(onnx_fp32)),
                   "popbert-convert": lambda: convert(onnx_fp32)}
@@ -62,7 +62,8 @@ def fp32_difference(onnx_fp32: Path, seq: int, vocab: int) -> float:
     included."""
     import openvino as ov
 
-    from popbert.serve.openvino_ir import compile_model, convert, run
+    from popbert.export.openvino import convert
+    from popbert.serve.openvino_ir import compile_model, run
 
     arrays = inference.batch(4, seq, vocab, seed=3)
     arrays["mask"][1, seq // 3:] = 0

@@ -2,8 +2,8 @@
 
 For a fine-tuned classification run (the topic classifier of benchmarks/inference.py, say) this
 exports the plain FP32 model, then quantizes its optimized graph (dynamic INT8,
-`popbert.io.quantize`, on what `--optimize` writes, as `popbert export --quantize int8` does) with
-every choice of roles kept in FP32 below and with per-tensor and per-channel weight scales, and
+`popbert.export.quantize`, on what `--optimize` writes, as `popbert export --quantize int8` does)
+with every choice of roles kept in FP32 below and with per-tensor and per-channel weight scales, and
 scores each on a labelled file against the FP32 export: held-out accuracy, agreement of labels
 with FP32, and the median latency of a batch in ONNX Runtime (2 threads). The default of
 `popbert export --quantize int8` is the fastest choice within 1 point of FP32 accuracy.
@@ -58,10 +58,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from popbert.config import load_config
-    from popbert.io.export import export_checkpoint
-    from popbert.io.fused import CPU_FUSIONS, fuse_for_ort
-    from popbert.io.quantize import quantize_int8
-    from popbert.serve.accuracy import accuracy_cost
+    from popbert.export.accuracy import accuracy_cost
+    from popbert.export.fused import CPU_FUSIONS, fuse_for_ort
+    from popbert.export.inference import export_checkpoint
+    from popbert.export.quantize import quantize_int8
 
     results = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -36,7 +36,7 @@ from bert_helpers import hf_labels, hf_model, padded_batch  # noqa: E402
 
 from popbert.builders.bert import build_bert  # noqa: E402
 from popbert.builders.bert_config import BertConfig  # noqa: E402
-from popbert.io.hf_mapping import to_hf  # noqa: E402
+from popbert.hf.mapping import to_hf  # noqa: E402
 from popbert.runtime.session import SessionOptions, TrainingSession  # noqa: E402
 
 # name: (BertConfig fields, batch size); all at sequence length 128, 20 masked slots.

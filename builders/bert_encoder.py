@@ -3,7 +3,7 @@ learned position and segment tables, post-norm layers, the tanh pooler. Register
 `bert` family; GroupBERT reuses its embeddings and pooler.
 
 Weights are created under name scopes that map one-to-one to Hugging Face names (see
-`popbert.io.hf_mapping`).
+`popbert.hf.mapping`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ bias switches of the shared heads and its Hugging Face facts (`model_type`, clas
 Everything else — placement and pipeline stages, recomputation checkpoints, the task heads and
 their losses — is shared and lives in `popbert.builders.bert.build_bert`. Adding a family is one
 module and one entry here (the code of its Hugging Face mapping, weight rules and config
-checks, is one entry of `popbert.io.hf_mapping.HF_FAMILIES`).
+checks, is one entry of `popbert.hf.mapping.HF_FAMILIES`).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class Family:
     # Dropout fine-tuning uses when the user names none (None: the checkpoint's own); a family
     # that pre-trains without dropout may still fine-tune with it.
     finetune_dropout: float | None = None
-    # Its Hugging Face checkpoints, as plain names (`popbert.io.hf_mapping` holds the code that
+    # Its Hugging Face checkpoints, as plain names (`popbert.hf.mapping` holds the code that
     # reads and writes them): the bare encoder's `transformers` class; its pre-training classes,
     # most specific heads first (each task's class is the task's, `popbert.tasks.Task`); the
     # `config.json` keys it reads and writes, each with the `model` field it holds (dotted into

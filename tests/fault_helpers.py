@@ -33,7 +33,7 @@ import popbert.cli.main
 import popbert.cli.sweep  # noqa: F401
 import popbert.data.pretraining  # noqa: F401
 import popbert.distributed.elastic  # noqa: F401
-import popbert.io.export
+import popbert.export.inference
 import popbert.lowering.lower  # noqa: F401
 import popbert.observe.plots  # noqa: F401
 import popbert.train.trainer  # noqa: F401
@@ -121,7 +121,7 @@ def install(kind: str, n: int) -> None:
                     die()
                 return real(*args, **kwargs)
             return run
-        wrap(popbert.io.export, "ort_outputs", outputs)
+        wrap(popbert.export.inference, "ort_outputs", outputs)
 
 
 def run_popbert(argv: list[str], fault: tuple[str, int] | None, log: str) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from popbert.builders.bert_config import BertConfig, TaskConfig
 from popbert.builders.modernbert_config import ModernBertOptions
-from popbert.io import hf_mapping as hf
+from popbert.hf import mapping as hf
 
 VOCAB = 300
 SEQ = 32

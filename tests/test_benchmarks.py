@@ -14,7 +14,7 @@ from bert_helpers import hf_model, padded_batch
 
 from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import BertConfig
-from popbert.io.hf_mapping import to_hf
+from popbert.hf.mapping import to_hf
 from popbert.runtime.session import SessionOptions, TrainingSession
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -102,7 +102,7 @@ def test_inference_ceiling_times_the_encoders_own_gemms() -> None:
     """The ceiling's GEMM graph holds exactly the weight matrices of popbert's encoder (role
     and shape, layer by layer), its operation count is theirs, and the export's quantizer
     makes every one INT8; a graph with a GEMM too few fails the same comparison."""
-    from popbert.io.quantize import ROLES, quantize_int8, weight_role
+    from popbert.export.quantize import ROLES, quantize_int8, weight_role
 
     ceiling = _load(BENCHMARKS / "inference_ceiling.py")
     config = _small(next_sentence_prediction=False)

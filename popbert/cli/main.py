@@ -110,7 +110,7 @@ def _names(text: str, known: Sequence[str], flag: str, what: str) -> tuple[str, 
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from popbert.io.export import export_checkpoint
+    from popbert.export.inference import export_checkpoint
 
     # Only options the user set are passed, so export_checkpoint's defaults stay the one source.
     options = {key: getattr(args, key) for key in ("batch_size", "sequence_length")
@@ -120,13 +120,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if args.optimize:
         options["optimize"] = True
     if args.fusions is not None:
-        from popbert.io.fused import ALL_FUSIONS
+        from popbert.export.fused import ALL_FUSIONS
 
         options["fusions"] = _names(args.fusions, ALL_FUSIONS, "--fusions", "fused operator")
     if args.quantize:
         options["quantize"] = args.quantize
     if args.keep_float is not None:
-        from popbert.io.quantize import ALL_ROLES
+        from popbert.export.quantize import ALL_ROLES
 
         options["keep_float"] = _names(args.keep_float, ALL_ROLES, "--keep-float", "role")
     if args.runtime != "onnxruntime":
@@ -149,7 +149,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_import_hf(args: argparse.Namespace) -> int:
-    from popbert.io.hf_checkpoint import import_hf
+    from popbert.hf.checkpoint import import_hf
 
     report = import_hf(args.model, args.output_dir, sequence_length=args.sequence_length,
                        seed=args.seed)
@@ -159,7 +159,7 @@ def _cmd_import_hf(args: argparse.Namespace) -> int:
 
 
 def _cmd_export_hf(args: argparse.Namespace) -> int:
-    from popbert.io.hf_checkpoint import export_hf
+    from popbert.hf.checkpoint import export_hf
 
     export_hf(args.checkpoint, args.output_dir, architecture=args.architecture)
     return 0
@@ -761,7 +761,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", type=paths.CHECKPOINT, required=True, metavar="DIR")
     p.add_argument("--output-dir", "-o", type=paths.HF_EXPORT_OUTPUT, required=True,
                    metavar="DIR")
-    # Checked against the checkpoint's family (popbert.io.hf_mapping.architectures_of) once
+    # Checked against the checkpoint's family (popbert.hf.mapping.architectures_of) once
     # the checkpoint is read: a class of another family is one line naming its family's.
     p.add_argument("--architecture", default=None, metavar="CLASS",
                    help="the transformers class to write, one of the checkpoint's family "

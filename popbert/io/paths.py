@@ -220,7 +220,7 @@ def _rows_or_lines(path: Path, args: Any = None) -> str | None:
 
 def _task_data(path: Path, args: Any = None) -> str | None:
     """What one of the tasks reads (`PREDICT_INPUTS`): the export then checks it is its
-    task's (`popbert.io.export.check_task_data`)."""
+    task's (`popbert.export.inference.check_task_data`)."""
     if path.suffix.lower() == ".json" and _squad(path) is None:
         return None
     problems = [kind.sniff(path, args) for kind in PREDICT_INPUTS.values()

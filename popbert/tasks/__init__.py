@@ -7,9 +7,9 @@ own flags and the config keys they set, the learning rate and epochs a checkpoin
 the graph outputs and metadata its export carries, its `popbert finetune` subcommand (and so
 the sweep job `finetune <command>`) and its `transformers` class per family. Everything else —
 the checkpoint it starts from, the epochs-to-steps and warm-up derivation, the loop, the
-exports' checks — is shared and reads this table: `popbert.train.finetune`, `popbert.io.export`,
-`popbert.io.paths`, `popbert.io.hf_mapping`, `popbert.cli` and `popbert.sweep`. Adding a task
-is one module and one line in `TASKS`.
+exports' checks — is shared and reads this table: `popbert.train.finetune`,
+`popbert.export.inference`, `popbert.io.paths`, `popbert.hf.mapping`, `popbert.cli` and
+`popbert.sweep`. Adding a task is one module and one line in `TASKS`.
 
 A task module depends only on the graph builder, the data readers and the config: the jobs,
 exports and commands above it pass in what they own (the inference over the trained weights).

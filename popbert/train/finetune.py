@@ -43,8 +43,8 @@ from popbert.config.sections import FINETUNE_TASKS
 from popbert.data.loader import length_grouped_order
 from popbert.data.tokenization import load_tokenizer, tokenizer_file_name
 from popbert.errors import CheckpointError, ConfigError, UsageError
+from popbert.hf.checkpoint import VOCAB, checkpoint_vocab
 from popbert.io import checkpoint as ckpt
-from popbert.io.hf_checkpoint import VOCAB, checkpoint_vocab
 from popbert.runtime.options import SessionOptions
 from popbert.runtime.protocol import Session
 from popbert.runtime.session import InferenceSession

@@ -24,7 +24,7 @@ from popbert.data.pretraining import (
     validation_batches,
 )
 from popbert.errors import ConfigError
-from popbert.io.export import export_weights
+from popbert.export.inference import export_weights
 from popbert.runtime.devices import resolve_device
 from popbert.runtime.protocol import Session
 from popbert.train.jobs import Job

@@ -376,8 +376,8 @@ def check_export(run: Path, task: str, max_seq_length: int, tmp_path: Path) -> N
     """`popbert export` of the fine-tuned run, run in ONNX Runtime on real windows, equals the
     torch session of the fine-tuned checkpoint's weights (1e-4 of the largest output)."""
     from popbert.config import config_from_dict
+    from popbert.export.inference import inference_config, ort_outputs
     from popbert.io.checkpoint import load_checkpoint
-    from popbert.io.export import inference_config, ort_outputs
     from popbert.runtime.session import InferenceSession
 
     model = tmp_path / f"{task}.onnx"

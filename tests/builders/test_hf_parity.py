@@ -17,7 +17,7 @@ from bert_helpers import hf_model, hf_pretraining_forward, padded_batch, small_c
 
 from popbert.builders.bert import build_bert
 from popbert.graph.annotations import trainable_initializers
-from popbert.io import hf_mapping as hf
+from popbert.hf import mapping as hf
 from popbert.runtime.session import InferenceSession, TrainingSession
 
 

@@ -14,7 +14,7 @@ import torch
 from bert_helpers import hf_labels, one_thread, padded_batch, small_config  # noqa: F401
 
 from popbert.builders.bert import build_bert
-from popbert.io import hf_mapping as hf
+from popbert.hf import mapping as hf
 from popbert.rules import Invalid
 from popbert.runtime.session import TrainingSession
 

@@ -1,7 +1,7 @@
 """ModernBERT built by popbert's Builder against `transformers.ModernBert*` with the same weights.
 
 Random `transformers` weights (no hub is reachable; norms and biases perturbed so none is a
-neutral 1 or 0) are mapped onto popbert's names by `popbert.io.hf_mapping`; rows of unequal
+neutral 1 or 0) are mapped onto popbert's names by `popbert.hf.mapping`; rows of unequal
 length, padded, and longer than the sliding window (4 tokens each side) go through both.
 
 Tolerances, all FP32: forward outputs within 1e-5 of the largest magnitude of the reference
@@ -35,7 +35,7 @@ from popbert.builders.bert import build_bert
 from popbert.builders.modernbert import is_global
 from popbert.data.packing import pack_instance_arrays
 from popbert.graph.annotations import trainable_initializers
-from popbert.io import hf_mapping as hf
+from popbert.hf import mapping as hf
 from popbert.lowering import lower_to_fx, unescape_param_name
 from popbert.rules import Invalid
 from popbert.runtime.session import InferenceSession, TrainingSession

@@ -49,7 +49,7 @@ from popbert.graph.annotations import (
     trainable_initializers,
 )
 from popbert.graph.builder import GRAPHCORE_DOMAIN
-from popbert.io import hf_mapping as hf
+from popbert.hf import mapping as hf
 from popbert.lowering import lower_to_fx, unescape_param_name
 from popbert.runtime.options import SessionOptions
 from popbert.runtime.session import TrainingSession

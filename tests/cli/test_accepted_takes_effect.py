@@ -123,7 +123,7 @@ def bert_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def no_export(monkeypatch: pytest.MonkeyPatch) -> None:
     """Any export started is a failure: the refusals come before the work."""
-    import popbert.io.export as export
+    import popbert.export.inference as export
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the export ran before its inputs were checked")

@@ -245,7 +245,7 @@ def test_export_calls_export_checkpoint(
         calls.append((checkpoint, task, output))
         return output
 
-    fake_module(monkeypatch, "popbert.io.export", export_checkpoint=export_checkpoint)
+    fake_module(monkeypatch, "popbert.export.inference", export_checkpoint=export_checkpoint)
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "state.json").write_text("{}")
     rc = cli.main(

@@ -25,7 +25,7 @@ from popbert import atomic
 from popbert.cli.main import main
 from popbert.config import TaskConfig, load_config
 from popbert.data.tokenization import bundled_corpus_path, bundled_vocab_path
-from popbert.io import export
+from popbert.export import inference as export
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 SMALL = ["model.num_layers=1", "model.hidden_size=32", "model.num_heads=2",

@@ -25,7 +25,7 @@ from safetensors.numpy import load_file
 from popbert.cli.main import main
 from popbert.data import read_shard, storage
 from popbert.data.tokenization import bundled_corpus_path, bundled_vocab_path
-from popbert.io.hf_checkpoint import checkpoint_vocab
+from popbert.hf.checkpoint import checkpoint_vocab
 
 pytestmark = pytest.mark.e2e
 

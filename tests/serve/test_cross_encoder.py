@@ -157,7 +157,7 @@ def test_every_format_of_the_activation_is_read(tmp_path: Path) -> None:
     """sentence-transformers 5+ (config_sentence_transformers.json), 4.x (config.json's
     `sentence_transformers`) and older (`sbert_ce_default_activation_function`) folders; a plain
     Hugging Face directory is no CrossEncoder."""
-    from popbert.io.hf_checkpoint import cross_encoder_activation, read_cross_encoder
+    from popbert.hf.checkpoint import cross_encoder_activation, read_cross_encoder
 
     small_cross_encoder(tmp_path / "ce")
     cross = read_cross_encoder(tmp_path / "ce")

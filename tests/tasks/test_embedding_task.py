@@ -21,7 +21,7 @@ import popbert.tasks  # noqa: F401 (registers the task heads)
 from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import TaskConfig
 from popbert.cli.main import main
-from popbert.io import hf_mapping as hf
+from popbert.hf import mapping as hf
 from popbert.runtime.session import TrainingSession
 
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(295)]

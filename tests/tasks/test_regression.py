@@ -5,7 +5,7 @@ scipy computes them, and the score carried through the export to `predict classi
 Tolerances: the loss and its gradients against transformers with the same weights at 1e-5 (the
 float32 forward and backward of two implementations of the same graph); the correlations
 against scipy at 1e-12 (the same float64 formula); ONNX Runtime's scores against the torch
-backend's at 1e-4 (the export's own check, `popbert.io.export.VERIFY_ATOL`).
+backend's at 1e-4 (the export's own check, `popbert.export.inference.VERIFY_ATOL`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import TaskConfig
 from popbert.cli.main import main
 from popbert.data.classification import regression_metrics
-from popbert.io import hf_mapping as hf
+from popbert.hf import mapping as hf
 from popbert.runtime.session import TrainingSession
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "classification"

@@ -25,8 +25,9 @@ from popbert.builders.bert_config import TASK_NAMES, TaskConfig
 from popbert.cli.main import build_parser
 from popbert.config import FinetuneConfig, list_presets, load_config
 from popbert.config.sections import ExecutionConfig
-from popbert.io import hf_mapping, paths
-from popbert.io.export import TASKS as EXPORT_TASKS
+from popbert.export.inference import TASKS as EXPORT_TASKS
+from popbert.hf import mapping as hf_mapping
+from popbert.io import paths
 from popbert.sweep.spec import JOBS, finetune_args
 from popbert.tasks import TASKS
 

@@ -15,7 +15,7 @@ from checkpoint_helpers import kill_after_checkpoint
 
 import popbert
 from popbert.cli.main import main
-from popbert.io.export import sample_batch
+from popbert.export.inference import sample_batch
 from popbert.runtime.session import InferenceSession
 
 # A smaller tiny: one short run of a few dozen steps, fast on 2 CPU cores.

@@ -13,7 +13,7 @@ ModernBERT's `ModernBertModel`, `ModernBertForMaskedLM`, ...), each with exactly
 `hf_model_type`, `hf_base`, `hf_pretraining`, `hf_config_fields`, `hf_tokenizers`), each task's
 class is the task's (`popbert.tasks.Task.hf_architectures`), and the family's code — encoder
 rules, config.json checks, how import reads a directory — is its entry in `HF_FAMILIES`: nothing
-here branches on a family's name. `popbert.io.hf_checkpoint` reads and writes whole Hugging Face
+here branches on a family's name. `popbert.hf.checkpoint` reads and writes whole Hugging Face
 model directories with these tables.
 """
 
@@ -28,7 +28,7 @@ import numpy as np
 from popbert.builders.bert_config import BertConfig
 from popbert.builders.families import FAMILIES, Family
 from popbert.errors import UsageError
-from popbert.io import hf_modernbert
+from popbert.hf import modernbert as hf_modernbert
 
 Array = np.ndarray
 

@@ -24,8 +24,9 @@ import popbert.tasks  # noqa: F401 (registers the task heads)
 from popbert.builders.bert import BATCH, build_bert
 from popbert.builders.bert_config import BertConfig
 from popbert.errors import UsageError
+from popbert.export import fused, quantize
+from popbert.export import inference as export
 from popbert.graph.annotations import strip_annotations
-from popbert.io import export, fused, quantize
 from popbert.runtime.session import InferenceSession
 
 LAYERS = 2

@@ -22,7 +22,7 @@ from popbert.builders.bert import BATCH, SEQUENCE, build_bert
 from popbert.cli import main as cli
 from popbert.config import TaskConfig, load_config
 from popbert.data.tokenization import bundled_vocab_path
-from popbert.io import export
+from popbert.export import inference as export
 
 SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",
          "model.intermediate_size=64", "model.sequence_length=32",

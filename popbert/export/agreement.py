@@ -4,8 +4,8 @@ serve it, against the torch backend's on the same sample batches.
 Float exports (FP32, FP16, BF16) differ by rounding, so the largest difference is bounded
 relative to the output's scale. INT8 exports move each output by a share of its size, not by
 rounding noise, so their bound is on the RMS difference relative to the output's RMS. The
-tolerances themselves belong to the exports (`popbert.io.export`, `popbert.serve.openvino_ir`),
-which say why each is what it is.
+tolerances themselves belong to the exports (`popbert.export.inference`,
+`popbert.export.openvino`), which say why each is what it is.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from popbert.builders.bert import build_bert
 from popbert.cli import main as cli
 from popbert.config import TaskConfig, load_config
 from popbert.data.tokenization import bundled_vocab_path
-from popbert.io import export
+from popbert.export import inference as export
 from popbert.runtime.session import InferenceSession
 
 SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",

@@ -5,7 +5,7 @@ A Hugging Face BERT or ModernBERT directory is `config.json` (its `model_type` p
 `vocab.txt` (WordPiece) or `tokenizer.json` (any model; ModernBERT ships a BPE one). Import
 builds the matching popbert run config (`model.*` from `config.json`, `data.vocab_file` = the
 copied tokenizer file) and a checkpoint that has every weight of the pre-training graph: those
-the directory holds, converted exactly by `popbert.io.hf_mapping`, and the rest (e.g. the
+the directory holds, converted exactly by `popbert.hf.mapping`, and the rest (e.g. the
 MLM/NSP heads a `BertModel` lacks) initialised fresh and reported. Export writes the reverse, as
 the `transformers` class that holds exactly the checkpoint's heads, so `from_pretrained`
 reports no missing or unexpected keys.
@@ -34,8 +34,8 @@ from popbert.atomic import atomic_directory
 from popbert.builders.bert_config import BertConfig, TaskConfig
 from popbert.builders.families import FAMILIES
 from popbert.errors import CheckpointError, UsageError, one_line
-from popbert.io import hf_mapping as hf
-from popbert.io.hf_mapping import bert_config_from_hf, config_from_hf, hf_config_from_bert
+from popbert.hf import mapping as hf
+from popbert.hf.mapping import bert_config_from_hf, config_from_hf, hf_config_from_bert
 from popbert.io.run_dir import step_dir
 from popbert.textfile import read_json
 

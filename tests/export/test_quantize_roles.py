@@ -1,6 +1,6 @@
 """Every encoder weight matrix of every family has a quantizer role.
 
-`popbert.io.quantize` leaves a weight whose name matches no role in FP32 as part of a task head;
+`popbert.export.quantize` leaves a weight whose name matches no role in FP32 as part of a task head;
 a family whose layer weights were named differently would silently stay FP32 in an "INT8"
 export. This walks the built graph of each family: every matrix multiplied inside an encoder
 layer (`Layer<i>/...`) has a role that is not "head".
@@ -13,7 +13,7 @@ from bert_helpers import small_config
 
 from popbert.builders.bert import build_bert
 from popbert.builders.bert_config import ARCHITECTURES
-from popbert.io.quantize import HEAD, weight_role
+from popbert.export.quantize import HEAD, weight_role
 
 FAMILY_OVERRIDES = {
     "bert": {},

@@ -106,7 +106,7 @@ def _squad(reference: Path, candidate: Path, data: Path, threads: int | None) ->
 def calibration_rows(model: Path, task: str, data: Path, rows: int) -> list[dict[str, np.ndarray]]:
     """Up to `rows` model rows of `data` (classification rows, tagged words, SQuAD windows, or
     every text of embedding pairs), encoded as the export `model` is served, one row each cut
-    to its length: what static quantization (`popbert.serve.openvino_ir.quantize`) calibrates
+    to its length: what static quantization (`popbert.export.openvino.quantize`) calibrates
     its activation ranges on."""
     chosen = predictor_class(task)
     if chosen is None:

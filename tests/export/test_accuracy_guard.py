@@ -21,8 +21,8 @@ from checkpoint_helpers import random_task_run
 from popbert.cli import main as cli
 from popbert.config import TaskConfig, load_config
 from popbert.data.tokenization import bundled_vocab_path
-from popbert.io import export
-from popbert.serve.accuracy import AccuracyCost, AccuracyError, accuracy_cost, check_drop
+from popbert.export import inference as export
+from popbert.export.accuracy import AccuracyCost, AccuracyError, accuracy_cost, check_drop
 from popbert.serve.predict import ClassifyPredictor, read_texts
 
 SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2",

@@ -14,7 +14,7 @@ into ONNX Runtime's `com.microsoft` contrib operators itself:
 
 Every rewrite is a pattern the builder's layers produce; anything else is left as it was, and
 the export check (ONNX Runtime on the fused file against the torch backend on the standard
-graph) proves each file that leaves `popbert.io.export`.
+graph) proves each file that leaves `popbert.export.inference`.
 """
 
 from __future__ import annotations

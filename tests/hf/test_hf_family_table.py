@@ -1,6 +1,6 @@
 """Every family's Hugging Face facts come from the family table: `Family.hf_*` (plain names),
 each task's classes (`popbert.tasks.TASKS`) and one entry of code per family
-(`popbert.io.hf_mapping.HF_FAMILIES`). Nothing in `popbert/io/hf_*.py` branches on a family's
+(`popbert.hf.mapping.HF_FAMILIES`). Nothing in `popbert/hf/*.py` branches on a family's
 name, and `export-hf --architecture` offers every family's classes."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 from popbert.builders.bert_config import BertConfig
 from popbert.builders.families import FAMILIES
 from popbert.cli.main import build_parser
-from popbert.io import hf_mapping as hf
+from popbert.hf import mapping as hf
 from popbert.tasks import TASKS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +55,7 @@ def test_config_json_fields_round_trip_through_the_familys_table() -> None:
 def test_no_hf_module_branches_on_a_family_name() -> None:
     names = "|".join(re.escape(name) for name in FAMILIES)
     branch = re.compile(rf"""[!=]=\s*["']({names})["']|["']({names})["']\s*[!=]=""")
-    for path in sorted((ROOT / "popbert" / "io").glob("hf_*.py")):
+    for path in sorted((ROOT / "popbert" / "hf").glob("*.py")):
         hits = [line for line in path.read_text().splitlines() if branch.search(line)]
         assert not hits, (path.name, hits)
 

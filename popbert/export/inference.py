@@ -3,7 +3,7 @@
 The exported model is verified at export time: ONNX Runtime runs the written file and the torch
 backend runs the FP32 graph on a sample batch, and they must agree, so a file that leaves here
 is known to compute what training computed. Tasks, options and the metadata an export carries:
-docs/design.md, section "popbert.io.export".
+docs/design.md, section "popbert.export.inference".
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from popbert.builders.bert import BATCH, SEQUENCE, build_bert
 from popbert.builders.bert_config import BertConfig
 from popbert.builders.families import family_of
 from popbert.errors import CheckpointError, UsageError
+from popbert.export.agreement import check_agreement
+from popbert.export.fused import CPU_FUSIONS, fuse_for_ort
+from popbert.export.quantize import DEFAULT_KEEP_FLOAT, QUANTIZE_MODES, quantize_int8
 from popbert.graph.annotations import METADATA_PREFIX, strip_annotations, trainable_initializers
-from popbert.io.fused import CPU_FUSIONS, fuse_for_ort
-from popbert.io.quantize import DEFAULT_KEEP_FLOAT, QUANTIZE_MODES, quantize_int8
-from popbert.serve.agreement import check_agreement
 from popbert.tasks import TASKS as FINETUNE_TASKS
 from popbert.tasks import task_metadata as finetune_metadata
 
@@ -164,7 +164,7 @@ def check_shapes(config: BertConfig, batch_size: int | None,
 def optimize_for_ort(model: onnx.ModelProto, config: BertConfig,
                      fusions: Collection[str] = CPU_FUSIONS) -> onnx.ModelProto:
     """`model` with ONNX Runtime's fused BERT contrib operators named in `fusions`
-    (`popbert.io.fused`); the operators it now has (op type → count) are stored as
+    (`popbert.export.fused`); the operators it now has (op type → count) are stored as
     `popbert.fusions` metadata."""
     out, fused = fuse_for_ort(model, config.num_heads, fusions)
     onnx.helper.set_model_props(out, {**{p.key: p.value for p in model.metadata_props},
@@ -239,7 +239,7 @@ def export_weights(weights: Mapping[str, torch.Tensor | np.ndarray], config: Ber
     `max_position_embeddings`). `optimize` rewrites the graph into ONNX Runtime's fused BERT
     operators named in `fusions` (default: those that pay on the CPU, `CPU_FUSIONS`);
     `quantize="int8"` (which implies `optimize`) then stores its weight matrices in INT8
-    except the roles in `keep_float` (`popbert.io.quantize`). `metadata` is stored as ONNX
+    except the roles in `keep_float` (`popbert.export.quantize`). `metadata` is stored as ONNX
     metadata props. ONNX Runtime must agree with the torch backend at every `check_shapes`
     pair (within `compare`'s tolerance for the format); the file is removed again if not.
     """
@@ -346,13 +346,14 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
     file and run at `precision` (`auto`, `f32`, `bf16`: `popbert.serve.openvino_ir`).
 
     With `eval_data` the export is scored against the plain FP32 export on that file
-    (`popbert.serve.accuracy`) before it is moved into place, and refused (AccuracyError,
+    (`popbert.export.accuracy`) before it is moved into place, and refused (AccuracyError,
     nothing written) if it loses more than `max_accuracy_drop` points.
     """
     from popbert.config import config_from_dict
+    from popbert.export.openvino import RUNTIMES
+    from popbert.hf.checkpoint import checkpoint_vocab
     from popbert.io.checkpoint import find_checkpoint, load_checkpoint
-    from popbert.io.hf_checkpoint import checkpoint_vocab
-    from popbert.serve.openvino_ir import RUNTIMES, resolve_precision
+    from popbert.serve.openvino_ir import resolve_precision
 
     if runtime not in RUNTIMES:
         raise UsageError(f"--runtime: expected one of {', '.join(RUNTIMES)}, got {runtime!r}")
@@ -380,7 +381,7 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
         raise UsageError("--calibration is the data static INT8 calibrates on: it needs "
                          "--quantize int8 (with --runtime openvino)")
     if eval_data is not None:
-        from popbert.serve.accuracy import check_eval_task
+        from popbert.export.accuracy import check_eval_task
 
         check_eval_task(task)
     # The data files as the task reads them, before anything is exported.
@@ -464,7 +465,7 @@ def _export_openvino(export: Callable[..., Path], config: BertConfig, task: str,
     """The FP32 ONNX export (verified in ONNX Runtime), converted to an OpenVINO IR directory
     at `output` (INT8 by NNCF, calibrated on `calibration`'s rows, when given) and verified
     again, at `precision`, against the torch backend."""
-    from popbert.serve.openvino_ir import write_ir
+    from popbert.export.openvino import write_ir
 
     output.parent.mkdir(parents=True, exist_ok=True)
     with staging_directory(output) as tmp:
@@ -478,7 +479,7 @@ def _export_openvino(export: Callable[..., Path], config: BertConfig, task: str,
         references = [torch_outputs(model, batch) for batch in batches]
         rows = None
         if calibration is not None:
-            from popbert.serve.accuracy import calibration_rows
+            from popbert.export.accuracy import calibration_rows
 
             rows = calibration_rows(source, task, calibration, CALIBRATION_ROWS)
         worst = write_ir(source, output, precision, batches, references, rows,
@@ -495,7 +496,7 @@ def _export_scored(export: Callable[..., Path], chosen: Mapping[str, object], ta
                    output: Path, eval_data: Path, max_drop: float | None) -> Path:
     """Export into a directory beside `output`, score it against the plain FP32 export on
     `eval_data`, and move it into place only if the drop is allowed."""
-    from popbert.serve.accuracy import accuracy_cost, check_drop
+    from popbert.export.accuracy import accuracy_cost, check_drop
 
     output.parent.mkdir(parents=True, exist_ok=True)
     with reported(output), \

@@ -96,8 +96,9 @@ def test_the_runtime_rewrite_changes_no_output(preset: str, extra: tuple,
     and nothing of either pattern may be left."""
     import openvino as ov
 
-    from popbert.io.export import export_checkpoint
-    from popbert.serve.openvino_ir import compile_model, convert, run
+    from popbert.export.inference import export_checkpoint
+    from popbert.export.openvino import convert
+    from popbert.serve.openvino_ir import compile_model, run
 
     run_dir = task_run(tmp_path / "run", "encoder", preset, extra)
     source = export_checkpoint(run_dir, "encoder", tmp_path / "m.onnx")
@@ -166,8 +167,8 @@ def test_the_check_refuses_other_weights(runs: dict[str, Path], tmp_path: Path) 
     """Negative control: references from a model with other weights fail the IR's check."""
     import onnx
 
-    from popbert.io.export import export_checkpoint, sample_batch, torch_outputs
-    from popbert.serve.openvino_ir import write_ir
+    from popbert.export.inference import export_checkpoint, sample_batch, torch_outputs
+    from popbert.export.openvino import write_ir
 
     other = task_run(tmp_path / "other", "classification", seed=99)
     mine = export_checkpoint(runs["classification"], "classification", tmp_path / "mine.onnx")
@@ -232,8 +233,8 @@ def test_static_int8_and_a_wrong_calibration_file_refused(tmp_path: Path, capsys
     import torch
 
     from popbert.config import dump_config
+    from popbert.export.inference import export_checkpoint
     from popbert.io.checkpoint import Checkpoint, save_checkpoint
-    from popbert.io.export import export_checkpoint
     from popbert.serve.predict import ClassifyPredictor, read_texts
 
     cfg = task_config("classification")

@@ -2,7 +2,7 @@
 
 Every family's fields go through one reader and one writer (`read_fields`, `write_fields`), of
 the family's own table, `Family.hf_config_fields`; this module also holds ModernBERT's checks
-(BERT's are in `popbert.io.hf_mapping`, which puts each family's into `HF_FAMILIES`).
+(BERT's are in `popbert.hf.mapping`, which puts each family's into `HF_FAMILIES`).
 
 For ModernBERT, both spellings `transformers` has used are read: `layer_types` +
 `rope_parameters` (5.x) and `global_attn_every_n_layers` + `global_rope_theta` /

@@ -28,7 +28,10 @@ sys.path.insert(0, str(HERE))
 
 import serve as bench  # noqa: E402  (benchmarks/serve.py: the load and the server handling)
 
-BATCH_METRICS = ("popbert_batch_rows", "popbert_batch_tokens", "popbert_batch_duration_seconds")
+# The batcher's running totals read from `/metrics`.
+BATCH_TOTALS = {f"{name}_{part}" for name in ("popbert_batch_rows", "popbert_batch_tokens",
+                                              "popbert_batch_duration_seconds")
+                for part in ("sum", "count")} | {"popbert_padding_tokens_total"}
 
 
 def batch_totals(base: str) -> dict[str, float]:
@@ -39,9 +42,7 @@ def batch_totals(base: str) -> dict[str, float]:
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=30).text):
         for sample in family.samples:
-            if sample.name.startswith(BATCH_METRICS) and sample.name.endswith(("_sum",
-                                                                                "_count")) \
-                    or sample.name == "popbert_padding_tokens_total":
+            if sample.name in BATCH_TOTALS:
                 totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals
 

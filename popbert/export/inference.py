@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 TASKS = ("pretraining", "encoder", *FINETUNE_TASKS)  # the table holds "embedding"
 # The float formats an inference export may be written in (`popbert export --dtype`).
 EXPORT_DTYPES = ("float32", "float16")
+# The runtimes an export is written for (`popbert export --runtime`): ONNX, or an OpenVINO IR.
+RUNTIMES = ("onnxruntime", "openvino")
 # ORT's fused CPU kernels (Attention, LayerNorm, GELU) reorder FP32 sums; logits of O(10) agree
 # to a few 1e-6 in practice; 1e-4 of the output's scale (at least 1e-4 absolute) leaves margin
 # without hiding a wrong weight. Relative, because FP32 rounding is: a model with huge weights
@@ -350,7 +352,6 @@ def export_checkpoint(checkpoint: Path, task: str, output: Path, *, dtype: str =
     nothing written) if it loses more than `max_accuracy_drop` points.
     """
     from popbert.config import config_from_dict
-    from popbert.export.openvino import RUNTIMES
     from popbert.hf.checkpoint import checkpoint_vocab
     from popbert.io.checkpoint import find_checkpoint, load_checkpoint
     from popbert.serve.openvino_ir import resolve_precision

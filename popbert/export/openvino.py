@@ -24,7 +24,6 @@ from popbert.errors import UsageError
 from popbert.export.agreement import check_agreement
 from popbert.serve.openvino_ir import INSTALL, IR_FILE, RT_INFO, compile_model, openvino, run
 
-RUNTIMES = ("onnxruntime", "openvino")  # `popbert export --runtime`
 # BF16 keeps 8 significant bits (relative step 7.8e-3). OpenVINO runs the GEMMs, attention and
 # GELU in BF16 with FP32 accumulation; over a dozen layers the logits of a model with outputs of
 # O(1-10) move by about 1e-2 of their scale. A wrong or missing weight moves them by O(1).
@@ -187,5 +186,5 @@ def write_ir(onnx_model: Path, output: Path, precision: str,
     return worst
 
 
-__all__ = ["BF16_TOLERANCE", "RUNTIMES", "convert", "drop_nan_guards", "quantize",
+__all__ = ["BF16_TOLERANCE", "convert", "drop_nan_guards", "quantize",
            "split_fused_projections", "write_ir"]

@@ -309,16 +309,16 @@ def test_two_workers_share_the_port_and_sum_their_metrics(minilm_export: Path,
         # `/health` answered once the first worker listens; the second joins the port when its
         # own model is warmed. Each new connection goes to a worker by the kernel's hash, so
         # keep connecting (bounded) until an /embed has been answered by each worker.
+        sample = texts()[:6]
         embedded: dict[int, int] = {}
         deadline = time.monotonic() + 120
         while len(embedded) < 2 or sum(embedded.values()) < 6:
             assert time.monotonic() < deadline, f"only workers {sorted(embedded)} answered"
             with server.client() as client:  # one connection: /info and /embed on it
                 pid = client.get("/info").json()["pid"]
-                text = texts()[sum(embedded.values()) % 6]
+                text = sample[sum(embedded.values()) % len(sample)]
                 assert client.post("/embed", json={"inputs": text}).status_code == 200
                 embedded[pid] = embedded.get(pid, 0) + 1
-        assert len(embedded) == 2
         # each worker counted its own; /metrics, answered by either, gives the sum
         for _ in range(4):
             assert server.metric("popbert_requests_total", route="/embed",

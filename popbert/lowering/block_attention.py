@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from popbert.graph.annotations import ANNOTATION_PREFIX
 from popbert.lowering.context import STANDARD_DOMAINS, NodeContext
+from popbert.lowering.dropout import dropout
 
 log = logging.getLogger(__name__)
 
@@ -401,7 +402,7 @@ class BlockDiagonalAttention(nn.Module):
         scores = torch.matmul(q, k.transpose(-1, -2)) * scale
         probs = torch.softmax(scores + dense_block_mask(segments, scores.dtype), dim=-1)
         if p:
-            probs = F.dropout(probs, p, True)
+            probs = dropout(probs, p)
         return torch.matmul(probs, v)
 
     @staticmethod

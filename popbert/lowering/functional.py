@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from popbert.lowering.dropout import dropout
+
 
 def onnx_identity(x: torch.Tensor) -> torch.Tensor:
     """Identity that still shows up as an fx node, so its annotations survive lowering."""
@@ -316,7 +318,7 @@ class OnnxDropout(nn.Module):
         if not self.return_mask:
             if not self.training or self.p == 0.0:
                 return x
-            return F.dropout(x, self.p, True)
+            return dropout(x, self.p)
         if not self.training or self.p == 0.0:
             return x, torch.ones_like(x, dtype=torch.bool)
         keep = torch.rand_like(x, dtype=torch.float32) >= self.p

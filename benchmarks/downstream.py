@@ -360,9 +360,11 @@ def main() -> None:
                         help="training pairs (classification: leads; ner: sentences)")
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--sides", default="sentence-transformers,popbert",
-                        help="comma-separated, run in this order each round (also: "
-                             "popbert-grouped)")
+    parser.add_argument("--sides", default=None,
+                        help="comma-separated, run in this order each round (default "
+                             "sentence-transformers,popbert; also popbert-grouped; "
+                             "classification and ner: transformers,popbert or one of them, "
+                             "for one side's quality over more seeds)")
     parser.add_argument("--task", choices=("embedding", "classification", "ner"),
                         default="embedding",
                         help="classification: topic classification of the leads (11 topics) "
@@ -396,7 +398,7 @@ def main() -> None:
     if args.task == "ner":
         ner(args)
         return
-    sides = args.sides.split(",")
+    sides = (args.sides or "sentence-transformers,popbert").split(",")
     rounds = run_rounds(args, sides, write_inputs, [])
     ours = next(name for name in sides if name.startswith("popbert"))
     report(args, rounds, ours, "sentence-transformers", "ndcg@10", "ndcg10_points_gap", {})
@@ -437,11 +439,13 @@ def report(args: argparse.Namespace, rounds: dict[str, list[dict]], ours: str, t
     summary = {name: {key: statistics.median(r[key] for r in runs)
                       for key in ("rows_per_s", "train_s", quality, *also)}
                for name, runs in rounds.items()}
-    ratio = summary[ours]["rows_per_s"] / summary[theirs]["rows_per_s"]
     if args.vary_seed:  # the quality of each side as the mean over its seeds
         for name, runs in rounds.items():
             summary[name][quality] = statistics.mean(r[quality] for r in runs)
-    gap = 100 * (summary[ours][quality] - summary[theirs][quality])
+    ratio = gap = None  # one side alone (--sides): its figures, no comparison
+    if ours in summary and theirs in summary:
+        ratio = summary[ours]["rows_per_s"] / summary[theirs]["rows_per_s"]
+        gap = 100 * (summary[ours][quality] - summary[theirs][quality])
     result = {**settings, "threads": args.threads, "rows": args.rows, "lr": args.lr,
               "seeds": sorted({r["seed"] for runs in rounds.values() for r in runs}),
               "rounds": rounds, "median": summary, "rows_per_s_ratio": ratio, gap_name: gap,
@@ -451,9 +455,19 @@ def report(args: argparse.Namespace, rounds: dict[str, list[dict]], ours: str, t
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 
+def trainer_sides(args: argparse.Namespace) -> list[str]:
+    """The sides of --task classification / ner: both, or the one --sides names."""
+    sides = (args.sides or "transformers,popbert").split(",")
+    unknown = set(sides) - {"transformers", "popbert"}
+    if unknown:
+        sys.exit(f"--sides: {args.task} has the sides transformers and popbert, not "
+                 f"{', '.join(sorted(unknown))}")
+    return sides
+
+
 def classification(args: argparse.Namespace) -> None:
     """Both classification sides, interleaved rounds, medians (see `--task`)."""
-    rounds = run_rounds(args, ["transformers", "popbert"], write_topic_inputs,
+    rounds = run_rounds(args, trainer_sides(args), write_topic_inputs,
                         ["--task", "classification", "--epochs", str(args.epochs)])
     report(args, rounds, "popbert", "transformers", "accuracy", "accuracy_points_gap",
            {"task": "classification", "epochs": args.epochs})
@@ -461,7 +475,7 @@ def classification(args: argparse.Namespace) -> None:
 
 def ner(args: argparse.Namespace) -> None:
     """Both NER sides, interleaved rounds, medians (see `--task`)."""
-    rounds = run_rounds(args, ["transformers", "popbert"], write_ner_inputs,
+    rounds = run_rounds(args, trainer_sides(args), write_ner_inputs,
                         ["--task", "ner", "--epochs", str(args.epochs)])
     report(args, rounds, "popbert", "transformers", "f1", "f1_points_gap",
            {"task": "ner", "epochs": args.epochs, "data": list(NER_FILES.values())},

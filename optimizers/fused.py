@@ -27,6 +27,7 @@ from popbert.optimizers.stochastic_rounding import (
     compilation_enabled,
     element_counter,
     finish_hashed_fp16,
+    flat_alias,
     hashed_round_bf16_bits,
     hashed_round_fp16_bits,
 )
@@ -117,14 +118,6 @@ def _run_fused(name: str, *operands: object) -> object:
     return fn(*operands)
 
 
-def _flat_piece(t: Tensor, start: int, stop: int) -> Tensor:
-    """Elements ``start:stop`` of contiguous ``t`` as a flat alias without autograd flags or a
-    view base: the compiled kernels guard on those, and every parameter would otherwise
-    compile its own variant."""
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-        t.untyped_storage(), t.storage_offset() + start, (stop - start,), (1,))
-
-
 def f32(value: float) -> float:
     """``value`` as torch's CPU kernels use a Python scalar on FP32 tensors (rounded once)."""
     return struct.unpack("f", struct.pack("f", value))[0]
@@ -139,7 +132,7 @@ class Scratch:
     def get(self, n: int, dtype: torch.dtype = torch.float32) -> Tensor:
         if self._buf is None or self._buf.numel() < n:
             self._buf = torch.empty(n, dtype=torch.float32)
-        return _flat_piece(self._buf.view(dtype), 0, n)
+        return flat_alias(self._buf.view(dtype), 0, n)
 
 
 class FusedPiece:
@@ -151,7 +144,7 @@ class FusedPiece:
         i, start, stop = piece
         self.i = i
         self.n = stop - start
-        self.p, self.g, self.m, self.v = (_flat_piece(t[i], start, stop) for t in lists)
+        self.p, self.g, self.m, self.v = (flat_alias(t[i], start, stop) for t in lists)
         self.key = rounding.key(i)
         self.base = rounding.base(i, start)
         if self.base < 0 or self.base + self.n - 1 > (1 << 31) - 1:

@@ -56,6 +56,7 @@ __all__ = [
     "RoundFn",
     "compilation_enabled",
     "element_counter",
+    "flat_alias",
     "finish_hashed_fp16",
     "hash_bits",
     "hashed_round_bf16_bits",
@@ -267,6 +268,15 @@ def element_counter(n: int, device: torch.device | str = "cpu") -> Tensor:
         _counters[device] = buf
     return torch.empty(0, dtype=torch.int32, device=device).set_(
         buf.untyped_storage(), 0, (n,), (1,))
+
+
+def flat_alias(t: Tensor, start: int = 0, stop: int | None = None) -> Tensor:
+    """Elements ``start:stop`` of contiguous ``t`` as a flat alias without autograd flags or
+    a view base. Compiled loops guard on those: given views, every parameter (or every kind
+    of base) would compile its own variant."""
+    stop = t.numel() if stop is None else stop
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset() + start, (stop - start,), (1,))
 
 
 def _index(counter: Tensor, args: Tensor) -> Tensor:

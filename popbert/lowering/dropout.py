@@ -29,6 +29,7 @@ from popbert.optimizers.stochastic_rounding import (
     COMPILE_OPTIONS,
     compilation_enabled,
     element_counter,
+    flat_alias,
     hash_bits,
 )
 
@@ -58,17 +59,9 @@ def _masked_scale(x: Tensor, counter: Tensor, args: Tensor, scale: Tensor) -> Te
     return torch.where(keep, x * scale, 0.0)
 
 
-def _flat_alias(x: Tensor) -> Tensor:
-    """``x``'s elements as a 1-D tensor that is not an autograd view: a view would make
-    Dynamo guard on its base's strides and compile again for every kind of base."""
-    x = x.detach().contiguous()
-    return torch.empty(0, dtype=x.dtype, device=x.device).set_(
-        x.untyped_storage(), x.storage_offset(), (x.numel(),), (1,))
-
-
 def _run(x: Tensor, args: Tensor, scale: Tensor) -> Tensor:
     global _compiled, _compile_failed
-    flat = _flat_alias(x)
+    flat = flat_alias(x.detach().contiguous())  # not a view: one compiled variant
     counter = element_counter(flat.numel(), flat.device)
     if flat.numel() >= COMPILE_MIN_NUMEL and compilation_enabled() and not _compile_failed:
         if _compiled is None:

@@ -34,7 +34,12 @@ class _CpuTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         out = func(*args, **(kwargs or {}))
-        for value in tree_flatten(out)[0]:
+        values = tree_flatten(out)[0]
+        # A sparse gradient (popbert.lowering.embedding) owns its indices' and values' storages.
+        values = [part for value in values for part in (
+            (value._indices(), value._values()) if isinstance(value, torch.Tensor)
+            and value.is_sparse else (value,))]
+        for value in values:
             if isinstance(value, torch.Tensor) and value.device.type == "cpu":
                 storage = value.untyped_storage()
                 key = id(storage)

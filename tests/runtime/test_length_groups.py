@@ -6,8 +6,10 @@ The reference is the same graph and weights fed the whole padded micro-batch in 
 group's loss is weighted by its share of the rows (classification, regression) or of the
 labelled tokens (token classification), so the loss and every weight's gradient are the padded
 pass's: 1e-5 for the loss and 1e-4 of each tensor's largest gradient (only the GEMMs' summation
-order differs; measured about 1e-7). The negative control weights the groups by rows where the
-loss is a mean over tokens, and misses by more than 1e-4 (8e-4 measured).
+order differs; measured about 1e-7). The grouped run accumulates every embedding table's
+gradient row by row (`popbert.lowering.embedding`), the reference takes dense ones. The negative
+control weights the groups by rows where the loss is a mean over tokens, and misses by more than
+1e-4 (8e-4 measured).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 import torch
 from bert_helpers import one_thread, small_config  # noqa: F401 (one_thread: autouse)
 
+import popbert.lowering.embedding as embedding
 import popbert.runtime.groups as groups
 import popbert.tasks  # noqa: F401 (registers the task heads build_bert reads)
 from popbert.builders.bert import build_bert
@@ -112,9 +115,13 @@ def test_groups_train_like_the_padded_micro_batch(task: str, family: str, monkey
     micro = batch(task)
     assert len(length_groups(text_lengths(micro["input_mask"]))) >= 3
     proto = model(task, family)
+    monkeypatch.setattr(embedding, "SPARSE", False)  # the reference: dense table gradients
     _, padded, padded_grads = step(proto, micro, trim=False)
+    monkeypatch.setattr(embedding, "SPARSE", True)  # the groups: every table's rows accumulated
+    monkeypatch.setattr(embedding, "SPARSE_MIN_ROWS", 1)
     session, grouped, grouped_grads = step(proto, micro, trim=True)
     assert session._groups is not None
+    assert all(g.layout == torch.strided for g in grouped_grads.values())
     assert padded.keys() == grouped.keys() and "loss" in padded
     for name in padded:  # the loss, and the accuracy (a mean over the same units)
         assert abs(grouped[name] - padded[name]) <= 1e-5, name

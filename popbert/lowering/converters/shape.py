@@ -12,9 +12,9 @@ import operator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from popbert.lowering.context import NodeContext, register_converter
+from popbert.lowering.embedding import embedding
 from popbert.lowering.functional import (
     onnx_constant_of_shape,
     onnx_expand,
@@ -43,7 +43,7 @@ def convert_gather(ctx: NodeContext) -> list[Any]:
     data, indices = ctx.inputs[0], ctx.inputs[1]
     d_shape = ctx.shape(0)
     if ctx.is_param(0) and d_shape is not None and len(d_shape) == 2 and axis in (0, -2):
-        return [ctx.call(F.embedding, indices, data)]
+        return [ctx.call(embedding, indices, data)]
     if ctx.is_const(1) and ctx.const_value(1).dim() == 0:
         return [ctx.call(torch.select, data, axis, int(ctx.const_value(1).item()))]
     return [ctx.call(onnx_gather, data, indices, axis)]

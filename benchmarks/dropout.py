@@ -20,6 +20,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -77,9 +78,11 @@ def minilm_rows(rows: int) -> tuple[BertConfig, dict]:
     return config, {k: np.asarray(v)[order].astype(np.int64) for k, v in arrays.items()}
 
 
-def whole_steps(steps: int, warmup: int) -> dict:
-    """Mean step time with torch's masks and with hashed ones, the same batches."""
-    config, rows = minilm_rows((steps + warmup) * 32)
+def alternating_steps(config: BertConfig, rows: dict, toggle: Callable[[bool], None],
+                      steps: int, warmup: int) -> dict[bool, float]:
+    """Mean ms of a trimmed, length-grouped training step of `config` with `toggle(False)` and
+    with `toggle(True)`: one session, each batch run both ways (who goes first alternates), so
+    only what the toggle switches differs."""
     torch.manual_seed(0)
     graph = build_bert(config, task="classification", seed=1, dynamic_sequence=True)
     session = TrainingSession(
@@ -89,14 +92,24 @@ def whole_steps(steps: int, warmup: int) -> dict:
     times: dict[bool, list[float]] = {False: [], True: []}
     for index in range(steps + warmup):
         batch = {k: v[index * 32:(index + 1) * 32] for k, v in rows.items()}
-        for use_hash in ((False, True) if index % 2 else (True, False)):
-            hashed.HASHED = use_hash
+        for on in ((False, True) if index % 2 else (True, False)):
+            toggle(on)
             start = time.perf_counter()
             session.run(batch)
             if index >= warmup:
-                times[use_hash].append(time.perf_counter() - start)
+                times[on].append(time.perf_counter() - start)
+    return {k: statistics.fmean(v) * 1e3 for k, v in times.items()}
+
+
+def whole_steps(steps: int, warmup: int) -> dict:
+    """Mean step time with torch's masks and with hashed ones, the same batches."""
+    config, rows = minilm_rows((steps + warmup) * 32)
+
+    def use_hash(on: bool) -> None:
+        hashed.HASHED = on
+
+    mean = alternating_steps(config, rows, use_hash, steps, warmup)
     hashed.HASHED = True
-    mean = {k: statistics.fmean(v) * 1e3 for k, v in times.items()}
     print(f"| MiniLM-shaped classifier step, topic leads | {mean[False]:.0f} | "
           f"{mean[True]:.0f} | {mean[False] / mean[True]:.2f}× |", flush=True)
     return {"torch_ms": mean[False], "hashed_ms": mean[True], "steps": steps}

@@ -115,8 +115,11 @@ def whole_steps(steps: int, warmup: int) -> dict:
     return {"torch_ms": mean[False], "hashed_ms": mean[True], "steps": steps}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run_a_against_b(description: str, a: str, b: str, op_alone: Callable[[int], object],
+                    whole_steps: Callable[[int, int], object]) -> None:
+    """The command line of an A-against-B benchmark of this shape: its flags, then the table
+    (columns `a` and `b`) of `op_alone(repeats)` and `whole_steps(steps, warmup)`."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=20, help="op timings of each kind")
     parser.add_argument("--steps", type=int, default=20, help="timed steps of each kind")
@@ -125,10 +128,15 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"threads {torch.get_num_threads()}", file=sys.stderr)
-    print("| what | torch's masks, ms | hashed masks, ms | speed-up |")
+    print(f"| what | {a}, ms | {b}, ms | speed-up |")
     print("| --- | ---: | ---: | ---: |")
     op_alone(args.repeats)
     whole_steps(args.steps, args.warmup)
+
+
+def main() -> None:
+    run_a_against_b(__doc__.split("\n\n")[0], "torch's masks", "hashed masks", op_alone,
+                    whole_steps)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ accumulation (`popbert.lowering.embedding`).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import time
@@ -29,7 +28,11 @@ import torch.nn.functional as F
 import popbert.lowering.embedding as embedding
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dropout import alternating_steps, minilm_rows  # noqa: E402 (the same rows and step harness)
+from dropout import (  # noqa: E402 (the same rows, step harness and command line)
+    alternating_steps,
+    minilm_rows,
+    run_a_against_b,
+)
 
 from popbert.runtime.groups import length_groups, text_lengths  # noqa: E402
 
@@ -76,19 +79,8 @@ def whole_steps(steps: int, warmup: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=20, help="op timings of each kind")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps of each kind")
-    parser.add_argument("--warmup", type=int, default=2)
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print(f"threads {torch.get_num_threads()}", file=sys.stderr)
-    print("| what | dense gradient, ms | row accumulation, ms | speed-up |")
-    print("| --- | ---: | ---: | ---: |")
-    op_alone(args.repeats)
-    whole_steps(args.steps, args.warmup)
+    run_a_against_b(__doc__.split("\n\n")[0], "dense gradient", "row accumulation", op_alone,
+                    whole_steps)
 
 
 if __name__ == "__main__":

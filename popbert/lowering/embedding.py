@@ -38,9 +38,11 @@ def _densify(table: Tensor) -> None:
 
 
 def _sparse_gradient(table: Tensor) -> bool:
+    # is_dynamo_compiling, not is_compiling: the latter is one flag for the whole process, set
+    # while any thread compiles, which would change this thread's path (and its sums' order).
     return (SPARSE and table.requires_grad and table.is_leaf and torch.is_grad_enabled()
             and table.device.type == "cpu" and table.dim() == 2
-            and table.shape[0] >= SPARSE_MIN_ROWS and not torch.compiler.is_compiling())
+            and table.shape[0] >= SPARSE_MIN_ROWS and not torch.compiler.is_dynamo_compiling())
 
 
 def embedding(indices: Tensor, table: Tensor) -> Tensor:

@@ -72,9 +72,6 @@ def whole_steps(steps: int, warmup: int) -> dict:
         embedding.SPARSE = on
 
     mean = alternating_steps(config, rows, rows_on, steps, warmup)
-    embedding.SPARSE = True
-    print(f"| MiniLM-shaped classifier step, topic leads | {mean[False]:.0f} | {mean[True]:.0f} | "
-          f"{mean[False] / mean[True]:.2f}× |", flush=True)
     return {"dense_ms": mean[False], "rows_ms": mean[True], "steps": steps}
 
 

@@ -85,19 +85,25 @@ class Encoded:
 # `graph.outputs` and, with `with_loss`, a scalar "loss" output.
 TaskHead = Callable[[Builder, BertConfig, layers.WeightInit, BertGraph, Encoded, bool], None]
 TASK_HEADS: dict[str, TaskHead] = {}
+# Heads that read nothing of the encoder but its pooled output: the last layer of a family that
+# pools the first row ([CLS]) needs computing for that row alone (`build_bert`).
+POOLED_ONLY_TASKS: set[str] = set()
 
 
-def register_task(name: str) -> Callable[[TaskHead], TaskHead]:
-    """Register a head so `build_bert(config, task=name)` builds it (fine-tuning heads use it)."""
+def register_task(name: str, pooled_only: bool = False) -> Callable[[TaskHead], TaskHead]:
+    """Register a head so `build_bert(config, task=name)` builds it (fine-tuning heads use it).
+    `pooled_only`: the head reads `Encoded.pooled` and never `Encoded.hidden`."""
     def register(head: TaskHead) -> TaskHead:
         TASK_HEADS[name] = head
+        if pooled_only:
+            POOLED_ONLY_TASKS.add(name)
         return head
     return register
 
 
 def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = True,
                seed: int = 0, zeros: bool = False, batch_size: int | str = BATCH,
-               dynamic_sequence: bool = False) -> BertGraph:
+               dynamic_sequence: bool = False, all_rows: bool = False) -> BertGraph:
     """Emit the BERT graph for `task`.
 
     task="pretraining" with_loss=True is the training graph (labels in, losses and accuracies
@@ -113,6 +119,12 @@ def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = 
     table and the attention mask is expanded to the input's length. Inference exports use it,
     and so do training graphs fed batches cut to their longest row (`execution.trim_padding`).
     Static shapes are what IPUs compile, so the popart dialect and packing refuse the flag.
+
+    A head that reads only the pooled output (`register_task(..., pooled_only=True)`:
+    classification, regression, cross-encoders) of a family that pools the first row gets a
+    last layer computed for that row alone: keys and values from every row, the rest for
+    [CLS] (`Family.first_row_layer`). Its outputs equal the full layer's; `all_rows=True`
+    computes every row anyway (to measure what that costs).
     """
     config.validate()
     if task not in TASK_HEADS:
@@ -153,10 +165,14 @@ def build_bert(config: BertConfig, task: str = "pretraining", with_loss: bool = 
     with plan.scope(b, plan.embeddings):
         embedded = family.embed(b, config, init, inputs, seq, dynamic_sequence)
     hidden = embedded.hidden
+    first_row_last = (not all_rows and task in POOLED_ONLY_TASKS and not config.packed
+                      and family.first_row_layer is not None and family.pools_first_row(config))
     for index, where in enumerate(plan.layers):
+        last = index == config.num_layers - 1
+        layer = family.first_row_layer if first_row_last and last else family.layer
         with plan.scope(b, where):
-            hidden = family.layer(b, config, init, hidden, embedded.context, index, seq)
-            if family.final is not None and index == config.num_layers - 1:
+            hidden = layer(b, config, init, hidden, embedded.context, index, seq)
+            if family.final is not None and last:
                 hidden = family.final(b, config, init, hidden)
             if config.recompute and plan.enabled and plan.checkpoint_layer(index):
                 hidden = b.checkpointOutput([hidden])[0]

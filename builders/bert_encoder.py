@@ -48,6 +48,12 @@ def layer(b: Builder, config: BertConfig, init: layers.WeightInit, x: str,
     return encoder_layer(b, config, init, x, context.mask, index, seq)
 
 
+def first_row_layer(b: Builder, config: BertConfig, init: layers.WeightInit, x: str,
+                    context: BertContext, index: int, seq: int | str) -> str:
+    """`layer` for the [CLS] row alone, [B, 1, H] (what `pooler` reads of the last layer)."""
+    return encoder_layer(b, config, init, x, context.mask, index, seq, first_row_only=True)
+
+
 def pool(b: Builder, config: BertConfig, init: layers.WeightInit, graph: BertGraph,
          hidden: str, context: object, task: str) -> str | None:
     """The tanh pooler on [CLS] (each packed sequence's [CLS]); none for an MLM-only model's
@@ -100,19 +106,26 @@ def embeddings(b: Builder, config: BertConfig, init: layers.WeightInit, input_id
 
 
 def encoder_layer(b: Builder, config: BertConfig, init: layers.WeightInit, x: str, mask: str,
-                  index: int, seq_len: int | str | None = None) -> str:
+                  index: int, seq_len: int | str | None = None,
+                  first_row_only: bool = False) -> str:
     """Post-norm transformer layer: attention → add & norm → FFN → add & norm.
 
-    `seq_len`: the graph's sequence axis (symbolic in dynamic exports); the config's if None."""
+    `seq_len`: the graph's sequence axis (symbolic in dynamic exports); the config's if None.
+    `first_row_only`: the output of row 0 ([CLS]) alone, [B, 1, H]: keys and values from every
+    row, the query, the output projection, the norms and the FFN for that row."""
     h, heads = config.hidden_size, config.num_heads
     with b.nameScope(f"Layer{index}"):
         with b.nameScope("Attention"):
             qkv = layers.dense(b, x, h, 3 * h, init, "QKV")
             q, k, v = layers.split(b, qkv, 3, -1, "Split")
+            if first_row_only:
+                q = layers.first_row(b, q, 1, "FirstQuery")
+                mask = layers.first_row(b, mask, 2, "FirstMaskRow")
+                x = layers.first_row(b, x, 1, "FirstRow")
             context = layers.multi_head_attention(
                 b, q, k, v, mask, h, heads,
                 config.sequence_length if seq_len is None else seq_len,
-                config.attention_dropout)
+                config.attention_dropout, query_len=1 if first_row_only else None)
             out = layers.dense(b, context, h, h, init, "Out")
             out = layers.dropout(b, out, config.hidden_dropout)
             x = layers.layer_norm(b, b.aiOnnx.add([x, out], "Residual"), h,
@@ -150,6 +163,7 @@ def packed_pooler(b: Builder, config: BertConfig, init: layers.WeightInit, hidde
 BERT = register_family(Family(
     name="bert", title="BERT", hf_model_type="bert", segments=True,
     embed=embed, layer=layer, pool=pool,
+    first_row_layer=first_row_layer, pools_first_row=lambda config: True,
     hf_base="BertModel", hf_pretraining=("BertForPreTraining", "BertForMaskedLM"),
     hf_config_fields=(("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
                       ("num_hidden_layers", "num_layers"),

@@ -76,6 +76,11 @@ class Family:
     layer: Layer  # one encoder layer (run in that layer's placement)
     pool: Pool  # the pooled [B, H] (or packed [B, K, H]) output sentence heads read, or None
     final: Final | None = None  # after the last layer (pre-norm families' final LayerNorm)
+    # `layer` computed for the first row alone ([B, 1, H]; keys and values still from every
+    # row), and whether `pool` reads nothing but that row under `config`: together they let a
+    # head of the pooled output skip the rest of the last layer (None: always every row)
+    first_row_layer: Layer | None = None
+    pools_first_row: Callable[[BertConfig], bool] = lambda config: False
     head_bias: Callable[[BertConfig], HeadBias] = lambda config: HeadBias()
     span_features: Features | None = None  # per-token transform before the SQuAD logits
     # Dropout fine-tuning uses when the user names none (None: the checkpoint's own); a family

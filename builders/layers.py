@@ -336,6 +336,14 @@ def squeeze(b: Builder, x: str, axes: Sequence[int], name: str,
     return b.aiOnnx.squeeze([x], name, axes=list(axes))
 
 
+def first_row(b: Builder, x: str, axis: int, name: str) -> str:
+    """`x` cut to its first entry along `axis` (kept, of size 1)."""
+    with b.nameScope(name):
+        zero = b.addConstant(np.array([0], np.int64), "start")
+        return b.aiOnnx.slice([x, zero, b.addConstant(np.array([1], np.int64), "end"),
+                               b.addConstant(np.array([axis], np.int64), "axis")], "Slice")
+
+
 def split(b: Builder, x: str, parts: int, axis: int, name: str) -> list[str]:
     """Split into `parts` equal pieces along `axis`: `num_outputs` from opset 18; before, the
     sizes as the `split` attribute (static, so the axis must be)."""
@@ -435,13 +443,16 @@ def packed_attention_mask(b: Builder, sequence_index: str, seq_len: int) -> str:
 
 
 def multi_head_attention(b: Builder, q: str, k: str, v: str, mask: str, hidden: int,
-                         heads: int, seq_len: int | str, attention_dropout: float) -> str:
+                         heads: int, seq_len: int | str, attention_dropout: float,
+                         query_len: int | str | None = None) -> str:
     """Scaled dot-product attention over [B, S, H] tensors, returning [B, S, H].
 
     With no attention-probability dropout the `onnx` dialect emits the fused opset-23
     `Attention` op; otherwise (and in the `popart` dialect) the explicit
     MatMul/Softmax/Dropout/MatMul chain, since `Attention` has no dropout. A symbolic
-    `seq_len` reshapes through -1 (`sequence_entry`).
+    `seq_len` reshapes through -1 (`sequence_entry`). Queries of another length than the keys
+    (`query_len`, e.g. 1 for [CLS] alone) give [B, query_len, H]; `mask` is then
+    [B, 1, query_len, S].
     """
     if b.dialect == "onnx" and attention_dropout <= 0.0:
         return b.aiOnnx.attention([q, k, v, mask], "Attention", q_num_heads=heads,
@@ -449,12 +460,15 @@ def multi_head_attention(b: Builder, q: str, k: str, v: str, mask: str, hidden: 
     head_dim = hidden // heads
     split_shape = b.addConstant(np.array([0, sequence_entry(seq_len), heads, head_dim],
                                            np.int64), "heads_shape")
+    query_len = seq_len if query_len is None else query_len
+    query_shape = split_shape if query_len == seq_len else b.addConstant(
+        np.array([0, sequence_entry(query_len), heads, head_dim], np.int64), "query_shape")
 
-    def heads_first(t: str, perm: list[int], name: str) -> str:
-        return b.aiOnnx.transpose([b.aiOnnx.reshape([t, split_shape], f"{name}/Reshape")],
+    def heads_first(t: str, perm: list[int], name: str, shape: str = split_shape) -> str:
+        return b.aiOnnx.transpose([b.aiOnnx.reshape([t, shape], f"{name}/Reshape")],
                                   f"{name}/Transpose", perm=perm)
 
-    qh = heads_first(q, [0, 2, 1, 3], "Q")
+    qh = heads_first(q, [0, 2, 1, 3], "Q", query_shape)
     kh = heads_first(k, [0, 2, 3, 1], "K")  # [B, heads, d, S]
     vh = heads_first(v, [0, 2, 1, 3], "V")
     scores = b.aiOnnx.matmul([qh, kh], "Scores")
@@ -465,7 +479,7 @@ def multi_head_attention(b: Builder, q: str, k: str, v: str, mask: str, hidden: 
     probs = dropout(b, probs, attention_dropout, "ProbsDropout")
     context = b.aiOnnx.matmul([probs, vh], "Context")
     context = b.aiOnnx.transpose([context], "Context/Transpose", perm=[0, 2, 1, 3])
-    merge = b.addConstant(np.array([0, sequence_entry(seq_len), hidden], np.int64),
+    merge = b.addConstant(np.array([0, sequence_entry(query_len), hidden], np.int64),
                           "merge_shape")
     return b.aiOnnx.reshape([context, merge], "Context/Reshape")
 

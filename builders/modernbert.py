@@ -190,9 +190,11 @@ def _weights(config: BertConfig, init: layers.WeightInit, rows: int, cols: int,
 
 
 def layer(b: Builder, config: BertConfig, init: layers.WeightInit, x: str,
-          context: ModernBertContext, index: int, seq: int | str) -> str:
+          context: ModernBertContext, index: int, seq: int | str,
+          first_row_only: bool = False) -> str:
     """x + Attention(norm(x)), then x + GeGLU-MLP(norm(x)); layer 0's attention norm is the
-    identity (the embeddings' LayerNorm has just normalised x)."""
+    identity (the embeddings' LayerNorm has just normalised x). `first_row_only`: the output of
+    row 0 ([CLS]) alone, [B, 1, H]: keys and values from every row, the rest for that row."""
     m = config.modernbert
     h, inner = config.hidden_size, config.intermediate_size
     kind = GLOBAL if is_global(config, index) else LOCAL
@@ -206,8 +208,13 @@ def layer(b: Builder, config: BertConfig, init: layers.WeightInit, x: str,
             q, k, v = layers.split(b, qkv, 3, -1, "Split")
             q = rotate(b, config, q, context.rotary[kind], seq, "RotaryQ")
             k = rotate(b, config, k, context.rotary[kind], seq, "RotaryK")
+            if first_row_only:
+                q = layers.first_row(b, q, 1, "FirstQuery")
+                mask = layers.first_row(b, mask, 2, "FirstMaskRow")
+                x = layers.first_row(b, x, 1, "FirstRow")
             attended = layers.multi_head_attention(b, q, k, v, mask, h, config.num_heads, seq,
-                                                   config.attention_dropout)
+                                                   config.attention_dropout,
+                                                   query_len=1 if first_row_only else None)
             out = layers.dense(b, attended, h, h, init, "Out", bias=m.attention_bias,
                                initial=_weights(config, init, h, h, out=True))
             out = layers.dropout(b, out, config.attention_dropout)
@@ -223,6 +230,12 @@ def layer(b: Builder, config: BertConfig, init: layers.WeightInit, x: str,
                              initial=_weights(config, init, inner, h, out=True))
             x = b.aiOnnx.add([x, y], "Residual")
     return x
+
+
+def first_row_layer(b: Builder, config: BertConfig, init: layers.WeightInit, x: str,
+                    context: ModernBertContext, index: int, seq: int | str) -> str:
+    """`layer` for the [CLS] row alone, [B, 1, H] (what `pool` reads with `cls` pooling)."""
+    return layer(b, config, init, x, context, index, seq, first_row_only=True)
 
 
 def final_norm(b: Builder, config: BertConfig, init: layers.WeightInit, x: str) -> str:
@@ -272,7 +285,8 @@ def span_features(b: Builder, config: BertConfig, init: layers.WeightInit, hidde
 
 MODERNBERT = register_family(Family(
     name="modernbert", title="ModernBERT", hf_model_type="modernbert", segments=False,
-    embed=embed, layer=layer, pool=pool, final=final_norm,
+    embed=embed, layer=layer, pool=pool, final=final_norm, first_row_layer=first_row_layer,
+    pools_first_row=lambda config: config.modernbert.classifier_pooling == "cls",
     head_bias=lambda config: HeadBias(dense=config.modernbert.classifier_bias,
                                       norm=config.modernbert.norm_bias,
                                       decoder=config.modernbert.decoder_bias),

@@ -50,7 +50,7 @@ def num_labels(config: BertConfig) -> int:
     return value
 
 
-@register_task(NAME)
+@register_task(NAME, pooled_only=True)
 def classification_head(b: Builder, config: BertConfig, init: layers.WeightInit,
                         graph: BertGraph, encoded: Encoded, with_loss: bool) -> None:
     """Logits [B, num_labels] from the family's pooled output (BERT's tanh pooler on [CLS],

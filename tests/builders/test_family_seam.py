@@ -63,7 +63,9 @@ BEFORE_THE_SEAM = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_graph_is_byte_identical_to_before_the_family_seam(name: str) -> None:
     overrides, arguments = CASES[name]
-    graph = build_bert(small_config(**overrides), **arguments).model().graph
+    # every row of the last layer, as before; without `all_rows` a BERT classifier's last layer
+    # computes [CLS] alone (tests/builders/test_first_row_layer.py: the same outputs)
+    graph = build_bert(small_config(**overrides), **arguments, all_rows=True).model().graph
     digest = hashlib.sha256(graph.SerializeToString(deterministic=True)).hexdigest()
     assert digest == BEFORE_THE_SEAM[name]
 

@@ -323,11 +323,13 @@ def test_length_buckets_give_each_rows_own_outputs_in_input_order(classify_files
     for batch_size in (3, 8):
         bucketed = predictor.run(arrays, batch_size)["logits"]
         unsorted = predictor.run(arrays, batch_size, bucket=False)["logits"]
-        # Pad positions are masked out exactly (their attention weight underflows to 0), and on
-        # this machine the outputs are bit-identical; 1e-6 leaves room for ONNX Runtime picking
-        # another GEMM blocking for another batch width on another CPU.
-        np.testing.assert_allclose(bucketed, alone, rtol=0, atol=1e-6)
-        np.testing.assert_allclose(unsorted, alone, rtol=0, atol=1e-6)
+        # Pad positions are masked out exactly (their attention weight underflows to 0). The
+        # last layer computes [CLS] alone, a [rows, H] product: ONNX Runtime picks its kernel
+        # by the row count (one row alone: a vector product), so the sums run in another order
+        # than in a batch (3e-6 measured on these logits of about 2.7); 1e-5, what `popbert
+        # serve` promises for a text alone or batched.
+        np.testing.assert_allclose(bucketed, alone, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(unsorted, alone, rtol=0, atol=1e-5)
     # SQuAD: each window's start/end logits (padded back to the export's length with
     # CUT_LOGIT) are those it gets alone, in the windows' order.
     squad = SquadPredictor(exported)

@@ -62,8 +62,10 @@ BEFORE_THE_SEAM = {
 def test_task_graphs_are_byte_identical_to_before_the_seam(name: str) -> None:
     family, rest = name.split("-", 1)
     task = rest.removesuffix("-inference")  # the hashes pin the tasks that were before
+    # every row of the last layer, as before; without `all_rows` a classification head's last
+    # layer computes [CLS] alone (tests/builders/test_first_row_layer.py: the same outputs)
     graph = build_bert(small_config(**FAMILY[family], task=CONFIGS[task]), task=task,
-                       with_loss=not rest.endswith("-inference")).model().graph
+                       with_loss=not rest.endswith("-inference"), all_rows=True).model().graph
     digest = hashlib.sha256(graph.SerializeToString(deterministic=True)).hexdigest()
     assert digest == BEFORE_THE_SEAM[name]
 

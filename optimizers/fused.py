@@ -33,8 +33,8 @@ from popbert.optimizers.stochastic_rounding import (
 )
 from popbert.optimizers.tiling import TilePlan
 
-__all__ = ["FusedPiece", "Scratch", "StepRunner", "adamw_piece", "apply_piece", "f32",
-           "fusable", "lamb_update_piece", "probe_agrees", "split_tile"]
+__all__ = ["DYNAMO_LIMITS", "FusedPiece", "Scratch", "StepRunner", "adamw_piece", "apply_piece",
+           "f32", "fusable", "lamb_update_piece", "probe_agrees", "split_tile"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,12 @@ _LERP, _B2, _C2, _GSCALE, _EPS, _DIV, _DECAY, _STEP, _WD = range(9)
 _fused_kernels: dict[str, Callable[..., object]] = {}
 _fused_failed = False
 _fused_checked: dict[tuple[object, ...], bool] = {}
+# Dynamo runs a function eagerly once it has compiled it `recompile_limit` times (8 by default,
+# counting every dtype, flag and global state such as grad mode it was called under), and
+# eager `prims.fma` rounds twice: past the limit the fused step would silently stop matching
+# the unfused one by an ulp. A kernel meets a few dozen such variants at most, so its calls get
+# a higher limit, and reaching even that is an error rather than an eager run.
+DYNAMO_LIMITS: dict[str, object] = {"recompile_limit": 64, "fail_on_recompile_limit_hit": True}
 
 
 def _fma(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
@@ -111,11 +117,12 @@ _KERNEL_FNS: dict[str, Callable[..., None]] = {
 def _run_fused(name: str, *operands: object) -> object:
     fn = _fused_kernels.get(name)
     if fn is None:
-        import torch._inductor.inductor_prims  # noqa: F401 - registers torch.ops.prims.fma
+        from torch._inductor import inductor_prims  # noqa: F401 - registers prims.fma
 
         fn = torch.compile(_KERNEL_FNS[name], dynamic=True, options=COMPILE_OPTIONS)
         _fused_kernels[name] = fn
-    return fn(*operands)
+    with torch._dynamo.config.patch(DYNAMO_LIMITS):
+        return fn(*operands)
 
 
 def f32(value: float) -> float:

@@ -610,6 +610,52 @@ def test_fused_half_step_is_bit_identical_to_the_unfused_one(
         assert torch.equal(a, b)
 
 
+def _moments_both_ways(lerp_end: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One moments update by the fused kernel and by the unfused step's eager ops
+    (``m.lerp_(g, 1 - b1)``, ``v.mul_(b2).addcmul_(g, g, value=1 - b2)``), same inputs."""
+    gen = torch.Generator().manual_seed(3)
+    g, m = torch.randn(50_000, generator=gen) * 1e-2, torch.randn(50_000, generator=gen) * 1e-3
+    v = torch.rand(50_000, generator=gen) * 1e-5
+    beta1, beta2 = (0.3 if lerp_end else 0.9), 0.999
+    hp, end = fused_kernels._moment_scalars(beta1, beta2, 2, 1e-6, True, 1.0)
+    assert end == lerp_end
+    fused_m, fused_v = m.clone(), v.clone()
+    fused_kernels._run_fused("moments", g, fused_m, fused_v, torch.tensor(hp), lerp_end)
+    eager_m, eager_v = m.clone().lerp_(g, 1 - beta1), v.clone().mul_(beta2)
+    eager_v.addcmul_(g, g, value=1 - beta2)
+    return [fused_m, fused_v], [eager_m, eager_v]
+
+
+def test_fused_kernels_stay_compiled_past_dynamos_recompile_limit(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past its recompile limit Dynamo runs a function eagerly, where ``prims.fma`` rounds
+    twice. With the global limit at 1 the second variant of the moments kernel (the other lerp
+    branch) would run so, an ulp off the unfused step; the kernels' own limit keeps it compiled
+    and equal. Negative control: without it the moments differ; a limit reached anyway raises
+    instead of running eagerly."""
+    for limits, outcome in (({"recompile_limit": 1}, "differs"),
+                            ({"recompile_limit": 1, "fail_on_recompile_limit_hit": True},
+                             "raises"),
+                            (fused_kernels.DYNAMO_LIMITS, "equal")):
+        torch._dynamo.reset()
+        fused_kernels._fused_kernels.clear()
+        monkeypatch.setattr(fused_kernels, "DYNAMO_LIMITS", limits)
+        # (Dynamo's config is patched its own way: monkeypatch would delete the key after)
+        with torch._dynamo.config.patch(recompile_limit=1):
+            fused, eager = _moments_both_ways(lerp_end=False)  # the first variant: compiled
+            assert all(torch.equal(a, b) for a, b in zip(fused, eager))
+            if outcome == "raises":
+                with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+                    _moments_both_ways(lerp_end=True)
+                continue
+            fused, eager = _moments_both_ways(lerp_end=True)
+        same = all(torch.equal(a, b) for a, b in zip(fused, eager))
+        assert same == (outcome == "equal"), outcome
+    torch._dynamo.reset()  # later tests compile afresh
+    fused_kernels._fused_kernels.clear()
+
+
 def _fragments(tensors: list[torch.Tensor], cut: int) -> list[torch.Tensor]:
     """Tensor 0 split at element ``cut`` (as a shard boundary would), the others whole."""
     flat = tensors[0].view(-1)

@@ -67,6 +67,16 @@ def test_inference_gives_the_full_layers_logits(family: str, dynamic: bool,
     close(logits[1], logits[0], "logits")
 
 
+def test_the_popart_dialect_cuts_the_last_layer_alike() -> None:
+    """PopART's dialect: opset 11, static shapes, the explicit attention chain."""
+    config = small_config(task=HEADS["classification"], dialect="popart")
+    logits = [InferenceSession(build_bert(config, task="classification", seed=3,
+                                          with_loss=False, batch_size=4,
+                                          all_rows=every).model()).run(rows())["logits"]
+              for every in (True, False)]
+    close(logits[1], logits[0], "logits")
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("head", sorted(HEADS))
 @pytest.mark.parametrize("trim", [False, True], ids=["padded", "trimmed"])

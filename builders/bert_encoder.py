@@ -119,9 +119,7 @@ def encoder_layer(b: Builder, config: BertConfig, init: layers.WeightInit, x: st
             qkv = layers.dense(b, x, h, 3 * h, init, "QKV")
             q, k, v = layers.split(b, qkv, 3, -1, "Split")
             if first_row_only:
-                q = layers.first_row(b, q, 1, "FirstQuery")
-                mask = layers.first_row(b, mask, 2, "FirstMaskRow")
-                x = layers.first_row(b, x, 1, "FirstRow")
+                q, mask, x = layers.first_row_query(b, q, mask, x)
             context = layers.multi_head_attention(
                 b, q, k, v, mask, h, heads,
                 config.sequence_length if seq_len is None else seq_len,

@@ -344,6 +344,14 @@ def first_row(b: Builder, x: str, axis: int, name: str) -> str:
                                b.addConstant(np.array([axis], np.int64), "axis")], "Slice")
 
 
+def first_row_query(b: Builder, q: str, mask: str, x: str) -> tuple[str, str, str]:
+    """A layer's query [B, S, H], attention mask [B, 1, S, S] and residual input [B, S, H] cut
+    to row 0 ([CLS]): what a layer computed for that row alone attends and adds with (its keys
+    and values stay whole)."""
+    return (first_row(b, q, 1, "FirstQuery"), first_row(b, mask, 2, "FirstMaskRow"),
+            first_row(b, x, 1, "FirstRow"))
+
+
 def split(b: Builder, x: str, parts: int, axis: int, name: str) -> list[str]:
     """Split into `parts` equal pieces along `axis`: `num_outputs` from opset 18; before, the
     sizes as the `split` attribute (static, so the axis must be)."""

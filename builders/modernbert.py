@@ -209,9 +209,7 @@ def layer(b: Builder, config: BertConfig, init: layers.WeightInit, x: str,
             q = rotate(b, config, q, context.rotary[kind], seq, "RotaryQ")
             k = rotate(b, config, k, context.rotary[kind], seq, "RotaryK")
             if first_row_only:
-                q = layers.first_row(b, q, 1, "FirstQuery")
-                mask = layers.first_row(b, mask, 2, "FirstMaskRow")
-                x = layers.first_row(b, x, 1, "FirstRow")
+                q, mask, x = layers.first_row_query(b, q, mask, x)
             attended = layers.multi_head_attention(b, q, k, v, mask, h, config.num_heads, seq,
                                                    config.attention_dropout,
                                                    query_len=1 if first_row_only else None)

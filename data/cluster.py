@@ -151,14 +151,22 @@ def cluster_wait() -> float:
 
 def cluster_slots(client: Any) -> int:
     """Units the cluster runs at once now: its workers' threads (at least 1, so a cluster
-    whose workers have not joined yet still gets work queued for them)."""
-    return max(1, sum(client.nthreads().values()))
+    whose workers have not joined yet still gets work queued for them); losing the scheduler
+    is a DataError."""
+    return max(1, sum(_threads_by_worker(client).values()))
 
 
 def worker_count(client: Any) -> int:
     """Workers connected to the scheduler now; losing the scheduler is a DataError."""
+    return len(_threads_by_worker(client))
+
+
+def _threads_by_worker(client: Any) -> dict[str, int]:
+    """The scheduler's answer to "which workers, with how many threads": every question a
+    stage asks the scheduler goes through here, so a scheduler lost at any of them is the
+    same one DataError line, never Dask's traceback."""
     try:
-        return len(client.nthreads())
+        return client.nthreads()
     except Exception as exc:  # the connection to the scheduler is gone
         raise DataError(f"lost the Dask scheduler at {client.scheduler.address} "
                         f"({one_line(exc, 200)})") from None

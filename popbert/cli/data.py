@@ -85,7 +85,7 @@ def _on_cluster(handler: Callable[[argparse.Namespace], int]
                                  f"${ADDRESS_VARIABLE}); without them the units run on local "
                                  f"processes")
             return handler(args)
-        from popbert.data.cluster import cluster_slots, on_cluster
+        from popbert.data.cluster import cluster_slots, on_cluster, worker_count
         from popbert.data.errors import DataError
 
         # The output's own faults (a malformed bucket, this machine's credentials) are said
@@ -98,10 +98,11 @@ def _on_cluster(handler: Callable[[argparse.Namespace], int]
                 client = stack.enter_context(on_cluster(address, wait=wait,
                                                         output=args.output_dir,
                                                         modules=_stage_modules(args)))
+                logger.info("running the units on the Dask cluster at %s (%d worker(s), %d "
+                            "thread(s) now)", address, worker_count(client),
+                            cluster_slots(client))
             except DataError as exc:
                 raise UsageError(f"{source}: {exc}") from None
-            logger.info("running the units on the Dask cluster at %s (%d worker(s), %d "
-                        "thread(s) now)", address, len(client.nthreads()), cluster_slots(client))
             return handler(args)
 
     return run

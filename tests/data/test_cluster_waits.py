@@ -173,3 +173,49 @@ def test_the_flags_default_is_the_librarys():
              for action in parser._actions if "--dask-wait" in action.option_strings]
     assert len(helps) == 5  # wikipedia, extract, sentences, instances, pack
     assert all(f"(default {DEFAULT_WAIT_S:g})" in text for text in helps)
+
+
+class _SchedulerGone:
+    """A `distributed.Client` whose scheduler just went away: every question to it fails as
+    Dask's own does (CI once caught the stage between two such questions)."""
+
+    class scheduler:  # noqa: N801 - the attribute Dask's client has
+        address = "tcp://127.0.0.1:8786"
+
+    def nthreads(self):
+        from distributed.comm.core import CommClosedError
+        raise CommClosedError("in <TCP (closed) ConnectionPool.ncores>: ConnectionResetError")
+
+
+@pytest.mark.parametrize("question", ["cluster_slots", "worker_count"])
+def test_every_question_to_a_lost_scheduler_is_one_data_error(question):
+    from popbert.data import cluster as dask_cluster
+    from popbert.data.errors import DataError
+
+    with pytest.raises(DataError, match=r"^lost the Dask scheduler at tcp://127\.0\.0\.1:8786 "
+                                        r"\(in <TCP \(closed\)"):
+        getattr(dask_cluster, question)(_SchedulerGone())
+
+
+def test_a_client_that_gave_up_on_its_scheduler_is_one_data_error_at_submit():
+    from popbert.data import stages
+    from popbert.data.errors import DataError
+
+    class GaveUp(_SchedulerGone):
+        status = "closed"
+
+        def nthreads(self):
+            return {"tcp://127.0.0.1:40000": 1}
+
+        def get_executor(self, **_):
+            return self
+
+        def submit(self, *_):
+            raise RuntimeError("Client is closed")  # what Dask's client raises then
+
+        def shutdown(self, wait):
+            pass
+
+    with pytest.raises(DataError, match=r"^instances: lost the Dask scheduler at "
+                                        r"tcp://127\.0\.0\.1:8786 \(RuntimeError: Client is "):
+        stages._run_on_cluster(GaveUp(), print, [(1,)], lambda *_: None, "instances", 1)

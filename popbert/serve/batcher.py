@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from popbert.serve.predict import ExportedModel, PredictStats, pad_positions
+from popbert.runtime.buckets import pad_positions
+from popbert.serve.predict import ExportedModel, PredictStats
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -46,14 +45,11 @@ from popbert.data.squad import (
 from popbert.data.tokenization import tokenizer_from_text
 from popbert.errors import UsageError, one_line
 from popbert.graph.annotations import METADATA_PREFIX
+from popbert.runtime.buckets import run_by_length
 from popbert.serve.openvino_ir import is_ir
 from popbert.textfile import read_text
 
 log = logging.getLogger(__name__)
-
-# Start/end logit of a token cut off a batch (beyond its longest row): padding, never an answer.
-CUT_LOGIT = -10000.0
-
 
 @dataclass
 class PredictStats:
@@ -120,21 +116,6 @@ class PredictStats:
             text += (f"; {self.multi_window} needed more than one window, "
                      f"{self.query_truncated} had their question cut to max_query_length")
         return text
-
-
-def pad_positions(value: np.ndarray, full: int, fill: float, axis: int = 1) -> np.ndarray:
-    """A per-token output cut to its batch's width, padded back to `full` positions along
-    `axis` with `fill` (what a masked position holds)."""
-    if value.shape[axis] >= full:
-        return value
-    pad = [(0, 0)] * value.ndim
-    pad[axis] = (0, full - value.shape[axis])
-    return np.pad(value, pad, constant_values=fill)
-
-
-def length_order(input_mask: np.ndarray) -> np.ndarray:
-    """Row indices longest first (by `input_mask`), ties in input order."""
-    return np.argsort(-np.asarray(input_mask).sum(axis=1), kind="stable")
 
 
 def export_task(model: Path) -> str:
@@ -295,57 +276,24 @@ class ExportedModel:
         `stats`, if given, gets the rows, batches, real and computed tokens and ONNX Runtime's
         time added.
         """
-        from tqdm import tqdm
-
         if self.batcher is not None:
             return self.batcher.run(arrays, batch_size, per_token, stats, bucket)
         if batch_size < 1:
             raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
-        step = self.batch_size or batch_size
-        rows = len(arrays["input_ids"])
-        lengths = np.asarray(arrays["input_mask"]).sum(axis=1)
         bucketed = self.dynamic_sequence and bucket
-        order = length_order(arrays["input_mask"]) if bucketed else np.arange(rows)
-        full = np.asarray(arrays["input_ids"]).shape[1]
-        per_token = per_token or {}
-        parts: dict[str, list[np.ndarray]] = {name: [] for name in self.output_names}
-        batches = computed = 0
-        seconds = 0.0
-        for first in tqdm(range(0, rows, step), desc="predict", unit="batch",
-                          total=math.ceil(rows / step), disable=rows <= step):
-            chosen = order[first:first + step]
-            real = len(chosen)
-            if self.batch_size is not None:
-                chosen = np.concatenate([chosen, np.repeat(chosen[-1:], self.batch_size - real)])
-            width = max(1, int(lengths[chosen].max())) if self.dynamic_sequence else full
-            feeds = {name: np.ascontiguousarray(np.asarray(value)[chosen, :width])
-                     for name, value in arrays.items() if name in self.input_names}
-            started = time.perf_counter()
-            outputs = self._run(feeds)
-            seconds += time.perf_counter() - started
-            batches += 1
-            computed += len(chosen) * width
-            for name, value in zip(self.output_names, outputs):
-                value = np.asarray(value, np.float32)[:real]
-                if name in per_token:
-                    value = pad_positions(value, full, per_token[name])
-                parts[name].append(value)
+        result, done = run_by_length(self.forward, arrays, batch_size, inputs=self.input_names,
+                                     per_token=per_token, bucket=bucketed,
+                                     cut=self.dynamic_sequence, fixed_batch=self.batch_size)
         if stats is not None:
-            stats.rows += rows
-            stats.batches += batches
-            stats.tokens += int(lengths.sum())
-            stats.computed += computed
-            stats.model_seconds += seconds
+            stats.rows += len(arrays["input_mask"])
+            stats.batches += done.batches
+            stats.tokens += int(np.asarray(arrays["input_mask"]).sum())
+            stats.computed += done.computed
+            stats.model_seconds += done.seconds
             stats.runtime = self.runtime
-            stats.sequence_length = full
+            stats.sequence_length = np.asarray(arrays["input_ids"]).shape[1]
             stats.bucketed = bucketed
             stats.cut = self.dynamic_sequence
-        inverse = np.empty_like(order)
-        inverse[order] = np.arange(rows)
-        result = {name: np.concatenate(values)[inverse] for name, values in parts.items()}
-        masked = np.asarray(arrays["input_mask"]) == 0
-        for name, fill in per_token.items():
-            result[name][masked] = fill
         return result
 
 
@@ -368,9 +316,11 @@ class SquadPredictor(ExportedModel):
                stats: PredictStats | None = None, bucket: bool = True
                ) -> tuple[np.ndarray, np.ndarray]:
         """Start and end logits [N, S] for `windows`, in batches of `batch_size` windows."""
+        from popbert.tasks import task_named
+
         out = self.run(window_arrays(windows), batch_size,
-                       per_token={"start_logits": CUT_LOGIT, "end_logits": CUT_LOGIT},
-                       stats=stats, bucket=bucket)
+                       per_token=task_named("squad").per_token_outputs, stats=stats,
+                       bucket=bucket)
         return out["start_logits"], out["end_logits"]
 
     def predict(self, questions: Sequence[Question], n_best_size: int = 20,
@@ -593,7 +543,6 @@ def _predict_scores(predictor: ClassifyPredictor, rows: ClassificationData, outp
     return metrics
 
 
-__all__ = ["CUT_LOGIT", "ClassifyPredictor", "ExportedModel", "PredictStats", "SquadPredictor",
-           "export_task", "length_order", "pad_positions", "predict_classify", "predict_squad",
-           "predictor_class",
-           "read_texts", "window_cuts"]
+__all__ = ["ClassifyPredictor", "ExportedModel", "PredictStats", "SquadPredictor",
+           "export_task", "predict_classify", "predict_squad", "predictor_class", "read_texts",
+           "window_cuts"]

@@ -151,6 +151,8 @@ TASK = Task(
     hf_architectures={"bert": "BertForQuestionAnswering",
                       "modernbert": "ModernBertForQuestionAnswering"},
     outputs=("start_logits", "end_logits"), metadata_keys=("doc_stride", "max_query_length"),
+    # below any real span's logit: a masked position never makes the n-best list
+    per_token_outputs={"start_logits": -10000.0, "end_logits": -10000.0},
 )
 
 __all__ = ["NAME", "TASK", "read", "span_head"]

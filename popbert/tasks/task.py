@@ -87,6 +87,10 @@ class Task:
     # rows `export --calibration` reads, in `popbert.serve`); named, not imported, so a task
     # never depends on serving.
     predictor: str | None = None
+    # The inference outputs with a value per position ([N, S, ...]) and what a masked position
+    # of them holds when rows run cut to their batch's longest (`popbert.runtime.buckets`):
+    # a value no decoding picks.
+    per_token_outputs: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def preset(self) -> str:

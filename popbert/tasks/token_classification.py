@@ -163,6 +163,7 @@ TASK = Task(
     hf_architectures={"bert": "BertForTokenClassification",
                       "modernbert": "ModernBertForTokenClassification"},
     outputs=("logits",), metadata_keys=("num_labels", "labels"),
+    per_token_outputs={"logits": 0.0},  # each word is read at its own first piece
     always_print_metrics=True,
 )
 

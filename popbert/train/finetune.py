@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from popbert.atomic import atomic_write_bytes
 from popbert.builders.bert import build_bert
@@ -45,10 +44,11 @@ from popbert.data.tokenization import load_tokenizer, tokenizer_file_name
 from popbert.errors import CheckpointError, ConfigError, UsageError
 from popbert.hf.checkpoint import VOCAB, checkpoint_vocab
 from popbert.io import checkpoint as ckpt
+from popbert.runtime.buckets import run_by_length
 from popbert.runtime.options import SessionOptions
 from popbert.runtime.protocol import Session
 from popbert.runtime.session import InferenceSession
-from popbert.tasks import TASKS, Setting, Task, TaskData
+from popbert.tasks import TASKS, Setting, Task, TaskData, task_named
 from popbert.train.jobs import Job
 
 log = logging.getLogger(__name__)
@@ -569,20 +569,24 @@ def finetune_job(cfg: RunConfig, output_dir: Path) -> FinetuneJob:
 def infer(model: BertConfig, task: str, weights: Mapping[str, torch.Tensor],
           arrays: Mapping[str, np.ndarray], batch_size: int, device: str
           ) -> dict[str, np.ndarray]:
-    """The task graph's outputs (no dropout) for all rows of `arrays`, in batches."""
-
-    graph = build_bert(model, task=task, with_loss=False, zeros=True)
+    """The task graph's outputs (no dropout) for all rows of `arrays`, in batches of rows of
+    similar length, each cut to its longest (`popbert.runtime.buckets`; a popart-dialect or
+    packed graph, which has a fixed length, in input order at full length): the padded
+    batches' outputs without computing their padding."""
+    cut = model.dialect == "onnx" and not model.packed  # what takes a symbolic length
+    graph = build_bert(model, task=task, with_loss=False, zeros=True, dynamic_sequence=cut)
     session = InferenceSession(graph.model(), SessionOptions(device=device))
     session.load_weights(weights, strict=False)
-    n = len(arrays["input_ids"])
-    outputs: dict[str, list[np.ndarray]] = {}
-    inputs = ("input_ids", "segment_ids", "input_mask")
-    for first in tqdm(range(0, n, batch_size), desc=f"evaluate {task}", unit="batch",
-                      dynamic_ncols=True, disable=n <= batch_size):
-        batch = {k: torch.from_numpy(arrays[k][first:first + batch_size]) for k in inputs}
-        for key, value in session.run(batch).items():
-            outputs.setdefault(key, []).append(value.float().cpu().numpy())
-    return {k: np.concatenate(v) for k, v in outputs.items()}
+
+    def run_batch(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        outputs = session.run({k: torch.from_numpy(v) for k, v in feeds.items()})
+        return {k: v.float().cpu().numpy() for k, v in outputs.items()}
+
+    outputs, _ = run_by_length(run_batch, arrays, batch_size,
+                               inputs=("input_ids", "segment_ids", "input_mask"),
+                               per_token=task_named(task).per_token_outputs, bucket=cut,
+                               cut=cut, desc=f"evaluate {task}")
+    return outputs
 
 
 __all__ = ["COMMON_FLAGS", "FLAG_KEYS", "GROUPBERT_FINETUNE_DROPOUT", "PATH_FLAGS",

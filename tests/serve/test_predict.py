@@ -51,12 +51,12 @@ from popbert.data.tokenization import (
     make_tokenizer,
     parse_vocab,
 )
+from popbert.runtime.buckets import length_order
 from popbert.runtime.session import InferenceSession
 from popbert.serve.predict import (
     ClassifyPredictor,
     PredictStats,
     SquadPredictor,
-    length_order,
     read_texts,
     window_cuts,
 )
@@ -331,7 +331,7 @@ def test_length_buckets_give_each_rows_own_outputs_in_input_order(classify_files
         np.testing.assert_allclose(bucketed, alone, rtol=0, atol=1e-5)
         np.testing.assert_allclose(unsorted, alone, rtol=0, atol=1e-5)
     # SQuAD: each window's start/end logits (padded back to the export's length with
-    # CUT_LOGIT) are those it gets alone, in the windows' order.
+    # the task's per-token fill) are those it gets alone, in the windows' order.
     squad = SquadPredictor(exported)
     questions, _ = read_squad(FIXTURE)
     windows = build_windows(questions, squad.tokenizer, squad.vocab, squad.options)

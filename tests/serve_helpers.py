@@ -4,6 +4,7 @@ for the assertions."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 
 def free_port() -> int:
@@ -124,3 +126,96 @@ class SlowClient:
             response += chunk
         self.sock.close()
         return int(response.split(b" ", 2)[1])
+
+
+def _random_value(rng: np.random.Generator, depth: int = 0):
+    """A JSON value of any kind a client might send where another was expected."""
+    kinds = ["null", "bool", "int", "float", "text", "list", "object"]
+    kind = kinds[rng.integers(len(kinds) if depth < 2 else 5)]
+    if kind == "null":
+        return None
+    if kind == "bool":
+        return bool(rng.integers(2))
+    if kind == "int":
+        return int(rng.choice([0, 1, -1, 2, 30521, 30522, 10 ** 12, -(10 ** 12), 10 ** 30]))
+    if kind == "float":
+        return float(rng.choice([0.0, 0.5, -1.5, 1e308, float("nan"), float("inf")]))
+    if kind == "text":
+        return str(rng.choice(["", " ", "x", "word " * 300, "\u0000", "\u200b\u200b", "é🙂",
+                               "\ud7ff", "[CLS]", "search_query: ", "\n\t"]))
+    if kind == "list":
+        return [_random_value(rng, depth + 1) for _ in range(int(rng.integers(0, 4)))]
+    return {str(rng.choice(["input", "inputs", "model", "x"])): _random_value(rng, depth + 1)}
+
+
+def _typed_value(rng: np.random.Generator, kind: str):
+    """A value of the kind a field takes, at its edges: odd texts, token ids out of range,
+    empty lists, zero and huge sizes."""
+    def text():
+        if rng.random() < 0.2:
+            return _random_value(rng, 2)
+        return str(rng.choice(["", " ", "x", "a b", "word " * 300, "\u0000", "\u200b", "é🙂",
+                               "[SEP] [PAD]", "\n"]))
+
+    def ids():
+        return [int(rng.choice([0, 101, 102, 30521, 30522, -1, 10 ** 12]))
+                for _ in range(int(rng.integers(0, 4)))]
+
+    if kind == "texts":
+        shape = rng.integers(5)
+        if shape == 0:
+            return text()
+        if shape == 1:
+            return [text() for _ in range(int(rng.integers(0, 4)))]
+        if shape == 2:
+            return [[text(), text()] for _ in range(int(rng.integers(0, 3)))]
+        if shape == 3:
+            return [{"question": text(), "context": text()}]
+        return ids() if rng.random() < 0.5 else [ids() for _ in range(int(rng.integers(0, 3)))]
+    if kind == "text":
+        return text()
+    if kind == "size":
+        return int(rng.choice([0, 1, 8, 384, 385, -3, 10 ** 9]))
+    if kind == "format":
+        return str(rng.choice(["float", "base64", "FLOAT", ""]))
+    if kind == "model":
+        return str(rng.choice(["minilm", "minilm", "other", ""]))
+    return bool(rng.integers(2))
+
+
+#: Every body field of every route, with the kind of value it takes.
+ROUTE_FIELDS = {"/v1/embeddings": {"input": "texts", "model": "model",
+                                   "encoding_format": "format", "dimensions": "size",
+                                   "truncate": "bool", "user": "text"},
+                "/embed": {"inputs": "texts", "normalize": "bool", "truncate": "bool",
+                           "prompt_name": "text", "dimensions": "size"},
+                "/tokenize": {"inputs": "texts", "add_special_tokens": "bool"},
+                "/predict": {"inputs": "texts", "raw_scores": "bool", "truncate": "bool"},
+                "/rerank": {"query": "text", "texts": "texts", "raw_scores": "bool",
+                            "return_text": "bool", "truncate": "bool"}}
+REQUIRED = ("input", "inputs", "model", "query", "texts")
+
+
+def requests_of_every_kind(client: httpx.Client, count: int, seed: int) -> dict[int, int]:
+    """`count` seeded requests over every route: each field mostly of its own kind at its
+    edges (odd texts, token ids out of the vocabulary, empty lists, sizes of 0 or 10^9),
+    sometimes of any JSON kind, and sometimes the body itself not an object. Asserts every
+    answer is a 2xx or a 4xx with an error body; returns the count of each status."""
+    rng = np.random.default_rng(seed)
+    statuses: dict[int, int] = {}
+    for index in range(count):
+        route = list(ROUTE_FIELDS)[index % len(ROUTE_FIELDS)]
+        if rng.random() < 0.05:
+            body = _random_value(rng)  # not an object at all
+        else:
+            body = {name: (_typed_value(rng, kind) if rng.random() < 0.85
+                           else _random_value(rng))
+                    for name, kind in ROUTE_FIELDS[route].items()
+                    if name in REQUIRED or rng.random() < 0.3}
+        content = json.dumps(body, allow_nan=True).encode()
+        response = client.post(route, content=content,
+                               headers={"content-type": "application/json"})
+        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+        assert response.status_code < 500, (route, body, response.text)
+        assert response.status_code == 200 or "error" in response.json(), (route, body)
+    return statuses

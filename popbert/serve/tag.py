@@ -116,6 +116,10 @@ def tag_texts(predictor: TagPredictor, texts: list[str], batch_size: int = 16,
     data = TaggedData(Path("texts"), [TaggedSentence([text[a:b] for a, b in words], None, n)
                                       for n, (text, words) in enumerate(zip(texts, spans), 1)
                                       if words], "IOB2", "IOB2")
+    if not data.sentences:  # no text has a word (empty, or only characters that tokenize away)
+        if stats is not None:
+            stats.examples += len(texts)
+        return [[] for _ in texts]
     arrays, windows = encode_tagged(data, predictor.text_tokenizer, None,
                                     predictor.sequence_length)
     logits = predictor.run(arrays, batch_size, per_token=_per_token(), stats=stats)["logits"]

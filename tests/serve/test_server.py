@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from serve_helpers import Server, SlowClient
+from serve_helpers import Server, SlowClient, requests_of_every_kind
 
 from popbert.cli.main import main
 
@@ -443,3 +443,14 @@ def test_int8_and_openvino_exports_are_served_as_predict_runs_them(
     assert info["quantized"] is (form == "int8")
     assert info["max_batch_rows"] == (1 if form == "int8" else None)
     np.testing.assert_allclose(served, np.load(tmp_path / "out.npy"), atol=1e-5, rtol=0)
+
+
+def test_no_request_a_client_can_send_makes_a_5xx(server: Server) -> None:
+    """400 seeded requests of every kind (`requests_of_every_kind`): every answer is a 2xx or a
+    4xx, and the server lives on."""
+    with server.client() as client:
+        statuses = requests_of_every_kind(client, 400, seed=41)
+        assert client.get("/health").status_code == 200
+    assert statuses.get(200, 0) >= 10, statuses  # some reached the model, not only the checks
+    assert server.metric("popbert_requests_total", status="500") == 0
+    assert "Traceback" not in server.output()

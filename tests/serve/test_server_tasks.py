@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from checkpoint_helpers import random_task_run
-from serve_helpers import Server
+from serve_helpers import Server, requests_of_every_kind
 
 import popbert.tasks  # noqa: F401 (registers the task heads)
 from popbert.cli.main import main
@@ -70,11 +70,13 @@ def test_classify_route_is_predict_classify(root: Path) -> None:
         single = client.post("/predict", json={"inputs": TEXTS[1]}).json()
         raw = client.post("/predict", json={"inputs": TEXTS, "raw_scores": True}).json()
         pair = client.post("/predict", json={"inputs": ["a question", "an answer"]})
+        fuzzed = requests_of_every_kind(client, 150, seed=51)  # never a 5xx
         info = client.get("/info").json()
         not_reranker = client.post("/rerank", json={"query": "q", "texts": ["a"]})
         squad_shaped = client.post("/predict", json={"inputs": {"question": "q",
                                                                  "context": "c"}})
         empty_pair = client.post("/predict", json={"inputs": [["a text", " "]]})
+    assert fuzzed.get(200, 0) > 0, fuzzed  # some odd requests reached the model
     assert len(answers) == len(TEXTS) and single == answers[1]
     for answer, row, logits in zip(answers, expected, raw):
         assert answer[0]["label"] == row["label"]  # best first
@@ -108,6 +110,8 @@ def test_rerank_route_is_predict_rerank(root: Path) -> None:
                                               "return_text": True})
         scored = client.post("/predict", json={"inputs": [[query, text]
                                                           for text in candidates]}).json()
+        fuzzed = requests_of_every_kind(client, 150, seed=52)  # never a 5xx
+    assert fuzzed.get(200, 0) > 0, fuzzed  # some odd requests reached the model
     assert ranked.status_code == 200
     ranked = ranked.json()
     assert [r["index"] for r in ranked] == [e["id"] for e in expected]
@@ -131,6 +135,12 @@ def test_token_classification_route_is_predict_ner_on_text(root: Path) -> None:
     with serving(model, root, "ner") as server, server.client() as client:
         found = client.post("/predict", json={"inputs": TEXTS}).json()
         pair = client.post("/predict", json={"inputs": [["a", "b"], ["c", "d"]]})
+        fuzzed = requests_of_every_kind(client, 150, seed=53)  # never a 5xx
+        wordless = client.post("/predict",
+                               json={"inputs": ["\u200b", "\u200b \u200b", "\u200b\u200b"]})
+    assert fuzzed.get(200, 0) > 0, fuzzed  # some odd requests reached the model
+    # texts whose every character tokenizes away have no words, so no entities (once a 500)
+    assert wordless.status_code == 200 and wordless.json() == [[], [], []], wordless.text
     assert sum(map(len, expected)) > 0  # the random tagger finds something to compare
     for text, ours, theirs in zip(TEXTS, found, expected):
         assert [(e["entity_group"], e["start"], e["end"], e["word"]) for e in ours] == \
@@ -158,12 +168,14 @@ def test_squad_route_is_predict_squad(root: Path) -> None:
             {"question": question, "context": context} for _, question, context in questions]})
         one = client.post("/predict", json={"inputs": {"question": questions[0][1],
                                                         "context": questions[0][2]}}).json()
+        fuzzed = requests_of_every_kind(client, 150, seed=54)  # never a 5xx
         texts = client.post("/predict", json={"inputs": "not a question"})
         odd = [client.post("/predict", json={"inputs": {"question": question,
                                                          "context": context}})
                for question, context in (("", "a context"), ("a question?", ""),
                                          ("?", "\u200b"), ("why " * 300, "short"),
                                          ("who", "word " * 2000))]
+    assert fuzzed.get(200, 0) > 0, fuzzed  # some odd requests reached the model
     assert answers.status_code == 200
     for (qid, _, context), answer in zip(questions, answers.json()):
         assert answer["answer"] == expected[qid]

@@ -27,8 +27,8 @@ from popbert.train.finetune import infer
 HEADS = {"classification": TaskConfig(name="classification", num_labels=3),
          "token-classification": TaskConfig(name="token-classification", num_labels=5),
          "squad": TaskConfig(name="squad")}
-FAMILIES = {"bert": {}, "modernbert": {"architecture": "modernbert",
-                                       "next_sentence_prediction": False}}
+FAMILIES = {"bert": {}, "groupbert": {"architecture": "groupbert"},
+            "modernbert": {"architecture": "modernbert", "next_sentence_prediction": False}}
 LENGTHS = (9, 32, 5, 20, 13, 32, 2)
 
 

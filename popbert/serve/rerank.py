@@ -45,7 +45,7 @@ def pair_scores(predictor: ClassifyPredictor, queries: Sequence[str], passages: 
     return predictor.probabilities(data, batch_size, stats)[:, 1]
 
 
-def _candidates(path: Path) -> list[tuple[int, str, list[tuple[Any, str]]]]:
+def read_candidates(path: Path) -> list[tuple[int, str, list[tuple[Any, str]]]]:
     """(line, query, [(id, text)]) of each row of a rerank file: JSON lines with "query" and
     "candidates" (texts, or objects with "text" and an optional "id")."""
     rows = []
@@ -83,7 +83,7 @@ def predict_rerank(model: Path, data: Path, output: Path, batch_size: int = 32,
     first, written as JSON lines (`line`, `query`, `ranked`: [{`id`, `text`, `score`}]).
     Returns the rows written."""
     predictor = ClassifyPredictor(model, threads)
-    rows = _candidates(Path(data))  # read whole before any work: a bad row writes nothing
+    rows = read_candidates(Path(data))  # read whole before any work: a bad row writes nothing
     stats = PredictStats()
     started = time.perf_counter()
     queries = [query for _, query, candidates in rows for _ in candidates]
@@ -135,4 +135,4 @@ def evaluate_rerank(model: Path, directory: Path, split: str = "test",
     return {**metrics, "documents": len(documents), "pairs": len(queries) * len(documents)}
 
 
-__all__ = ["evaluate_rerank", "pair_scores", "predict_rerank"]
+__all__ = ["evaluate_rerank", "pair_scores", "predict_rerank", "read_candidates"]

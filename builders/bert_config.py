@@ -117,8 +117,8 @@ class BertConfig:
     max_predictions_per_seq: int = setting(20, POSITIVE_INT)
     hidden_dropout: float = setting(0.1, within("[0, 1)"))
     attention_dropout: float = setting(0.1, within("[0, 1)"))
-    layer_norm_eps: float = 1e-12
-    initializer_range: float = 0.02
+    layer_norm_eps: float = setting(1e-12, above(0))
+    initializer_range: float = setting(0.02, at_least(0))  # the weights' standard deviation
     # Placement: layers per device, e.g. [3, 7, 7, 7] for Large; None = no placement annotations.
     # A leading 0 ([0, 4, 4, 4]) puts the embeddings alone on device 0 (Graphcore's Base layout).
     layers_per_ipu: list[int] | None = setting(None, Rule(

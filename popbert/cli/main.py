@@ -841,7 +841,25 @@ def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Nam
         if isinstance(exc, _user_error_types()):
             sys.stderr.write(f"popbert: error: {one_line(exc)}\n")
             return 2
+        if _out_of_memory(exc):
+            sys.stderr.write(f"popbert: error: out of memory ({one_line(exc, 300)}): the run "
+                             "needs more than this machine holds; make the model, the batch or "
+                             "the data smaller (`popbert plan` estimates a config's memory)\n")
+            return 2
         raise
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """An allocation that failed: NumPy's and Python's MemoryError, torch's CPU allocator (a
+    RuntimeError) and CUDA's OutOfMemoryError. The sizes come from the user's config, so it is
+    said in one line with what to change, not as a traceback."""
+    if isinstance(exc, MemoryError):
+        return True
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    if isinstance(oom, type) and isinstance(exc, oom):
+        return True
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -238,6 +238,16 @@ class _TypeMismatch(Exception):
     pass
 
 
+#: The largest integer a setting may hold: what a C `int` holds (torch's thread count, the
+#: sizes of tensors' dimensions through NumPy and ONNX), so a typo of a few extra digits is one
+#: line here, not an overflow deep inside a library.
+INT_LIMIT = 2**31 - 1
+
+
+class _OutOfRange(Exception):
+    pass
+
+
 def _coerce(value: Any, tp: Any) -> Any:
     """Return `value` converted to `tp` (int -> float only), or raise _TypeMismatch."""
     if tp is Any:
@@ -282,6 +292,8 @@ def _coerce(value: Any, tp: Any) -> Any:
         raise _TypeMismatch
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > INT_LIMIT:
+                raise _OutOfRange
             return value
         raise _TypeMismatch
     if tp is float:
@@ -319,6 +331,9 @@ def _convert(key: str, value: Any, tp: Any, src: str) -> Any:
         raise ConfigError(f"{src}: {bad[0]} must be a finite number, got {bad[1]}")
     try:
         return _coerce(value, tp)
+    except _OutOfRange:
+        raise ConfigError(f"{src}: {key}: expected an integer from -{INT_LIMIT} to {INT_LIMIT} "
+                          f"(2**31 - 1), got {value!r}") from None
     except _TypeMismatch:
         if (_is_numeric(tp) and isinstance(value, str)
                 and value.strip().lower() in _NON_FINITE_TEXT):

@@ -289,6 +289,40 @@ def test_library_errors_become_exit_2(
     ]
 
 
+@pytest.mark.parametrize("failure", [
+    MemoryError("Unable to allocate 95.4 GiB for an array with shape (128, 100000000)"),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate "
+                 "memory: you tried to allocate 102400000000 bytes. Error code 12"),
+], ids=["numpy", "torch-cpu"])
+def test_an_allocation_too_large_for_the_machine_is_one_line(
+    failure: Exception, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    cli_logging: None
+) -> None:
+    """The sizes come from the config (model.*, the batch, the data): what to change, in one
+    line, exit 2."""
+    def out_of_memory(cfg: object, **kw: object) -> None:
+        raise failure
+
+    fake_trainer(monkeypatch, out_of_memory)
+    assert cli.main(["pretrain"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("popbert: error: out of memory (") and "popbert plan" in line
+    assert str(failure).split(" for ")[0][:40] in line
+
+
+def test_a_cuda_out_of_memory_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str],
+                                          cli_logging: None) -> None:
+    import torch
+
+    def out_of_memory(cfg: object, **kw: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    fake_trainer(monkeypatch, out_of_memory)
+    assert cli.main(["pretrain"]) == 2
+    assert "out of memory (CUDA out of memory" in capsys.readouterr().err
+
+
 def test_bugs_keep_their_traceback(monkeypatch: pytest.MonkeyPatch, cli_logging: None) -> None:
     def broken(cfg: object, **kw: object) -> None:
         raise RuntimeError("a bug")

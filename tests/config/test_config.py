@@ -296,6 +296,10 @@ def test_a_gpu_by_index_is_a_device() -> None:
         ("execution:\n  pipeline: true\n", "execution.pipeline needs model.layers_per_ipu"),
         ("execution:\n  backend: popart\n", "execution.backend 'popart' needs model.dialect"),
         ("training:\n  log_every: 0\n", "training.log_every must be >= 1"),
+        ("training:\n  seed: -1\n", "training.seed must be >= 0"),
+        ("data:\n  seed: -5\n", "data.seed must be >= 0"),
+        ("model:\n  layer_norm_eps: 0\n", "model.layer_norm_eps must be > 0"),
+        ("model:\n  initializer_range: -0.02\n", "model.initializer_range must be >= 0"),
     ],
 )
 def test_invalid_values(tmp_path: Path, text: str, fragment: str) -> None:
@@ -303,6 +307,38 @@ def test_invalid_values(tmp_path: Path, text: str, fragment: str) -> None:
     message = error_of(path)
     assert message.startswith(f"{path}: ")
     assert fragment in message
+
+
+def _int_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every integer setting of a config dataclass, dotted (nested sections included)."""
+    import dataclasses
+    import typing
+
+    keys = []
+    for name, tp in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(tp):
+            keys += _int_keys(tp, f"{prefix}{name}.")
+        elif tp is int or (typing.get_origin(tp) is not None and int in typing.get_args(tp)
+                           and bool not in typing.get_args(tp)):
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+INT_KEYS = _int_keys(RunConfig)
+
+
+def test_the_integer_settings_are_found() -> None:
+    assert {"training.seed", "execution.threads", "model.max_position_embeddings",
+            "model.task.num_labels", "serve.port"} <= set(INT_KEYS)
+
+
+@pytest.mark.parametrize("value", [2**31, -(2**31), 10**20])
+def test_no_integer_setting_takes_what_a_c_int_does_not_hold(value: int) -> None:
+    """A few extra digits in any integer (a thread count, a size, a seed) is one line naming
+    the key, not an overflow inside torch or NumPy."""
+    for key in INT_KEYS:
+        message = error_of("tiny", [f"{key}={value}"])
+        assert f"{key}: expected an integer from -2147483647 to 2147483647" in message, message
 
 
 def test_global_batch_not_divisible(tmp_path: Path) -> None:

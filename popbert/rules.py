@@ -78,6 +78,10 @@ def one_of(names: Iterable[str], form: str = MUST_BE) -> Rule:
 
 
 POSITIVE_INT = Rule(lambda v: v > 0, "a positive integer")
+#: Intra-op threads a runtime (torch, ONNX Runtime, OpenVINO) is given: a count past any
+#: machine's cores is a typo, and the runtimes would try to start every one of them.
+MAX_THREADS = 1024
+THREADS = Rule(lambda v: 1 <= v <= MAX_THREADS, f"from 1 to {MAX_THREADS}")
 
 
 def setting(default: Any = dataclasses.MISSING, rule: Rule | None = None, *,
@@ -100,5 +104,5 @@ def check_fields(obj: Any, prefix: str) -> None:
             rule.check(f"{prefix}.{f.name}", getattr(obj, f.name))
 
 
-__all__ = ["EXPECTED", "MUST_BE", "POSITIVE_INT", "Invalid", "Rule", "above", "at_least",
-           "check_fields", "one_of", "rule_of", "setting", "within"]
+__all__ = ["EXPECTED", "MAX_THREADS", "MUST_BE", "POSITIVE_INT", "THREADS", "Invalid", "Rule",
+           "above", "at_least", "check_fields", "one_of", "rule_of", "setting", "within"]

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from popbert import __version__
 from popbert.errors import PopbertError, UsageError, one_line
 from popbert.io import paths
+from popbert.rules import THREADS
 
 if TYPE_CHECKING:
     from popbert.config import RunConfig
@@ -830,6 +831,7 @@ def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Nam
     SIGUSR1 with its checkpoint 128 + the signal (143, 138: a job script requeues on it)."""
     _configure_logging(getattr(args, "verbose", False))
     try:
+        _check_threads(args)
         paths.check_arguments(args)  # every declared path, before any work
         return int(handler(args))
     except KeyboardInterrupt as interrupt:
@@ -847,6 +849,13 @@ def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Nam
                              "the data smaller (`popbert plan` estimates a config's memory)\n")
             return 2
         raise
+
+
+def _check_threads(args: argparse.Namespace) -> None:
+    """`--threads` (torch's or the runtime's) within what any machine has, before any work."""
+    threads = getattr(args, "threads", None)
+    if threads is not None and not THREADS.allows(threads):
+        raise UsageError(f"--threads must be {THREADS.expected}, got {threads}")
 
 
 def _out_of_memory(exc: BaseException) -> bool:

@@ -323,6 +323,25 @@ def test_a_cuda_out_of_memory_is_one_line(monkeypatch: pytest.MonkeyPatch,
     assert "out of memory (CUDA out of memory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["predict", "classify"], ["predict", "embed"],
+                                     ["predict", "ner"], ["predict", "squad"],
+                                     ["predict", "rerank"], ["serve"], ["finetune", "classify"]])
+@pytest.mark.parametrize("threads", ["0", "-5", "100000"])
+def test_threads_past_any_machine_are_refused(command: list[str], threads: str, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Not a runtime's default (0 and below), nor a typo's 100000 threads (which ONNX Runtime
+    or torch would try to start): one line, before any file is read or written."""
+    given = {"predict": ["--model", "model.onnx", "--data", "data.txt", "-o", "out.jsonl"],
+             "serve": ["--model", "model.onnx"],
+             "finetune": ["--checkpoint", "run", "--train", "data.txt", "-o", "out"]}
+    argv = [*command, *(str(tmp_path / a) if "." in a or a in ("run", "out") else a
+                        for a in given[command[0]]), "--threads", threads]
+    assert cli.main(argv) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line == f"popbert: error: --threads must be from 1 to 1024, got {threads}"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bugs_keep_their_traceback(monkeypatch: pytest.MonkeyPatch, cli_logging: None) -> None:
     def broken(cfg: object, **kw: object) -> None:
         raise RuntimeError("a bug")

@@ -300,6 +300,8 @@ def test_a_gpu_by_index_is_a_device() -> None:
         ("data:\n  seed: -5\n", "data.seed must be >= 0"),
         ("model:\n  layer_norm_eps: 0\n", "model.layer_norm_eps must be > 0"),
         ("model:\n  initializer_range: -0.02\n", "model.initializer_range must be >= 0"),
+        ("execution:\n  threads: 100000\n", "execution.threads must be from 1 to 1024"),
+        ("serve:\n  threads: 0\n", "serve.threads must be from 1 to 1024"),
     ],
 )
 def test_invalid_values(tmp_path: Path, text: str, fragment: str) -> None:

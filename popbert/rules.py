@@ -78,10 +78,11 @@ def one_of(names: Iterable[str], form: str = MUST_BE) -> Rule:
 
 
 POSITIVE_INT = Rule(lambda v: v > 0, "a positive integer")
-#: Intra-op threads a runtime (torch, ONNX Runtime, OpenVINO) is given: a count past any
-#: machine's cores is a typo, and the runtimes would try to start every one of them.
-MAX_THREADS = 1024
-THREADS = Rule(lambda v: 1 <= v <= MAX_THREADS, f"from 1 to {MAX_THREADS}")
+#: Threads a runtime (torch, ONNX Runtime, OpenVINO) is given, or processes a command starts on
+#: one machine (`serve --workers`): a count past any machine's cores is a typo, and every one of
+#: them would be started.
+MAX_PER_MACHINE = 1024
+PER_MACHINE = Rule(lambda v: 1 <= v <= MAX_PER_MACHINE, f"from 1 to {MAX_PER_MACHINE}")
 
 
 def setting(default: Any = dataclasses.MISSING, rule: Rule | None = None, *,
@@ -104,5 +105,5 @@ def check_fields(obj: Any, prefix: str) -> None:
             rule.check(f"{prefix}.{f.name}", getattr(obj, f.name))
 
 
-__all__ = ["EXPECTED", "MAX_THREADS", "MUST_BE", "POSITIVE_INT", "THREADS", "Invalid", "Rule",
-           "above", "at_least", "check_fields", "one_of", "rule_of", "setting", "within"]
+__all__ = ["EXPECTED", "MAX_PER_MACHINE", "MUST_BE", "PER_MACHINE", "POSITIVE_INT", "Invalid",
+           "Rule", "above", "at_least", "check_fields", "one_of", "rule_of", "setting", "within"]

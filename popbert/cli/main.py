@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from popbert import __version__
 from popbert.errors import PopbertError, UsageError, one_line
 from popbert.io import paths
-from popbert.rules import THREADS
+from popbert.rules import PER_MACHINE
 
 if TYPE_CHECKING:
     from popbert.config import RunConfig
@@ -854,8 +854,8 @@ def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Nam
 def _check_threads(args: argparse.Namespace) -> None:
     """`--threads` (torch's or the runtime's) within what any machine has, before any work."""
     threads = getattr(args, "threads", None)
-    if threads is not None and not THREADS.allows(threads):
-        raise UsageError(f"--threads must be {THREADS.expected}, got {threads}")
+    if threads is not None and not PER_MACHINE.allows(threads):
+        raise UsageError(f"--threads must be {PER_MACHINE.expected}, got {threads}")
 
 
 def _out_of_memory(exc: BaseException) -> bool:

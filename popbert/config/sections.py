@@ -23,7 +23,7 @@ from popbert.dtypes import FLOAT_FORMATS, rounds_stochastically
 from popbert.errors import ConfigError
 from popbert.rules import (
     EXPECTED,
-    THREADS,
+    PER_MACHINE,
     Invalid,
     Rule,
     above,
@@ -211,7 +211,7 @@ class ExecutionConfig:
     replicated_tensor_sharding: bool = False
     pipeline_schedule: str = setting("1f1b", choice(PIPELINE_SCHEDULES))  # (execution.pipeline)
     recompute: bool = False
-    threads: int | None = setting(None, THREADS.or_null())  # torch intra-op; None: default
+    threads: int | None = setting(None, PER_MACHINE.or_null())  # torch intra-op; None: default
     # Cut each micro-batch to its longest row (and MLM slots to the most used), so padding past
     # it is not computed at all: GEMMs included, not only attention (model.dialect onnx, rows
     # not packed; the graph gets a symbolic sequence axis).
@@ -365,8 +365,8 @@ class ServeConfig:
     max_client_batch_size: int = setting(256, at_least(1))  # inputs in one request
     max_concurrent_requests: int = setting(512, at_least(1))  # beyond it: 503, Retry-After
     payload_limit: int = setting(2_000_000, at_least(1))  # request body bytes; beyond it: 413
-    workers: int = setting(1, at_least(1))
-    threads: int | None = setting(None, THREADS.or_null())  # the runtime's, per worker
+    workers: int = setting(1, PER_MACHINE)
+    threads: int | None = setting(None, PER_MACHINE.or_null())  # the runtime's, per worker
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     access_log: bool = False

@@ -45,7 +45,7 @@ from popbert.data.squad import (
 from popbert.data.tokenization import tokenizer_from_text
 from popbert.errors import UsageError, one_line
 from popbert.graph.annotations import METADATA_PREFIX
-from popbert.rules import THREADS
+from popbert.rules import PER_MACHINE
 from popbert.runtime.buckets import run_by_length
 from popbert.serve.openvino_ir import is_ir
 from popbert.textfile import read_text
@@ -173,8 +173,8 @@ class ExportedModel:
     def __init__(self, model: Path, task: str, threads: int | None = None,
                  spinning: bool = True) -> None:
         model = Path(model)
-        if threads is not None and not THREADS.allows(threads):
-            raise UsageError(f"--threads must be {THREADS.expected}, got {threads}")
+        if threads is not None and not PER_MACHINE.allows(threads):
+            raise UsageError(f"--threads must be {PER_MACHINE.expected}, got {threads}")
         if not model.exists():
             raise UsageError(f"--model: file not found: {model}")
         self.path = model

@@ -302,6 +302,7 @@ def test_a_gpu_by_index_is_a_device() -> None:
         ("model:\n  initializer_range: -0.02\n", "model.initializer_range must be >= 0"),
         ("execution:\n  threads: 100000\n", "execution.threads must be from 1 to 1024"),
         ("serve:\n  threads: 0\n", "serve.threads must be from 1 to 1024"),
+        ("serve:\n  workers: 5000\n", "serve.workers must be from 1 to 1024"),
     ],
 )
 def test_invalid_values(tmp_path: Path, text: str, fragment: str) -> None:

@@ -83,6 +83,8 @@ POSITIVE_INT = Rule(lambda v: v > 0, "a positive integer")
 #: them would be started.
 MAX_PER_MACHINE = 1024
 PER_MACHINE = Rule(lambda v: 1 <= v <= MAX_PER_MACHINE, f"from 1 to {MAX_PER_MACHINE}")
+#: A random seed: what NumPy, torch and Python's `random` all take.
+SEED = Rule(lambda v: 0 <= v <= 2**31 - 1, "from 0 to 2147483647 (2**31 - 1)")
 
 
 def setting(default: Any = dataclasses.MISSING, rule: Rule | None = None, *,
@@ -105,5 +107,6 @@ def check_fields(obj: Any, prefix: str) -> None:
             rule.check(f"{prefix}.{f.name}", getattr(obj, f.name))
 
 
-__all__ = ["EXPECTED", "MAX_PER_MACHINE", "MUST_BE", "PER_MACHINE", "POSITIVE_INT", "Invalid",
-           "Rule", "above", "at_least", "check_fields", "one_of", "rule_of", "setting", "within"]
+__all__ = ["EXPECTED", "MAX_PER_MACHINE", "MUST_BE", "PER_MACHINE", "POSITIVE_INT", "SEED",
+           "Invalid", "Rule", "above", "at_least", "check_fields", "one_of", "rule_of", "setting",
+           "within"]

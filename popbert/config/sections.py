@@ -24,6 +24,7 @@ from popbert.errors import ConfigError
 from popbert.rules import (
     EXPECTED,
     PER_MACHINE,
+    SEED,
     Invalid,
     Rule,
     above,
@@ -106,7 +107,7 @@ class DataConfig:
     # Globs of HDF5 shards or text files; empty = the corpus bundled with popbert.data.
     input_files: list[str] = field(default_factory=list)
     vocab_file: str | None = None  # None = the bundled WordPiece vocabulary
-    seed: int = setting(12345, at_least(0))
+    seed: int = setting(12345, SEED)
     masked_lm_prob: float = setting(0.15, within("(0, 1]"))
     short_seq_prob: float = setting(0.1, within("[0, 1]"))
     duplication_factor: int = setting(1, at_least(1))
@@ -265,7 +266,7 @@ class TrainingConfig:
     # blew up, even if its numbers stay finite. 0 = only a non-finite loss stops the run.
     divergence_factor: float = setting(100.0, Rule(lambda v: v == 0 or v > 1, "0 (off) or > 1"))
     log_every: int = setting(10, at_least(1))
-    seed: int = setting(42, at_least(0))
+    seed: int = setting(42, SEED)
     # `--init-from` naming another family's checkpoint, or carrying over fewer than half of the
     # run's encoder weights (another size's), is refused; true starts from whatever fits.
     allow_partial_init_from: bool = False

@@ -30,6 +30,7 @@ import optuna
 from optuna.trial import TrialState
 
 from popbert.errors import ConfigError, PopbertError, UsageError, one_line
+from popbert.rules import PER_MACHINE
 from popbert.sweep.spec import (
     FINETUNE_TASKS,
     SweepSpec,
@@ -386,8 +387,8 @@ def run_sweep(path: str | os.PathLike[str], agents: int, *, output_dir: Path | N
               devices: list[str] | None = None) -> Sweep:
     """Create a sweep and run `agents` local agent processes on it to the end (each logs to
     `agent-<i>.log` in the sweep directory; device `devices[i % len(devices)]`)."""
-    if agents < 1:
-        raise UsageError(f"--agents: expected a positive number, got {agents}")
+    if not PER_MACHINE.allows(agents):  # each agent is a process on this machine
+        raise UsageError(f"--agents: expected a number {PER_MACHINE.expected}, got {agents}")
     for device in devices or ():
         check_device(device, "--devices")
     from popbert.sweep.spec import load_spec

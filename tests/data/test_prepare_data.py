@@ -280,9 +280,17 @@ def test_stage_commands_one_by_one_and_given_vocab(prepared, tmp_path, capsys):
     (["pack", "--input", "{tmp}/*.h5", "--output-dir", "{tmp}/p"], "--input"),
     (["wikipedia", "--input", "{fixture}", "--output-dir", "{tmp}/w", "--sequence-length",
       "128", "--max-predictions", "20", "--workers", "0"], "--workers"),
+    (["wikipedia", "--input", "{fixture}", "--output-dir", "{tmp}/w", "--sequence-length",
+      "128", "--max-predictions", "20", "--workers", "100000"],
+     "--workers must be from 1 to 1024, got 100000"),
+    (["wikipedia", "--input", "{fixture}", "--output-dir", "{tmp}/w", "--sequence-length",
+      "128", "--max-predictions", "20", "--seed", "-1"], "--seed must be from 0 to"),
+    (["pack", "--input", "{prepared}/instances-s128-p20", "--output-dir", "{tmp}/p", "--seed",
+      str(2**70)], "--seed must be from 0 to 2147483647"),
 ])
 def test_bad_arguments_are_one_line_errors(argv, fragment, tmp_path, capsys, prepared):
-    values = {"tmp": tmp_path, "vocab": prepared / "vocab.txt", "fixture": FIXTURE}
+    values = {"tmp": tmp_path, "vocab": prepared / "vocab.txt", "fixture": FIXTURE,
+              "prepared": prepared}
     assert popbert("prepare-data", *[a.format(**values) for a in argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("popbert: error:") and fragment in err[0], err

@@ -53,6 +53,19 @@ def trials(directory: Path) -> list[optuna.trial.FrozenTrial]:
     return open_sweep(directory).load_study().get_trials()
 
 
+@pytest.mark.parametrize("agents", ["0", "100000"])
+def test_agents_past_what_a_machine_runs_are_one_line(agents: str, tmp_path: Path,
+                                                      capsys) -> None:
+    """Each agent is a process here: 0 is nothing to run, 100000 a typo that would start
+    them all."""
+    out = tmp_path / "sweep"
+    assert cli.main(["sweep", "run", str(sweep_file(tmp_path)), "--agents", agents, "-o",
+                     str(out)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line == f"popbert: error: --agents: expected a number from 1 to 1024, got {agents}"
+    assert not out.exists()
+
+
 @pytest.mark.e2e
 def test_grid_sweep_two_agents_share_the_grid(tmp_path: Path, capsys) -> None:
     lrs = [3e-4, 1e-3, 3e-3, 1e-2]

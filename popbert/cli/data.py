@@ -23,7 +23,7 @@ from pathlib import Path
 
 from popbert.errors import UsageError
 from popbert.io import paths
-from popbert.rules import PER_MACHINE, SEED
+from popbert.rules import PER_MACHINE
 
 logger = logging.getLogger("popbert")
 
@@ -66,12 +66,6 @@ def _workers(args: argparse.Namespace) -> int:
     if not PER_MACHINE.allows(args.workers):
         raise UsageError(f"--workers must be {PER_MACHINE.expected}, got {args.workers}")
     return args.workers
-
-
-def _seed(args: argparse.Namespace) -> int:
-    if not SEED.allows(args.seed):
-        raise UsageError(f"--seed must be {SEED.expected}, got {args.seed}")
-    return args.seed
 
 
 def _on_cluster(handler: Callable[[argparse.Namespace], int]
@@ -135,7 +129,7 @@ def _options(args: argparse.Namespace):
     options = InstanceOptions(
         sequence_length=args.sequence_length, max_predictions_per_seq=args.max_predictions,
         masked_lm_prob=args.masked_lm_prob, short_seq_prob=args.short_seq_prob,
-        dupe_factor=args.dupe_factor, whole_word_mask=args.whole_word_mask, seed=_seed(args))
+        dupe_factor=args.dupe_factor, whole_word_mask=args.whole_word_mask, seed=args.seed)
     try:
         options.validate()
     except ValueError as exc:
@@ -258,7 +252,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     record = pack_shards(_parts(args.input, "h5"), _output_dir(args), strategy=args.strategy,
                          max_sequences_per_pack=args.max_sequences_per_pack,
                          max_predictions_per_pack=args.max_predictions_per_pack,
-                         seed=_seed(args), workers=_workers(args))
+                         seed=args.seed, workers=_workers(args))
     _report(record)
     return 0
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from popbert import __version__
 from popbert.errors import PopbertError, UsageError, one_line
 from popbert.io import paths
-from popbert.rules import PER_MACHINE
+from popbert.rules import PER_MACHINE, SEED
 
 if TYPE_CHECKING:
     from popbert.config import RunConfig
@@ -831,7 +831,7 @@ def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Nam
     SIGUSR1 with its checkpoint 128 + the signal (143, 138: a job script requeues on it)."""
     _configure_logging(getattr(args, "verbose", False))
     try:
-        _check_threads(args)
+        _check_counts(args)
         paths.check_arguments(args)  # every declared path, before any work
         return int(handler(args))
     except KeyboardInterrupt as interrupt:
@@ -851,11 +851,14 @@ def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Nam
         raise
 
 
-def _check_threads(args: argparse.Namespace) -> None:
-    """`--threads` (torch's or the runtime's) within what any machine has, before any work."""
-    threads = getattr(args, "threads", None)
-    if threads is not None and not PER_MACHINE.allows(threads):
-        raise UsageError(f"--threads must be {PER_MACHINE.expected}, got {threads}")
+def _check_counts(args: argparse.Namespace) -> None:
+    """The flags every command that has them checks alike, before any work: `--threads`
+    (torch's or the runtime's) within what any machine has, `--seed` what every generator
+    takes."""
+    for flag, rule in (("threads", PER_MACHINE), ("seed", SEED)):
+        value = getattr(args, flag, None)
+        if value is not None and not rule.allows(value):
+            raise UsageError(f"--{flag} must be {rule.expected}, got {value}")
 
 
 def _out_of_memory(exc: BaseException) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 
 from popbert.config.yaml_io import parse_yaml
 from popbert.errors import ConfigError
+from popbert.rules import SEED
 from popbert.tasks import TASKS
 from popbert.textfile import read_text
 
@@ -391,8 +392,9 @@ def parse_spec(raw: Any, source: str = "<sweep>") -> SweepSpec:
     sampler = raw.get("sampler", "tpe")
     _need(sampler in BAYES_SAMPLERS, source, "sampler", "tpe or gp (for method bayes)", sampler)
     seed = raw.get("seed")
-    _need(seed is None or (isinstance(seed, int) and not isinstance(seed, bool)), source,
-          "seed", "an integer", seed)
+    _need(seed is None or (isinstance(seed, int) and not isinstance(seed, bool)
+                           and SEED.allows(seed)), source, "seed", f"an integer {SEED.expected}",
+          seed)
     heartbeat = raw.get("heartbeat", 30.0)
     _need(_number(heartbeat) and heartbeat >= 1, source, "heartbeat",
           "seconds between an agent's heartbeats (>= 1)", heartbeat)

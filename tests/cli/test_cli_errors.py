@@ -342,6 +342,27 @@ def test_threads_past_any_machine_are_refused(command: list[str], threads: str, 
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("command", [["import-hf", "--model", "hf", "-o", "out"],
+                                     ["finetune", "classify", "--checkpoint", "run", "--train",
+                                      "data.txt", "-o", "out"],
+                                     ["prepare-data", "instances", "--input", "data.txt",
+                                      "--vocab", "vocab.txt", "-o", "out", "--sequence-length",
+                                      "64", "--max-predictions", "10", "--seed", "1"]])
+@pytest.mark.parametrize("seed", ["-1", str(2**70)])
+def test_a_seed_no_generator_takes_is_refused(command: list[str], seed: str, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [str(tmp_path / a) if a in ("hf", "out", "run", "data.txt", "vocab.txt") else a
+            for a in command]
+    if "--seed" in argv:
+        argv[argv.index("--seed") + 1] = seed
+    else:
+        argv += ["--seed", seed]
+    assert cli.main(argv) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line == f"popbert: error: --seed must be from 0 to 2147483647 (2**31 - 1), got {seed}"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bugs_keep_their_traceback(monkeypatch: pytest.MonkeyPatch, cli_logging: None) -> None:
     def broken(cfg: object, **kw: object) -> None:
         raise RuntimeError("a bug")

@@ -281,6 +281,7 @@ BAD = [
      "parameters.optimizer.lr: optimizer.lr: expected float"),
     ({"early_terminate": {"type": "median"}}, "early_terminate.type: expected hyperband"),
     ({"run_cap": 0}, "run_cap: expected a positive integer, got 0"),
+    ({"method": "bayes", "seed": -1}, "seed: expected an integer from 0 to 2147483647"),
     ({**FINETUNE, "parameters": {"model.hidden_size": {"values": [64]}}},
      "parameters.model.hidden_size: model.hidden_size is a config key fine-tuning does not "
      "take"),

@@ -77,15 +77,17 @@ class Served:
         self.path = model
         self.predictor: Any = predictor(model, threads, spinning=False)
         self.name = served_model_name or (model.stem if model.is_file() else model.name)
-        if max_input_tokens is not None:
-            if not self.predictor.dynamic_sequence and max_input_tokens != \
-                    self.predictor.sequence_length:
-                log.warning("%s has a fixed sequence length of %d: --max-input-tokens %d is "
-                            "not applied", model, self.predictor.sequence_length,
-                            max_input_tokens)
-            else:
-                self.predictor.sequence_length = min(self.predictor.sequence_length,
-                                                     max_input_tokens)
+        if max_input_tokens is not None:  # only lowers the export's length, or it does nothing
+            length = self.predictor.sequence_length
+            if not self.predictor.dynamic_sequence and max_input_tokens != length:
+                raise UsageError(f"--max-input-tokens {max_input_tokens}: {model} has a fixed "
+                                 f"sequence length of {length}, which every input is cut or "
+                                 "padded to; leave the flag out")
+            if max_input_tokens > length:
+                raise UsageError(f"--max-input-tokens {max_input_tokens}: {model} takes at most "
+                                 f"{length} tokens (the length it was trained at); give at "
+                                 "most that, or leave the flag out")
+            self.predictor.sequence_length = max_input_tokens
         self.max_input_tokens = int(self.predictor.sequence_length)
         self.tokenizer = self.predictor.text_tokenizer
         # ONNX Runtime's dynamic INT8 scales activations by the whole batch's range.

@@ -44,6 +44,14 @@ def check_settings(model: Path, config: ServeConfig) -> None:
             raise UsageError(f"{flag}: file not found: {value}")
     if not Path(model).exists():
         raise UsageError(f"--model: file not found: {model}")
+    if config.served_model_name is not None and not config.served_model_name.strip():
+        raise UsageError("--served-model-name: empty; give the name clients send as `model`, "
+                         "or leave the flag out for the export's")
+    try:
+        socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM)
+    except OSError as error:  # not an address, nor a name that resolves
+        raise UsageError(f"--host {config.host}: not an address to listen on "
+                         f"({error.strerror or error})") from None
 
 
 def load(model: Path, config: ServeConfig) -> Any:

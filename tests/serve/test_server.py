@@ -363,6 +363,11 @@ def test_bad_settings_are_one_line_and_exit_2(minilm_export: Path, tmp_path: Pat
           str(pem)], "--ssl-certfile"),
         (["--model", str(minilm_export), "--max-batch-tokens", "100"], "--max-batch-tokens"),
         (["--model", str(minilm_export), "--set", "serve.max_wait_ms=-1"], "max_wait_ms"),
+        # accepted, they would do nothing (the export takes 256) or serve what no client names
+        (["--model", str(minilm_export), "--max-input-tokens", "100000"],
+         "--max-input-tokens 100000: " + str(minilm_export) + " takes at most 256 tokens"),
+        (["--model", str(minilm_export), "--served-model-name", " "], "--served-model-name"),
+        (["--model", str(minilm_export), "--host", "999.1.1.1"], "--host 999.1.1.1: not an"),
     ]
     with taken:
         cases.append((["--model", str(minilm_export), "--port", str(taken.port)],

@@ -6,7 +6,9 @@
 - :mod:`~popbert.runtime.inputs`: the checks a batch passes before it runs;
 - :mod:`~popbert.runtime.partition`: the graph split into pipeline stages and recompute regions;
 - :mod:`~popbert.runtime.schedules`: GPipe / 1F1B schedules and the ``PipelineEngine``;
-- :mod:`~popbert.runtime.rng`: RNG states for checkpoints.
+- :mod:`~popbert.runtime.rng`: RNG states for checkpoints;
+- :mod:`~popbert.runtime.buckets`: inference rows run longest first, each batch cut to its
+  longest row (NumPy only: the torch-free predictors use it too).
 
 Nothing is imported here: ``import popbert.runtime.options`` does not pay for the sessions.
 """

@@ -20,12 +20,13 @@ from popbert.config import load_config
 from popbert.data.classification import read_classification_file
 from popbert.data.embedding_pairs import read_pairs
 from popbert.data.retrieval import read_beir
-from popbert.data.squad import read_squad
+from popbert.data.squad import evaluate_files, read_squad
 from popbert.data.token_classification import read_tagged
 from popbert.data.tokenization import bundled_vocab_path, load_tokenizer
 from popbert.errors import PopbertError
 from popbert.serve.predict import read_texts
 from popbert.serve.rerank import read_candidates
+from popbert.sweep.spec import load_spec
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 MUTATIONS = 60
@@ -133,6 +134,29 @@ def _vocab(target: Path) -> Path:
     return target
 
 
+def _squad_predictions(target: Path) -> Path:
+    """`popbert evaluate squad`'s predictions: each sample question's first gold answer."""
+    _, dataset = read_squad(FIXTURES / "squad" / "squad-v1.1-sample.json")
+    target.write_text(json.dumps({qa["id"]: qa["answers"][0]["text"]
+                                  for article in dataset["data"]
+                                  for paragraph in article["paragraphs"]
+                                  for qa in paragraph["qas"]}, indent=1))
+    return target
+
+
+def _sweep(target: Path) -> Path:
+    """A W&B-format sweep file of a pre-training job (`popbert sweep create`)."""
+    target.write_text("job: pretrain\nconfig: tiny\nmethod: bayes\nseed: 3\n"
+                      "metric:\n  name: loss\n  goal: minimize\n"
+                      "set:\n  training.steps: 12\n  model.num_layers: 1\n"
+                      "parameters:\n"
+                      "  optimizer.lr:\n    distribution: log_uniform_values\n"
+                      "    min: 1.0e-4\n    max: 1.0e-2\n"
+                      "  optimizer.warmup_steps:\n    values: [0, 2, 4]\n"
+                      "early_terminate:\n  type: hyperband\n  min_iter: 2\n")
+    return target
+
+
 SENTIMENT = FIXTURES / "classification" / "sentiment.tsv"
 PRESETS = Path(load_config.__code__.co_filename).parent / "presets"
 # name: (the valid file, made in a directory if need be; its reader)
@@ -147,9 +171,13 @@ READERS = {
     "embedding-pairs": (lambda d: FIXTURES / "embedding" / "triplets.jsonl", read_pairs),
     "conll": (lambda d: FIXTURES / "ner" / "sample.conll", read_tagged),
     "squad": (lambda d: FIXTURES / "squad" / "squad-v1.1-sample.json", read_squad),
+    "squad-predictions": (lambda d: _squad_predictions(d / "predictions.json"),
+                          lambda p: evaluate_files(FIXTURES / "squad" / "squad-v1.1-sample.json",
+                                                   p)),
     "rerank-candidates": (lambda d: _rerank_rows(d / "candidates.jsonl"), read_candidates),
     "texts": (lambda d: _texts(d / "texts.txt"), read_texts),
     "config-yaml": (lambda d: PRESETS / "finetune-classification.yaml", load_config),
+    "sweep-yaml": (lambda d: _sweep(d / "sweep.yaml"), load_spec),
     "tokenizer-json": (lambda d: _tokenizer_json(d / "tokenizer.json"),
                        lambda p: load_tokenizer(p).encode_batch(["a test sentence"])),
     "vocab-txt": (lambda d: _vocab(d / "vocab.txt"),

@@ -7,6 +7,7 @@ of ``step-NNNNNN/``: docs/design.md, section "popbert.io.checkpoint".
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -95,14 +96,17 @@ def save_checkpoint(directory: Path, checkpoint: Checkpoint, config_yaml: str,
     directory = Path(directory)
     with atomic_directory(directory) as tmp:
         weights = {k: _standalone(v) for k, v in checkpoint.weights.items()}
-        write_file(tmp / "weights.safetensors",
-                   canonical_safetensors(safetensors.torch.save(
-                       weights, metadata={"format": "popbert", "names": "onnx"})))
-        write_file(tmp / "optimizer.pt", _torch_bytes(checkpoint.optimizer))
-        write_file(tmp / "rng.pt", _torch_bytes(checkpoint.rng))
+        binary = {"weights.safetensors": canonical_safetensors(safetensors.torch.save(
+                      weights, metadata={"format": "popbert", "names": "onnx"})),
+                  "optimizer.pt": _torch_bytes(checkpoint.optimizer),
+                  "rng.pt": _torch_bytes(checkpoint.rng)}
+        for name, data in binary.items():
+            write_file(tmp / name, data)
         state = {"format_version": FORMAT_VERSION, "step": checkpoint.step,
                  "loader": checkpoint.loader, "loss_scaler": checkpoint.loss_scaler,
-                 "trainer": checkpoint.trainer}
+                 "trainer": checkpoint.trainer,
+                 "sha256": {name: hashlib.sha256(data).hexdigest()
+                            for name, data in binary.items()}}
         write_file(tmp / "state.json", json.dumps(state, indent=2, sort_keys=True).encode())
         write_file(tmp / "config.yaml", config_yaml.encode())
         if model is not None:
@@ -171,16 +175,20 @@ def load_checkpoint(path: Path, weights_only: bool = False) -> Checkpoint:
         if not (directory / name).is_file():
             raise CheckpointError(f"{directory / name}: missing from the checkpoint")
     try:
-        weights = safetensors.torch.load_file(str(directory / "weights.safetensors"))
+        state = json.loads((directory / "state.json").read_text())
+        step = int(state["step"])
+        digests = state.get("sha256", {})  # none in checkpoints older than the field
+        if not isinstance(digests, dict):
+            raise TypeError(f"sha256 is {type(digests).__name__}, not a mapping")
+    except (ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{directory / 'state.json'}: corrupt ({error})") from None
+    data = _checked_bytes(directory / "weights.safetensors", digests)
+    try:
+        weights = safetensors.torch.load(data)
     except Exception as error:
         raise CheckpointError(f"{directory / 'weights.safetensors'}: unreadable "
                               f"({type(error).__name__}: {error})") from None
     check_finite(weights, directory / "weights.safetensors")
-    try:
-        state = json.loads((directory / "state.json").read_text())
-        step = int(state["step"])
-    except (ValueError, KeyError, TypeError) as error:
-        raise CheckpointError(f"{directory / 'state.json'}: corrupt ({error})") from None
     import yaml
 
     try:
@@ -192,9 +200,22 @@ def load_checkpoint(path: Path, weights_only: bool = False) -> Checkpoint:
                             loss_scaler=state.get("loss_scaler", {}), config=config,
                             trainer=state.get("trainer", {}))
     if not weights_only:
-        checkpoint.optimizer = _torch_load(directory / "optimizer.pt")
-        checkpoint.rng = _torch_load(directory / "rng.pt")
+        checkpoint.optimizer = _torch_load(directory / "optimizer.pt", digests)
+        checkpoint.rng = _torch_load(directory / "rng.pt", digests)
     return checkpoint
+
+
+def _checked_bytes(path: Path, digests: Mapping[str, Any]) -> bytes:
+    """The file's bytes, checked against the SHA-256 saved with the checkpoint (where there
+    is one): bytes that changed after the save (a failing disk, a copy cut short or mangled)
+    are a one-line CheckpointError, never weights or optimizer state loaded as they are."""
+    data = path.read_bytes()
+    expected = digests.get(path.name)
+    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+        raise CheckpointError(f"{path}: its contents changed after the checkpoint was saved "
+                              f"(SHA-256 differs from the one in state.json; a disk or copy "
+                              f"error); use another checkpoint")
+    return data
 
 
 def non_finite_weights(weights: Mapping[str, Any]) -> list[str]:
@@ -223,8 +244,9 @@ def check_finite(weights: Mapping[str, Any], source: str | Path,
                     "diverged run")
 
 
-def _torch_load(path: Path) -> Any:
+def _torch_load(path: Path, digests: Mapping[str, Any]) -> Any:
+    data = _checked_bytes(path, digests)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as error:
         raise CheckpointError(f"{path}: unreadable ({type(error).__name__})") from None

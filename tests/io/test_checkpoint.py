@@ -67,3 +67,39 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(
         saved(run, 4)
     assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000004"]
+
+
+@pytest.mark.parametrize("name", ["weights.safetensors", "optimizer.pt", "rng.pt"])
+def test_bytes_changed_after_the_save_are_one_line_not_loaded(name: str, tmp_path: Path) -> None:
+    """A byte flipped inside a tensor's data keeps safetensors' header and torch's zip readable:
+    only the SHA-256 saved in state.json tells the damaged file from the saved one."""
+    directory = tmp_path / "step-000003"
+    save_checkpoint(directory, Checkpoint(step=3, weights={"w": torch.arange(64.0)},
+                                          optimizer={"state": {"m": torch.ones(64)}},
+                                          rng={"cpu": torch.zeros(8, dtype=torch.uint8)}),
+                    "training: {steps: 9}\n")
+    assert load_checkpoint(directory).step == 3  # as saved: read
+    path = directory / name
+    data = bytearray(path.read_bytes())
+    at = data.rfind(b"\x00\x00\x80\x3f") if name != "rng.pt" else data.rfind(b"\x00" * 8)
+    assert at > 0  # a float 1.0 of the tensors (the rng's zeros), not the header
+    data[at] ^= 0x01  # one bit of one value: a disk's or a copy's error
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{name}: its contents changed after the "
+                                              "checkpoint was saved"):
+        load_checkpoint(directory)
+    if name == "weights.safetensors":
+        with pytest.raises(CheckpointError, match="contents changed"):
+            load_checkpoint(directory, weights_only=True)
+    else:
+        assert load_checkpoint(directory, weights_only=True).step == 3  # not read then
+
+
+def test_a_checkpoint_saved_before_the_checksums_still_loads(tmp_path: Path) -> None:
+    import json
+
+    directory = saved(tmp_path / "run", 2)
+    state = json.loads((directory / "state.json").read_text())
+    assert set(state.pop("sha256")) == {"weights.safetensors", "optimizer.pt", "rng.pt"}
+    (directory / "state.json").write_text(json.dumps(state))
+    assert load_checkpoint(directory).step == 2

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from popbert.data import storage
 from popbert.data.errors import DataError
-from popbert.textfile import decode
+from popbert.textfile import decode, lone_surrogate
 
 __all__ = ["FORMATS", "Unit", "corpus_format", "plan_units", "read_unit"]
 
@@ -133,6 +133,9 @@ def read_unit(unit: Unit) -> Iterator[str]:
         if not isinstance(row, dict) or unit.text_field not in row:
             raise DataError(f"{unit.path}: the JSON line at byte {offset} has no text field "
                             f"{unit.text_field!r} (--text-field)")
+        bad = lone_surrogate(line, row[unit.text_field])
+        if bad is not None:
+            raise DataError(f"{unit.path}: the JSON line at byte {offset}: {bad}")
         yield _text(row[unit.text_field], unit, f"the JSON line at byte {offset}")
 
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from popbert.data.errors import DataError
-from popbert.textfile import read_text
+from popbert.textfile import lone_surrogate, read_text
 
 Row = dict[str, object]
 TEXT_FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
@@ -71,6 +71,9 @@ def json_lines(path: Path, text: str) -> list[tuple[int, Row]]:
             raise DataError(f"{path}:{number}: invalid JSON ({error.msg})") from None
         if not isinstance(row, dict):
             raise DataError(f"{path}:{number}: expected a JSON object per line")
+        bad = lone_surrogate(line, row)
+        if bad is not None:
+            raise DataError(f"{path}:{number}: {bad}")
         rows.append((number, row))
     return rows
 

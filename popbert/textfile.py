@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -51,13 +52,56 @@ def read_text(path: str | os.PathLike, expected: str, *,
 
 def read_json(path: str | os.PathLike, expected: str, *,
               error: type[PopbertError] = FileError) -> Any:
-    """The JSON value in `path`; unreadable, undecodable or not JSON is one `error` line."""
+    """The JSON value in `path`; unreadable, undecodable or not JSON is one `error` line, as is
+    a string that is not Unicode (`lone_surrogate`)."""
     text = read_text(path, expected, error=error)
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise error(f"{path}: not JSON ({exc.msg} at line {exc.lineno}); expected "
                     f"{expected}") from None
+    bad = lone_surrogate(text, value)
+    if bad is not None:
+        raise error(f"{path}: {bad}; expected {expected}") from None
+    return value
 
 
-__all__ = ["decode", "read_json", "read_text", "undecodable"]
+# A JSON escape of a UTF-16 surrogate (\ud800-\udfff): the only way JSON text decoded from
+# UTF-8 can hold one.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def unicode_problem(text: str) -> str | None:
+    """What makes `text` not Unicode (a lone UTF-16 surrogate, which no tokenizer reads and
+    UTF-8 cannot encode), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"a lone surrogate \\u{ord(text[exc.start]):04x} at character {exc.start}"
+    return None
+
+
+def lone_surrogate(text: str, value: Any) -> str | None:
+    """What is wrong with a string of `value`, the JSON parsed from `text`: a `\\ud800` escape
+    of half a surrogate pair decodes to a string that is not Unicode (`unicode_problem`), which
+    JSON allows and no tokenizer reads. None if every string is text (the escape-free common
+    case costs one regex search of `text`)."""
+    if not _SURROGATE_ESCAPE.search(text):
+        return None
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            problem = unicode_problem(item)
+            if problem is not None:
+                return f"a JSON string is not Unicode text ({problem})"
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
+
+
+__all__ = ["decode", "lone_surrogate", "read_json", "read_text", "undecodable",
+           "unicode_problem"]

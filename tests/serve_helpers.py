@@ -155,7 +155,7 @@ def _typed_value(rng: np.random.Generator, kind: str):
         if rng.random() < 0.2:
             return _random_value(rng, 2)
         return str(rng.choice(["", " ", "x", "a b", "word " * 300, "\u0000", "\u200b", "é🙂",
-                               "[SEP] [PAD]", "\n"]))
+                               "[SEP] [PAD]", "\n", "half a pair \ud800"]))
 
     def ids():
         return [int(rng.choice([0, 101, 102, 30521, 30522, -1, 10 ** 12]))
@@ -179,7 +179,7 @@ def _typed_value(rng: np.random.Generator, kind: str):
     if kind == "format":
         return str(rng.choice(["float", "base64", "FLOAT", ""]))
     if kind == "model":
-        return str(rng.choice(["minilm", "minilm", "other", ""]))
+        return str(rng.choice(["minilm", "minilm", "other", "", "mini\udfffl"]))
     return bool(rng.integers(2))
 
 

@@ -34,6 +34,7 @@ from popbert.config.sections import ServeConfig
 from popbert.serve.batcher import BatchRecord, RowBatcher
 from popbert.serve.metrics import ServeMetrics
 from popbert.serve.routes import RequestError, Served, Usage, encode_vectors
+from popbert.textfile import unicode_problem
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +120,18 @@ def error_body(path: str, status: int, message: str, field: str | None = None,
     return {"error": message, "error_type": kind}
 
 
+class _ErrorJSON(JSONResponse):
+    """An error body in ASCII JSON: a message may quote what the client sent (a model name,
+    a field), and a lone surrogate there must not turn the 4xx into a 500 at encoding."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(path: str, status: int, message: str, field: str | None = None,
                    kind: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(path, status, message, field, kind), status_code=status,
-                        headers=headers)
+    return _ErrorJSON(error_body(path, status, message, field, kind), status_code=status,
+                      headers=headers)
 
 
 def _field_of(location: tuple[Any, ...]) -> str:
@@ -159,13 +168,22 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str]:
     return f"{field}: {first.get('msg', 'invalid')}", field
 
 
-def _empty(field: str, values: Any) -> None:
-    """A request with no inputs, or an empty (or blank) text or pair member, is a 422."""
+def _check_inputs(field: str, values: Any) -> None:
+    """A request with no inputs, an empty (or blank) text or pair member, or a text that is not
+    Unicode (a lone surrogate, which JSON's escapes can write and no tokenizer reads) is a
+    422."""
     if isinstance(values, str):
         values = [values]
     if not values:
         raise RequestError(422, f"{field}: expected at least one input, got none", field)
     for index, value in enumerate(values):
+        texts = ([value] if isinstance(value, str) else list(value) if isinstance(value, tuple)
+                 else [value.question, value.context] if isinstance(value, QuestionContext)
+                 else [])
+        for text in texts:
+            problem = unicode_problem(text)
+            if problem is not None:
+                raise RequestError(422, f"{field}[{index}]: not Unicode text ({problem})", field)
         if isinstance(value, str) and not value.strip():
             raise RequestError(422, f"{field}[{index}] is an empty text", field)
         if isinstance(value, list) and not value:
@@ -267,7 +285,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
             given = [given]
         if given and isinstance(given[0], int):
             given = [given]  # one input as token ids
-        _empty("input", given)
+        _check_inputs("input", given)
         too_many("input", len(given))
         if isinstance(given[0], str):
             vectors, usage = await work(served.embed, given, None, body.truncate)
@@ -290,7 +308,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
     async def embed(body: EmbedRequest) -> Response:
         needs("/embed")
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-        _empty("inputs", texts)
+        _check_inputs("inputs", texts)
         too_many("inputs", len(texts))
         vectors, usage = await work(served.embed, texts, body.prompt_name, body.truncate,
                                     "inputs")
@@ -304,7 +322,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
         given = body.inputs
         single = not isinstance(given, list)
         items = [given] if single else given
-        _empty("inputs", items)
+        _check_inputs("inputs", items)
         too_many("inputs", len(items))
         questions = [isinstance(item, QuestionContext) for item in items]
         if served.task == "squad":
@@ -332,8 +350,8 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
     @app.post("/rerank", summary="TEI-compatible reranking with a cross-encoder")
     async def rerank(body: RerankRequest) -> Response:
         needs("/rerank")
-        _empty("query", [body.query])
-        _empty("texts", body.texts)
+        _check_inputs("query", [body.query])
+        _check_inputs("texts", body.texts)
         too_many("texts", len(body.texts))
         ranked, usage = await work(served.rerank, body.query, body.texts, body.raw_scores,
                                    body.truncate, body.return_text)
@@ -343,7 +361,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
     @app.post("/tokenize", summary="TEI-compatible tokenization")
     async def tokenize(body: TokenizeRequest) -> Response:
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-        _empty("inputs", texts)
+        _check_inputs("inputs", texts)
         too_many("inputs", len(texts))
         return _json(await work(served.tokenize, texts, body.add_special_tokens))
 

@@ -24,7 +24,7 @@ from popbert.data.classification import ClassificationData
 from popbert.data.retrieval import ranked, ranking_metrics, read_beir, run_of
 from popbert.errors import UsageError
 from popbert.serve.predict import ClassifyPredictor, PredictStats
-from popbert.textfile import read_text
+from popbert.textfile import lone_surrogate, read_text
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,9 @@ def read_candidates(path: Path) -> list[tuple[int, str, list[tuple[Any, str]]]]:
             row = json.loads(line)
         except json.JSONDecodeError as error:
             raise UsageError(f"--data {path}:{number}: not JSON ({error.msg})") from None
+        bad = lone_surrogate(line, row)
+        if bad is not None:
+            raise UsageError(f"--data {path}:{number}: {bad}")
         query = row.get("query") if isinstance(row, dict) else None
         given = row.get("candidates") if isinstance(row, dict) else None
         if not isinstance(query, str) or not query.strip() or not isinstance(given, list) \

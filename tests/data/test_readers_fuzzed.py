@@ -4,8 +4,9 @@ line with exit status 2), never another exception (which the CLI would print as 
 
 The corruptions are the ones files really get: a line cut short, a character or a delimiter
 deleted or doubled, bytes that are not UTF-8, a NUL, a byte-order mark, an empty line where a
-row was, a field's value swapped for a number, `NaN`, `null` or a list, the file truncated, an
-empty file. Each reader gets 60 of them (seeded), from its own fixture in `tests/fixtures`.
+row was, a field's value swapped for a number, `NaN`, `null`, a list or a string holding a lone
+surrogate escape (`\\ud800`: valid JSON, not Unicode), the file truncated, an empty file. Each
+reader gets 60 of them (seeded), from its own fixture in `tests/fixtures`.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def _corrupt(data: bytes, rng: np.random.Generator) -> bytes:
         lines[int(rng.integers(len(lines)))] = b""
         return b"\n".join(lines)
     if kind == 7:  # a JSON value swapped for another kind
-        swap = [b"1e400", b"NaN", b"null", b"[]", b"{}", b"-1", b"true", b"\"\""]
+        swap = [b"1e400", b"NaN", b"null", b"[]", b"{}", b"-1", b"true", b"\"\"",
+                b"\"a \\ud800 lone surrogate\""]
         for quote in (b"\": \"", b"\":\""):
             start = data.find(quote, at)
             if start >= 0:
@@ -211,3 +213,54 @@ def test_a_corrupted_beir_directory_is_read_or_one_line_naming_it(part: str,
         read_back.append(_read_or_one_line(read_beir, directory, str(directory)))
     assert 0 < sum(read_back) < MUTATIONS
 
+
+
+LONE = "\\ud800"  # as a JSON file writes it: a valid escape of half a surrogate pair
+SURROGATE_FILES = {  # name: (file name, its content with one lone surrogate, reader)
+    "classification-jsonl": ("rows.jsonl", '{"text": "a good film", "label": "1"}\n'
+                             f'{{"text": "a {LONE} film", "label": "0"}}\n',
+                             read_classification_file),
+    "embedding-pairs": ("pairs.jsonl", f'{{"anchor": "a", "positive": "b {LONE}"}}\n',
+                        read_pairs),
+    "tagged-jsonl": ("tags.jsonl", f'{{"tokens": ["Ada", "{LONE}"], "tags": ["B-PER", "O"]}}\n',
+                     read_tagged),
+    "rerank-candidates": ("candidates.jsonl",
+                          f'{{"query": "q", "candidates": ["a", "b{LONE}"]}}\n',
+                          read_candidates),
+    "squad": ("squad.json", '{"version": "1.1", "data": [{"title": "t", "paragraphs": [{'
+              f'"context": "Ada wrote{LONE}.", "qas": [{{"id": "1", "question": "Who?", '
+              '"answers": [{"text": "Ada", "answer_start": 0}]}]}]}]}', read_squad),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SURROGATE_FILES))
+def test_a_lone_surrogate_in_a_json_file_is_one_line_naming_it(name: str,
+                                                               tmp_path: Path) -> None:
+    """JSON's escapes can write half a surrogate pair, which is no Unicode text: no tokenizer
+    reads it (it was a TypeError from `tokenizers`, a traceback, at the first batch)."""
+    file_name, content, read = SURROGATE_FILES[name]
+    path = tmp_path / file_name
+    path.write_text(content)
+    with pytest.raises(PopbertError, match=r"a JSON string is not Unicode text \(a lone "
+                                           r"surrogate \\ud800 at character \d+\)") as info:
+        read(path)
+    assert str(path) in str(info.value)
+
+
+def test_a_lone_surrogate_in_a_pretraining_corpus_is_one_line(tmp_path: Path) -> None:
+    from popbert.data.documents import plan_units, read_unit
+
+    path = tmp_path / "corpus.jsonl"
+    path.write_text('{"text": "Fine text."}\n' + f'{{"text": "Half {LONE} a pair."}}\n')
+    [unit] = plan_units([path])
+    with pytest.raises(PopbertError, match="the JSON line at byte 23: a JSON string is not "
+                                           "Unicode text"):
+        list(read_unit(unit))
+
+
+def test_a_surrogate_pair_is_text() -> None:
+    """Both halves together (an emoji, as ASCII-only JSON writes it) are one character."""
+    from popbert.textfile import lone_surrogate
+
+    text = '{"text": "smile \\ud83d\\ude00"}'
+    assert lone_surrogate(text, json.loads(text)) is None

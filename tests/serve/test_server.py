@@ -169,6 +169,12 @@ def test_bad_requests_are_4xx_naming_the_field_and_the_server_lives_on(server: S
         ("get", "/embed", None, 405, "GET"),
         ("get", "/nowhere", None, 404, "/nowhere"),
         ("post", "/tokenize", {"inputs": []}, 422, "inputs"),
+        # JSON's escapes can write half a surrogate pair: no text, and no 500 when quoted back
+        ("post", "/v1/embeddings", b'{"model": "minilm", "input": ["ok", "a \\ud800"]}', 422,
+         "input[1]: not Unicode text (a lone surrogate \\ud800 at character 2)"),
+        ("post", "/embed", b'{"inputs": "\\udfff"}', 422, "inputs[0]: not Unicode text"),
+        ("post", "/v1/embeddings", b'{"model": "mini\\ud800", "input": "a"}', 404,
+         "does not exist"),
     ]
     with server.client() as client:
         for method, route, body, status, words in cases:

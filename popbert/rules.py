@@ -83,8 +83,12 @@ POSITIVE_INT = Rule(lambda v: v > 0, "a positive integer")
 #: them would be started.
 MAX_PER_MACHINE = 1024
 PER_MACHINE = Rule(lambda v: 1 <= v <= MAX_PER_MACHINE, f"from 1 to {MAX_PER_MACHINE}")
+#: The largest integer a setting may hold: what a C `int` holds (torch's thread count, the
+#: sizes of tensors' dimensions through NumPy and ONNX), so a typo of a few extra digits is one
+#: line in the config loader, not an overflow deep inside a library.
+INT_LIMIT = 2**31 - 1
 #: A random seed: what NumPy, torch and Python's `random` all take.
-SEED = Rule(lambda v: 0 <= v <= 2**31 - 1, "from 0 to 2147483647 (2**31 - 1)")
+SEED = Rule(lambda v: 0 <= v <= INT_LIMIT, f"from 0 to {INT_LIMIT} (2**31 - 1)")
 
 
 def setting(default: Any = dataclasses.MISSING, rule: Rule | None = None, *,
@@ -107,6 +111,6 @@ def check_fields(obj: Any, prefix: str) -> None:
             rule.check(f"{prefix}.{f.name}", getattr(obj, f.name))
 
 
-__all__ = ["EXPECTED", "MAX_PER_MACHINE", "MUST_BE", "PER_MACHINE", "POSITIVE_INT", "SEED",
-           "Invalid", "Rule", "above", "at_least", "check_fields", "one_of", "rule_of", "setting",
-           "within"]
+__all__ = ["EXPECTED", "INT_LIMIT", "MAX_PER_MACHINE", "MUST_BE", "PER_MACHINE", "POSITIVE_INT",
+           "SEED", "Invalid", "Rule", "above", "at_least", "check_fields", "one_of", "rule_of",
+           "setting", "within"]

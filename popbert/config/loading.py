@@ -35,6 +35,7 @@ from popbert.config.sections import (
 )
 from popbert.config.yaml_io import DuplicateKeyError, dump_yaml, load_yaml, parse_yaml
 from popbert.errors import ConfigError
+from popbert.rules import INT_LIMIT
 from popbert.textfile import read_text
 
 logger = logging.getLogger(__name__)
@@ -236,12 +237,6 @@ def _is_numeric(tp: Any) -> bool:
 
 class _TypeMismatch(Exception):
     pass
-
-
-#: The largest integer a setting may hold: what a C `int` holds (torch's thread count, the
-#: sizes of tensors' dimensions through NumPy and ONNX), so a typo of a few extra digits is one
-#: line here, not an overflow deep inside a library.
-INT_LIMIT = 2**31 - 1
 
 
 class _OutOfRange(Exception):

@@ -346,13 +346,8 @@ def _run_on_cluster(client: Any, fn: Callable[..., Any], jobs: Iterable[tuple],
 
     try:
         for i, job in enumerate(jobs):
-            try:
+            with _cluster_failures(desc, client):  # a client given up on its scheduler refuses
                 future = executor.submit(fn, *job)
-            except Exception as exc:  # a client that gave up reconnecting refuses work
-                failure = _cluster_failure(exc, desc, client)
-                if failure is None:
-                    raise
-                raise failure from None
             pending[future] = (i, job)
             drain(2 * cluster_slots(client))
         drain(0)
@@ -364,29 +359,29 @@ def _run_on_cluster(client: Any, fn: Callable[..., Any], jobs: Iterable[tuple],
 def _unit_result(future: Future, desc: str, client: Any) -> Any:
     """A cluster unit's result; the cluster's own failures as one DataError line (a unit's
     errors in its code are raised as they are)."""
-    try:
+    with _cluster_failures(desc, client):
         return future.result()
+
+
+@contextlib.contextmanager
+def _cluster_failures(desc: str, client: Any) -> Iterator[None]:
+    """The block's exception as one DataError line when the cluster, not a unit's code,
+    failed: the scheduler gone (the client reconnecting or given up), or a unit lost with its
+    worker; anything else (a unit's own error, a DataError) is raised as it is."""
+    try:
+        yield
     except DataError:
         raise
     except Exception as exc:
-        failure = _cluster_failure(exc, desc, client)
-        if failure is None:
-            raise
-        raise failure from None
-
-
-def _cluster_failure(exc: Exception, desc: str, client: Any) -> DataError | None:
-    """The DataError line for `exc` when the cluster, not a unit's code, failed: the
-    scheduler gone (the client reconnecting or given up), or a unit lost with its worker."""
-    address = client.scheduler.address
-    if client.status != "running":
-        reason = f": {one_line(exc, 200)}" if str(exc) else ""
-        return DataError(f"{desc}: lost the Dask scheduler at {address} "
-                         f"({type(exc).__name__}{reason})")
-    if type(exc).__name__ in ("KilledWorker", "FutureCancelledError", "CancelledError"):
-        return DataError(f"{desc}: a unit was lost on the Dask cluster at {address}: "
-                         f"{one_line(exc, 300)}")
-    return None
+        address = client.scheduler.address
+        if client.status != "running":
+            reason = f": {one_line(exc, 200)}" if str(exc) else ""
+            raise DataError(f"{desc}: lost the Dask scheduler at {address} "
+                            f"({type(exc).__name__}{reason})") from None
+        if type(exc).__name__ in ("KilledWorker", "FutureCancelledError", "CancelledError"):
+            raise DataError(f"{desc}: a unit was lost on the Dask cluster at {address}: "
+                            f"{one_line(exc, 300)}") from None
+        raise
 
 
 def _run_pooled(executor: Executor, fn: Callable[..., Any], jobs: Iterable[tuple],

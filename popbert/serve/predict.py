@@ -185,6 +185,10 @@ class ExportedModel:
         if self.meta.get(f"{METADATA_PREFIX}task") != task:
             raise UsageError(f"--model: {model} is not a popbert {task} export (export it with "
                              f"`popbert export --task {task}` from a fine-tuned checkpoint)")
+        from popbert.tasks import task_named
+
+        # What `run` puts at a masked position of a per-token output: the task's value.
+        self.per_token: Mapping[str, float] = task_named(task).per_token_outputs
         self.lowercase = bool(json.loads(self.meta.get(f"{METADATA_PREFIX}lowercase", "true")))
         # The vocab.txt or tokenizer.json the model was trained with, stored in its metadata.
         self.text_tokenizer = tokenizer_from_text(
@@ -273,12 +277,14 @@ class ExportedModel:
 
         With a symbolic sequence axis rows run longest first (by `input_mask`, stable; with
         `bucket=False` in input order) and each batch is cut to its longest row; the outputs
-        named in `per_token` ([N, S, ...]) are padded back to S and hold the value given at
-        every masked position, so that no row's outputs depend on the rows batched with it.
+        named in `per_token` (default: the task's, `Task.per_token_outputs`; [N, S, ...]) are
+        padded back to S and hold the value given at every masked position, so that no row's
+        outputs depend on the rows batched with it.
         A fixed sequence axis runs every row at S. Outputs come back in the rows' order.
         `stats`, if given, gets the rows, batches, real and computed tokens and ONNX Runtime's
         time added.
         """
+        per_token = self.per_token if per_token is None else per_token
         if self.batcher is not None:
             return self.batcher.run(arrays, batch_size, per_token, stats, bucket)
         if batch_size < 1:
@@ -319,11 +325,7 @@ class SquadPredictor(ExportedModel):
                stats: PredictStats | None = None, bucket: bool = True
                ) -> tuple[np.ndarray, np.ndarray]:
         """Start and end logits [N, S] for `windows`, in batches of `batch_size` windows."""
-        from popbert.tasks import task_named
-
-        out = self.run(window_arrays(windows), batch_size,
-                       per_token=task_named("squad").per_token_outputs, stats=stats,
-                       bucket=bucket)
+        out = self.run(window_arrays(windows), batch_size, stats=stats, bucket=bucket)
         return out["start_logits"], out["end_logits"]
 
     def predict(self, questions: Sequence[Question], n_best_size: int = 20,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -54,18 +53,10 @@ class TagPredictor(ExportedModel):
         """Each sentence's tags, one per word."""
         arrays, windows = encode_tagged(data, self.text_tokenizer, None, self.sequence_length)
         # padded back to the full length: each word is read at its own piece
-        logits = self.run(arrays, batch_size, per_token=_per_token(), stats=stats)["logits"]
+        logits = self.run(arrays, batch_size, stats=stats)["logits"]
         if stats is not None:
             stats.examples += len(data.sentences)
         return decode_tags(data, windows, logits.argmax(axis=-1), self.labels)
-
-
-def _per_token() -> Mapping[str, float]:
-    """What a masked position of the logits holds (the task's; each word is read at its own
-    first piece)."""
-    from popbert.tasks import task_named
-
-    return task_named(TASK).per_token_outputs
 
 
 def _words(tokenizer: Any, text: str) -> list[tuple[int, int]]:
@@ -122,7 +113,7 @@ def tag_texts(predictor: TagPredictor, texts: list[str], batch_size: int = 16,
         return [[] for _ in texts]
     arrays, windows = encode_tagged(data, predictor.text_tokenizer, None,
                                     predictor.sequence_length)
-    logits = predictor.run(arrays, batch_size, per_token=_per_token(), stats=stats)["logits"]
+    logits = predictor.run(arrays, batch_size, stats=stats)["logits"]
     if stats is not None:
         stats.examples += len(texts)
     shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))

@@ -127,6 +127,16 @@ class SlowClient:
         self.sock.close()
         return int(response.split(b" ", 2)[1])
 
+    def unfinished(self) -> tuple[int, dict]:
+        """Send nothing more; the status and JSON body the server answers with, read until it
+        closes the connection."""
+        response = b""
+        while chunk := self.sock.recv(4096):
+            response += chunk
+        self.sock.close()
+        head, _, body = response.partition(b"\r\n\r\n")
+        return int(head.split(b" ", 2)[1]), json.loads(body)
+
 
 def _random_value(rng: np.random.Generator, depth: int = 0):
     """A JSON value of any kind a client might send where another was expected."""

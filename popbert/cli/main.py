@@ -643,6 +643,10 @@ def _add_serve_command(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="requests in flight; more: 503 with Retry-After (default 512)")
     p.add_argument("--payload-limit", type=int, default=None, metavar="BYTES",
                    help="largest request body; larger: 413 (default 2000000)")
+    p.add_argument("--client-timeout-s", type=float, default=None, metavar="SECONDS",
+                   help="time a client has to send its body (else 408) and to take its answer "
+                        "(else it is dropped), so stalled clients free their places and a stop "
+                        "ends (default 20)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="processes sharing the port, each with the model (default 1)")
     p.add_argument("--threads", type=int, default=None, metavar="N",

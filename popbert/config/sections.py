@@ -366,6 +366,11 @@ class ServeConfig:
     max_client_batch_size: int = setting(256, at_least(1))  # inputs in one request
     max_concurrent_requests: int = setting(512, at_least(1))  # beyond it: 503, Retry-After
     payload_limit: int = setting(2_000_000, at_least(1))  # request body bytes; beyond it: 413
+    # Seconds a client has to send its body (else 408) and to take its answer (else the
+    # server gives up on it): a stalled or vanished client frees its place among
+    # max_concurrent_requests within this, and the kernel drops its connection within twice
+    # this (TCP_USER_TIMEOUT), so a graceful stop is not held up by it.
+    client_timeout_s: float = setting(20.0, within("(0, 3600]"))
     workers: int = setting(1, PER_MACHINE)
     threads: int | None = setting(None, PER_MACHINE.or_null())  # the runtime's, per worker
     ssl_certfile: str | None = None

@@ -12,6 +12,7 @@ compared in constant time; `/health` needs none), the bound on requests in fligh
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -425,10 +426,26 @@ class Guard:
         started = time.perf_counter()
         status = [500]
 
+        client_gone = False
+
         async def counting_send(message: dict[str, Any]) -> None:
+            nonlocal client_gone
+            if client_gone:
+                return
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
-            await send(message)
+            try:
+                await _within(self.config.client_timeout_s, send(message))
+            except asyncio.TimeoutError:
+                client_gone = True
+                self._stalled(path, "answer", "took none of its answer")
+            except RuntimeError as error:
+                # The kernel dropped a connection whose peer took nothing (TCP_USER_TIMEOUT)
+                # or that it reset, and uvloop refuses the write before uvicorn hears of it.
+                if "closed" not in str(error):
+                    raise
+                client_gone = True
+                self._stalled(path, "answer", "took none of its answer")
 
         counts = path not in UNCOUNTED
         if counts:
@@ -473,6 +490,11 @@ class Guard:
             return self._too_large(path)
         return None
 
+    def _stalled(self, path: str, phase: str, what: str) -> None:
+        self.metrics.stalled(phase)
+        log.warning("%s: a client %s within %g s (client_timeout_s); gave up on it", path, what,
+                    self.config.client_timeout_s)
+
     def _too_large(self, path: str) -> Response:
         return error_response(path, 413, f"the body is larger than "
                               f"{self.config.payload_limit} bytes (payload_limit)",
@@ -480,19 +502,42 @@ class Guard:
 
     async def _body(self, receive: Callable[[], Awaitable[Any]], path: str
                     ) -> bytes | Response:
-        """The whole body, read here so its size is bounded whatever the headers say."""
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return b"".join(chunks)
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.config.payload_limit:
-                return self._too_large(path)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+        """The whole body, read here so its size is bounded whatever the headers say, and
+        its time: a body still arriving after `client_timeout_s` is a 408, so a client that
+        stalls or vanishes mid-upload frees its place among `max_concurrent_requests` (and
+        does not hold up a graceful stop) instead of keeping it for ever."""
+        chunks: list[bytes] = []
+
+        async def read() -> bytes | Response:
+            size = 0
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return b"".join(chunks)
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.config.payload_limit:
+                    return self._too_large(path)
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return b"".join(chunks)
+
+        try:
+            return await _within(self.config.client_timeout_s, read())
+        except asyncio.TimeoutError:
+            self._stalled(path, "body", "sent none of the rest of its body")
+            return error_response(path, 408, f"the body did not arrive within "
+                                  f"{self.config.client_timeout_s:g} s (client_timeout_s)",
+                                  field="body", headers={"Connection": "close"})
+
+
+async def _within(seconds: float, awaitable: Awaitable[Any]) -> Any:
+    """`awaitable`'s result, or asyncio.TimeoutError once `seconds` pass (a timer on this
+    task where Python has one, 3.11 on; `wait_for`'s extra task before)."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(seconds):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, seconds)
 
 
 def _replay(body: bytes, receive: Callable[[], Awaitable[Any]]

@@ -1,6 +1,6 @@
 """`popbert serve`'s Prometheus metrics (prometheus-client): requests by route and status,
 their latency, the batches the batcher ran (rows, tokens, padding, time), the rows waiting,
-the requests in flight and the tokens served.
+the requests in flight, the tokens served and the clients given up on for stalling.
 
 With several workers (`--workers N`) every process writes its samples to a shared directory
 (prometheus-client's multiprocess mode, `PROMETHEUS_MULTIPROC_DIR`, set by
@@ -52,6 +52,10 @@ class ServeMetrics:
                                 **extra)
         self._tokens = Counter("popbert_input_tokens", "Tokens fed the model for requests",
                                **extra)
+        self._stalled = Counter("popbert_stalled_clients",
+                                "Requests given up on after client_timeout_s: the body did "
+                                "not arrive (408), or the answer was not taken",
+                                ("phase",), **extra)
         mode = {"multiprocess_mode": "livesum"} if self.multiprocess else {}
         self._in_flight = Gauge("popbert_requests_in_flight", "Requests being answered",
                                 **mode, **extra)
@@ -71,6 +75,10 @@ class ServeMetrics:
 
     def tokens(self, count: int) -> None:
         self._tokens.inc(count)
+
+    def stalled(self, phase: str) -> None:
+        """A client given up on while sending its `body` or taking its `answer`."""
+        self._stalled.labels(phase).inc()
 
     def in_flight(self, change: int) -> None:
         self._in_flight.inc(change)

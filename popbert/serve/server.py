@@ -87,8 +87,12 @@ def serve(model: Path, config: ServeConfig, api_key: str | None = None) -> int:
     if config.workers == 1:
         from popbert.serve.app import create_app
 
+        try:
+            sock = _listening_socket(config.host, config.port, config.client_timeout_s)
+        except OSError as error:
+            raise _cannot_listen(config, error) from None
         server = uvicorn.Server(uvicorn.Config(create_app(served, config, api_key), **options))
-        return _run(server, config)
+        return _run(server, config, sock)
     del served  # each worker loads its own
     metrics_dir = tempfile.mkdtemp(prefix="popbert-serve-metrics-")
     environment = {SETTINGS_ENV: json.dumps({"model": str(model),
@@ -112,37 +116,50 @@ def serve(model: Path, config: ServeConfig, api_key: str | None = None) -> int:
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def _listening_socket(host: str, port: int) -> socket.socket:
-    """A socket on (host, port) with SO_REUSEPORT: each worker binds its own, and the kernel
-    spreads new connections across them. (One socket shared by the workers, as uvicorn's
-    supervisor does it, lets whichever worker wakes first take a burst of keep-alive
-    connections: 32 clients opened at once went nearly all to one of two workers.)"""
+def _listening_socket(host: str, port: int, client_timeout_s: float,
+                      shared: bool = False) -> socket.socket:
+    """A socket on (host, port); `shared`: with SO_REUSEPORT, so each worker binds its own
+    and the kernel spreads new connections across them. (One socket shared by the workers, as
+    uvicorn's supervisor does it, lets whichever worker wakes first take a burst of keep-alive
+    connections: 32 clients opened at once went nearly all to one of two workers.)
+    Its connections inherit TCP_USER_TIMEOUT (Linux): the kernel drops one whose peer has
+    taken none of the answer for twice `client_timeout_s` (gone, or not reading), after the
+    application gave up on it; that ends uvicorn's own wait to write to it."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if shared:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
+                            int(2 * client_timeout_s * 1000))
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
     sock.set_inheritable(True)
     return sock
 
 
 def _check_port(config: ServeConfig) -> None:
-    """The port taken by anything else is one line before any worker starts."""
+    """The port taken by anything else is one line before any worker starts. The check binds
+    without SO_REUSEPORT, so another server's workers on the port count as taken (they would
+    otherwise silently share its connections), as these workers do for the next one."""
     if config.port == 0:
         raise UsageError("--port 0: with --workers above 1 every worker must listen on the "
                          "same port; give one")
     try:
-        _listening_socket(config.host, config.port).close()
+        _listening_socket(config.host, config.port, config.client_timeout_s).close()
     except OSError as error:
-        raise UsageError(f"--port {config.port}: cannot listen on {config.host}:{config.port} "
-                         f"({error.strerror or error})") from None
+        raise _cannot_listen(config, error) from None
 
 
-def _worker(options: dict[str, Any]) -> None:
+def _worker(options: dict[str, Any], client_timeout_s: float) -> None:
     """One worker process: its own socket on the shared port, the app from the environment."""
     import uvicorn
 
-    sock = _listening_socket(options["host"], options["port"])
+    sock = _listening_socket(options["host"], options["port"], client_timeout_s, shared=True)
     config = uvicorn.Config("popbert.serve.server:app_from_environment", factory=True,
                             **options)
     with _quiet_signals():  # stopped by a signal: exit 0, not re-raised
@@ -155,8 +172,8 @@ def _supervise(config: ServeConfig, options: dict[str, Any]) -> None:
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
-    workers = [context.Process(target=_worker, args=(options,), name=f"popbert-serve-{n}")
-               for n in range(config.workers)]
+    workers = [context.Process(target=_worker, args=(options, config.client_timeout_s),
+                               name=f"popbert-serve-{n}") for n in range(config.workers)]
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set())
                 for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -183,12 +200,15 @@ def _supervise(config: ServeConfig, options: dict[str, Any]) -> None:
                          f"(exit {failed[0].exitcode}); its log is above")
 
 
-def _run(server: Any, config: ServeConfig) -> int:
+def _run(server: Any, config: ServeConfig, sock: socket.socket) -> int:
     with _quiet_signals():
         try:
-            server.run()
-        except SystemExit:  # uvicorn exits 1 when it cannot listen (the port is taken)
-            raise _cannot_listen(config) from None
+            server.run(sockets=[sock])
+        except SystemExit:  # uvicorn exits 1 when it cannot start (e.g. the TLS files)
+            raise UsageError(f"--port {config.port}: the server did not start on "
+                             f"{config.host}:{config.port}; its log is above") from None
+        finally:
+            sock.close()
     if not server.started:
         raise UsageError(f"--port {config.port}: the server did not start on "
                          f"{config.host}:{config.port}")
@@ -196,9 +216,9 @@ def _run(server: Any, config: ServeConfig) -> int:
     return 0
 
 
-def _cannot_listen(config: ServeConfig) -> UsageError:
+def _cannot_listen(config: ServeConfig, error: OSError) -> UsageError:
     return UsageError(f"--port {config.port}: cannot listen on {config.host}:{config.port} "
-                      "(in use, or not this machine's address)")
+                      f"({error.strerror or error})")
 
 
 class _quiet_signals:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -309,6 +310,69 @@ def test_a_full_server_answers_503_with_retry_after(minilm_export: Path, tmp_pat
         assert held == [200]
 
 
+def test_bodies_that_stop_arriving_free_their_places_and_let_a_stop_end(
+        minilm_export: Path, tmp_path: Path) -> None:
+    """A client that stalls or vanishes mid-upload is answered 408 after --client-timeout-s:
+    its place among --max-concurrent-requests comes back (before, two such clients made every
+    later request a 503 for ever), and SIGTERM ends the server instead of waiting on it."""
+    with Server(minilm_export, "--max-concurrent-requests", "2", "--client-timeout-s", "1",
+                log_path=tmp_path / "log") as server:
+        stalled = [SlowClient(server, "/v1/embeddings", {"input": "never sent"}),
+                   SlowClient(server, "/embed", {"inputs": "never sent"})]
+        for client in stalled:
+            status, body = client.unfinished()
+            assert status == 408, body
+            error = body["error"]  # OpenAI's error object, or TEI's message
+            assert "client_timeout_s" in (error["message"] if isinstance(error, dict) else error)
+        assert server.metric("popbert_stalled_clients_total", phase="body") == 2
+        with server.client() as client:
+            assert client.post("/embed", json={"inputs": "now"}).status_code == 200
+        last = SlowClient(server, "/embed", {"inputs": "never sent"})
+        deadline = time.monotonic() + 60
+        while server.metric("popbert_requests_in_flight") < 1:
+            assert time.monotonic() < deadline, "the stalled request never arrived"
+            time.sleep(0.05)
+        assert server.stop() == 0  # -9 had it been killed for hanging
+        assert last.unfinished()[0] == 408
+    assert "Traceback" not in (tmp_path / "log").read_text()
+
+
+def test_clients_that_take_no_answers_free_their_places(minilm_export: Path,
+                                                        tmp_path: Path) -> None:
+    """Clients that send requests and stop reading the answers (a tiny receive window, never
+    read) hold their places only until --client-timeout-s; then the server gives up on them,
+    the kernel drops their connections (TCP_USER_TIMEOUT), and others are served again."""
+    with Server(minilm_export, "--max-concurrent-requests", "2", "--client-timeout-s", "1",
+                log_path=tmp_path / "log") as server:
+        body = json.dumps({"inputs": ["a b c d e f g h"] * 256}).encode()
+        request = (b"POST /embed HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                   b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
+        readers = []
+        for _ in range(2):
+            reader = socket.create_connection(("127.0.0.1", server.port))
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            reader.setblocking(False)
+            for _ in range(20):  # pipelined until the kernel takes no more
+                try:
+                    reader.send(request)
+                except BlockingIOError:
+                    break
+            readers.append(reader)
+        deadline = time.monotonic() + 60
+        while server.metric("popbert_requests_in_flight") < 2:  # both places taken
+            assert time.monotonic() < deadline, "the readers' requests never arrived"
+            time.sleep(0.05)
+        deadline = time.monotonic() + 60
+        with server.client() as client:
+            while client.post("/embed", json={"inputs": "now"}).status_code != 200:
+                assert time.monotonic() < deadline, "the places never came back"
+                time.sleep(0.1)
+        assert server.stop() == 0
+        for reader in readers:
+            reader.close()
+    assert "Traceback" not in (tmp_path / "log").read_text()
+
+
 def test_two_workers_share_the_port_and_sum_their_metrics(minilm_export: Path,
                                                           tmp_path: Path) -> None:
     with Server(minilm_export, "--workers", "2", log_path=tmp_path / "log") as server:
@@ -329,6 +393,14 @@ def test_two_workers_share_the_port_and_sum_their_metrics(minilm_export: Path,
         for _ in range(4):
             assert server.metric("popbert_requests_total", route="/embed",
                                  status="200") == sum(embedded.values())
+        # another server on the port is refused, not let in to share its connections
+        # (the workers' SO_REUSEPORT would have let a second one's workers join)
+        for workers in ("1", "2"):
+            done = subprocess.run([sys.executable, "-m", "popbert", "serve", "--model",
+                                   str(minilm_export), "--port", str(server.port), "--workers",
+                                   workers], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+            assert f"--port {server.port}: cannot listen" in done.stderr.strip().splitlines()[-1]
         assert server.stop() == 0
     log = (tmp_path / "log").read_text()
     assert log.count("warmed up") == 2  # each worker loaded and warmed its own model

@@ -610,7 +610,7 @@ def _add_serve_command(sub: Any, common: argparse.ArgumentParser) -> None:
                                    "/health, /info, /metrics (Prometheus), /docs. Requests "
                                    "from all clients are batched by a token budget. SIGTERM "
                                    "or SIGINT: stop accepting, answer what was accepted, exit "
-                                   "0.")
+                                   "0; a second SIGINT: stop at once, exit 130.")
     p.add_argument("--model", type=paths.ONNX_MODEL, required=True, metavar="EXPORT")
     p.add_argument("--config", "-c", metavar="FILE", default=None, type=paths.CONFIG_FILE,
                    help="a YAML config whose serve: section holds these settings")

@@ -5,7 +5,8 @@ settings reach them through the environment, the API key as `POPBERT_API_KEY`, n
 command line or in a log.
 
 SIGTERM or SIGINT: uvicorn stops accepting, answers every request it accepted, the batcher runs
-the rows it holds, and the command returns 0.
+the rows it holds, and the command returns 0. A second SIGINT stops at once (uvicorn's force
+exit) and returns 130, saying so.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ log = logging.getLogger(__name__)
 API_KEY_ENV = "POPBERT_API_KEY"
 SETTINGS_ENV = "POPBERT_SERVE_SETTINGS"  # the model and the serve section, for workers
 KEEP_ALIVE_SECONDS = 75
+# The exit status of a server (or worker) a second SIGINT stopped at once, without waiting for
+# the requests in flight: the shell's status for a command ended by Ctrl-C.
+INTERRUPTED = 130
 
 
 def check_settings(model: Path, config: ServeConfig) -> None:
@@ -107,6 +111,10 @@ def serve(model: Path, config: ServeConfig, api_key: str | None = None) -> int:
         _supervise(config, options)
         log.info("popbert serve: stopped; every worker answered its accepted requests")
         return 0
+    except _Interrupted:
+        log.warning("popbert serve: stopped at once by a second interrupt; requests in flight "
+                    "were not answered")
+        return INTERRUPTED
     finally:
         for name, value in saved.items():
             if value is None:
@@ -142,6 +150,10 @@ def _listening_socket(host: str, port: int, client_timeout_s: float,
     return sock
 
 
+class _Interrupted(Exception):
+    """A worker was stopped at once by a second interrupt."""
+
+
 def _check_port(config: ServeConfig) -> None:
     """The port taken by anything else is one line before any worker starts. The check binds
     without SO_REUSEPORT, so another server's workers on the port count as taken (they would
@@ -162,8 +174,11 @@ def _worker(options: dict[str, Any], client_timeout_s: float) -> None:
     sock = _listening_socket(options["host"], options["port"], client_timeout_s, shared=True)
     config = uvicorn.Config("popbert.serve.server:app_from_environment", factory=True,
                             **options)
+    server = uvicorn.Server(config)
     with _quiet_signals():  # stopped by a signal: exit 0, not re-raised
-        uvicorn.Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
+    if server.force_exit:
+        raise SystemExit(INTERRUPTED)
 
 
 def _supervise(config: ServeConfig, options: dict[str, Any]) -> None:
@@ -175,8 +190,15 @@ def _supervise(config: ServeConfig, options: dict[str, Any]) -> None:
     workers = [context.Process(target=_worker, args=(options, config.client_timeout_s),
                                name=f"popbert-serve-{n}") for n in range(config.workers)]
     stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set())
-                for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def on_signal(sig: int, _: Any) -> None:
+        if stop.is_set() and sig == signal.SIGINT:  # a second interrupt: stop at once
+            for worker in workers:
+                if worker.is_alive() and worker.pid is not None:
+                    os.kill(worker.pid, signal.SIGINT)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         for worker in workers:
             worker.start()
@@ -194,6 +216,8 @@ def _supervise(config: ServeConfig, options: dict[str, Any]) -> None:
             worker.join()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if any(worker.exitcode == INTERRUPTED for worker in workers):
+        raise _Interrupted
     failed = [worker for worker in workers if worker.exitcode != 0]
     if failed:
         raise UsageError(f"--workers {config.workers}: worker {failed[0].name} failed "
@@ -212,6 +236,10 @@ def _run(server: Any, config: ServeConfig, sock: socket.socket) -> int:
     if not server.started:
         raise UsageError(f"--port {config.port}: the server did not start on "
                          f"{config.host}:{config.port}")
+    if server.force_exit:
+        log.warning("popbert serve: stopped at once by a second interrupt; requests in flight "
+                    "were not answered")
+        return INTERRUPTED
     log.info("popbert serve: stopped; every accepted request was answered")
     return 0
 

@@ -337,6 +337,29 @@ def test_bodies_that_stop_arriving_free_their_places_and_let_a_stop_end(
     assert "Traceback" not in (tmp_path / "log").read_text()
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_second_interrupt_stops_at_once_and_says_so(minilm_export: Path, tmp_path: Path,
+                                                      workers: str) -> None:
+    """Ctrl-C waits for the requests in flight; a second Ctrl-C stops at once, exits 130 and
+    says those requests were not answered (it used to exit 0 saying every one was)."""
+    with Server(minilm_export, "--workers", workers, "--client-timeout-s", "600",
+                log_path=tmp_path / "log") as server:
+        stalled = SlowClient(server, "/embed", {"inputs": "never sent"})
+        deadline = time.monotonic() + 60
+        while server.metric("popbert_requests_in_flight") < 1:
+            assert time.monotonic() < deadline, "the stalled request never arrived"
+            time.sleep(0.05)
+        server.process.send_signal(signal.SIGINT)
+        time.sleep(1)
+        assert server.process.poll() is None  # still waiting on the stalled request
+        assert server.stop(signal.SIGINT) == 130
+        stalled.sock.close()
+    log = (tmp_path / "log").read_text()
+    assert "stopped at once by a second interrupt" in log
+    assert "every accepted request was answered" not in log
+    assert "answered its accepted requests" not in log
+
+
 def test_clients_that_take_no_answers_free_their_places(minilm_export: Path,
                                                         tmp_path: Path) -> None:
     """Clients that send requests and stop reading the answers (a tiny receive window, never

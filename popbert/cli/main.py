@@ -647,6 +647,9 @@ def _add_serve_command(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="time a client has to send its body (else 408) and to take its answer "
                         "(else it is dropped), so stalled clients free their places and a stop "
                         "ends (default 20)")
+    p.add_argument("--cors-allow-origin", action="append", default=None, metavar="ORIGIN",
+                   help="an origin (https://app.example.com, or *) whose web pages may call "
+                        "the server from a browser; repeat for more (default: none)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="processes sharing the port, each with the model (default 1)")
     p.add_argument("--threads", type=int, default=None, metavar="N",

@@ -343,6 +343,17 @@ class TrackingConfig:
         check_fields(self, "tracking")
 
 
+def _is_origin(origin: object) -> bool:
+    """`*`, or an origin as a browser's `Origin` header carries it (a trailing slash or a
+    path never matches one, so such a setting would silently allow nothing)."""
+    if origin == "*":
+        return True
+    if not isinstance(origin, str) or not origin.startswith(("http://", "https://")):
+        return False
+    host = origin.split("://", 1)[1]
+    return bool(host) and "/" not in host and not any(c.isspace() for c in host)
+
+
 @dataclass
 class ServeConfig:
     """`popbert serve`: where it listens and what it takes (each key is also a flag of the same
@@ -371,6 +382,13 @@ class ServeConfig:
     # max_concurrent_requests within this, and the kernel drops its connection within twice
     # this (TCP_USER_TIMEOUT), so a graceful stop is not held up by it.
     client_timeout_s: float = setting(20.0, within("(0, 3600]"))
+    # Origins whose web pages may call the server from a browser (CORS), as TEI's
+    # --cors-allow-origin: "*" for any, else scheme://host[:port] as a browser sends it.
+    # null: none (a browser refuses other origins' answers).
+    cors_allow_origin: list[str] | None = setting(None, Rule(
+        lambda origins: all(_is_origin(origin) for origin in origins),
+        '"*" or origins written as browsers send them: http(s)://host[:port], no path or '
+        'trailing slash').or_null())
     workers: int = setting(1, PER_MACHINE)
     threads: int | None = setting(None, PER_MACHINE.or_null())  # the runtime's, per worker
     ssl_certfile: str | None = None

@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from popbert import __version__
 from popbert.config.sections import ServeConfig
@@ -194,8 +195,8 @@ def _check_inputs(field: str, values: Any) -> None:
 
 
 def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
-               multiprocess: bool = False) -> FastAPI:
-    """The application over a loaded export (`popbert.serve.server` loads it and runs
+               multiprocess: bool = False) -> Guard | CORSMiddleware:
+    """The ASGI application over a loaded export (`popbert.serve.server` loads it and runs
     uvicorn); its rows batched and the model warmed when it starts."""
     metrics = ServeMetrics(multiprocess)
     state = ServerState(served, config, metrics)
@@ -380,7 +381,8 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
                 "max_client_batch_size": config.max_client_batch_size,
                 "max_concurrent_requests": config.max_concurrent_requests,
                 "payload_limit": config.payload_limit, "workers": config.workers,
-                "threads": config.threads, "auth": api_key is not None, "pid": os.getpid()}
+                "threads": config.threads, "auth": api_key is not None,
+                "cors_allow_origin": config.cors_allow_origin, "pid": os.getpid()}
 
     @app.get("/metrics", summary="Prometheus metrics")
     async def prometheus() -> Response:
@@ -389,7 +391,14 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
 
     started_at = time.time()
     guard = Guard(app, config, api_key, metrics)
-    return guard
+    if not config.cors_allow_origin:
+        return guard
+    # Outside the guard: a browser's preflight (OPTIONS) carries no key and gets no body.
+    return CORSMiddleware(guard, allow_origins=config.cors_allow_origin,
+                          allow_methods=["GET", "POST", "HEAD"],
+                          allow_headers=["Authorization", "Content-Type"],
+                          expose_headers=["x-prompt-tokens", "x-truncated-inputs",
+                                          "Retry-After"])
 
 
 def _json(value: Any, usage: Usage | None = None) -> Response:
@@ -464,6 +473,10 @@ class Guard:
                 scope = {**scope, "headers": [
                     (name, value) for name, value in scope.get("headers") or []
                     if name != b"content-type"] + [(b"content-type", b"application/json")]}
+            elif scope["method"] == "HEAD":
+                # HEAD is GET without the body (RFC 9110), which HTTP servers must answer and
+                # health checks send; uvicorn leaves the body out by its own scope's method.
+                scope = {**scope, "method": "GET"}
             await self.app(scope, _replay(body, receive), counting_send)
         finally:
             if counts:

@@ -197,6 +197,22 @@ def test_bad_requests_are_4xx_naming_the_field_and_the_server_lives_on(server: S
     assert "Traceback" not in server.output()
 
 
+def test_every_get_route_answers_head_as_health_checks_send_it(server: Server) -> None:
+    """HEAD is GET without the body (RFC 9110: every general-purpose server answers it), and
+    load balancers' and uptime checkers' probes send it; it was a 405 on every route."""
+    with server.client() as client:
+        for route in ("/health", "/info", "/v1/models", "/openapi.json", "/docs"):
+            head, get = client.head(route), client.get(route)
+            assert head.status_code == get.status_code == 200, (route, head.text)
+            assert head.content == b"" and head.headers["content-length"] \
+                == get.headers["content-length"], route
+        assert client.head("/metrics").status_code == 200
+        assert client.head("/embed").status_code == 405  # a POST route stays POST only
+        # without --cors-allow-origin no origin is allowed: a browser keeps the answer
+        plain = client.post("/embed", json={"inputs": "x"}, headers={"Origin": "https://a.b"})
+        assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
+
+
 def test_metrics_count_requests_by_route_and_status(server: Server) -> None:
     with server.client() as client:
         before = server.metric("popbert_requests_total", route="/tokenize", status="200")
@@ -232,6 +248,36 @@ def test_an_api_key_guards_every_route_but_health(minilm_export: Path, tmp_path:
             assert right.status_code == 200
         assert server.stop() == 0
     assert key not in (tmp_path / "log").read_text()
+
+
+def test_browsers_of_the_allowed_origins_may_call_it(minilm_export: Path,
+                                                    tmp_path: Path) -> None:
+    """--cors-allow-origin (TEI's flag): a page of that origin may call the server from a
+    browser, its preflight answered without a key (browsers send none there); other origins
+    get no CORS headers, so the browser keeps the answer from them."""
+    key, page = "k3y", "https://app.example.com"
+    with Server(minilm_export, "--cors-allow-origin", page, log_path=tmp_path / "log",
+                env={"POPBERT_API_KEY": key}) as server:
+        with server.client() as client:
+            preflight = {"Origin": page, "Access-Control-Request-Method": "POST",
+                         "Access-Control-Request-Headers": "authorization,content-type"}
+            answer = client.options("/v1/embeddings", headers=preflight)
+            assert answer.status_code == 200
+            assert answer.headers["access-control-allow-origin"] == page
+            assert "authorization" in answer.headers["access-control-allow-headers"].lower()
+            other = client.options("/v1/embeddings",
+                                   headers={**preflight, "Origin": "https://evil.example"})
+            assert "access-control-allow-origin" not in other.headers
+            called = client.post("/embed", json={"inputs": "from a page"},
+                                 headers={"Origin": page, "Authorization": f"Bearer {key}"})
+            assert called.status_code == 200
+            assert called.headers["access-control-allow-origin"] == page
+            assert "x-prompt-tokens" in called.headers["access-control-expose-headers"]
+            # the key still guards the route itself
+            assert client.post("/embed", json={"inputs": "x"},
+                               headers={"Origin": page}).status_code == 401
+            assert client.get("/info", headers={"Authorization": f"Bearer {key}"}).json()[
+                "cors_allow_origin"] == [page]
 
 
 def test_sigterm_under_load_answers_every_accepted_request(minilm_export: Path,
@@ -469,6 +515,10 @@ def test_bad_settings_are_one_line_and_exit_2(minilm_export: Path, tmp_path: Pat
          "--max-input-tokens 100000: " + str(minilm_export) + " takes at most 256 tokens"),
         (["--model", str(minilm_export), "--served-model-name", " "], "--served-model-name"),
         (["--model", str(minilm_export), "--host", "999.1.1.1"], "--host 999.1.1.1: not an"),
+        # an origin with a trailing slash never matches a browser's Origin: allows nothing
+        (["--model", str(minilm_export), "--cors-allow-origin", "https://a.b/"],
+         "--cors-allow-origin"),
+        (["--model", str(minilm_export), "--client-timeout-s", "0"], "--client-timeout-s 0"),
     ]
     with taken:
         cases.append((["--model", str(minilm_export), "--port", str(taken.port)],

@@ -269,6 +269,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
 
     def counted(usage: Usage) -> None:
         metrics.tokens(usage.tokens)
+        metrics.queued(usage.queue_seconds)
 
     def too_many(field: str, count: int) -> None:
         if count > config.max_client_batch_size:
@@ -299,7 +300,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
                 for index, vector in enumerate(encode_vectors(vectors, body.encoding_format))]
         return _json({"object": "list", "data": data, "model": served.name,
                       "usage": {"prompt_tokens": usage.tokens, "total_tokens": usage.tokens,
-                                "truncated_inputs": usage.truncated}})
+                                "truncated_inputs": usage.truncated}}, usage)
 
     @app.get("/v1/models", summary="the served model, as OpenAI lists models")
     async def models() -> dict[str, Any]:
@@ -397,19 +398,36 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
     return CORSMiddleware(guard, allow_origins=config.cors_allow_origin,
                           allow_methods=["GET", "POST", "HEAD"],
                           allow_headers=["Authorization", "Content-Type"],
-                          expose_headers=["x-prompt-tokens", "x-truncated-inputs",
-                                          "Retry-After"])
+                          expose_headers=[*TIMING_HEADERS, "Retry-After"])
+
+
+# TEI's per-request headers (milliseconds, whole numbers as TEI writes them), and ours.
+TIMING_HEADERS = ("x-compute-time", "x-compute-tokens", "x-compute-characters", "x-total-time",
+                  "x-tokenization-time", "x-queue-time", "x-inference-time", "x-prompt-tokens",
+                  "x-truncated-inputs")
 
 
 def _json(value: Any, usage: Usage | None = None) -> Response:
     """A JSON response built by `json.dumps` (far quicker than FastAPI's encoder on vectors),
-    with the request's tokens in headers as TEI sends them."""
+    with the request's tokens, characters and times in headers as TEI sends them: the time
+    encoding its inputs, waiting in the batcher and in model runs, and all of it (from the
+    encoding to the answer written here)."""
+    body = json.dumps(value, allow_nan=False)
     headers = {}
     if usage is not None:
-        headers = {"x-prompt-tokens": str(usage.tokens),
+        total = _ms(time.monotonic() - usage.began)
+        headers = {"x-compute-time": total, "x-compute-tokens": str(usage.tokens),
+                   "x-compute-characters": str(usage.characters), "x-total-time": total,
+                   "x-tokenization-time": _ms(usage.encode_seconds),
+                   "x-queue-time": _ms(usage.queue_seconds),
+                   "x-inference-time": _ms(usage.inference_seconds),
+                   "x-prompt-tokens": str(usage.tokens),
                    "x-truncated-inputs": str(usage.truncated)}
-    return Response(json.dumps(value, allow_nan=False), media_type="application/json",
-                    headers=headers)
+    return Response(body, media_type="application/json", headers=headers)
+
+
+def _ms(seconds: float) -> str:
+    return str(max(0, round(1000 * seconds)))
 
 
 class Guard:

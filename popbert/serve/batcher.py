@@ -41,6 +41,9 @@ class _Job:
     outputs: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    handed: float = 0.0  # time.monotonic() when its rows joined the queue
+    first_run: float | None = None  # when the first model run with one of its rows began
+    last_done: float = 0.0  # when the last such run ended
 
 
 @dataclass
@@ -117,7 +120,7 @@ class RowBatcher:
             with self._condition:
                 if self._closed:
                     raise RuntimeError("the batcher is closed")
-                now = time.monotonic()
+                now = job.handed = time.monotonic()
                 for index in range(rows):
                     self._sequence += 1
                     self._pending.append(_Row(now, self._sequence, max(1, int(lengths[index])),
@@ -135,6 +138,10 @@ class RowBatcher:
             stats.rows += rows
             stats.tokens += int(lengths.sum())
             stats.runtime = self.model.runtime
+            if job.first_run is not None:
+                stats.handed_over = stats.handed_over or job.handed
+                stats.queue_seconds += job.first_run - job.handed
+                stats.model_seconds += job.last_done - job.first_run
         return self._assemble(job, rows)
 
     def _assemble(self, job: _Job, rows: int) -> dict[str, np.ndarray]:
@@ -250,7 +257,10 @@ class RowBatcher:
         feeds = {name: np.ascontiguousarray(np.stack([row.job.arrays[name][row.index, :width]
                                                       for row in rows]))
                  for name in chosen[0].job.arrays if name in model.input_names}
-        started = time.perf_counter()
+        started = time.monotonic()
+        for row in chosen:
+            if row.job.first_run is None:
+                row.job.first_run = started
         try:
             outputs = model.forward(feeds)
         except BaseException as error:  # every waiting request gets it; the thread goes on
@@ -259,8 +269,10 @@ class RowBatcher:
                 row.job.error = error
                 row.job.done.set()
             return
-        seconds = time.perf_counter() - started
+        finished = time.monotonic()
+        seconds = finished - started
         for position, row in enumerate(chosen):
+            row.job.last_done = finished
             row.job.outputs[row.index] = {name: np.asarray(value[position], np.float32)
                                           for name, value in outputs.items()}
             if len(row.job.outputs) == len(row.job.lengths):

@@ -52,6 +52,9 @@ class ServeMetrics:
                                 **extra)
         self._tokens = Counter("popbert_input_tokens", "Tokens fed the model for requests",
                                **extra)
+        self._queue_seconds = Histogram("popbert_queue_duration_seconds",
+                                        "Time a request's rows waited in the batcher for a "
+                                        "model run", buckets=LATENCY_BUCKETS, **extra)
         self._stalled = Counter("popbert_stalled_clients",
                                 "Requests given up on after client_timeout_s: the body did "
                                 "not arrive (408), or the answer was not taken",
@@ -75,6 +78,10 @@ class ServeMetrics:
 
     def tokens(self, count: int) -> None:
         self._tokens.inc(count)
+
+    def queued(self, seconds: float) -> None:
+        """How long one request's rows waited for a model run."""
+        self._queue_seconds.observe(seconds)
 
     def stalled(self, phase: str) -> None:
         """A client given up on while sending its `body` or taking its `answer`."""

@@ -15,7 +15,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,13 @@ class PredictStats:
     multi_window: int | None = None  # SQuAD: questions whose context took more than one window
     query_truncated: int | None = None  # SQuAD: questions cut to max_query_length
     runtime: str = "ONNX Runtime"  # or OpenVINO, for an IR
+    # Behind `popbert serve`'s batcher: when these stats began (the request's inputs about to be
+    # encoded), when its first rows reached the batcher, and how long they waited there for a
+    # model run (time.monotonic() seconds; `model_seconds` is then from their first run's start
+    # to their last's end).
+    began: float = field(default_factory=time.monotonic)
+    handed_over: float | None = None
+    queue_seconds: float = 0.0
 
     @property
     def padding_share(self) -> float:

@@ -49,14 +49,26 @@ class RequestError(Exception):
 
 @dataclass
 class Usage:
-    """Tokens a request fed the model, and how many of its inputs were cut to fit."""
+    """Tokens a request fed the model, how many of its inputs were cut to fit, the characters
+    they held, and where its time went (seconds): encoding the inputs, waiting in the batcher
+    for a model run, the model runs (from the first with its rows to the end of the last);
+    `began` is time.monotonic() as its inputs began to be encoded."""
 
     tokens: int = 0
     truncated: int = 0
+    characters: int = 0
+    encode_seconds: float = 0.0
+    queue_seconds: float = 0.0
+    inference_seconds: float = 0.0
+    began: float = 0.0
 
     @classmethod
-    def of(cls, stats: PredictStats) -> Usage:
-        return cls(stats.tokens, stats.truncated or 0)
+    def of(cls, stats: PredictStats, characters: int = 0,
+           truncated: int | None = None) -> Usage:
+        handed = stats.handed_over if stats.handed_over is not None else stats.began
+        return cls(stats.tokens, stats.truncated or 0 if truncated is None else truncated,
+                   characters, handed - stats.began, stats.queue_seconds, stats.model_seconds,
+                   stats.began)
 
 
 class Served:
@@ -159,6 +171,7 @@ class Served:
     def embed(self, texts: Sequence[str], prompt_name: str | None = None,
               truncate: bool = True, field: str = "input") -> tuple[np.ndarray, Usage]:
         """[N, H] vectors of `texts`, as `popbert predict embed` makes them."""
+        stats = PredictStats()
         if prompt_name is not None and prompt_name not in self.predictor.prompts:
             raise RequestError(422, f"prompt_name {prompt_name!r}: the model has "
                                + (f"the prompts {', '.join(sorted(self.predictor.prompts))}"
@@ -166,14 +179,14 @@ class Served:
         if prompt_name is not None:
             texts = [self.predictor.prompts[prompt_name] + text for text in texts]
         self.check_length(texts, truncate, field)
-        stats = PredictStats()
         vectors = self.predictor.embed(list(texts), stats=stats)
-        return vectors, Usage.of(stats)
+        return vectors, Usage.of(stats, _characters(texts))
 
     def embed_ids(self, rows: Sequence[Sequence[int]], truncate: bool = True,
                   field: str = "input") -> tuple[np.ndarray, Usage]:
         """Vectors of texts given as token ids (no special tokens: [CLS] and [SEP] are added),
         as OpenAI's API takes them."""
+        stats = PredictStats()
         length = self.max_input_tokens
         vocab = self.tokenizer.vocab_size
         arrays = {name: np.zeros((len(rows), length), np.int64)
@@ -195,9 +208,8 @@ class Served:
             full = [self.tokenizer.cls_id, *ids, self.tokenizer.sep_id]
             arrays["input_ids"][row, :len(full)] = full
             arrays["input_mask"][row, :len(full)] = 1
-        stats = PredictStats()
         vectors = self.predictor.run(arrays, stats=stats)["embedding"].astype(np.float32)
-        return vectors, Usage(stats.tokens, truncated)
+        return vectors, Usage.of(stats, truncated=truncated)
 
     def shape_vectors(self, vectors: np.ndarray, dimensions: int | None,
                       normalize: bool = False) -> np.ndarray:
@@ -224,15 +236,17 @@ class Served:
             raise RequestError(422, f"{field}: give every input as a text, or every input as "
                                "a pair [text, text], not both in one request", field)
         second = pairs or None
+        stats = PredictStats()
         self.check_length(texts, truncate, field, second)
         data = ClassificationData(Path("request"), texts, second, None,
                                   list(range(1, len(texts) + 1)))
-        stats = PredictStats()
+        characters = _characters(texts) + _characters(pairs)
         predictor: ClassifyPredictor = self.predictor
         if predictor.regression:
             scores = (predictor.logits(data, stats=stats)[:, 0] if raw_scores
                       else predictor.scores(data, stats=stats))
-            return [[{"label": "score", "score": float(s)}] for s in scores], Usage.of(stats)
+            return ([[{"label": "score", "score": float(s)}] for s in scores],
+                    Usage.of(stats, characters))
         values = (predictor.logits(data, stats=stats) if raw_scores
                   else predictor.probabilities(data, stats=stats))
         labels = predictor.labels or []
@@ -240,7 +254,7 @@ class Served:
         for row in values:
             order = np.argsort(-row, kind="stable")
             out.append([{"label": labels[i], "score": float(row[i])} for i in order])
-        return out, Usage.of(stats)
+        return out, Usage.of(stats, characters)
 
     def rerank(self, query: str, texts: Sequence[str], raw_scores: bool = False,
                truncate: bool = True, return_text: bool = False
@@ -251,8 +265,8 @@ class Served:
             raise RequestError(404, f"{self.name} is a classifier of "
                                f"{len(self.predictor.labels or [])} labels, not a reranker "
                                "(one output, or two labels)")
-        self.check_length([query] * len(texts), truncate, "texts", texts)
         stats = PredictStats()
+        self.check_length([query] * len(texts), truncate, "texts", texts)
         if raw_scores:
             data = ClassificationData(Path("request"), [query] * len(texts), list(texts), None,
                                       list(range(1, len(texts) + 1)))
@@ -267,27 +281,29 @@ class Served:
             if return_text:
                 item["text"] = texts[index]
             out.append(item)
-        return out, Usage.of(stats)
+        return out, Usage.of(stats, len(query) * len(texts) + _characters(texts))
 
     def entities(self, texts: Sequence[str]) -> tuple[list[list[dict[str, Any]]], Usage]:
         """Each text's entities with character offsets, as `popbert predict ner` finds them in
         plain text."""
         stats = PredictStats()
-        return tag_texts(self.predictor, list(texts), stats=stats), Usage.of(stats)
+        found = tag_texts(self.predictor, list(texts), stats=stats)
+        return found, Usage.of(stats, _characters(texts))
 
     def answer(self, inputs: Sequence[dict[str, str]]) -> tuple[list[dict[str, Any]], Usage]:
         """Each (question, context)'s best answer, its probability among the n-best and its
         character span in the context, as `popbert predict squad` chooses it."""
+        stats = PredictStats()
         questions = [Question(str(index), item["question"], item["context"], [], index)
                      for index, item in enumerate(inputs)]
-        stats = PredictStats()
         _, nbest = self.predictor.predict(questions, stats=stats)
         out = []
         for question in questions:
             best = nbest[question.id][0]
             out.append({"answer": best.text, "score": float(best.probability),
                         "start": best.start, "end": best.end})
-        return out, Usage.of(stats)
+        characters = sum(len(item["question"]) + len(item["context"]) for item in inputs)
+        return out, Usage.of(stats, characters)
 
     def tokenize(self, texts: Sequence[str], add_special_tokens: bool = True
                  ) -> list[list[dict[str, Any]]]:
@@ -311,6 +327,10 @@ class Served:
                 token["special"] = token["special"] or token["id"] in special_ids
             out.append(tokens)
         return out
+
+
+def _characters(texts: Sequence[str]) -> int:
+    return sum(len(text) for text in texts)
 
 
 def json_or_text(value: str) -> Any:

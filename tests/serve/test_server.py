@@ -143,6 +143,38 @@ def test_concurrent_clients_get_what_each_text_gets_alone(server: Server) -> Non
     assert server.metric("popbert_batch_rows_sum") >= 2 * len(corpus)
 
 
+def test_each_answer_says_where_its_time_went_as_tei_does(minilm_export: Path,
+                                                          tmp_path: Path) -> None:
+    """TEI's headers: tokens, characters, and the milliseconds spent encoding the inputs,
+    waiting in the batcher, in model runs and in all. A request whose batch waits for a body
+    still arriving (--max-wait-ms 300) reports at least that wait as queue time; /metrics
+    gets it too."""
+    with Server(minilm_export, "--max-wait-ms", "300", log_path=tmp_path / "log") as server:
+        slow = SlowClient(server, "/embed", {"inputs": "slow"})
+        deadline = time.monotonic() + 60
+        while server.metric("popbert_requests_in_flight") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        text = texts()[0]
+        with server.client() as client:
+            answer = client.post("/v1/embeddings", json={"model": "minilm", "input": text})
+        assert slow.finish() == 200
+        headers = {name: int(answer.headers[name]) for name in (
+            "x-compute-time", "x-compute-tokens", "x-compute-characters", "x-total-time",
+            "x-tokenization-time", "x-queue-time", "x-inference-time", "x-prompt-tokens")}
+        assert headers["x-compute-tokens"] == headers["x-prompt-tokens"] \
+            == answer.json()["usage"]["prompt_tokens"]
+        assert headers["x-compute-characters"] == len(text)
+        assert headers["x-queue-time"] >= 300  # it waited out --max-wait-ms for the slow body
+        assert headers["x-inference-time"] >= 0 and headers["x-tokenization-time"] >= 0
+        assert headers["x-total-time"] == headers["x-compute-time"]
+        parts = headers["x-tokenization-time"] + headers["x-queue-time"] \
+            + headers["x-inference-time"]
+        assert parts - 3 <= headers["x-total-time"]  # each part rounded to a millisecond
+        assert server.metric("popbert_queue_duration_seconds_sum") >= 0.3
+        assert server.metric("popbert_queue_duration_seconds_count") >= 2
+
+
 def test_bad_requests_are_4xx_naming_the_field_and_the_server_lives_on(server: Server) -> None:
     long_text = " ".join(["word"] * 400)  # past the export's 256 tokens
     cases = [  # (method, route, body, status, words in the message)

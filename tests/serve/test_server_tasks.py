@@ -113,6 +113,10 @@ def test_rerank_route_is_predict_rerank(root: Path) -> None:
         fuzzed = requests_of_every_kind(client, 150, seed=52)  # never a 5xx
     assert fuzzed.get(200, 0) > 0, fuzzed  # some odd requests reached the model
     assert ranked.status_code == 200
+    # TEI's headers: the pairs' tokens and characters (the query counted with each text)
+    assert int(ranked.headers["x-compute-characters"]) \
+        == sum(len(query) + len(text) for text in candidates)
+    assert int(ranked.headers["x-compute-tokens"]) > 0 and "x-queue-time" in ranked.headers
     ranked = ranked.json()
     assert [r["index"] for r in ranked] == [e["id"] for e in expected]
     assert [r["text"] for r in ranked] == [e["text"] for e in expected]

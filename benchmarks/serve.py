@@ -26,6 +26,8 @@ and stopped (SIGTERM to its process group, SIGKILL after 15 s). Sides:
   training split's leads, as `benchmarks/embed.py` builds it), `--threads T`, one worker.
   Another runtime than Infinity's: its figures against Infinity's ONNX sides say so.
   `popbert-openvino-int8-2w`: the same with `--workers 2 --threads T/2`.
+- `popbert-int8-2w-all`: `--workers 2 --threads T`, each worker's runtime on every thread, as
+  `--workers 2` without `--threads` was before each worker got its share of the CPUs.
 - `st-server`: `benchmarks/st_server.py`, FastAPI + sentence-transformers, one `encode` per
   request (what people write by hand), `torch.set_num_threads(T)`.
 - `infinity-torch`: `infinity_emb v2 --engine torch` (its default backend: sentence-transformers
@@ -73,7 +75,7 @@ LEVELS = (1, 8, 32, 128)
 # load fall on both.
 SIDES = ("popbert-fp32", "infinity-optimum", "popbert-int8", "infinity-optimum-int8",
          "st-server", "infinity-torch", "popbert-fp32-2w", "popbert-int8-2w",
-         "popbert-openvino-int8", "popbert-openvino-int8-2w")
+         "popbert-openvino-int8", "popbert-openvino-int8-2w", "popbert-int8-2w-all")
 
 
 def read_texts() -> list[str]:
@@ -215,7 +217,7 @@ def build_sides(args, folder: Path, work: Path) -> dict[str, Side]:
     sides: dict[str, Side] = {}
     wanted = set(args.sides)
     if wanted & {"popbert-fp32", "popbert-int8", "popbert-fp32-2w", "popbert-int8-2w",
-                  "popbert-openvino-int8", "popbert-openvino-int8-2w"}:
+                  "popbert-openvino-int8", "popbert-openvino-int8-2w", "popbert-int8-2w-all"}:
         exports = popbert_exports(folder, work)
         if wanted & {"popbert-openvino-int8", "popbert-openvino-int8-2w"}:
             exports["openvino-int8"] = popbert_openvino_int8(work)
@@ -227,6 +229,9 @@ def build_sides(args, folder: Path, work: Path) -> dict[str, Side]:
                 "/v1/embeddings", "/v1/models")
             sides[f"popbert-{precision}-2w"] = Side(
                 f"popbert-{precision}-2w", base + ["--threads", half, "--workers", "2"],
+                "/v1/embeddings", "/v1/models", workers=2)
+            sides[f"popbert-{precision}-2w-all"] = Side(
+                f"popbert-{precision}-2w-all", base + ["--threads", threads, "--workers", "2"],
                 "/v1/embeddings", "/v1/models", workers=2)
     sides["st-server"] = Side(
         "st-server", [sys.executable, str(HERE / "st_server.py"), "--model", str(folder),

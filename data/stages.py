@@ -22,6 +22,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from popbert.cpus import usable_cpus
 from popbert.data import storage
 from popbert.data.errors import DataError
 from popbert.data.storage import Location
@@ -40,11 +41,9 @@ def part_name(index: int, suffix: str) -> str:
 
 
 def default_workers() -> int:
-    """All cores this process may use (the CPU affinity mask, not the machine's count)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+    """All CPUs this process may use (the affinity mask and a container's CPU quota, not the
+    machine's count)."""
+    return usable_cpus()
 
 
 def derive_seed(seed: int, *parts: int) -> int:

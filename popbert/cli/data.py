@@ -312,7 +312,8 @@ def _add_common(p: argparse.ArgumentParser, output_help: str) -> None:
     p.add_argument("--output-dir", "-o", required=True, metavar="DIR", type=paths.DATA_OUTPUT_DIR,
                    help=output_help)
     p.add_argument("--workers", "-j", type=int, default=None, metavar="N",
-                   help="worker processes (default: all cores)")
+                   help="worker processes (default: every CPU this process may use, a "
+                        "container's CPU limit included)")
     p.add_argument("--dask", default=None, metavar="ADDRESS",
                    help="run the work units on this Dask scheduler's workers instead, e.g. "
                         "tcp://10.0.0.5:8786 (default: $DASK_SCHEDULER_ADDRESS when set; "

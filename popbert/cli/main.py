@@ -653,7 +653,8 @@ def _add_serve_command(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="processes sharing the port, each with the model (default 1)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="the runtime's intra-op threads per worker (default: the runtime's)")
+                   help="the runtime's intra-op threads per worker (default: the runtime's "
+                        "with one worker; with more, each worker's share of the CPUs)")
     p.add_argument("--ssl-certfile", type=paths.PEM, default=None, metavar="FILE.pem",
                    help="TLS certificate (PEM)")
     p.add_argument("--ssl-keyfile", type=paths.PEM, default=None, metavar="FILE.pem",

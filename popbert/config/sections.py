@@ -390,7 +390,9 @@ class ServeConfig:
         '"*" or origins written as browsers send them: http(s)://host[:port], no path or '
         'trailing slash').or_null())
     workers: int = setting(1, PER_MACHINE)
-    threads: int | None = setting(None, PER_MACHINE.or_null())  # the runtime's, per worker
+    # the runtime's intra-op threads per worker; null: the runtime's default with one worker,
+    # each worker's share of the CPUs with more (each runtime would take them all)
+    threads: int | None = setting(None, PER_MACHINE.or_null())
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     access_log: bool = False

@@ -27,6 +27,7 @@ import pytest
 from serve_helpers import Server, SlowClient, requests_of_every_kind
 
 from popbert.cli.main import main
+from popbert.cpus import usable_cpus
 
 pytestmark = pytest.mark.e2e
 
@@ -505,6 +506,20 @@ def test_two_workers_share_the_port_and_sum_their_metrics(minilm_export: Path,
         assert server.stop() == 0
     log = (tmp_path / "log").read_text()
     assert log.count("warmed up") == 2  # each worker loaded and warmed its own model
+
+
+def test_workers_without_threads_share_the_cpus(minilm_export: Path, tmp_path: Path) -> None:
+    """Left to itself each worker's runtime would take every core, so N workers would
+    oversubscribe them N times: without --threads each worker gets its share."""
+    server = Server(minilm_export, "--workers", "2", log_path=tmp_path / "log")
+    server.command.remove("--threads")  # the helper's default of 1
+    server.command.remove("1")
+    with server:
+        with server.client() as client:
+            info = client.get("/info").json()
+    cpus = usable_cpus()
+    assert info["threads"] == max(1, cpus // 2) and info["workers"] == 2
+    assert f"{max(1, cpus // 2)} thread" in (tmp_path / "log").read_text()
 
 
 def test_tls_from_the_certificate_options(minilm_export: Path, tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ its cgroup (a container's CPU limit: Kubernetes' `limits.cpu`, `docker run --cpu
 Runtimes size their thread pools from the machine's cores and ignore quotas, so in a container
 limited to 2 CPUs on a 64-core node they start 64 threads, which the kernel then throttles.
 The defaults that start threads or processes (`popbert serve`'s threads per worker,
-`prepare-data`'s workers) take their count from here instead.
+`prepare-data`'s workers, torch's threads in training) take their count from here instead.
 """
 
 from __future__ import annotations
@@ -19,15 +19,25 @@ SELF_CGROUP = Path("/proc/self/cgroup")
 
 def usable_cpus(root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> int:
     """The CPUs this process may use: the affinity mask's count, at most its cgroup's CPU
-    quota rounded up (1 at least)."""
+    quota rounded down (a quota of 1.5 CPUs keeps one thread busy without being throttled; two
+    would be, each period), and 1 at least."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
     quota = cpu_quota(root, self_cgroup)
     if quota is not None:
-        cpus = min(cpus, math.ceil(quota))
+        cpus = min(cpus, math.floor(quota))
     return max(1, cpus)
+
+
+def quota_threads(processes: int = 1, root: Path = CGROUP_ROOT,
+                  self_cgroup: Path = SELF_CGROUP) -> int | None:
+    """Threads for each of `processes` processes on this machine under a cgroup CPU quota;
+    None without a quota, where a runtime's own default (the machine's cores) is right."""
+    if cpu_quota(root, self_cgroup) is None:
+        return None
+    return max(1, usable_cpus(root, self_cgroup) // max(1, processes))
 
 
 def cpu_quota(root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> float | None:
@@ -82,4 +92,4 @@ def _v1_quota(folder: Path) -> float | None:
     return None
 
 
-__all__ = ["cpu_quota", "usable_cpus"]
+__all__ = ["cpu_quota", "quota_threads", "usable_cpus"]

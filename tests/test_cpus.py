@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from popbert.cpus import cpu_quota, usable_cpus
+import pytest
+
+from popbert.cpus import cpu_quota, quota_threads, usable_cpus
 
 AFFINITY = len(os.sched_getaffinity(0))
 
@@ -17,14 +19,14 @@ def _write(folder: Path, files: dict[str, str]) -> None:
         (folder / name).write_text(text + "\n")
 
 
-def test_a_v2_quota_bounds_the_count_rounded_up(tmp_path: Path) -> None:
+def test_a_v2_quota_bounds_the_count_rounded_down(tmp_path: Path) -> None:
     root = tmp_path / "cgroup"
-    _write(root / "kubepods" / "pod1", {"cpu.max": "150000 100000"})  # limits.cpu: 1.5
+    _write(root / "kubepods" / "pod1", {"cpu.max": "250000 100000"})  # limits.cpu: 2.5
     _write(root / "kubepods", {"cpu.max": "max 100000"})
     own = tmp_path / "self"
     own.write_text("0::/kubepods/pod1\n")
-    assert cpu_quota(root, own) == 1.5
-    assert usable_cpus(root, own) == min(AFFINITY, 2)
+    assert cpu_quota(root, own) == 2.5
+    assert usable_cpus(root, own) == min(AFFINITY, 2)  # a third thread would be throttled
 
 
 def test_the_smallest_quota_on_the_way_to_the_root_counts(tmp_path: Path) -> None:
@@ -66,3 +68,36 @@ def test_no_quota_leaves_the_affinity_mask(tmp_path: Path) -> None:
     _write(root, {"cpu.max": "garbage"})
     assert cpu_quota(root, own) is None
     assert cpu_quota(root, tmp_path / "missing") is None
+
+
+def test_quota_threads_split_between_processes(tmp_path: Path) -> None:
+    root = tmp_path / "cgroup"
+    _write(root, {"cpu.max": "400000 100000"})
+    own = tmp_path / "self"
+    own.write_text("0::/\n")
+    assert quota_threads(1, root, own) == min(AFFINITY, 4)
+    assert quota_threads(2, root, own) == max(1, min(AFFINITY, 4) // 2)
+    _write(root, {"cpu.max": "max 100000"})
+    assert quota_threads(2, root, own) is None  # no quota: the runtime's default stands
+
+
+def test_training_sizes_torch_to_the_quota(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch counts the machine's cores; under a container's quota the trainer lowers its
+    threads to the quota's share (torchrun's processes split it), never raises them."""
+    import torch
+
+    from popbert.train import trainer
+
+    before = torch.get_num_threads()
+    calls: list[int] = []
+    monkeypatch.setattr(trainer, "quota_threads", lambda processes: calls.append(processes) or 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    try:
+        trainer._threads_within_quota()
+        assert calls == [2] and torch.get_num_threads() == 1
+        monkeypatch.setattr(trainer, "quota_threads", lambda processes: None)
+        torch.set_num_threads(before)
+        trainer._threads_within_quota()
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)

@@ -212,7 +212,9 @@ class ExecutionConfig:
     replicated_tensor_sharding: bool = False
     pipeline_schedule: str = setting("1f1b", choice(PIPELINE_SCHEDULES))  # (execution.pipeline)
     recompute: bool = False
-    threads: int | None = setting(None, PER_MACHINE.or_null())  # torch intra-op; None: default
+    # torch's intra-op threads; null: torch's default (the machine's cores), or under a
+    # container's CPU quota that quota's share for each of torchrun's processes on the machine
+    threads: int | None = setting(None, PER_MACHINE.or_null())
     # Cut each micro-batch to its longest row (and MLM slots to the most used), so padding past
     # it is not computed at all: GEMMs included, not only attention (model.dialect onnx, rows
     # not packed; the graph gets a symbolic sequence axis).

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -34,6 +35,7 @@ from popbert.atomic import atomic_write_bytes, atomic_write_text, remove_tree, r
 from popbert.backends.sessions import make_session
 from popbert.builders.bert import build_bert
 from popbert.config import RunConfig, dump_config
+from popbert.cpus import quota_threads
 from popbert.distributed import (
     Replicas,
     agree,
@@ -387,6 +389,8 @@ class Trainer:
                    if init_from is not None else None)
         if cfg.execution.threads:
             torch.set_num_threads(cfg.execution.threads)
+        elif "OMP_NUM_THREADS" not in os.environ:  # torchrun's own choice stands
+            _threads_within_quota()
         job.load_data()
         if owns:
             replicas = init_replicas(cfg, resolve_device(cfg.execution.device))
@@ -731,6 +735,18 @@ def _launch_rank(replicas: Replicas | None) -> int:
     if world_size_from_env() == 1:
         return 0
     return rank_from_env()
+
+
+def _threads_within_quota() -> None:
+    """Under a container's CPU quota, torch's threads sized to it (split between torchrun's
+    processes on this machine): torch counts the machine's cores, and a pod limited to 4 CPUs
+    on a 64-core node would run 64 threads the kernel throttles."""
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    threads = quota_threads(processes)
+    if threads is not None and threads < torch.get_num_threads():
+        log.info("torch threads: %d (the container's CPU quota%s; execution.threads to "
+                 "choose)", threads, f" over {processes} processes" if processes > 1 else "")
+        torch.set_num_threads(threads)
 
 
 def _same_dir(a: Path, b: Path) -> bool:

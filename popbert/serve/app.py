@@ -40,8 +40,14 @@ from popbert.textfile import unicode_problem
 
 log = logging.getLogger(__name__)
 
-OPEN_ROUTES = ("/health",)  # answered without a key: probes carry none
-UNCOUNTED = ("/health", "/metrics")  # not bounded by max_concurrent_requests
+# Probes' routes (TEI's: /health, GET / and SageMaker's /ping): answered without a key, as
+# probes carry none, and not bounded by max_concurrent_requests (nor is /metrics).
+PROBES = ("/health", "/ping")
+UNCOUNTED = (*PROBES, "/metrics")
+
+
+def _is_probe(path: str, method: str) -> bool:
+    return path in PROBES or (path == "/" and method in ("GET", "HEAD"))
 
 Texts = StrictStr | list[StrictStr]
 
@@ -390,6 +396,18 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
         body, content_type = metrics.exposition()
         return Response(body, media_type=content_type)
 
+    # TEI's other names for these routes, so its clients and hosts find them: POST / (and
+    # SageMaker's /invocations) for the model's own route, /embeddings without /v1, and the
+    # health routes of Inference Endpoints (GET /) and SageMaker (GET /ping).
+    own = {"/embed": embed, "/predict": predict, "/rerank": rerank}[served.own_route()]
+    for path in ("/", "/invocations"):
+        app.add_api_route(path, own, methods=["POST"],
+                          summary=f"the model's own route, {served.own_route()} (as TEI)")
+    app.add_api_route("/embeddings", embeddings, methods=["POST"],
+                      summary="/v1/embeddings, as TEI also names it")
+    for path in ("/", "/ping"):
+        app.add_api_route(path, health, methods=["GET"], summary="/health, as TEI also names it")
+
     started_at = time.time()
     guard = Guard(app, config, api_key, metrics)
     if not config.cors_allow_origin:
@@ -474,7 +492,7 @@ class Guard:
                 client_gone = True
                 self._stalled(path, "answer", "took none of its answer")
 
-        counts = path not in UNCOUNTED
+        counts = path not in UNCOUNTED and not _is_probe(path, scope["method"])
         if counts:
             self.in_flight += 1
             self.metrics.in_flight(1)
@@ -504,14 +522,15 @@ class Guard:
 
     def _refusal(self, scope: dict[str, Any], path: str) -> Response | None:
         headers = dict(scope.get("headers") or [])
-        if self.key is not None and path not in OPEN_ROUTES:
+        if self.key is not None and not _is_probe(path, scope["method"]):
             given = headers.get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
                 return error_response(path, 401, "missing or wrong API key: send "
                                       "`Authorization: Bearer KEY`",
                                       headers={"WWW-Authenticate": "Bearer"})
-        if path not in UNCOUNTED and self.in_flight > self.config.max_concurrent_requests:
+        if path not in UNCOUNTED and not _is_probe(path, scope["method"]) \
+                and self.in_flight > self.config.max_concurrent_requests:
             return error_response(path, 503, f"the server has "
                                   f"{self.config.max_concurrent_requests} requests in flight "
                                   "(max_concurrent_requests); retry shortly",

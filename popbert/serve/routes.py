@@ -140,6 +140,15 @@ class Served:
             return ("/v1/embeddings", "/embed")
         return ("/predict", "/rerank") if self.reranker else ("/predict",)
 
+    def own_route(self) -> str:
+        """The route `POST /` answers, as TEI picks it by the model's type: embeddings, a
+        reranker's scores for a model of one output, else predictions."""
+        if self.task == "embedding":
+            return "/embed"
+        if self.task == "classification" and self.predictor.regression:
+            return "/rerank"
+        return "/predict"
+
     def warm_up(self) -> None:
         """One request of the task's own kind, so the first client does not pay for it."""
         if self.task == "embedding":

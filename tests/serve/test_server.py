@@ -122,6 +122,26 @@ def test_token_ids_and_tei_embed_give_the_same_vectors(server: Server, minilm_di
                                atol=1e-5, rtol=0)
 
 
+def test_teis_other_route_names_and_huggingface_hubs_client(server: Server) -> None:
+    """TEI answers its model's own route at POST / (and SageMaker's /invocations), OpenAI's at
+    /embeddings too, and health at GET / and /ping; huggingface_hub's InferenceClient, given
+    the server's URL, posts to / (a 405 before)."""
+    from huggingface_hub import InferenceClient
+
+    text = texts()[3]
+    with server.client() as client:
+        expected = client.post("/embed", json={"inputs": text}).json()
+        for path in ("/", "/invocations"):
+            answer = client.post(path, json={"inputs": text})
+            assert answer.status_code == 200 and answer.json() == expected, path
+        openai = client.post("/embeddings", json={"model": "minilm", "input": text})
+        assert openai.json()["data"][0]["embedding"] == expected[0]
+        for path in ("/", "/ping"):
+            assert client.get(path).json() == {"status": "ok"}, path
+    hub = InferenceClient(model=server.url).feature_extraction(text)
+    np.testing.assert_allclose(np.asarray(hub).reshape(-1), expected[0], atol=1e-6, rtol=0)
+
+
 def test_concurrent_clients_get_what_each_text_gets_alone(server: Server) -> None:
     """32 async clients at once, each text its own request: the answers equal the one-at-a-time
     answers, whatever batches the server made of them."""
@@ -265,8 +285,13 @@ def test_metrics_count_requests_by_route_and_status(server: Server) -> None:
 
 
 def test_an_api_key_guards_every_route_but_health(minilm_export: Path, tmp_path: Path) -> None:
-    key = "s3cret-key-for-the-test"
-    with Server(minilm_export, log_path=tmp_path / "log", env={"POPBERT_API_KEY": key}) as server:
+    """With a key, every route but the probes needs it. --cors-allow-origin (TEI's flag): a
+    page of that origin may call the server from a browser, its preflight answered without a
+    key (browsers send none there); other origins get no CORS headers, so the browser keeps
+    the answer from them."""
+    key, page = "s3cret-key-for-the-test", "https://app.example.com"
+    with Server(minilm_export, "--cors-allow-origin", page, log_path=tmp_path / "log",
+                env={"POPBERT_API_KEY": key}) as server:
         with server.client() as client:
             body = {"model": "minilm", "input": "x"}
             assert client.post("/v1/embeddings", json=body).status_code == 401
@@ -276,22 +301,11 @@ def test_an_api_key_guards_every_route_but_health(minilm_export: Path, tmp_path:
             assert wrong.json()["error"]["type"] == "authentication_error"
             assert client.get("/metrics").status_code == 401
             assert client.get("/health").status_code == 200  # probes carry no key
+            assert client.get("/").status_code == client.get("/ping").status_code == 200
+            assert client.post("/", json={"inputs": "x"}).status_code == 401  # not a probe
             right = client.post("/v1/embeddings", json=body,
                                 headers={"Authorization": f"Bearer {key}"})
             assert right.status_code == 200
-        assert server.stop() == 0
-    assert key not in (tmp_path / "log").read_text()
-
-
-def test_browsers_of_the_allowed_origins_may_call_it(minilm_export: Path,
-                                                    tmp_path: Path) -> None:
-    """--cors-allow-origin (TEI's flag): a page of that origin may call the server from a
-    browser, its preflight answered without a key (browsers send none there); other origins
-    get no CORS headers, so the browser keeps the answer from them."""
-    key, page = "k3y", "https://app.example.com"
-    with Server(minilm_export, "--cors-allow-origin", page, log_path=tmp_path / "log",
-                env={"POPBERT_API_KEY": key}) as server:
-        with server.client() as client:
             preflight = {"Origin": page, "Access-Control-Request-Method": "POST",
                          "Access-Control-Request-Headers": "authorization,content-type"}
             answer = client.options("/v1/embeddings", headers=preflight)
@@ -306,11 +320,12 @@ def test_browsers_of_the_allowed_origins_may_call_it(minilm_export: Path,
             assert called.status_code == 200
             assert called.headers["access-control-allow-origin"] == page
             assert "x-prompt-tokens" in called.headers["access-control-expose-headers"]
-            # the key still guards the route itself
             assert client.post("/embed", json={"inputs": "x"},
                                headers={"Origin": page}).status_code == 401
             assert client.get("/info", headers={"Authorization": f"Bearer {key}"}).json()[
                 "cors_allow_origin"] == [page]
+        assert server.stop() == 0
+    assert key not in (tmp_path / "log").read_text()
 
 
 def test_sigterm_under_load_answers_every_accepted_request(minilm_export: Path,
@@ -477,7 +492,15 @@ def test_clients_that_take_no_answers_free_their_places(minilm_export: Path,
 
 def test_two_workers_share_the_port_and_sum_their_metrics(minilm_export: Path,
                                                           tmp_path: Path) -> None:
-    with Server(minilm_export, "--workers", "2", log_path=tmp_path / "log") as server:
+    """Two workers on one port; without --threads each runs its share of the CPUs (left to
+    itself each runtime would take every core, oversubscribing them twice)."""
+    server = Server(minilm_export, "--workers", "2", log_path=tmp_path / "log")
+    server.command.remove("--threads")  # the helper's default of 1
+    server.command.remove("1")
+    with server:
+        with server.client() as client:
+            info = client.get("/info").json()
+        assert info["threads"] == max(1, usable_cpus() // 2) and info["workers"] == 2
         # `/health` answered once the first worker listens; the second joins the port when its
         # own model is warmed. Each new connection goes to a worker by the kernel's hash, so
         # keep connecting (bounded) until an /embed has been answered by each worker.
@@ -506,20 +529,7 @@ def test_two_workers_share_the_port_and_sum_their_metrics(minilm_export: Path,
         assert server.stop() == 0
     log = (tmp_path / "log").read_text()
     assert log.count("warmed up") == 2  # each worker loaded and warmed its own model
-
-
-def test_workers_without_threads_share_the_cpus(minilm_export: Path, tmp_path: Path) -> None:
-    """Left to itself each worker's runtime would take every core, so N workers would
-    oversubscribe them N times: without --threads each worker gets its share."""
-    server = Server(minilm_export, "--workers", "2", log_path=tmp_path / "log")
-    server.command.remove("--threads")  # the helper's default of 1
-    server.command.remove("1")
-    with server:
-        with server.client() as client:
-            info = client.get("/info").json()
-    cpus = usable_cpus()
-    assert info["threads"] == max(1, cpus // 2) and info["workers"] == 2
-    assert f"{max(1, cpus // 2)} thread" in (tmp_path / "log").read_text()
+    assert f"{max(1, usable_cpus() // 2)} thread" in log
 
 
 def test_tls_from_the_certificate_options(minilm_export: Path, tmp_path: Path) -> None:

@@ -76,8 +76,9 @@ def test_classify_route_is_predict_classify(root: Path) -> None:
         squad_shaped = client.post("/predict", json={"inputs": {"question": "q",
                                                                  "context": "c"}})
         empty_pair = client.post("/predict", json={"inputs": [["a text", " "]]})
+        at_root = client.post("/", json={"inputs": TEXTS}).json()  # TEI's: a classifier predicts
     assert fuzzed.get(200, 0) > 0, fuzzed  # some odd requests reached the model
-    assert len(answers) == len(TEXTS) and single == answers[1]
+    assert len(answers) == len(TEXTS) and single == answers[1] and at_root == answers
     for answer, row, logits in zip(answers, expected, raw):
         assert answer[0]["label"] == row["label"]  # best first
         assert [a["score"] for a in answer] == sorted((a["score"] for a in answer), reverse=True)
@@ -110,9 +111,12 @@ def test_rerank_route_is_predict_rerank(root: Path) -> None:
                                               "return_text": True})
         scored = client.post("/predict", json={"inputs": [[query, text]
                                                           for text in candidates]}).json()
+        # a model of one output is TEI's reranker: POST / reranks
+        at_root = client.post("/", json={"query": query, "texts": candidates,
+                                         "return_text": True})
         fuzzed = requests_of_every_kind(client, 150, seed=52)  # never a 5xx
     assert fuzzed.get(200, 0) > 0, fuzzed  # some odd requests reached the model
-    assert ranked.status_code == 200
+    assert ranked.status_code == 200 and at_root.json() == ranked.json()
     # TEI's headers: the pairs' tokens and characters (the query counted with each text)
     assert int(ranked.headers["x-compute-characters"]) \
         == sum(len(query) + len(text) for text in candidates)

@@ -56,6 +56,11 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# TEI's `truncation_direction`: inputs are cut on the right (their ends dropped), as TEI does by
+# default; its "Left" (keep the ends) is not offered, and refused by name rather than ignored.
+Truncation = Literal["Right", "right"]
+
+
 class EmbeddingsRequest(_Request):
     model_config = ConfigDict(extra="allow")  # OpenAI clients send fields such as `user`
     input: StrictStr | list[StrictStr] | list[int] | list[list[int]]
@@ -71,6 +76,7 @@ class EmbedRequest(_Request):
     truncate: bool = True
     prompt_name: StrictStr | None = None
     dimensions: int | None = Field(default=None, ge=1)
+    truncation_direction: Truncation = "Right"
 
 
 class QuestionContext(_Request):
@@ -90,6 +96,7 @@ class PredictRequest(_Request):
     inputs: PredictInput
     raw_scores: bool = False
     truncate: bool = True
+    truncation_direction: Truncation = "Right"
 
 
 class RerankRequest(_Request):
@@ -98,6 +105,7 @@ class RerankRequest(_Request):
     raw_scores: bool = False
     return_text: bool = False
     truncate: bool = True
+    truncation_direction: Truncation = "Right"
 
 
 class TokenizeRequest(_Request):

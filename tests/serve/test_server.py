@@ -215,6 +215,9 @@ def test_bad_requests_are_4xx_naming_the_field_and_the_server_lives_on(server: S
         ("post", "/embed", {"inputs": 5}, 422, "inputs"),
         ("post", "/embed", {"inputs": "x", "normalise": True}, 422, "normalise"),
         ("post", "/embed", {"inputs": "x", "prompt_name": "query"}, 422, "prompt_name"),
+        # TEI's field: the right is where popbert cuts; "Left" is refused, not ignored
+        ("post", "/embed", {"inputs": "x", "truncation_direction": "Left"}, 422,
+         "truncation_direction"),
         ("post", "/embed", {"inputs": ["x"] * 21}, 413, "max_client_batch_size"),
         ("post", "/embed", {"inputs": long_text, "truncate": False}, 413, "truncate"),
         ("post", "/embed", {"inputs": "y" * 30000}, 413, "payload_limit"),
@@ -245,6 +248,11 @@ def test_bad_requests_are_4xx_naming_the_field_and_the_server_lives_on(server: S
         # a long input is cut by default, as TEI does, and the usage says so
         cut = client.post("/v1/embeddings", json={"model": "minilm", "input": long_text})
         assert cut.status_code == 200 and cut.json()["usage"]["truncated_inputs"] == 1
+        right = client.post("/embed", json={"inputs": long_text,
+                                            "truncation_direction": "Right"})
+        assert right.status_code == 200 and right.headers["x-truncated-inputs"] == "1"
+        np.testing.assert_allclose(right.json()[0], cut.json()["data"][0]["embedding"],
+                                   atol=1e-6, rtol=0)  # /embed normalises once more
         assert client.get("/health").status_code == 200
     assert server.metric("popbert_requests_total", status="500") == 0
     assert "Traceback" not in server.output()

@@ -1,13 +1,16 @@
 """`popbert serve`'s HTTP face: a FastAPI application over one export.
 
 Routes: OpenAI's `POST /v1/embeddings` and `GET /v1/models`; Text Embeddings Inference's `POST
-/embed`, `/predict`, `/rerank` and `/tokenize`; `GET /health`, `/info` and `/metrics`
-(Prometheus); the OpenAPI schema at `/docs`. What a route computes is `popbert.serve.routes`;
-rows from all requests meet in one `RowBatcher`. Around the routes, one ASGI layer
-(`Guard`) holds what every request goes through first: the body limit (413), the API key (401,
-compared in constant time; `/health` needs none), the bound on requests in flight (503 with
-`Retry-After`) and the request metrics. Errors are OpenAI's error object under `/v1/`, TEI's
-(`{"error", "error_type"}`) elsewhere; nothing a client sends makes a 5xx.
+/embed`, `/predict`, `/rerank` and `/tokenize` (and its other names: `POST /`, `/invocations`,
+`/embeddings`, `GET /`, `/ping`); `GET /health`, `/info` and `/metrics` (Prometheus); the
+OpenAPI schema at `/docs`. What a route computes is `popbert.serve.routes`; rows from all
+requests meet in one `RowBatcher`. Around the routes, one ASGI layer (`Guard`) holds what every
+request goes through first: the body limit (413), the API key (401, compared in constant time;
+probes need none), the bound on requests in flight (503 with `Retry-After`), the client's time
+to send its body and take its answer (`client_timeout_s`: 408, or given up), HEAD as GET, and
+the request metrics; CORS, when origins are allowed, sits outside it. Errors are OpenAI's error
+object under `/v1/`, TEI's (`{"error", "error_type"}`) elsewhere; nothing a client sends makes
+a 5xx.
 """
 
 from __future__ import annotations
@@ -491,14 +494,14 @@ class Guard:
                 await _within(self.config.client_timeout_s, send(message))
             except asyncio.TimeoutError:
                 client_gone = True
-                self._stalled(path, "answer", "took none of its answer")
+                self._stalled(path, "answer", "did not take its answer")
             except RuntimeError as error:
-                # The kernel dropped a connection whose peer took nothing (TCP_USER_TIMEOUT)
-                # or that it reset, and uvloop refuses the write before uvicorn hears of it.
+                # The client reset the connection (or the kernel dropped it: TCP_USER_TIMEOUT)
+                # and uvloop refuses the write before uvicorn hears of it: the client has gone,
+                # as uvicorn answers a disconnect, in silence.
                 if "closed" not in str(error):
                     raise
                 client_gone = True
-                self._stalled(path, "answer", "took none of its answer")
 
         counts = path not in UNCOUNTED and not _is_probe(path, scope["method"])
         if counts:
@@ -583,7 +586,7 @@ class Guard:
         try:
             return await _within(self.config.client_timeout_s, read())
         except asyncio.TimeoutError:
-            self._stalled(path, "body", "sent none of the rest of its body")
+            self._stalled(path, "body", "did not finish sending its body")
             return error_response(path, 408, f"the body did not arrive within "
                                   f"{self.config.client_timeout_s:g} s (client_timeout_s)",
                                   field="body", headers={"Connection": "close"})

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -427,7 +428,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
     return CORSMiddleware(guard, allow_origins=config.cors_allow_origin,
                           allow_methods=["GET", "POST", "HEAD"],
                           allow_headers=["Authorization", "Content-Type"],
-                          expose_headers=[*TIMING_HEADERS, "Retry-After"])
+                          expose_headers=[*TIMING_HEADERS, "Retry-After", "x-request-id"])
 
 
 # TEI's per-request headers (milliseconds, whole numbers as TEI writes them), and ours.
@@ -481,7 +482,7 @@ class Guard:
         route = path if path in self.known else "other"
         started = time.perf_counter()
         status = [500]
-
+        request_id = _request_id(scope)
         client_gone = False
 
         async def counting_send(message: dict[str, Any]) -> None:
@@ -490,11 +491,13 @@ class Guard:
                 return
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", request_id.encode())]}
             try:
                 await _within(self.config.client_timeout_s, send(message))
             except asyncio.TimeoutError:
                 client_gone = True
-                self._stalled(path, "answer", "did not take its answer")
+                self._stalled(path, request_id, "answer", "did not take its answer")
             except RuntimeError as error:
                 # The client reset the connection (or the kernel dropped it: TCP_USER_TIMEOUT)
                 # and uvloop refuses the write before uvicorn hears of it: the client has gone,
@@ -512,7 +515,7 @@ class Guard:
             if refusal is not None:
                 await refusal(scope, receive, counting_send)
                 return
-            body = await self._body(receive, path)
+            body = await self._body(receive, path, request_id)
             if isinstance(body, Response):
                 await body(scope, receive, counting_send)
                 return
@@ -551,17 +554,17 @@ class Guard:
             return self._too_large(path)
         return None
 
-    def _stalled(self, path: str, phase: str, what: str) -> None:
+    def _stalled(self, path: str, request_id: str, phase: str, what: str) -> None:
         self.metrics.stalled(phase)
-        log.warning("%s: a client %s within %g s (client_timeout_s); gave up on it", path, what,
-                    self.config.client_timeout_s)
+        log.warning("%s (request %s): the client %s within %g s (client_timeout_s); gave up "
+                    "on it", path, request_id, what, self.config.client_timeout_s)
 
     def _too_large(self, path: str) -> Response:
         return error_response(path, 413, f"the body is larger than "
                               f"{self.config.payload_limit} bytes (payload_limit)",
                               field="body")
 
-    async def _body(self, receive: Callable[[], Awaitable[Any]], path: str
+    async def _body(self, receive: Callable[[], Awaitable[Any]], path: str, request_id: str
                     ) -> bytes | Response:
         """The whole body, read here so its size is bounded whatever the headers say, and
         its time: a body still arriving after `client_timeout_s` is a 408, so a client that
@@ -586,10 +589,21 @@ class Guard:
         try:
             return await _within(self.config.client_timeout_s, read())
         except asyncio.TimeoutError:
-            self._stalled(path, "body", "did not finish sending its body")
+            self._stalled(path, request_id, "body", "did not finish sending its body")
             return error_response(path, 408, f"the body did not arrive within "
                                   f"{self.config.client_timeout_s:g} s (client_timeout_s)",
                                   field="body", headers={"Connection": "close"})
+
+
+def _request_id(scope: dict[str, Any]) -> str:
+    """The request's `X-Request-Id` as a proxy or client set it (up to 128 printable ASCII
+    characters, so a header cannot forge log lines), else a new one: answered in the same
+    header and named in the server's log lines about the request."""
+    for name, value in scope.get("headers") or []:
+        if name == b"x-request-id" and 0 < len(value) <= 128 \
+                and all(33 <= byte <= 126 for byte in value):
+            return value.decode("ascii")
+    return uuid.uuid4().hex
 
 
 async def _within(seconds: float, awaitable: Awaitable[Any]) -> Any:

@@ -269,6 +269,15 @@ def test_every_get_route_answers_head_as_health_checks_send_it(server: Server) -
                 == get.headers["content-length"], route
         assert client.head("/metrics").status_code == 200
         assert client.head("/embed").status_code == 405  # a POST route stays POST only
+        # X-Request-Id: a proxy's or client's is answered back, else the server makes one;
+        # one that could forge a log line (spaces, newlines, too long) is replaced
+        given = client.post("/embed", json={"inputs": "x"}, headers={"X-Request-Id": "ab-12"})
+        assert given.headers["x-request-id"] == "ab-12"
+        made = client.get("/health").headers["x-request-id"]
+        assert len(made) == 32 and int(made, 16) >= 0
+        for odd in ("two words", "x" * 129):
+            answer = client.get("/info", headers={"X-Request-Id": odd})
+            assert answer.headers["x-request-id"] != odd
         # without --cors-allow-origin no origin is allowed: a browser keeps the answer
         plain = client.post("/embed", json={"inputs": "x"}, headers={"Origin": "https://a.b"})
         assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
@@ -427,6 +436,8 @@ def test_bodies_that_stop_arriving_free_their_places_and_let_a_stop_end(
             error = body["error"]  # OpenAI's error object, or TEI's message
             assert "client_timeout_s" in (error["message"] if isinstance(error, dict) else error)
         assert server.metric("popbert_stalled_clients_total", phase="body") == 2
+        assert server.output().count(": the client did not finish sending its body within "
+                                     "1 s (client_timeout_s)") == 2
         with server.client() as client:
             assert client.post("/embed", json={"inputs": "now"}).status_code == 200
         last = SlowClient(server, "/embed", {"inputs": "never sent"})

@@ -12,6 +12,7 @@ same instances either way. The steps, and the departures from Google: docs/desig
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -21,6 +22,7 @@ import numpy as np
 from popbert.data.errors import DataError
 from popbert.data.stages import derive_seed
 from popbert.data.tokenization import TextTokenizer
+from popbert.machine import available_memory
 
 log = logging.getLogger(__name__)
 
@@ -551,6 +553,39 @@ def mask_arrays(arrays: dict[str, np.ndarray], tokenizer: TextTokenizer,
     arrays["masked_lm_ids"][rows, slot] = original
 
 
+#: What `create_instance_arrays` holds at its peak, in units of the least its finished arrays
+#: can take: measured 6.8x (MLM-only rows), 11.6x (pairs, seq 128) and 34.8x (pairs, seq 512) on
+#: the bundled corpus's short documents at dupe factor 10 (tracemalloc), and never under 4.7x
+#: the finished arrays themselves (masking works on copies). 4 stays below all of them, also
+#: for documents long enough to fill every row.
+PEAK_OVER_LEAST = 4
+
+
+def least_instance_bytes(tokens: int, options: InstanceOptions) -> int:
+    """A floor under the memory `create_instance_arrays` needs for documents of `tokens`
+    tokens: `dupe_factor` passes of rows that each hold at most `sequence_length - 3` of them
+    (int32 ids, mask and segments; positions and ids per prediction; a label), times
+    `PEAK_OVER_LEAST`. Less than it really takes, so a refusal on it is never wrong."""
+    width = options.sequence_length
+    per_row = 4 * (3 * width + 2 * options.max_predictions_per_seq + 1)
+    rows = math.ceil(tokens / max(1, width - 3)) * options.dupe_factor
+    return PEAK_OVER_LEAST * rows * per_row
+
+
+def check_instance_memory(tokens: int, options: InstanceOptions) -> None:
+    """A DataError, before any is taken, when instances of `tokens` tokens need more memory
+    than this process can have (`popbert.machine.available_memory`): the kernel would kill the
+    process mid-stage otherwise (or another one of the machine's), with no word of why."""
+    room = available_memory()
+    need = least_instance_bytes(tokens, options)
+    if room is not None and need > room:
+        raise DataError(f"{tokens:,} tokens at dupe factor {options.dupe_factor} (sequence "
+                        f"length {options.sequence_length}) need at least {need / 2**30:.1f} "
+                        f"GiB of memory for their instances, more than the {room / 2**30:.1f} "
+                        "GiB available: lower the dupe factor, or split the input into "
+                        "smaller parts")
+
+
 def create_instance_arrays(documents: Sequence[Document], tokenizer: TextTokenizer,
                            options: InstanceOptions, cuts: Cuts | None = None
                            ) -> dict[str, np.ndarray]:
@@ -565,6 +600,8 @@ def create_instance_arrays(documents: Sequence[Document], tokenizer: TextTokeniz
     (`reference_instance_arrays`). `cuts`, if given, gets what pairing cut (MLM-only rows cut
     nothing).
     """
+    check_instance_memory(sum(len(sentence) for document in documents for sentence in document),
+                          options)
     creator = InstanceCreator(tokenizer, options, cuts)
     cls_id, sep_id = creator.cls_id, creator.sep_id
     rng = random.Random(options.seed)

@@ -80,7 +80,10 @@ def instances_part(in_path: str, out_path: str, vocab_path: str, options: dict,
               "text": text, "cuts": cuts}
     if not documents:  # said once for the stage, with the count (`create_instances`)
         return counts
-    arrays = create_instance_arrays(documents, tokenizer, opts, cuts)
+    try:
+        arrays = create_instance_arrays(documents, tokenizer, opts, cuts)
+    except DataError as error:  # e.g. more memory than there is: name the part
+        raise DataError(f"{storage.name_of(in_path)}: {error}") from None
     write_shard(out_path, arrays, vocab_size=tokenizer.vocab_size,
                 vocab_sha256=tokenizer.vocab_sha256, options=opts,
                 extra_attrs={"run_seed": run_seed, "part": index,

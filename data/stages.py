@@ -22,12 +22,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from popbert.cpus import usable_cpus
 from popbert.data import storage
 from popbert.data.errors import DataError
 from popbert.data.storage import Location
 from popbert.errors import one_line
 from popbert.locking import DirectoryLock, lock_directory
+from popbert.machine import usable_cpus
 
 log = logging.getLogger(__name__)
 

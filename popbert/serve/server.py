@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from popbert.config.sections import ServeConfig
-from popbert.cpus import cpu_quota, usable_cpus
 from popbert.errors import ConfigError, UsageError
+from popbert.machine import cpu_quota, usable_cpus
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def serve(model: Path, config: ServeConfig, api_key: str | None = None) -> int:
 
 def _threads_shared(config: ServeConfig) -> ServeConfig:
     """Without `threads`, each worker gets its share of the CPUs the server may use
-    (`popbert.cpus`): left to itself each runtime takes every core of the machine, so N workers
+    (`popbert.machine`): left to itself each runtime takes every core of the machine, so N workers
     oversubscribe them N times (2 workers on 2 cores: 14-19% fewer answers, a 35-53% higher
     p95; benchmarks/RESULTS.md), and
     a container limited to fewer CPUs than the machine has is throttled. One worker outside

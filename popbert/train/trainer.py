@@ -35,7 +35,6 @@ from popbert.atomic import atomic_write_bytes, atomic_write_text, remove_tree, r
 from popbert.backends.sessions import make_session
 from popbert.builders.bert import build_bert
 from popbert.config import RunConfig, dump_config
-from popbert.cpus import quota_threads
 from popbert.distributed import (
     Replicas,
     agree,
@@ -50,6 +49,7 @@ from popbert.errors import CheckpointError, ConfigError, WriteError, one_line
 from popbert.io import checkpoint as ckpt
 from popbert.io import run_dir
 from popbert.io.paths import check_config_paths
+from popbert.machine import quota_threads
 from popbert.observe.plots import plot_metrics
 from popbert.observe.tracking import MetricsLogger, read_metrics
 from popbert.optimizers import set_lr

@@ -27,7 +27,7 @@ import pytest
 from serve_helpers import Server, SlowClient, requests_of_every_kind
 
 from popbert.cli.main import main
-from popbert.cpus import usable_cpus
+from popbert.machine import usable_cpus
 
 pytestmark = pytest.mark.e2e
 

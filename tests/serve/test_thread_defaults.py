@@ -1,6 +1,6 @@
 """`popbert serve`'s threads per worker when `--threads` is not given: the runtime's own
 default for one worker on a machine without a CPU limit; otherwise each worker's share of the
-CPUs the server may use (`popbert.cpus`), so neither workers nor a container's quota are
+CPUs the server may use (`popbert.machine`), so neither workers nor a container's quota are
 oversubscribed."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""`popbert.cpus`: the CPUs a process may use, from cgroup files laid out as the kernel writes
-them (v2's unified tree, v1's cpu controller, a container's view of its own root)."""
+"""`popbert.machine`: the CPUs and memory a process may use, from cgroup files laid out as
+the kernel writes them (v2's unified tree, v1's controllers, a container's view of its own
+root)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from popbert.cpus import cpu_quota, quota_threads, usable_cpus
+from popbert.machine import available_memory, cpu_quota, quota_threads, usable_cpus
 
 AFFINITY = len(os.sched_getaffinity(0))
 
@@ -101,3 +102,25 @@ def test_training_sizes_torch_to_the_quota(monkeypatch: pytest.MonkeyPatch) -> N
         assert torch.get_num_threads() == before
     finally:
         torch.set_num_threads(before)
+
+
+def test_available_memory_is_the_kernels_within_the_cgroups_limit(tmp_path: Path) -> None:
+    gib = 2**30
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {64 * gib // 1024} kB\nMemAvailable: {8 * gib // 1024} kB\n")
+    root = tmp_path / "cgroup"
+    _write(root / "pod", {"memory.max": str(2 * gib), "memory.current": str(gib // 2)})
+    own = tmp_path / "self"
+    own.write_text("0::/pod\n")
+    assert available_memory(root, own, meminfo) == 3 * gib // 2  # limits.memory: 2Gi, 0.5 used
+    _write(root / "pod", {"memory.max": "max"})
+    assert available_memory(root, own, meminfo) == 8 * gib  # no limit: the kernel's figure
+    # cgroup v1 writes "no limit" as a huge number
+    v1 = tmp_path / "v1"
+    _write(v1 / "memory" / "docker" / "c1", {"memory.limit_in_bytes": "9223372036854771712",
+                                             "memory.usage_in_bytes": "123"})
+    own.write_text("4:memory:/docker/c1\n")
+    assert available_memory(v1, own, meminfo) == 8 * gib
+    _write(v1 / "memory" / "docker" / "c1", {"memory.limit_in_bytes": str(gib)})
+    assert available_memory(v1, own, meminfo) == gib - 123
+    assert available_memory(v1, tmp_path / "missing", tmp_path / "none") is None

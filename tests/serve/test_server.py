@@ -122,12 +122,16 @@ def test_token_ids_and_tei_embed_give_the_same_vectors(server: Server, minilm_di
                                atol=1e-5, rtol=0)
 
 
-def test_teis_other_route_names_and_huggingface_hubs_client(server: Server) -> None:
+def test_teis_other_route_names_and_huggingface_hubs_client(
+        server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     """TEI answers its model's own route at POST / (and SageMaker's /invocations), OpenAI's at
     /embeddings too, and health at GET / and /ping; huggingface_hub's InferenceClient, given
     the server's URL, posts to / (a 405 before)."""
+    import huggingface_hub.constants
     from huggingface_hub import InferenceClient
 
+    # The suite runs with HF_HUB_OFFLINE (never the Hub); this client talks to 127.0.0.1 only.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     text = texts()[3]
     with server.client() as client:
         expected = client.post("/embed", json={"inputs": text}).json()

@@ -506,12 +506,13 @@ class Guard:
                     raise
                 client_gone = True
 
-        counts = path not in UNCOUNTED and not _is_probe(path, scope["method"])
+        probe = _is_probe(path, scope["method"])
+        counts = path not in UNCOUNTED and not probe  # bounded by max_concurrent_requests
         if counts:
             self.in_flight += 1
             self.metrics.in_flight(1)
         try:
-            refusal = self._refusal(scope, path)
+            refusal = self._refusal(scope, path, probe, counts)
             if refusal is not None:
                 await refusal(scope, receive, counting_send)
                 return
@@ -534,17 +535,17 @@ class Guard:
                 self.metrics.in_flight(-1)
             self.metrics.request(route, status[0], time.perf_counter() - started)
 
-    def _refusal(self, scope: dict[str, Any], path: str) -> Response | None:
+    def _refusal(self, scope: dict[str, Any], path: str, probe: bool,
+                 counts: bool) -> Response | None:
         headers = dict(scope.get("headers") or [])
-        if self.key is not None and not _is_probe(path, scope["method"]):
+        if self.key is not None and not probe:
             given = headers.get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
                 return error_response(path, 401, "missing or wrong API key: send "
                                       "`Authorization: Bearer KEY`",
                                       headers={"WWW-Authenticate": "Bearer"})
-        if path not in UNCOUNTED and not _is_probe(path, scope["method"]) \
-                and self.in_flight > self.config.max_concurrent_requests:
+        if counts and self.in_flight > self.config.max_concurrent_requests:
             return error_response(path, 503, f"the server has "
                                   f"{self.config.max_concurrent_requests} requests in flight "
                                   "(max_concurrent_requests); retry shortly",

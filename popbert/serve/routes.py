@@ -65,10 +65,11 @@ class Usage:
     @classmethod
     def of(cls, stats: PredictStats, characters: int = 0,
            truncated: int | None = None) -> Usage:
+        if truncated is None:
+            truncated = stats.truncated or 0
         handed = stats.handed_over if stats.handed_over is not None else stats.began
-        return cls(stats.tokens, stats.truncated or 0 if truncated is None else truncated,
-                   characters, handed - stats.began, stats.queue_seconds, stats.model_seconds,
-                   stats.began)
+        return cls(stats.tokens, truncated, characters, handed - stats.began,
+                   stats.queue_seconds, stats.model_seconds, stats.began)
 
 
 class Served:

@@ -184,6 +184,9 @@ def _typed_value(rng: np.random.Generator, kind: str):
         return ids() if rng.random() < 0.5 else [ids() for _ in range(int(rng.integers(0, 3)))]
     if kind == "text":
         return text()
+    if kind == "documents":
+        return [text() if rng.random() < 0.7 else {"text": text()}
+                for _ in range(int(rng.integers(0, 4)))]
     if kind == "size":
         return int(rng.choice([0, 1, 8, 384, 385, -3, 10 ** 9]))
     if kind == "format":
@@ -202,8 +205,12 @@ ROUTE_FIELDS = {"/v1/embeddings": {"input": "texts", "model": "model",
                 "/tokenize": {"inputs": "texts", "add_special_tokens": "bool"},
                 "/predict": {"inputs": "texts", "raw_scores": "bool", "truncate": "bool"},
                 "/rerank": {"query": "text", "texts": "texts", "raw_scores": "bool",
-                            "return_text": "bool", "truncate": "bool"}}
-REQUIRED = ("input", "inputs", "model", "query", "texts")
+                            "return_text": "bool", "truncate": "bool"},
+                "/v1/rerank": {"query": "text", "documents": "documents", "model": "model",
+                               "top_n": "size", "return_documents": "bool"},
+                "/v2/rerank": {"query": "text", "documents": "documents", "model": "model",
+                               "top_n": "size", "max_tokens_per_doc": "size"}}
+REQUIRED = ("input", "inputs", "model", "query", "texts", "documents")
 
 
 def requests_of_every_kind(client: httpx.Client, count: int, seed: int) -> dict[int, int]:

@@ -2,8 +2,9 @@
 
 Routes: OpenAI's `POST /v1/embeddings` and `GET /v1/models`; Text Embeddings Inference's `POST
 /embed`, `/predict`, `/rerank` and `/tokenize` (and its other names: `POST /`, `/invocations`,
-`/embeddings`, `GET /`, `/ping`); `GET /health`, `/info` and `/metrics` (Prometheus); the
-OpenAPI schema at `/docs`. What a route computes is `popbert.serve.routes`; rows from all
+`/embeddings`, `GET /`, `/ping`); Cohere's `POST /v1/rerank` and `/v2/rerank` (Jina's, vLLM's
+and Infinity's shape too); `GET /health`, `/info` and `/metrics` (Prometheus); the OpenAPI schema
+at `/docs`. What a route computes is `popbert.serve.routes`; rows from all
 requests meet in one `RowBatcher`. Around the routes, one ASGI layer (`Guard`) holds what every
 request goes through first: the body limit (413), the API key (401, compared in constant time;
 probes need none), the bound on requests in flight (503 with `Retry-After`), the client's time
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 # Probes' routes (TEI's: /health, GET / and SageMaker's /ping): answered without a key, as
 # probes carry none, and not bounded by max_concurrent_requests (nor is /metrics).
 PROBES = ("/health", "/ping")
+REQUEST_ID = "popbert.request_id"  # the scope's key for the request's X-Request-Id
 UNCOUNTED = (*PROBES, "/metrics")
 
 
@@ -112,6 +114,24 @@ class RerankRequest(_Request):
     truncation_direction: Truncation = "Right"
 
 
+class RerankDocument(_Request):
+    text: StrictStr
+
+
+class CohereRerankRequest(_Request):
+    """Cohere's rerank request, v1 and v2 (Jina's and vLLM's `/v1/rerank` take the same):
+    documents as texts or `{"text"}` objects, `top_n`, `return_documents`, and v2's
+    `max_tokens_per_doc`. Cohere's other fields (v1's `rank_fields` and `max_chunks_per_doc`,
+    v2's `relevant_spans` and `priority`) are refused by name, not ignored."""
+
+    model: StrictStr | None = None
+    query: StrictStr
+    documents: list[StrictStr | RerankDocument]
+    top_n: int | None = Field(default=None, ge=1)
+    return_documents: bool = False
+    max_tokens_per_doc: int | None = Field(default=None, ge=1)
+
+
 class TokenizeRequest(_Request):
     inputs: Texts
     add_special_tokens: bool = True
@@ -130,11 +150,12 @@ class ServerState:
 
 def error_body(path: str, status: int, message: str, field: str | None = None,
                kind: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object under /v1/, TEI's elsewhere."""
+    """OpenAI's error object under /v1/ and /v2/ (which Cohere's clients read as well),
+    TEI's elsewhere."""
     kind = kind or {401: "authentication_error", 404: "not_found", 405: "method_not_allowed",
                     413: "payload_too_large", 503: "overloaded"}.get(status,
                                                                      "invalid_request_error")
-    if path.startswith("/v1/"):
+    if path.startswith(("/v1/", "/v2/")):
         return {"error": {"message": message, "type": kind, "param": field,
                           "code": None if status in (400, 422) else kind}}
     return {"error": message, "error_type": kind}
@@ -154,6 +175,10 @@ def error_response(path: str, status: int, message: str, field: str | None = Non
                       headers=headers)
 
 
+# Names pydantic puts in an error's location for a union member of these kinds.
+MODEL_NAMES = ("QuestionContext", "RerankDocument")
+
+
 def _field_of(location: tuple[Any, ...]) -> str:
     """A pydantic error location as the field a client wrote: ("body", "input", 2) →
     input[2]; the union member names pydantic adds are left out."""
@@ -162,7 +187,7 @@ def _field_of(location: tuple[Any, ...]) -> str:
     for part in parts:
         if isinstance(part, int):
             text += f"[{part}]"
-        elif part.startswith(("list[", "tuple[", "str", "int", "function-", "QuestionContext")) \
+        elif part.startswith(("list[", "tuple[", "str", "int", "function-", *MODEL_NAMES)) \
                 or "[" in part:
             continue
         else:
@@ -379,6 +404,36 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
         counted(usage)
         return _json(ranked, usage)
 
+    @app.post("/v1/rerank", summary="Cohere-compatible reranking (also Jina's and vLLM's)")
+    @app.post("/v2/rerank", summary="Cohere-compatible reranking, v2")
+    async def cohere_rerank(body: CohereRerankRequest, request: Request) -> Response:
+        path = request.url.path
+        needs(path)
+        if body.model is not None and body.model != served.name:
+            raise RequestError(404, f"The model `{body.model}` does not exist; this server "
+                               f"serves `{served.name}`", "model", "model_not_found")
+        documents = [d if isinstance(d, str) else d.text for d in body.documents]
+        _check_inputs("query", [body.query])
+        _check_inputs("documents", documents)
+        too_many("documents", len(documents))
+        texts, cut = documents, 0
+        if body.max_tokens_per_doc is not None:
+            texts, cut = served.first_tokens(documents, body.max_tokens_per_doc)
+        ranked, usage = await work(served.rerank, body.query, texts)
+        usage.truncated += cut
+        counted(usage)
+        results = []
+        for item in ranked[:body.top_n]:
+            result: dict[str, Any] = {"index": item["index"], "relevance_score": item["score"]}
+            if body.return_documents:
+                result["document"] = {"text": documents[item["index"]]}
+            results.append(result)
+        return _json({"id": request.scope.get(REQUEST_ID, ""), "results": results,
+                      "model": served.name, "usage": {"total_tokens": usage.tokens},
+                      "meta": {"api_version": {"version": path[2]},
+                               "tokens": {"input_tokens": usage.tokens, "output_tokens": 0}}},
+                     usage)
+
     @app.post("/tokenize", summary="TEI-compatible tokenization")
     async def tokenize(body: TokenizeRequest) -> Response:
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
@@ -528,6 +583,7 @@ class Guard:
                 # HEAD is GET without the body (RFC 9110), which HTTP servers must answer and
                 # health checks send; uvicorn leaves the body out by its own scope's method.
                 scope = {**scope, "method": "GET"}
+            scope = {**scope, REQUEST_ID: request_id}
             await self.app(scope, _replay(body, receive), counting_send)
         finally:
             if counts:

@@ -139,7 +139,8 @@ class Served:
         """The task routes this model answers."""
         if self.task == "embedding":
             return ("/v1/embeddings", "/embed")
-        return ("/predict", "/rerank") if self.reranker else ("/predict",)
+        return (("/predict", "/rerank", "/v1/rerank", "/v2/rerank") if self.reranker
+                else ("/predict",))
 
     def own_route(self) -> str:
         """The route `POST /` answers, as TEI picks it by the model's type: embeddings, a
@@ -292,6 +293,18 @@ class Served:
                 item["text"] = texts[index]
             out.append(item)
         return out, Usage.of(stats, len(query) * len(texts) + _characters(texts))
+
+    def first_tokens(self, texts: Sequence[str], count: int) -> tuple[list[str], int]:
+        """Each text cut after its first `count` tokens (Cohere's `max_tokens_per_doc`), at
+        the character where that token ends; and how many texts were cut."""
+        encodings = self.tokenizer.backend.encode_batch(list(texts), add_special_tokens=False)
+        out, cut = [], 0
+        for text, encoding in zip(texts, encodings):
+            if len(encoding.ids) > count:
+                text = text[:encoding.offsets[count - 1][1]]
+                cut += 1
+            out.append(text)
+        return out, cut
 
     def entities(self, texts: Sequence[str]) -> tuple[list[list[dict[str, Any]]], Usage]:
         """Each text's entities with character offsets, as `popbert predict ner` finds them in

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import cohere
 import numpy as np
 import pytest
 from checkpoint_helpers import random_task_run
@@ -115,7 +116,33 @@ def test_rerank_route_is_predict_rerank(root: Path) -> None:
         at_root = client.post("/", json={"query": query, "texts": candidates,
                                          "return_text": True})
         fuzzed = requests_of_every_kind(client, 150, seed=52)  # never a 5xx
+        # Cohere's own clients, v1 and v2 (Jina's and vLLM's /v1/rerank are the same shape)
+        v1 = cohere.Client(api_key="unused", base_url=server.url).rerank(
+            query=query, documents=[{"text": text} for text in candidates], top_n=3,
+            return_documents=True)
+        v2 = cohere.ClientV2(api_key="unused", base_url=server.url).rerank(
+            model="classification", query=query, documents=candidates)
+        cut = client.post("/v2/rerank", json={"query": query, "documents": candidates,
+                                               "max_tokens_per_doc": 2})
+        film = client.post("/rerank", json={"query": query, "texts": ["the film"]}).json()
+        other_model = client.post("/v1/rerank", json={"model": "another", "query": query,
+                                                      "documents": candidates})
+        unoffered = client.post("/v1/rerank", json={"query": query, "documents": candidates,
+                                                    "max_chunks_per_doc": 4})
     assert fuzzed.get(200, 0) > 0, fuzzed  # some odd requests reached the model
+    assert [(r.index, r.relevance_score) for r in v2.results] \
+        == [(r["index"], r["score"]) for r in ranked.json()]
+    assert [(r.index, r.relevance_score, r.document.text) for r in v1.results] \
+        == [(r["index"], r["score"], r["text"]) for r in ranked.json()[:3]]
+    assert v2.meta.tokens.input_tokens == int(ranked.headers["x-compute-tokens"])
+    # max_tokens_per_doc=2 scores "the film was long and, ..." as "the film", and says so
+    assert cut.status_code == 200 and cut.headers["x-truncated-inputs"] == str(
+        sum(len(text.split()) > 2 for text in candidates))
+    assert next(r["relevance_score"] for r in cut.json()["results"] if r["index"] == 1) \
+        == pytest.approx(film[0]["score"], abs=1e-5)
+    assert other_model.status_code == 404 and other_model.json()["error"]["param"] == "model"
+    assert unoffered.status_code == 422 \
+        and unoffered.json()["error"]["message"] == "max_chunks_per_doc: no such field"
     assert ranked.status_code == 200 and at_root.json() == ranked.json()
     # TEI's headers: the pairs' tokens and characters (the query counted with each text)
     assert int(ranked.headers["x-compute-characters"]) \

@@ -42,6 +42,9 @@ class ClassificationData:
     labels: list[str] | None
     lines: list[int]  # line number of each row, for error messages
     unlabelled: int = 0  # rows left out for having no label (`read_classification_file`)
+    # The end a row too long for the model loses: "right" (its last tokens, Google's rule) or
+    # "left" (its first: TEI's `truncation_direction: Left`, HF's `truncation_side`).
+    truncation_side: str = "right"
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -206,10 +209,14 @@ def regression_metrics(predictions: np.ndarray, targets: np.ndarray) -> dict[str
             "mse": float(np.mean((predictions - targets) ** 2))}
 
 
-def _truncate_pair(a: list[int], b: list[int], max_tokens: int) -> None:
-    """Google's run_classifier rule: drop the last token of the longer text until it fits."""
+def _truncate_pair(a: list[int], b: list[int], max_tokens: int, side: str = "right") -> None:
+    """Google's run_classifier rule: drop the last token of the longer text until it fits (the
+    first, `side="left"`)."""
+    if side not in ("right", "left"):
+        raise ValueError(f"truncation side {side!r}: expected 'right' or 'left'")
+    end = -1 if side == "right" else 0
     while len(a) + len(b) > max_tokens:
-        (a if len(a) > len(b) else b).pop()
+        (a if len(a) > len(b) else b).pop(end)
 
 
 def encode_classification(data: ClassificationData, tokenizer: TextTokenizer,
@@ -238,7 +245,7 @@ def encode_classification_counted(data: ClassificationData, tokenizer: TextToken
         b = list(seconds[row]) if seconds is not None else []
         if len(a) + len(b) > max_seq_length - specials:
             truncated += 1
-            _truncate_pair(a, b, max_seq_length - specials)
+            _truncate_pair(a, b, max_seq_length - specials, data.truncation_side)
         ids = [tokenizer.cls_id, *a, tokenizer.sep_id]
         segments = [0] * len(ids)
         if seconds is not None:

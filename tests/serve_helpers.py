@@ -189,6 +189,8 @@ def _typed_value(rng: np.random.Generator, kind: str):
                 for _ in range(int(rng.integers(0, 4)))]
     if kind == "size":
         return int(rng.choice([0, 1, 8, 384, 385, -3, 10 ** 9]))
+    if kind == "direction":
+        return str(rng.choice(["Left", "Right", "left", "LEFT", ""]))
     if kind == "format":
         return str(rng.choice(["float", "base64", "FLOAT", ""]))
     if kind == "model":
@@ -201,11 +203,14 @@ ROUTE_FIELDS = {"/v1/embeddings": {"input": "texts", "model": "model",
                                    "encoding_format": "format", "dimensions": "size",
                                    "truncate": "bool", "user": "text"},
                 "/embed": {"inputs": "texts", "normalize": "bool", "truncate": "bool",
-                           "prompt_name": "text", "dimensions": "size"},
+                           "prompt_name": "text", "dimensions": "size",
+                           "truncation_direction": "direction"},
                 "/tokenize": {"inputs": "texts", "add_special_tokens": "bool"},
-                "/predict": {"inputs": "texts", "raw_scores": "bool", "truncate": "bool"},
+                "/predict": {"inputs": "texts", "raw_scores": "bool", "truncate": "bool",
+                             "truncation_direction": "direction"},
                 "/rerank": {"query": "text", "texts": "texts", "raw_scores": "bool",
-                            "return_text": "bool", "truncate": "bool"},
+                            "return_text": "bool", "truncate": "bool",
+                            "truncation_direction": "direction"},
                 "/v1/rerank": {"query": "text", "documents": "documents", "model": "model",
                                "top_n": "size", "return_documents": "bool"},
                 "/v2/rerank": {"query": "text", "documents": "documents", "model": "model",

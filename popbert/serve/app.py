@@ -62,9 +62,10 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-# TEI's `truncation_direction`: inputs are cut on the right (their ends dropped), as TEI does by
-# default; its "Left" (keep the ends) is not offered, and refused by name rather than ignored.
-Truncation = Literal["Right", "right"]
+# TEI's `truncation_direction`: an input too long loses its end ("Right", TEI's default) or its
+# start ("Left"); of a pair, the longer text loses it. Tagging and SQuAD cut nothing (their
+# windows cover the whole text), so there it has nothing to act on.
+Truncation = Literal["Right", "right", "Left", "left"]
 
 
 class EmbeddingsRequest(_Request):
@@ -357,7 +358,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
         _check_inputs("inputs", texts)
         too_many("inputs", len(texts))
         vectors, usage = await work(served.embed, texts, body.prompt_name, body.truncate,
-                                    "inputs")
+                                    "inputs", body.truncation_direction.lower())
         counted(usage)
         vectors = served.shape_vectors(vectors, body.dimensions, body.normalize)
         return _json(vectors.tolist(), usage)
@@ -389,7 +390,8 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
                                    "not pairs", "inputs")
             found, usage = await work(served.entities, items)
         else:
-            found, usage = await work(served.classify, items, body.raw_scores, body.truncate)
+            found, usage = await work(served.classify, items, body.raw_scores, body.truncate,
+                                      "inputs", body.truncation_direction.lower())
         counted(usage)
         return _json(found[0] if single else found, usage)
 
@@ -400,7 +402,8 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
         _check_inputs("texts", body.texts)
         too_many("texts", len(body.texts))
         ranked, usage = await work(served.rerank, body.query, body.texts, body.raw_scores,
-                                   body.truncate, body.return_text)
+                                   body.truncate, body.return_text,
+                                   body.truncation_direction.lower())
         counted(usage)
         return _json(ranked, usage)
 

@@ -46,8 +46,10 @@ class EmbedPredictor(ExportedModel):
         return arrays
 
     def embed(self, texts: list[str], batch_size: int = 32, prompt: str | None = None,
-              stats: PredictStats | None = None) -> np.ndarray:
-        """[N, H] float32 vectors of `texts`, each with the model's `prompt` put first."""
+              stats: PredictStats | None = None, truncation_side: str = "right"
+              ) -> np.ndarray:
+        """[N, H] float32 vectors of `texts`, each with the model's `prompt` put first; a text
+        too long loses its end (its start, `truncation_side="left"`)."""
         if prompt is not None:
             if prompt not in self.prompts:
                 raise UsageError(f"--prompt {prompt}: {self.path} has "
@@ -55,7 +57,8 @@ class EmbedPredictor(ExportedModel):
                                     else "no prompts"))
             texts = [self.prompts[prompt] + text for text in texts]
         data = ClassificationData(Path("texts"), list(texts), None, None,
-                                  list(range(1, len(texts) + 1)))
+                                  list(range(1, len(texts) + 1)),
+                                  truncation_side=truncation_side)
         arrays, truncated = encode_classification_counted(data, self.text_tokenizer,
                                                           self.sequence_length)
         vectors = self.run(arrays, batch_size, stats=stats)["embedding"]

@@ -30,16 +30,18 @@ log = logging.getLogger(__name__)
 
 
 def pair_scores(predictor: ClassifyPredictor, queries: Sequence[str], passages: Sequence[str],
-                batch_size: int = 32, stats: PredictStats | None = None) -> np.ndarray:
+                batch_size: int = 32, stats: PredictStats | None = None,
+                truncation_side: str = "right") -> np.ndarray:
     """The cross-encoder's score of each (query, passage) pair: its one output (through the
     activation a CrossEncoder records), or a two-label classifier's probability of its second
-    label."""
+    label. A pair too long loses tokens from the end (the start, `truncation_side="left"`)
+    of its longer text."""
     if not predictor.regression and len(predictor.labels or []) != 2:
         raise UsageError(f"--model: {predictor.path} is a classifier of "
                          f"{len(predictor.labels or [])} labels; a reranker scores pairs with "
                          "one output (finetune classify --regression) or two labels")
     data = ClassificationData(Path("pairs"), list(queries), list(passages), None,
-                              list(range(1, len(queries) + 1)))
+                              list(range(1, len(queries) + 1)), truncation_side=truncation_side)
     if predictor.regression:
         return predictor.scores(data, batch_size, stats)
     return predictor.probabilities(data, batch_size, stats)[:, 1]

@@ -180,8 +180,10 @@ class Served:
                                    "\"truncate\": true to have it cut", field)
 
     def embed(self, texts: Sequence[str], prompt_name: str | None = None,
-              truncate: bool = True, field: str = "input") -> tuple[np.ndarray, Usage]:
-        """[N, H] vectors of `texts`, as `popbert predict embed` makes them."""
+              truncate: bool = True, field: str = "input", truncation_side: str = "right"
+              ) -> tuple[np.ndarray, Usage]:
+        """[N, H] vectors of `texts`, as `popbert predict embed` makes them; a text too long
+        loses its end, or its start (`truncation_side="left"`)."""
         stats = PredictStats()
         if prompt_name is not None and prompt_name not in self.predictor.prompts:
             raise RequestError(422, f"prompt_name {prompt_name!r}: the model has "
@@ -190,7 +192,8 @@ class Served:
         if prompt_name is not None:
             texts = [self.predictor.prompts[prompt_name] + text for text in texts]
         self.check_length(texts, truncate, field)
-        vectors = self.predictor.embed(list(texts), stats=stats)
+        vectors = self.predictor.embed(list(texts), stats=stats,
+                                       truncation_side=truncation_side)
         return vectors, Usage.of(stats, _characters(texts))
 
     def embed_ids(self, rows: Sequence[Sequence[int]], truncate: bool = True,
@@ -237,10 +240,11 @@ class Served:
         return vectors
 
     def classify(self, inputs: Sequence[str | Sequence[str]], raw_scores: bool = False,
-                 truncate: bool = True, field: str = "inputs"
+                 truncate: bool = True, field: str = "inputs", truncation_side: str = "right"
                  ) -> tuple[list[list[dict[str, Any]]], Usage]:
         """Each input's labels with their scores, best first (a regression model: its one
-        score), as `popbert predict classify` computes them."""
+        score), as `popbert predict classify` computes them; an input too long loses the end
+        (the start, `truncation_side="left"`) of its longer text."""
         texts = [item if isinstance(item, str) else item[0] for item in inputs]
         pairs = [item[1] for item in inputs if not isinstance(item, str)]
         if pairs and len(pairs) != len(texts):
@@ -250,7 +254,8 @@ class Served:
         stats = PredictStats()
         self.check_length(texts, truncate, field, second)
         data = ClassificationData(Path("request"), texts, second, None,
-                                  list(range(1, len(texts) + 1)))
+                                  list(range(1, len(texts) + 1)),
+                                  truncation_side=truncation_side)
         characters = _characters(texts) + _characters(pairs)
         predictor: ClassifyPredictor = self.predictor
         if predictor.regression:
@@ -268,10 +273,11 @@ class Served:
         return out, Usage.of(stats, characters)
 
     def rerank(self, query: str, texts: Sequence[str], raw_scores: bool = False,
-               truncate: bool = True, return_text: bool = False
-               ) -> tuple[list[dict[str, Any]], Usage]:
+               truncate: bool = True, return_text: bool = False,
+               truncation_side: str = "right") -> tuple[list[dict[str, Any]], Usage]:
         """`texts` sorted by the cross-encoder's score for `query`, highest first, as `popbert
-        predict rerank` sorts them."""
+        predict rerank` sorts them; a pair too long loses the end (the start,
+        `truncation_side="left"`) of its longer text."""
         if not self.reranker:
             raise RequestError(404, f"{self.name} is a classifier of "
                                f"{len(self.predictor.labels or [])} labels, not a reranker "
@@ -280,11 +286,13 @@ class Served:
         self.check_length([query] * len(texts), truncate, "texts", texts)
         if raw_scores:
             data = ClassificationData(Path("request"), [query] * len(texts), list(texts), None,
-                                      list(range(1, len(texts) + 1)))
+                                      list(range(1, len(texts) + 1)),
+                                      truncation_side=truncation_side)
             logits = self.predictor.logits(data, stats=stats)
             scores = logits[:, 0] if self.predictor.regression else logits[:, 1] - logits[:, 0]
         else:
-            scores = pair_scores(self.predictor, [query] * len(texts), texts, stats=stats)
+            scores = pair_scores(self.predictor, [query] * len(texts), texts, stats=stats,
+                                 truncation_side=truncation_side)
         order = np.argsort(-scores, kind="stable")
         out = []
         for index in order:

@@ -14,6 +14,7 @@ import pytest
 
 from popbert.cli import main as cli
 from popbert.data.classification import (
+    ClassificationData,
     classification_metrics,
     encode_classification,
     label_ids,
@@ -78,6 +79,33 @@ def test_encoding_pairs_and_truncation() -> None:
         (a if len(a) > len(b) else b).pop()
     assert ids.tolist() == [tokenizer.cls_id, *a, tokenizer.sep_id, *b, tokenizer.sep_id]
     assert segments.tolist() == [0] * (len(a) + 2) + [1] * (len(b) + 1)
+
+
+def test_left_truncation_keeps_the_ends_as_hugging_faces_tokenizer_does(tmp_path: Path
+                                                                         ) -> None:
+    """`truncation_side="left"` (TEI's `truncation_direction: Left`) against transformers'
+    BertTokenizerFast on the same vocabulary with `truncation_side="left"`: a text, and a pair
+    whose long second text is the one cut (where Google's rule and HF's longest-first agree)."""
+    from transformers import BertTokenizerFast
+
+    from popbert.data.tokenization import bundled_vocab_path
+
+    (tmp_path / "vocab.txt").write_bytes(bundled_vocab_path().read_bytes())
+    hf = BertTokenizerFast.from_pretrained(str(tmp_path), do_lower_case=True,
+                                           truncation_side="left")
+    text = ("The committee met on Tuesday to discuss the new budget, and after a long debate "
+            "the members voted to approve the plan for the coming year")
+    data = ClassificationData(Path("rows"), [text, "short"], None, None, [1, 2],
+                              truncation_side="left")
+    arrays = encode_classification(data, WordPieceTokenizer(), max_seq_length=12)
+    expected = hf(text, max_length=12, truncation=True)["input_ids"]
+    assert arrays["input_ids"][0].tolist() == expected
+    pairs = ClassificationData(Path("rows"), ["who voted"], [text], None, [1],
+                               truncation_side="left")
+    arrays = encode_classification(pairs, WordPieceTokenizer(), max_seq_length=16)
+    expected = hf("who voted", text, max_length=16, truncation="longest_first")
+    assert arrays["input_ids"][0].tolist() == expected["input_ids"]
+    assert arrays["segment_ids"][0].tolist() == expected["token_type_ids"]
 
 
 def test_label_and_column_errors_name_the_problem(tmp_path: Path) -> None:

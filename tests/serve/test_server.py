@@ -122,6 +122,31 @@ def test_token_ids_and_tei_embed_give_the_same_vectors(server: Server, minilm_di
                                atol=1e-5, rtol=0)
 
 
+def test_truncation_direction_left_keeps_the_end_as_sentence_transformers_does(
+        server: Server, minilm_dir: Path) -> None:
+    """TEI's `truncation_direction: Left` against sentence-transformers with its tokenizer's
+    `truncation_side` left, on a text of real leads past the export's 256 tokens (1e-5: the
+    same weights in ONNX Runtime and torch)."""
+    from sentence_transformers import SentenceTransformer
+
+    long_text = " ".join(texts()[:6])
+    assert len(_tokenizer(minilm_dir).encode(long_text).ids) > 300
+    reference = SentenceTransformer(str(minilm_dir), device="cpu")
+    reference.max_seq_length = 256
+    right_expected = reference.encode([long_text])
+    reference.tokenizer.truncation_side = "left"
+    left_expected = reference.encode([long_text])
+    with server.client() as client:
+        left = client.post("/embed", json={"inputs": [long_text, "short"],
+                                           "truncation_direction": "Left"})
+        right = client.post("/embed", json={"inputs": long_text,
+                                            "truncation_direction": "right"})
+    assert left.status_code == 200 and left.headers["x-truncated-inputs"] == "1"
+    np.testing.assert_allclose(left.json()[:1], left_expected, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(right.json(), right_expected, atol=1e-5, rtol=0)
+    assert np.dot(left.json()[0], right.json()[0]) < 0.99  # the two ends differ
+
+
 def test_teis_other_route_names_and_huggingface_hubs_client(
         server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     """TEI answers its model's own route at POST / (and SageMaker's /invocations), OpenAI's at
@@ -219,8 +244,7 @@ def test_bad_requests_are_4xx_naming_the_field_and_the_server_lives_on(server: S
         ("post", "/embed", {"inputs": 5}, 422, "inputs"),
         ("post", "/embed", {"inputs": "x", "normalise": True}, 422, "normalise"),
         ("post", "/embed", {"inputs": "x", "prompt_name": "query"}, 422, "prompt_name"),
-        # TEI's field: the right is where popbert cuts; "Left" is refused, not ignored
-        ("post", "/embed", {"inputs": "x", "truncation_direction": "Left"}, 422,
+        ("post", "/embed", {"inputs": "x", "truncation_direction": "Up"}, 422,
          "truncation_direction"),
         ("post", "/embed", {"inputs": ["x"] * 21}, 413, "max_client_batch_size"),
         ("post", "/embed", {"inputs": long_text, "truncate": False}, 413, "truncate"),

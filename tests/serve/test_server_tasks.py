@@ -125,6 +125,11 @@ def test_rerank_route_is_predict_rerank(root: Path) -> None:
         cut = client.post("/v2/rerank", json={"query": query, "documents": candidates,
                                                "max_tokens_per_doc": 2})
         film = client.post("/rerank", json={"query": query, "texts": ["the film"]}).json()
+        # TEI's Left cuts a pair's longer text from its start: what comes before the tail
+        # (past the model's 40 tokens with the query) is never seen
+        tail = " ".join(TEXTS * 3)
+        left = client.post("/rerank", json={"query": query, "texts": [
+            "none of this is kept " * 5 + tail, tail], "truncation_direction": "Left"})
         other_model = client.post("/v1/rerank", json={"model": "another", "query": query,
                                                       "documents": candidates})
         unoffered = client.post("/v1/rerank", json={"query": query, "documents": candidates,
@@ -140,6 +145,8 @@ def test_rerank_route_is_predict_rerank(root: Path) -> None:
         sum(len(text.split()) > 2 for text in candidates))
     assert next(r["relevance_score"] for r in cut.json()["results"] if r["index"] == 1) \
         == pytest.approx(film[0]["score"], abs=1e-5)
+    assert left.status_code == 200 and left.headers["x-truncated-inputs"] == "2"
+    assert left.json()[0]["score"] == pytest.approx(left.json()[1]["score"], abs=1e-5)
     assert other_model.status_code == 404 and other_model.json()["error"]["param"] == "model"
     assert unoffered.status_code == 422 \
         and unoffered.json()["error"]["message"] == "max_chunks_per_doc: no such field"

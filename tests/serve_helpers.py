@@ -184,6 +184,8 @@ def _typed_value(rng: np.random.Generator, kind: str):
         return ids() if rng.random() < 0.5 else [ids() for _ in range(int(rng.integers(0, 3)))]
     if kind == "text":
         return text()
+    if kind == "ids":
+        return ids() if rng.random() < 0.5 else [ids() for _ in range(int(rng.integers(0, 3)))]
     if kind == "documents":
         return [text() if rng.random() < 0.7 else {"text": text()}
                 for _ in range(int(rng.integers(0, 4)))]
@@ -206,6 +208,7 @@ ROUTE_FIELDS = {"/v1/embeddings": {"input": "texts", "model": "model",
                            "prompt_name": "text", "dimensions": "size",
                            "truncation_direction": "direction"},
                 "/tokenize": {"inputs": "texts", "add_special_tokens": "bool"},
+                "/decode": {"ids": "ids", "skip_special_tokens": "bool"},
                 "/predict": {"inputs": "texts", "raw_scores": "bool", "truncate": "bool",
                              "truncation_direction": "direction"},
                 "/rerank": {"query": "text", "texts": "texts", "raw_scores": "bool",
@@ -215,7 +218,7 @@ ROUTE_FIELDS = {"/v1/embeddings": {"input": "texts", "model": "model",
                                "top_n": "size", "return_documents": "bool"},
                 "/v2/rerank": {"query": "text", "documents": "documents", "model": "model",
                                "top_n": "size", "max_tokens_per_doc": "size"}}
-REQUIRED = ("input", "inputs", "model", "query", "texts", "documents")
+REQUIRED = ("input", "inputs", "model", "query", "texts", "documents", "ids")
 
 
 def requests_of_every_kind(client: httpx.Client, count: int, seed: int) -> dict[int, int]:

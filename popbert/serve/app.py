@@ -1,10 +1,10 @@
 """`popbert serve`'s HTTP face: a FastAPI application over one export.
 
 Routes: OpenAI's `POST /v1/embeddings` and `GET /v1/models`; Text Embeddings Inference's `POST
-/embed`, `/predict`, `/rerank` and `/tokenize` (and its other names: `POST /`, `/invocations`,
-`/embeddings`, `GET /`, `/ping`); Cohere's `POST /v1/rerank` and `/v2/rerank` (Jina's, vLLM's
-and Infinity's shape too); `GET /health`, `/info` and `/metrics` (Prometheus); the OpenAPI schema
-at `/docs`. What a route computes is `popbert.serve.routes`; rows from all
+/embed`, `/predict`, `/rerank`, `/tokenize` and `/decode` (and its other names: `POST /`,
+`/invocations`, `/embeddings`, `GET /`, `/ping`); Cohere's `POST /v1/rerank` and `/v2/rerank`
+(Jina's, vLLM's and Infinity's shape too); `GET /health`, `/info` and `/metrics` (Prometheus);
+the OpenAPI schema at `/docs`. What a route computes is `popbert.serve.routes`; rows from all
 requests meet in one `RowBatcher`. Around the routes, one ASGI layer (`Guard`) holds what every
 request goes through first: the body limit (413), the API key (401, compared in constant time;
 probes need none), the bound on requests in flight (503 with `Retry-After`), the client's time
@@ -136,6 +136,11 @@ class CohereRerankRequest(_Request):
 class TokenizeRequest(_Request):
     inputs: Texts
     add_special_tokens: bool = True
+
+
+class DecodeRequest(_Request):
+    ids: list[int] | list[list[int]]
+    skip_special_tokens: bool = True
 
 
 @dataclass
@@ -443,6 +448,13 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
         _check_inputs("inputs", texts)
         too_many("inputs", len(texts))
         return _json(await work(served.tokenize, texts, body.add_special_tokens))
+
+    @app.post("/decode", summary="TEI-compatible decoding of token ids")
+    async def decode(body: DecodeRequest) -> Response:
+        rows = body.ids if body.ids and isinstance(body.ids[0], list) else [body.ids]
+        _check_inputs("ids", rows)
+        too_many("ids", len(rows))
+        return _json(await work(served.decode, rows, body.skip_special_tokens))
 
     @app.get("/health", summary="200 once the model is loaded and warmed")
     async def health() -> dict[str, str]:

@@ -202,16 +202,12 @@ class Served:
         as OpenAI's API takes them."""
         stats = PredictStats()
         length = self.max_input_tokens
-        vocab = self.tokenizer.vocab_size
         arrays = {name: np.zeros((len(rows), length), np.int64)
                   for name in ("input_ids", "segment_ids", "input_mask")}
         arrays["input_ids"][:] = self.tokenizer.pad_id
         truncated = 0
+        self.check_ids(rows, field)
         for row, ids in enumerate(rows):
-            bad = next((i for i in ids if not 0 <= i < vocab), None)
-            if bad is not None:
-                raise RequestError(422, f"{field}[{row}]: token id {bad} is not in the model's "
-                                   f"vocabulary of {vocab}", field)
             if len(ids) > length - 2:
                 if not truncate:
                     raise RequestError(413, f"{field}[{row}] has {len(ids) + 2} tokens, more "
@@ -224,6 +220,15 @@ class Served:
             arrays["input_mask"][row, :len(full)] = 1
         vectors = self.predictor.run(arrays, stats=stats)["embedding"].astype(np.float32)
         return vectors, Usage.of(stats, truncated=truncated)
+
+    def check_ids(self, rows: Sequence[Sequence[int]], field: str) -> None:
+        """A token id outside the model's vocabulary is a 422 naming its row."""
+        vocab = self.tokenizer.vocab_size
+        for row, ids in enumerate(rows):
+            bad = next((i for i in ids if not 0 <= i < vocab), None)
+            if bad is not None:
+                raise RequestError(422, f"{field}[{row}]: token id {bad} is not in the model's "
+                                   f"vocabulary of {vocab}", field)
 
     def shape_vectors(self, vectors: np.ndarray, dimensions: int | None,
                       normalize: bool = False) -> np.ndarray:
@@ -358,6 +363,15 @@ class Served:
                 token["special"] = token["special"] or token["id"] in special_ids
             out.append(tokens)
         return out
+
+
+    def decode(self, rows: Sequence[Sequence[int]], skip_special_tokens: bool = True
+               ) -> list[str]:
+        """Each row of token ids back to text, by the tokenizer's own decoder (TEI's
+        `/decode`): word pieces joined, [CLS], [SEP] and the like left out unless asked."""
+        self.check_ids(rows, "ids")
+        return self.tokenizer.backend.decode_batch([list(ids) for ids in rows],
+                                                   skip_special_tokens=skip_special_tokens)
 
 
 def _characters(texts: Sequence[str]) -> int:

@@ -52,6 +52,32 @@ REQUEST_ID = "popbert.request_id"  # the scope's key for the request's X-Request
 UNCOUNTED = (*PROBES, "/metrics")
 
 
+class _ExpectedUvicornErrors(logging.Filter):
+    """uvicorn's error lines for what the server did on purpose, each already said in one line
+    of ours: the tracebacks of the requests and the lifespan that a second interrupt cancels
+    ("requests in flight were not answered"), and its "returned without completing response"
+    after the guard gave up on a client that took no answer or had gone (counted in
+    `given_up`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.given_up = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError):
+            return False
+        message = record.getMessage()
+        if message.startswith("Traceback") and message.rstrip().endswith("CancelledError"):
+            return False  # Starlette's lifespan, cancelled, as text
+        if self.given_up and message.startswith("ASGI callable returned without completing"):
+            self.given_up -= 1
+            return False
+        return True
+
+
+EXPECTED_ERRORS = _ExpectedUvicornErrors()
+
+
 def _is_probe(path: str, method: str) -> bool:
     return path in PROBES or (path == "/" and method in ("GET", "HEAD"))
 
@@ -249,6 +275,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
     uvicorn); its rows batched and the model warmed when it starts."""
     metrics = ServeMetrics(multiprocess)
     state = ServerState(served, config, metrics)
+    logging.getLogger("uvicorn.error").addFilter(EXPECTED_ERRORS)  # once: filters are a set
 
     def on_batch(record: BatchRecord) -> None:
         metrics.batch(record.rows, record.tokens, record.computed, record.seconds,
@@ -567,6 +594,7 @@ class Guard:
                 await _within(self.config.client_timeout_s, send(message))
             except asyncio.TimeoutError:
                 client_gone = True
+                EXPECTED_ERRORS.given_up += 1
                 self._stalled(path, request_id, "answer", "did not take its answer")
             except RuntimeError as error:
                 # The client reset the connection (or the kernel dropped it: TCP_USER_TIMEOUT)
@@ -575,6 +603,7 @@ class Guard:
                 if "closed" not in str(error):
                     raise
                 client_gone = True
+                EXPECTED_ERRORS.given_up += 1
 
         probe = _is_probe(path, scope["method"])
         counts = path not in UNCOUNTED and not probe  # bounded by max_concurrent_requests

@@ -517,6 +517,8 @@ def test_a_second_interrupt_stops_at_once_and_says_so(minilm_export: Path, tmp_p
         stalled.sock.close()
     log = (tmp_path / "log").read_text()
     assert "stopped at once by a second interrupt" in log
+    # no traceback of the cancelled request and lifespan: the line above says what was lost
+    assert "Traceback" not in log and "Exception in ASGI" not in log
     assert "every accepted request was answered" not in log
     assert "answered its accepted requests" not in log
 
@@ -554,7 +556,10 @@ def test_clients_that_take_no_answers_free_their_places(minilm_export: Path,
         assert server.stop() == 0
         for reader in readers:
             reader.close()
-    assert "Traceback" not in (tmp_path / "log").read_text()
+    log = (tmp_path / "log").read_text()
+    # uvicorn's error line for each answer given up on (or whose connection the kernel
+    # dropped) is left out: the server meant it
+    assert "Traceback" not in log and " E " not in log and "without completing" not in log
 
 
 def test_two_workers_share_the_port_and_sum_their_metrics(minilm_export: Path,

@@ -184,6 +184,12 @@ def _typed_value(rng: np.random.Generator, kind: str):
         return ids() if rng.random() < 0.5 else [ids() for _ in range(int(rng.integers(0, 3)))]
     if kind == "text":
         return text()
+    if kind == "similarity":
+        return {"source_sentence": text(), "sentences": [text() for _ in range(
+            int(rng.integers(0, 3)))]}
+    if kind == "parameters":
+        return {"truncate": bool(rng.integers(2)),
+                "truncation_direction": str(rng.choice(["Left", "Right", "up"]))}
     if kind == "ids":
         return ids() if rng.random() < 0.5 else [ids() for _ in range(int(rng.integers(0, 3)))]
     if kind == "documents":
@@ -207,6 +213,7 @@ ROUTE_FIELDS = {"/v1/embeddings": {"input": "texts", "model": "model",
                 "/embed": {"inputs": "texts", "normalize": "bool", "truncate": "bool",
                            "prompt_name": "text", "dimensions": "size",
                            "truncation_direction": "direction"},
+                "/similarity": {"inputs": "similarity", "parameters": "parameters"},
                 "/tokenize": {"inputs": "texts", "add_special_tokens": "bool"},
                 "/decode": {"ids": "ids", "skip_special_tokens": "bool"},
                 "/predict": {"inputs": "texts", "raw_scores": "bool", "truncate": "bool",

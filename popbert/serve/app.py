@@ -1,17 +1,16 @@
 """`popbert serve`'s HTTP face: a FastAPI application over one export.
 
 Routes: OpenAI's `POST /v1/embeddings` and `GET /v1/models`; Text Embeddings Inference's `POST
-/embed`, `/predict`, `/rerank`, `/tokenize` and `/decode` (and its other names: `POST /`,
-`/invocations`, `/embeddings`, `GET /`, `/ping`); Cohere's `POST /v1/rerank` and `/v2/rerank`
-(Jina's, vLLM's and Infinity's shape too); `GET /health`, `/info` and `/metrics` (Prometheus);
-the OpenAPI schema at `/docs`. What a route computes is `popbert.serve.routes`; rows from all
-requests meet in one `RowBatcher`. Around the routes, one ASGI layer (`Guard`) holds what every
-request goes through first: the body limit (413), the API key (401, compared in constant time;
-probes need none), the bound on requests in flight (503 with `Retry-After`), the client's time
-to send its body and take its answer (`client_timeout_s`: 408, or given up), HEAD as GET, and
-the request metrics; CORS, when origins are allowed, sits outside it. Errors are OpenAI's error
-object under `/v1/`, TEI's (`{"error", "error_type"}`) elsewhere; nothing a client sends makes
-a 5xx.
+/embed`, `/similarity`, `/predict`, `/rerank`, `/tokenize` and `/decode` (its other names: `POST
+/`, `/invocations`, `/embeddings`, `GET /`, `/ping`); Cohere's `POST /v1/rerank` and `/v2/rerank`
+(Jina's, vLLM's and Infinity's shape too); `GET /health`, `/info` and `/metrics` (Prometheus); the
+OpenAPI schema at `/docs`. What a route computes is `popbert.serve.routes`; rows from all requests
+meet in one `RowBatcher`. Around the routes, one ASGI layer (`Guard`) holds what every request goes
+through first: the body limit (413), the API key (401, compared in constant time; probes need
+none), the bound on requests in flight (503 with `Retry-After`), the client's time to send its body
+and take its answer (`client_timeout_s`: 408, or given up), HEAD as GET, and the request metrics;
+CORS, when origins are allowed, sits outside it. Errors are OpenAI's error object under `/v1/`
+and `/v2/`, TEI's (`{"error", "error_type"}`) elsewhere; nothing a client sends makes a 5xx.
 """
 
 from __future__ import annotations
@@ -110,6 +109,24 @@ class EmbedRequest(_Request):
     prompt_name: StrictStr | None = None
     dimensions: int | None = Field(default=None, ge=1)
     truncation_direction: Truncation = "Right"
+
+
+class SimilarityInputs(_Request):
+    source_sentence: StrictStr
+    sentences: list[StrictStr]
+
+
+class SimilarityParameters(_Request):
+    truncate: bool = True
+    truncation_direction: Truncation = "Right"
+    prompt_name: StrictStr | None = None
+
+
+class SimilarityRequest(_Request):
+    """TEI's `/similarity`, Hugging Face's sentence-similarity task."""
+
+    inputs: SimilarityInputs
+    parameters: SimilarityParameters = SimilarityParameters()
 
 
 class QuestionContext(_Request):
@@ -394,6 +411,21 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
         counted(usage)
         vectors = served.shape_vectors(vectors, body.dimensions, body.normalize)
         return _json(vectors.tolist(), usage)
+
+    @app.post("/similarity", summary="TEI-compatible sentence similarity")
+    async def similarity(body: SimilarityRequest) -> Response:
+        needs("/similarity")
+        texts = [body.inputs.source_sentence, *body.inputs.sentences]
+        _check_inputs("inputs.source_sentence", texts[:1])
+        _check_inputs("inputs.sentences", texts[1:])
+        too_many("inputs.sentences", len(texts) - 1)
+        settings = body.parameters
+        vectors, usage = await work(served.embed, texts, settings.prompt_name,
+                                    settings.truncate, "inputs",
+                                    settings.truncation_direction.lower())
+        counted(usage)
+        vectors = served.shape_vectors(vectors, None, normalize=True)
+        return _json([float(x) for x in vectors[1:] @ vectors[0]], usage)
 
     @app.post("/predict", summary="classification, token classification or SQuAD")
     async def predict(body: PredictRequest) -> Response:

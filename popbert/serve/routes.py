@@ -138,7 +138,7 @@ class Served:
     def routes(self) -> tuple[str, ...]:
         """The task routes this model answers."""
         if self.task == "embedding":
-            return ("/v1/embeddings", "/embed")
+            return ("/v1/embeddings", "/embed", "/similarity")
         return (("/predict", "/rerank", "/v1/rerank", "/v2/rerank") if self.reranker
                 else ("/predict",))
 

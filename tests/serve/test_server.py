@@ -191,6 +191,35 @@ def test_teis_other_route_names_and_huggingface_hubs_client(
     np.testing.assert_allclose(np.asarray(hub).reshape(-1), expected[0], atol=1e-6, rtol=0)
 
 
+def test_similarity_is_sentence_transformers_cosine(server: Server, minilm_dir: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """TEI's `/similarity` (Hugging Face's sentence-similarity task) against
+    sentence-transformers' cosine similarity of the same folder's vectors (1e-5), through
+    huggingface_hub's client and plain HTTP with TEI's parameters."""
+    import huggingface_hub.constants
+    from huggingface_hub import InferenceClient
+    from sentence_transformers import SentenceTransformer, util
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # 127.0.0.1 only
+    source, others = texts()[0], [*texts()[1:5], "short"]
+    reference = SentenceTransformer(str(minilm_dir), device="cpu")
+    vectors = reference.encode([source, *others], convert_to_tensor=True)
+    expected = util.cos_sim(vectors[:1], vectors[1:])[0].numpy()
+    hub = InferenceClient(model=f"{server.url}/similarity").sentence_similarity(source, others)
+    np.testing.assert_allclose(hub, expected, atol=1e-5, rtol=0)
+    with server.client() as client:
+        inputs = {"source_sentence": source, "sentences": others}
+        cut = client.post("/similarity", json={"inputs": inputs, "parameters": {
+            "truncation_direction": "Left"}})
+        whole = client.post("/similarity", json={"inputs": inputs, "parameters": {
+            "truncate": False}})
+        empty = client.post("/similarity", json={"inputs": {"source_sentence": source,
+                                                            "sentences": []}})
+    np.testing.assert_allclose(cut.json(), expected, atol=1e-5, rtol=0)  # none is cut
+    assert whole.status_code == 200 and empty.status_code == 422
+    assert "inputs.sentences" in empty.json()["error"]
+
+
 def test_concurrent_clients_get_what_each_text_gets_alone(server: Server) -> None:
     """32 async clients at once, each text its own request: the answers equal the one-at-a-time
     answers, whatever batches the server made of them."""

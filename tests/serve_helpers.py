@@ -214,6 +214,9 @@ ROUTE_FIELDS = {"/v1/embeddings": {"input": "texts", "model": "model",
                            "prompt_name": "text", "dimensions": "size",
                            "truncation_direction": "direction"},
                 "/similarity": {"inputs": "similarity", "parameters": "parameters"},
+                "/score": {"text_1": "texts", "text_2": "texts", "model": "model",
+                           "use_activation": "bool"},
+                "/classify": {"input": "texts", "model": "model"},
                 "/tokenize": {"inputs": "texts", "add_special_tokens": "bool"},
                 "/decode": {"ids": "ids", "skip_special_tokens": "bool"},
                 "/predict": {"inputs": "texts", "raw_scores": "bool", "truncate": "bool",
@@ -225,7 +228,8 @@ ROUTE_FIELDS = {"/v1/embeddings": {"input": "texts", "model": "model",
                                "top_n": "size", "return_documents": "bool"},
                 "/v2/rerank": {"query": "text", "documents": "documents", "model": "model",
                                "top_n": "size", "max_tokens_per_doc": "size"}}
-REQUIRED = ("input", "inputs", "model", "query", "texts", "documents", "ids")
+REQUIRED = ("input", "inputs", "model", "query", "texts", "documents", "ids", "text_1",
+            "text_2")
 
 
 def requests_of_every_kind(client: httpx.Client, count: int, seed: int) -> dict[int, int]:

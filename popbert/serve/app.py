@@ -171,9 +171,27 @@ class CohereRerankRequest(_Request):
     model: StrictStr | None = None
     query: StrictStr
     documents: list[StrictStr | RerankDocument]
-    top_n: int | None = Field(default=None, ge=1)
-    return_documents: bool = False
+    top_n: int | None = Field(default=None, ge=0)  # vLLM's 0: all of them
+    return_documents: bool | None = None
     max_tokens_per_doc: int | None = Field(default=None, ge=1)
+
+
+class ScoreRequest(_Request):
+    """vLLM's `/score`: one `text_1` against each `text_2`, or the two lists pair by pair; a
+    cross-encoder's score of each pair (`use_activation: false`: its raw logit), an embedding
+    model's cosine similarity."""
+
+    model: StrictStr | None = None
+    text_1: StrictStr | list[StrictStr]
+    text_2: StrictStr | list[StrictStr]
+    use_activation: bool | None = None
+
+
+class ClassifyRequest(_Request):
+    """vLLM's `/classify`."""
+
+    model: StrictStr | None = None
+    input: StrictStr | list[StrictStr]
 
 
 class TokenizeRequest(_Request):
@@ -349,6 +367,11 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
         return error_response(request.url.path, error.status_code, message,
                               headers=getattr(error, "headers", None))
 
+    def known_model(name: str | None) -> None:
+        if name is not None and name != served.name:
+            raise RequestError(404, f"The model `{name}` does not exist; this server serves "
+                               f"`{served.name}`", "model", "model_not_found")
+
     def needs(route: str) -> None:
         if route not in served.routes():
             raise RequestError(404, f"{route} is not served: {served.name} is for the "
@@ -373,9 +396,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
     @app.post("/v1/embeddings", summary="OpenAI-compatible embeddings")
     async def embeddings(body: EmbeddingsRequest) -> Response:
         needs("/v1/embeddings")
-        if body.model != served.name:
-            raise RequestError(404, f"The model `{body.model}` does not exist; this server "
-                               f"serves `{served.name}`", "model", "model_not_found")
+        known_model(body.model)
         given = body.input
         if isinstance(given, str):
             given = [given]
@@ -420,12 +441,57 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
         _check_inputs("inputs.sentences", texts[1:])
         too_many("inputs.sentences", len(texts) - 1)
         settings = body.parameters
-        vectors, usage = await work(served.embed, texts, settings.prompt_name,
-                                    settings.truncate, "inputs",
+        similar, usage = await work(served.similarities, texts[:1], texts[1:],
+                                    settings.prompt_name, settings.truncate,
                                     settings.truncation_direction.lower())
         counted(usage)
-        vectors = served.shape_vectors(vectors, None, normalize=True)
-        return _json([float(x) for x in vectors[1:] @ vectors[0]], usage)
+        return _json(similar.tolist(), usage)
+
+    @app.post("/score", summary="vLLM-compatible scores of text pairs")
+    @app.post("/v1/score", summary="vLLM-compatible scores of text pairs")
+    async def score(body: ScoreRequest, request: Request) -> Response:
+        needs(request.url.path)
+        known_model(body.model)
+        firsts = [body.text_1] if isinstance(body.text_1, str) else body.text_1
+        seconds = [body.text_2] if isinstance(body.text_2, str) else body.text_2
+        _check_inputs("text_1", firsts)
+        _check_inputs("text_2", seconds)
+        if len(firsts) not in (1, len(seconds)):
+            raise RequestError(422, f"text_1: {len(firsts)} texts for the {len(seconds)} of "
+                               "text_2; give one text, or as many as text_2 has", "text_1")
+        too_many("text_2", len(seconds))
+        if served.task == "embedding":
+            scores, usage = await work(served.similarities, firsts, seconds)
+        else:
+            pairs = firsts * len(seconds) if len(firsts) == 1 else firsts
+            scores, usage = await work(served.pair_scores, pairs, seconds,
+                                       body.use_activation is False, True, "right", "text_2")
+        counted(usage)
+        data = [{"index": i, "object": "score", "score": float(value)}
+                for i, value in enumerate(scores)]
+        return _json({"id": f"score-{request.scope.get(REQUEST_ID, '')}", "object": "list",
+                      "created": int(time.time()), "model": served.name, "data": data,
+                      "usage": _vllm_usage(usage)}, usage)
+
+    @app.post("/classify", summary="vLLM-compatible classification")
+    async def classify(body: ClassifyRequest, request: Request) -> Response:
+        needs("/classify")
+        known_model(body.model)
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        _check_inputs("input", texts)
+        too_many("input", len(texts))
+        found, usage = await work(served.classify, texts, False, True, "input")
+        counted(usage)
+        labels = served.predictor.labels or ["score"]
+        data = []
+        for index, ranked in enumerate(found):
+            scores = {item["label"]: item["score"] for item in ranked}
+            data.append({"index": index, "label": ranked[0]["label"],
+                         "probs": [scores[label] for label in labels],
+                         "num_classes": len(labels)})
+        return _json({"id": f"classify-{request.scope.get(REQUEST_ID, '')}",
+                      "object": "list", "created": int(time.time()), "model": served.name,
+                      "data": data, "usage": _vllm_usage(usage)}, usage)
 
     @app.post("/predict", summary="classification, token classification or SQuAD")
     async def predict(body: PredictRequest) -> Response:
@@ -476,23 +542,24 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
     async def cohere_rerank(body: CohereRerankRequest, request: Request) -> Response:
         path = request.url.path
         needs(path)
-        if body.model is not None and body.model != served.name:
-            raise RequestError(404, f"The model `{body.model}` does not exist; this server "
-                               f"serves `{served.name}`", "model", "model_not_found")
+        known_model(body.model)
         documents = [d if isinstance(d, str) else d.text for d in body.documents]
         _check_inputs("query", [body.query])
         _check_inputs("documents", documents)
         too_many("documents", len(documents))
         texts, cut = documents, 0
         if body.max_tokens_per_doc is not None:
-            texts, cut = served.first_tokens(documents, body.max_tokens_per_doc)
+            texts, cut = await work(served.first_tokens, documents, body.max_tokens_per_doc)
         ranked, usage = await work(served.rerank, body.query, texts)
         usage.truncated += cut
         counted(usage)
         results = []
-        for item in ranked[:body.top_n]:
+        returned = body.return_documents
+        if returned is None:  # v1's default is Jina's and vLLM's (Cohere's v2 returns none)
+            returned = path.startswith("/v1/")
+        for item in ranked[:body.top_n or None]:
             result: dict[str, Any] = {"index": item["index"], "relevance_score": item["score"]}
-            if body.return_documents:
+            if returned:
                 result["document"] = {"text": documents[item["index"]]}
             results.append(result)
         return _json({"id": request.scope.get(REQUEST_ID, ""), "results": results,
@@ -583,6 +650,10 @@ def _json(value: Any, usage: Usage | None = None) -> Response:
                    "x-prompt-tokens": str(usage.tokens),
                    "x-truncated-inputs": str(usage.truncated)}
     return Response(body, media_type="application/json", headers=headers)
+
+
+def _vllm_usage(usage: Usage) -> dict[str, int]:
+    return {"prompt_tokens": usage.tokens, "total_tokens": usage.tokens, "completion_tokens": 0}
 
 
 def _ms(seconds: float) -> str:

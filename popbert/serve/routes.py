@@ -138,9 +138,11 @@ class Served:
     def routes(self) -> tuple[str, ...]:
         """The task routes this model answers."""
         if self.task == "embedding":
-            return ("/v1/embeddings", "/embed", "/similarity")
-        return (("/predict", "/rerank", "/v1/rerank", "/v2/rerank") if self.reranker
-                else ("/predict",))
+            return ("/v1/embeddings", "/embed", "/similarity", "/score", "/v1/score")
+        if self.task != "classification":
+            return ("/predict",)
+        return (("/predict", "/classify", "/rerank", "/v1/rerank", "/v2/rerank", "/score",
+                 "/v1/score") if self.reranker else ("/predict", "/classify"))
 
     def own_route(self) -> str:
         """The route `POST /` answers, as TEI picks it by the model's type: embeddings, a
@@ -277,27 +279,38 @@ class Served:
             out.append([{"label": labels[i], "score": float(row[i])} for i in order])
         return out, Usage.of(stats, characters)
 
-    def rerank(self, query: str, texts: Sequence[str], raw_scores: bool = False,
-               truncate: bool = True, return_text: bool = False,
-               truncation_side: str = "right") -> tuple[list[dict[str, Any]], Usage]:
-        """`texts` sorted by the cross-encoder's score for `query`, highest first, as `popbert
-        predict rerank` sorts them; a pair too long loses the end (the start,
-        `truncation_side="left"`) of its longer text."""
+    def pair_scores(self, firsts: Sequence[str], seconds: Sequence[str],
+                    raw_scores: bool = False, truncate: bool = True,
+                    truncation_side: str = "right", field: str = "texts"
+                    ) -> tuple[np.ndarray, Usage]:
+        """The cross-encoder's score of each pair (firsts[i], seconds[i]), as `popbert predict
+        rerank` scores them (raw: the logit, or a two-label model's logit difference); a
+        pair too long loses the end (the start, `truncation_side="left"`) of its longer
+        text."""
         if not self.reranker:
             raise RequestError(404, f"{self.name} is a classifier of "
                                f"{len(self.predictor.labels or [])} labels, not a reranker "
                                "(one output, or two labels)")
         stats = PredictStats()
-        self.check_length([query] * len(texts), truncate, "texts", texts)
+        self.check_length(firsts, truncate, field, seconds)
         if raw_scores:
-            data = ClassificationData(Path("request"), [query] * len(texts), list(texts), None,
-                                      list(range(1, len(texts) + 1)),
+            data = ClassificationData(Path("request"), list(firsts), list(seconds), None,
+                                      list(range(1, len(firsts) + 1)),
                                       truncation_side=truncation_side)
             logits = self.predictor.logits(data, stats=stats)
             scores = logits[:, 0] if self.predictor.regression else logits[:, 1] - logits[:, 0]
         else:
-            scores = pair_scores(self.predictor, [query] * len(texts), texts, stats=stats,
+            scores = pair_scores(self.predictor, firsts, seconds, stats=stats,
                                  truncation_side=truncation_side)
+        return scores, Usage.of(stats, _characters(firsts) + _characters(seconds))
+
+    def rerank(self, query: str, texts: Sequence[str], raw_scores: bool = False,
+               truncate: bool = True, return_text: bool = False,
+               truncation_side: str = "right") -> tuple[list[dict[str, Any]], Usage]:
+        """`texts` sorted by the cross-encoder's score for `query`, highest first, as `popbert
+        predict rerank` sorts them."""
+        scores, usage = self.pair_scores([query] * len(texts), texts, raw_scores, truncate,
+                                         truncation_side)
         order = np.argsort(-scores, kind="stable")
         out = []
         for index in order:
@@ -305,7 +318,17 @@ class Served:
             if return_text:
                 item["text"] = texts[index]
             out.append(item)
-        return out, Usage.of(stats, len(query) * len(texts) + _characters(texts))
+        return out, usage
+
+    def similarities(self, firsts: Sequence[str], seconds: Sequence[str],
+                     prompt_name: str | None = None, truncate: bool = True,
+                     truncation_side: str = "right") -> tuple[np.ndarray, Usage]:
+        """The cosine similarity of each text of `seconds` to its text of `firsts` (one text
+        of `firsts`: to that one), by the model's vectors."""
+        vectors, usage = self.embed([*firsts, *seconds], prompt_name, truncate, "inputs",
+                                    truncation_side)
+        vectors = self.shape_vectors(vectors, None, normalize=True)
+        return np.sum(vectors[:len(firsts)] * vectors[len(firsts):], axis=1), usage
 
     def first_tokens(self, texts: Sequence[str], count: int) -> tuple[list[str], int]:
         """Each text cut after its first `count` tokens (Cohere's `max_tokens_per_doc`), at

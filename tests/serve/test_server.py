@@ -191,11 +191,11 @@ def test_teis_other_route_names_and_huggingface_hubs_client(
     np.testing.assert_allclose(np.asarray(hub).reshape(-1), expected[0], atol=1e-6, rtol=0)
 
 
-def test_similarity_is_sentence_transformers_cosine(server: Server, minilm_dir: Path,
+def test_similarity_and_score_are_sentence_transformers_cosine(server: Server, minilm_dir: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """TEI's `/similarity` (Hugging Face's sentence-similarity task) against
-    sentence-transformers' cosine similarity of the same folder's vectors (1e-5), through
-    huggingface_hub's client and plain HTTP with TEI's parameters."""
+    """TEI's `/similarity` (Hugging Face's sentence-similarity task) and vLLM's `/score`
+    against sentence-transformers' cosine similarity of the same folder's vectors (1e-5),
+    through huggingface_hub's client and plain HTTP with TEI's parameters."""
     import huggingface_hub.constants
     from huggingface_hub import InferenceClient
     from sentence_transformers import SentenceTransformer, util
@@ -215,7 +215,16 @@ def test_similarity_is_sentence_transformers_cosine(server: Server, minilm_dir: 
             "truncate": False}})
         empty = client.post("/similarity", json={"inputs": {"source_sentence": source,
                                                             "sentences": []}})
+        # vLLM's /score of an embedding model: the same cosine, one against many or pairwise
+        scored = client.post("/v1/score", json={"model": "minilm", "text_1": source,
+                                                "text_2": others}).json()
+        pairwise = client.post("/score", json={"text_1": others[:2], "text_2": others[2:4]})
+        not_ours = client.post("/score", json={"model": "bge", "text_1": "a", "text_2": "b"})
     np.testing.assert_allclose(cut.json(), expected, atol=1e-5, rtol=0)  # none is cut
+    np.testing.assert_allclose([d["score"] for d in scored["data"]], expected, atol=1e-5)
+    pairs = util.cos_sim(vectors[1:3], vectors[3:5]).diagonal().numpy()
+    np.testing.assert_allclose([d["score"] for d in pairwise.json()["data"]], pairs, atol=1e-5)
+    assert not_ours.status_code == 404 and not_ours.json()["error_type"] == "model_not_found"
     assert whole.status_code == 200 and empty.status_code == 422
     assert "inputs.sentences" in empty.json()["error"]
 
@@ -760,10 +769,10 @@ def test_int8_and_openvino_exports_are_served_as_predict_runs_them(
 
 
 def test_no_request_a_client_can_send_makes_a_5xx(server: Server) -> None:
-    """400 seeded requests of every kind (`requests_of_every_kind`): every answer is a 2xx or a
+    """600 seeded requests of every kind (`requests_of_every_kind`): every answer is a 2xx or a
     4xx, and the server lives on."""
     with server.client() as client:
-        statuses = requests_of_every_kind(client, 400, seed=41)
+        statuses = requests_of_every_kind(client, 600, seed=41)
         assert client.get("/health").status_code == 200
     assert statuses.get(200, 0) >= 10, statuses  # some were answered, not only refused
     assert server.metric("popbert_requests_total", status="500") == 0

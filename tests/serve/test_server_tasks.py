@@ -78,7 +78,17 @@ def test_classify_route_is_predict_classify(root: Path) -> None:
                                                                  "context": "c"}})
         empty_pair = client.post("/predict", json={"inputs": [["a text", " "]]})
         at_root = client.post("/", json={"inputs": TEXTS}).json()  # TEI's: a classifier predicts
+        vllm = client.post("/classify", json={"model": "classification", "input": TEXTS})
+        not_scored = client.post("/score", json={"text_1": "q", "text_2": "a"})
     assert fuzzed.get(200, 0) > 0, fuzzed  # some odd requests reached the model
+    # vLLM's /classify: each text's probabilities in the labels' order, its best label
+    assert [row["index"] for row in vllm.json()["data"]] == list(range(len(TEXTS)))
+    for row, answer in zip(vllm.json()["data"], answers):
+        assert row["label"] == answer[0]["label"] and row["num_classes"] == 3
+        got = {a["label"]: a["score"] for a in answer}
+        assert row["probs"] == [got[label] for label in ("neg", "neutral", "pos")]
+    assert vllm.json()["usage"]["prompt_tokens"] == int(vllm.headers["x-compute-tokens"])
+    assert not_scored.status_code == 404  # three labels: not a reranker
     assert len(answers) == len(TEXTS) and single == answers[1] and at_root == answers
     for answer, row, logits in zip(answers, expected, raw):
         assert answer[0]["label"] == row["label"]  # best first
@@ -134,6 +144,18 @@ def test_rerank_route_is_predict_rerank(root: Path) -> None:
                                                       "documents": candidates})
         unoffered = client.post("/v1/rerank", json={"query": query, "documents": candidates,
                                                     "max_chunks_per_doc": 4})
+        # vLLM's /rerank defaults (top_n 0: all; the documents returned) and its /score
+        vllm_ranked = client.post("/v1/rerank", json={"query": query, "documents": candidates,
+                                                      "top_n": 0}).json()["results"]
+        v2_ranked = client.post("/v2/rerank", json={"query": query,
+                                                    "documents": candidates}).json()["results"]
+        vllm_scored = client.post("/v1/score", json={"model": "classification", "text_1": query,
+                                                     "text_2": candidates}).json()
+        zipped = client.post("/score", json={"text_1": [query] * 2, "text_2": candidates[:2],
+                                             "use_activation": False}).json()
+        raw_ranked = client.post("/rerank", json={"query": query, "texts": candidates[:2],
+                                                  "raw_scores": True}).json()
+        uneven = client.post("/score", json={"text_1": [query] * 2, "text_2": candidates})
     assert fuzzed.get(200, 0) > 0, fuzzed  # some odd requests reached the model
     assert [(r.index, r.relevance_score) for r in v2.results] \
         == [(r["index"], r["score"]) for r in ranked.json()]
@@ -147,6 +169,16 @@ def test_rerank_route_is_predict_rerank(root: Path) -> None:
         == pytest.approx(film[0]["score"], abs=1e-5)
     assert left.status_code == 200 and left.headers["x-truncated-inputs"] == "2"
     assert left.json()[0]["score"] == pytest.approx(left.json()[1]["score"], abs=1e-5)
+    assert [r["document"]["text"] for r in vllm_ranked] == [r["text"] for r in ranked.json()]
+    assert len(v2_ranked) == len(candidates) and "document" not in v2_ranked[0]
+    assert [d["score"] for d in vllm_scored["data"]] == [s[0]["score"] for s in scored]
+    assert [d["index"] for d in vllm_scored["data"]] == list(range(len(candidates)))
+    assert vllm_scored["usage"]["total_tokens"] > 0 and vllm_scored["object"] == "list"
+    np.testing.assert_allclose([d["score"] for d in zipped["data"]],
+                               [r["score"] for r in sorted(raw_ranked,
+                                                           key=lambda r: r["index"])],
+                               atol=1e-6)
+    assert uneven.status_code == 422 and "text_1" in uneven.json()["error"]
     assert other_model.status_code == 404 and other_model.json()["error"]["param"] == "model"
     assert unoffered.status_code == 422 \
         and unoffered.json()["error"]["message"] == "max_chunks_per_doc: no such field"

@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictStr, Tag
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
@@ -158,6 +158,34 @@ class RerankRequest(_Request):
     truncation_direction: Truncation = "Right"
 
 
+class InfinityRerankRequest(_Request):
+    """Infinity's `/rerank` (what its client sends): `documents` where TEI has `texts`;
+    answered in Infinity's shape."""
+
+    query: StrictStr
+    documents: list[StrictStr]
+    return_documents: bool = False
+    raw_scores: bool = False
+    model: StrictStr | None = None
+    top_n: int | None = Field(default=None, ge=1)
+
+
+# Infinity's client names this model when its user names none.
+INFINITY_ANY_MODEL = "default/not-specified"
+
+
+def _rerank_shape(body: Any) -> str:
+    """Which `/rerank` a body is: Infinity's (documents, no texts), else TEI's."""
+    if isinstance(body, dict) and "documents" in body and "texts" not in body:
+        return "InfinityRerank"
+    return "TEIRerank"
+
+
+RerankBody = Annotated[Annotated[RerankRequest, Tag("TEIRerank")]
+                       | Annotated[InfinityRerankRequest, Tag("InfinityRerank")],
+                       Discriminator(_rerank_shape)]
+
+
 class RerankDocument(_Request):
     text: StrictStr
 
@@ -243,7 +271,7 @@ def error_response(path: str, status: int, message: str, field: str | None = Non
 
 
 # Names pydantic puts in an error's location for a union member of these kinds.
-MODEL_NAMES = ("QuestionContext", "RerankDocument")
+MODEL_NAMES = ("QuestionContext", "RerankDocument", "TEIRerank", "InfinityRerank")
 
 
 def _field_of(location: tuple[Any, ...]) -> str:
@@ -525,9 +553,12 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
         counted(usage)
         return _json(found[0] if single else found, usage)
 
-    @app.post("/rerank", summary="TEI-compatible reranking with a cross-encoder")
-    async def rerank(body: RerankRequest) -> Response:
+    @app.post("/rerank", summary="TEI-compatible reranking with a cross-encoder (or "
+                                  "Infinity's, given documents)")
+    async def rerank(body: RerankBody, request: Request) -> Response:
         needs("/rerank")
+        if isinstance(body, InfinityRerankRequest):
+            return await infinity_rerank(body, request)
         _check_inputs("query", [body.query])
         _check_inputs("texts", body.texts)
         too_many("texts", len(body.texts))
@@ -536,6 +567,22 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
                                    body.truncation_direction.lower())
         counted(usage)
         return _json(ranked, usage)
+
+    async def infinity_rerank(body: InfinityRerankRequest, request: Request) -> Response:
+        if body.model != INFINITY_ANY_MODEL:
+            known_model(body.model)
+        _check_inputs("query", [body.query])
+        _check_inputs("documents", body.documents)
+        too_many("documents", len(body.documents))
+        ranked, usage = await work(served.rerank, body.query, body.documents, body.raw_scores)
+        counted(usage)
+        results = [{"relevance_score": item["score"], "index": item["index"],
+                    "document": body.documents[item["index"]] if body.return_documents
+                    else None} for item in ranked[:body.top_n]]
+        return _json({"object": "rerank", "results": results, "model": served.name,
+                      "usage": {"prompt_tokens": usage.tokens, "total_tokens": usage.tokens},
+                      "id": request.scope.get(REQUEST_ID, ""), "created": int(time.time())},
+                     usage)
 
     @app.post("/v1/rerank", summary="Cohere-compatible reranking (also Jina's and vLLM's)")
     @app.post("/v2/rerank", summary="Cohere-compatible reranking, v2")

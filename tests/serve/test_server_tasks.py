@@ -156,6 +156,11 @@ def test_rerank_route_is_predict_rerank(root: Path) -> None:
         raw_ranked = client.post("/rerank", json={"query": query, "texts": candidates[:2],
                                                   "raw_scores": True}).json()
         uneven = client.post("/score", json={"text_1": [query] * 2, "text_2": candidates})
+        # Infinity's /rerank, as its client sends it (documents, and a model when none named)
+        infinity = client.post("/rerank", json={"query": query, "documents": candidates,
+                                                "return_documents": True, "raw_scores": False,
+                                                "model": "default/not-specified", "top_n": 2})
+        infinity_bad = client.post("/rerank", json={"query": query, "documents": [1]})
     assert fuzzed.get(200, 0) > 0, fuzzed  # some odd requests reached the model
     assert [(r.index, r.relevance_score) for r in v2.results] \
         == [(r["index"], r["score"]) for r in ranked.json()]
@@ -179,6 +184,10 @@ def test_rerank_route_is_predict_rerank(root: Path) -> None:
                                                            key=lambda r: r["index"])],
                                atol=1e-6)
     assert uneven.status_code == 422 and "text_1" in uneven.json()["error"]
+    assert infinity.json()["object"] == "rerank" and infinity.json()["results"] == [
+        {"relevance_score": r["score"], "index": r["index"], "document": r["text"]}
+        for r in ranked.json()[:2]]
+    assert infinity_bad.status_code == 422 and "documents[0]" in infinity_bad.json()["error"]
     assert other_model.status_code == 404 and other_model.json()["error"]["param"] == "model"
     assert unoffered.status_code == 422 \
         and unoffered.json()["error"]["message"] == "max_chunks_per_doc: no such field"

@@ -61,6 +61,14 @@ def predicted(minilm_export: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture(scope="module")
+def sentence_transformer(minilm_dir: Path):
+    """sentence-transformers on the same folder: the reference the routes are held to."""
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(minilm_dir), device="cpu")
+
+
+@pytest.fixture(scope="module")
 def server(minilm_export: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("serve-log") / "server.log"
     with Server(minilm_export, "--max-wait-ms", "5", "--max-client-batch-size", "20",
@@ -69,9 +77,8 @@ def server(minilm_export: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_openai_client_gets_predict_embeds_vectors_as_float_and_base64(
-        server: Server, predicted: np.ndarray, minilm_dir: Path) -> None:
+        server: Server, predicted: np.ndarray, minilm_dir: Path, sentence_transformer) -> None:
     import openai
-    from sentence_transformers import SentenceTransformer
 
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
     listed = client.models.list().data
@@ -82,7 +89,7 @@ def test_openai_client_gets_predict_embeds_vectors_as_float_and_base64(
         vectors = np.array([item.embedding for item in response.data])
         assert [item.index for item in response.data] == list(range(len(texts())))
         np.testing.assert_allclose(vectors, predicted, atol=1e-5, rtol=0)
-    reference = SentenceTransformer(str(minilm_dir), device="cpu").encode(texts())
+    reference = sentence_transformer.encode(texts())
     np.testing.assert_allclose(vectors, reference, atol=1e-5, rtol=0)
     tokens = sum(len(ids) + 2 for ids in
                  _tokenizer(minilm_dir).encode_batch(texts(), add_special_tokens=False))
@@ -124,19 +131,20 @@ def test_token_ids_and_tei_embed_give_the_same_vectors(server: Server, minilm_di
 
 
 def test_truncation_direction_left_keeps_the_end_as_sentence_transformers_does(
-        server: Server, minilm_dir: Path) -> None:
+        server: Server, minilm_dir: Path, sentence_transformer) -> None:
     """TEI's `truncation_direction: Left` against sentence-transformers with its tokenizer's
     `truncation_side` left, on a text of real leads past the export's 256 tokens (1e-5: the
     same weights in ONNX Runtime and torch)."""
-    from sentence_transformers import SentenceTransformer
-
     long_text = " ".join(texts()[:6])
     assert len(_tokenizer(minilm_dir).encode(long_text).ids) > 300
-    reference = SentenceTransformer(str(minilm_dir), device="cpu")
-    reference.max_seq_length = 256
+    reference = sentence_transformer
+    assert reference.max_seq_length == 256
     right_expected = reference.encode([long_text])
     reference.tokenizer.truncation_side = "left"
-    left_expected = reference.encode([long_text])
+    try:
+        left_expected = reference.encode([long_text])
+    finally:
+        reference.tokenizer.truncation_side = "right"
     with server.client() as client:
         left = client.post("/embed", json={"inputs": [long_text, "short"],
                                            "truncation_direction": "Left"})
@@ -192,19 +200,18 @@ def test_teis_other_route_names_and_huggingface_hubs_client(
     np.testing.assert_allclose(np.asarray(hub).reshape(-1), expected[0], atol=1e-6, rtol=0)
 
 
-def test_similarity_and_score_are_sentence_transformers_cosine(server: Server, minilm_dir: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_similarity_and_score_are_sentence_transformers_cosine(
+        server: Server, sentence_transformer, monkeypatch: pytest.MonkeyPatch) -> None:
     """TEI's `/similarity` (Hugging Face's sentence-similarity task) and vLLM's `/score`
     against sentence-transformers' cosine similarity of the same folder's vectors (1e-5),
     through huggingface_hub's client and plain HTTP with TEI's parameters."""
     import huggingface_hub.constants
     from huggingface_hub import InferenceClient
-    from sentence_transformers import SentenceTransformer, util
+    from sentence_transformers import util
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # 127.0.0.1 only
     source, others = texts()[0], [*texts()[1:5], "short"]
-    reference = SentenceTransformer(str(minilm_dir), device="cpu")
-    vectors = reference.encode([source, *others], convert_to_tensor=True)
+    vectors = sentence_transformer.encode([source, *others], convert_to_tensor=True)
     expected = util.cos_sim(vectors[:1], vectors[1:])[0].numpy()
     hub = InferenceClient(model=f"{server.url}/similarity").sentence_similarity(source, others)
     np.testing.assert_allclose(hub, expected, atol=1e-5, rtol=0)

@@ -112,7 +112,8 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
 
     app = FastAPI(title="popbert serve", version=__version__, lifespan=lifespan,
                   description=f"popbert's {served.task} export {served.name} over HTTP: "
-                              "OpenAI- and Text Embeddings Inference-compatible routes.")
+                              "OpenAI-, Text Embeddings Inference-, Cohere-, vLLM- and "
+                              "Infinity-compatible routes.")
     app.state.popbert = state
 
     @app.exception_handler(RequestError)

@@ -133,16 +133,17 @@ def _v1_quota(folder: Path) -> float | None:
 
 def _v2_memory_room(folder: Path) -> int | None:
     """`memory.max` ("max": none) less `memory.current`."""
-    limit, used = _read_int(folder / "memory.max"), _read_int(folder / "memory.current")
-    if limit is None or limit >= NO_LIMIT:
-        return None
-    return limit - (used or 0)
+    return _memory_room(folder / "memory.max", folder / "memory.current")
 
 
 def _v1_memory_room(folder: Path) -> int | None:
     """`memory.limit_in_bytes` less `memory.usage_in_bytes`."""
-    limit = _read_int(folder / "memory.limit_in_bytes")
-    used = _read_int(folder / "memory.usage_in_bytes")
+    return _memory_room(folder / "memory.limit_in_bytes", folder / "memory.usage_in_bytes")
+
+
+def _memory_room(limit_file: Path, used_file: Path) -> int | None:
+    """A cgroup's memory limit less its use; None without a limit (or an unreadable one)."""
+    limit, used = _read_int(limit_file), _read_int(used_file)
     if limit is None or limit >= NO_LIMIT:
         return None
     return limit - (used or 0)

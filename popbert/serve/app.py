@@ -164,9 +164,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
     async def embeddings(body: EmbeddingsRequest) -> Response:
         needs("/v1/embeddings")
         known_model(body.model)
-        given = body.input
-        if isinstance(given, str):
-            given = [given]
+        given = _listed(body.input)
         if given and isinstance(given[0], int):
             given = [given]  # one input as token ids
         check_inputs("input", given)
@@ -191,7 +189,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
     @app.post("/embed", summary="TEI-compatible embeddings")
     async def embed(body: EmbedRequest) -> Response:
         needs("/embed")
-        texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+        texts = _listed(body.inputs)
         check_inputs("inputs", texts)
         too_many("inputs", len(texts))
         vectors, usage = await work(served.embed, texts, body.prompt_name, body.truncate,
@@ -219,8 +217,8 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
     async def score(body: ScoreRequest, request: Request) -> Response:
         needs(request.url.path)
         known_model(body.model)
-        firsts = [body.text_1] if isinstance(body.text_1, str) else body.text_1
-        seconds = [body.text_2] if isinstance(body.text_2, str) else body.text_2
+        firsts = _listed(body.text_1)
+        seconds = _listed(body.text_2)
         check_inputs("text_1", firsts)
         check_inputs("text_2", seconds)
         if len(firsts) not in (1, len(seconds)):
@@ -236,7 +234,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
         counted(usage)
         data = [{"index": i, "object": "score", "score": float(value)}
                 for i, value in enumerate(scores)]
-        return _json({"id": f"score-{request.scope.get(REQUEST_ID, '')}", "object": "list",
+        return _json({"id": f"score-{_id_of(request)}", "object": "list",
                       "created": int(time.time()), "model": served.name, "data": data,
                       "usage": _vllm_usage(usage)}, usage)
 
@@ -244,7 +242,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
     async def classify(body: ClassifyRequest, request: Request) -> Response:
         needs("/classify")
         known_model(body.model)
-        texts = [body.input] if isinstance(body.input, str) else body.input
+        texts = _listed(body.input)
         check_inputs("input", texts)
         too_many("input", len(texts))
         found, usage = await work(served.classify, texts, False, True, "input")
@@ -256,7 +254,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
             data.append({"index": index, "label": ranked[0]["label"],
                          "probs": [scores[label] for label in labels],
                          "num_classes": len(labels)})
-        return _json({"id": f"classify-{request.scope.get(REQUEST_ID, '')}",
+        return _json({"id": f"classify-{_id_of(request)}",
                       "object": "list", "created": int(time.time()), "model": served.name,
                       "data": data, "usage": _vllm_usage(usage)}, usage)
 
@@ -320,7 +318,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
                     else None} for item in ranked[:body.top_n]]
         return _json({"object": "rerank", "results": results, "model": served.name,
                       "usage": {"prompt_tokens": usage.tokens, "total_tokens": usage.tokens},
-                      "id": request.scope.get(REQUEST_ID, ""), "created": int(time.time())},
+                      "id": _id_of(request), "created": int(time.time())},
                      usage)
 
     @app.post("/v1/rerank", summary="Cohere-compatible reranking (also Jina's and vLLM's)")
@@ -348,7 +346,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
             if returned:
                 result["document"] = {"text": documents[item["index"]]}
             results.append(result)
-        return _json({"id": request.scope.get(REQUEST_ID, ""), "results": results,
+        return _json({"id": _id_of(request), "results": results,
                       "model": served.name, "usage": {"total_tokens": usage.tokens},
                       "meta": {"api_version": {"version": path[2]},
                                "tokens": {"input_tokens": usage.tokens, "output_tokens": 0}}},
@@ -356,7 +354,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
 
     @app.post("/tokenize", summary="TEI-compatible tokenization")
     async def tokenize(body: TokenizeRequest) -> Response:
-        texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+        texts = _listed(body.inputs)
         check_inputs("inputs", texts)
         too_many("inputs", len(texts))
         return _json(await work(served.tokenize, texts, body.add_special_tokens))
@@ -436,6 +434,16 @@ def _json(value: Any, usage: Usage | None = None) -> Response:
                    "x-prompt-tokens": str(usage.tokens),
                    "x-truncated-inputs": str(usage.truncated)}
     return Response(body, media_type="application/json", headers=headers)
+
+
+def _listed(value: str | list[Any]) -> list[Any]:
+    """A field that takes one input or a list of them, as a list."""
+    return [value] if isinstance(value, str) else value
+
+
+def _id_of(request: Request) -> str:
+    """The request's X-Request-Id (set by the guard), for the answers that carry an `id`."""
+    return request.scope.get(REQUEST_ID, "")
 
 
 def _vllm_usage(usage: Usage) -> dict[str, int]:

@@ -387,7 +387,6 @@ class Served:
             out.append(tokens)
         return out
 
-
     def decode(self, rows: Sequence[Sequence[int]], skip_special_tokens: bool = True
                ) -> list[str]:
         """Each row of token ids back to text, by the tokenizer's own decoder (TEI's

@@ -1,10 +1,11 @@
 """`popbert serve`'s HTTP face: a FastAPI application over one export.
 
 Routes: OpenAI's `POST /v1/embeddings` and `GET /v1/models`; Text Embeddings Inference's `POST
-/embed`, `/similarity`, `/predict`, `/rerank`, `/tokenize` and `/decode` (its other names: `POST
-/`, `/invocations`, `/embeddings`, `GET /`, `/ping`); Cohere's `POST /v1/rerank` and `/v2/rerank`
-(Jina's and vLLM's shape too) and Infinity's body on `/rerank`; vLLM's `/score`, `/v1/score` and
-`/classify`; `GET /health`, `/info` and `/metrics` (Prometheus); the OpenAPI schema at `/docs`.
+/embed`, `/embed_all`, `/similarity`, `/predict`, `/rerank`, `/tokenize` and `/decode` (its other
+names: `POST /`, `/invocations`, `/embeddings`, `GET /`, `/ping`); Cohere's `POST /v1/rerank` and
+`/v2/rerank` (Jina's and vLLM's shape too) and Infinity's body on `/rerank`; vLLM's `/score`,
+`/v1/score` and `/classify`; `GET /health`, `/info` and `/metrics` (Prometheus); the OpenAPI
+schema at `/docs`.
 
 The bodies each route takes are `popbert.serve.bodies`; what a route computes is
 `popbert.serve.routes`; rows from all requests meet in one `RowBatcher`. In front of the routes,
@@ -40,6 +41,7 @@ from popbert.serve.bodies import (
     ClassifyRequest,
     CohereRerankRequest,
     DecodeRequest,
+    EmbedAllRequest,
     EmbeddingsRequest,
     EmbedRequest,
     InfinityRerankRequest,
@@ -197,6 +199,18 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
         counted(usage)
         vectors = served.shape_vectors(vectors, body.dimensions, body.normalize)
         return _json(vectors.tolist(), usage)
+
+    @app.post("/embed_all", summary="TEI-compatible token embeddings: every token's state, "
+                                    "not pooled")
+    async def embed_all(body: EmbedAllRequest) -> Response:
+        needs("/embed_all")
+        texts = _listed(body.inputs)
+        check_inputs("inputs", texts)
+        too_many("inputs", len(texts))
+        states, usage = await work(served.token_states, texts, body.prompt_name, body.truncate,
+                                   "inputs", body.truncation_direction.lower())
+        counted(usage)
+        return _json([rows.tolist() for rows in states], usage)
 
     @app.post("/similarity", summary="TEI-compatible sentence similarity")
     async def similarity(body: SimilarityRequest) -> Response:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +38,7 @@ class _Job:
     arrays: dict[str, np.ndarray]
     lengths: np.ndarray
     per_token: Mapping[str, float]
+    wanted: tuple[str, ...]  # the outputs its caller asked for
     outputs: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -107,14 +108,18 @@ class RowBatcher:
 
     def run(self, arrays: Mapping[str, np.ndarray], batch_size: int = 0,
             per_token: Mapping[str, float] | None = None, stats: PredictStats | None = None,
-            bucket: bool = True) -> dict[str, np.ndarray]:
-        """Every output for the rows of `arrays` ([N, S] inputs), in the rows' order; outputs
-        named in `per_token` padded back to S with its value, as `ExportedModel.run` gives them.
+            bucket: bool = True, outputs: Sequence[str] | None = None
+            ) -> dict[str, np.ndarray]:
+        """The outputs named in `outputs` (default: the model's `default_outputs`) for the rows
+        of `arrays` ([N, S] inputs), in the rows' order; outputs named in `per_token` padded
+        back to S with its value, as `ExportedModel.run` gives them. A batch fetches what any
+        of its rows' callers asked for.
         Blocks the calling thread until the rows have run (`batch_size` and `bucket` are the
         batcher's business here)."""
         arrays = {name: np.asarray(value) for name, value in arrays.items()}
         lengths = arrays["input_mask"].sum(axis=1).astype(np.int64)
-        job = _Job(arrays, lengths, dict(per_token or {}))
+        job = _Job(arrays, lengths, dict(per_token or {}),
+                   tuple(self.model.default_outputs if outputs is None else outputs))
         rows = len(lengths)
         if rows:
             with self._condition:
@@ -147,7 +152,7 @@ class RowBatcher:
     def _assemble(self, job: _Job, rows: int) -> dict[str, np.ndarray]:
         full = next(iter(job.arrays.values())).shape[1]
         result: dict[str, np.ndarray] = {}
-        for name in self.model.output_names:
+        for name in job.wanted:
             parts = [job.outputs[index][name] for index in range(rows)]
             # A per-token output ([width, ...] per row) is padded back to the rows' length, S:
             # with its fill where the caller named one, else 0.
@@ -261,8 +266,10 @@ class RowBatcher:
         for row in chosen:
             if row.job.first_run is None:
                 row.job.first_run = started
+        wanted = {name for row in chosen for name in row.job.wanted}
         try:
-            outputs = model.forward(feeds)
+            outputs = model.forward(feeds, [name for name in model.output_names
+                                            if name in wanted])
         except BaseException as error:  # every waiting request gets it; the thread goes on
             log.exception("a batch of %d rows failed", len(chosen))
             for row in chosen:
@@ -273,8 +280,8 @@ class RowBatcher:
         seconds = finished - started
         for position, row in enumerate(chosen):
             row.job.last_done = finished
-            row.job.outputs[row.index] = {name: np.asarray(value[position], np.float32)
-                                          for name, value in outputs.items()}
+            row.job.outputs[row.index] = {name: np.asarray(outputs[name][position], np.float32)
+                                          for name in row.job.wanted}
             if len(row.job.outputs) == len(row.job.lengths):
                 row.job.done.set()
         if self.on_batch is not None:

@@ -43,6 +43,15 @@ class EmbedRequest(_Request):
     truncation_direction: Truncation = "Right"
 
 
+class EmbedAllRequest(_Request):
+    """TEI's `/embed_all`: every token's state, not pooled."""
+
+    inputs: Texts
+    truncate: bool = True
+    prompt_name: StrictStr | None = None
+    truncation_direction: Truncation = "Right"
+
+
 class SimilarityInputs(_Request):
     source_sentence: StrictStr
     sentences: list[StrictStr]
@@ -227,6 +236,7 @@ def check_inputs(field: str, values: Any) -> None:
 
 
 __all__ = ["INFINITY_ANY_MODEL", "ClassifyRequest", "CohereRerankRequest", "DecodeRequest",
-           "EmbeddingsRequest", "EmbedRequest", "InfinityRerankRequest", "PredictRequest",
-           "QuestionContext", "RerankBody", "RerankRequest", "ScoreRequest", "SimilarityRequest",
-           "TokenizeRequest", "check_inputs", "field_of", "validation_message"]
+           "EmbedAllRequest", "EmbeddingsRequest", "EmbedRequest", "InfinityRerankRequest",
+           "PredictRequest", "QuestionContext", "RerankBody", "RerankRequest", "ScoreRequest",
+           "SimilarityRequest", "TokenizeRequest", "check_inputs", "field_of",
+           "validation_message"]

@@ -20,6 +20,7 @@ from popbert.data.classification import ClassificationData, encode_classificatio
 from popbert.errors import UsageError
 from popbert.graph.annotations import METADATA_PREFIX
 from popbert.serve.predict import ExportedModel, PredictStats, read_texts
+from popbert.tasks.embedding import TOKEN_STATES
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,24 @@ class EmbedPredictor(ExportedModel):
               ) -> np.ndarray:
         """[N, H] float32 vectors of `texts`, each with the model's `prompt` put first; a text
         too long loses its end (its start, `truncation_side="left"`)."""
+        vectors, _ = self._run_texts(texts, "embedding", batch_size, prompt, stats,
+                                     truncation_side)
+        return vectors.astype(np.float32)
+
+    def token_states(self, texts: list[str], batch_size: int = 32, prompt: str | None = None,
+                     stats: PredictStats | None = None, truncation_side: str = "right"
+                     ) -> list[np.ndarray]:
+        """Each text's final hidden state at every token it fed the model, [CLS] and [SEP]
+        included ([tokens, H] float32, before pooling): what sentence-transformers' `encode(
+        output_value="token_embeddings")` gives. Cut as `embed` cuts."""
+        states, lengths = self._run_texts(texts, TOKEN_STATES, batch_size, prompt, stats,
+                                          truncation_side)
+        return [row[:length].astype(np.float32) for row, length in zip(states, lengths)]
+
+    def _run_texts(self, texts: list[str], output: str, batch_size: int, prompt: str | None,
+                   stats: PredictStats | None, truncation_side: str
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """The export's `output` for `texts` (the prompt put first), and each text's tokens."""
         if prompt is not None:
             if prompt not in self.prompts:
                 raise UsageError(f"--prompt {prompt}: {self.path} has "
@@ -61,11 +80,11 @@ class EmbedPredictor(ExportedModel):
                                   truncation_side=truncation_side)
         arrays, truncated = encode_classification_counted(data, self.text_tokenizer,
                                                           self.sequence_length)
-        vectors = self.run(arrays, batch_size, stats=stats)["embedding"]
+        value = self.run(arrays, batch_size, stats=stats, outputs=[output])[output]
         if stats is not None:
             stats.examples += len(texts)
             stats.truncated = (stats.truncated or 0) + truncated
-        return vectors.astype(np.float32)
+        return value, arrays["input_mask"].sum(axis=1)
 
 
 def predict_embed(model: Path, data: Path, output: Path, batch_size: int = 32,

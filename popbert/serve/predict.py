@@ -196,6 +196,9 @@ class ExportedModel:
 
         # What `run` puts at a masked position of a per-token output: the task's value.
         self.per_token: Mapping[str, float] = task_named(task).per_token_outputs
+        # What a run fetches unless told: every output but the large ones fetched on request.
+        self.default_outputs = [name for name in self.output_names
+                                if name not in task_named(task).on_request_outputs]
         self.lowercase = bool(json.loads(self.meta.get(f"{METADATA_PREFIX}lowercase", "true")))
         # The vocab.txt or tokenizer.json the model was trained with, stored in its metadata.
         self.text_tokenizer = tokenizer_from_text(
@@ -234,7 +237,7 @@ class ExportedModel:
         self.input_names = {i.name for i in session.get_inputs()}
         self.input_shape = session.get_inputs()[0].shape
         self.output_names = [o.name for o in session.get_outputs()]
-        self._run = lambda feeds: session.run(None, feeds)
+        self._run = lambda feeds, names: session.run(names, feeds)
 
     def _load_openvino(self, model: Path, threads: int | None) -> None:
         from popbert.serve.openvino_ir import compile_model, ir_file, metadata, openvino, run
@@ -253,15 +256,27 @@ class ExportedModel:
         dims = network.inputs[0].get_partial_shape()
         self.input_shape = [d.get_length() if d.is_static else None for d in dims]
         self.output_names = [o.get_any_name() for o in network.outputs]
-        self._run = lambda feeds: [run(compiled, feeds)[name] for name in self.output_names]
+        self._run = lambda feeds, names: [run(compiled, feeds)[name] for name in names]
 
     # `popbert serve` sets a `popbert.serve.batcher.RowBatcher` here: `run` then hands the rows
     # to it, batched with other requests' rows, instead of running them itself.
     batcher: Any = None
 
-    def forward(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One run of the model on ready feeds ([B, W] each): every output by name."""
-        return dict(zip(self.output_names, self._run(dict(feeds))))
+    def forward(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None
+                ) -> dict[str, np.ndarray]:
+        """One run of the model on ready feeds ([B, W] each): the outputs named (default:
+        `default_outputs`) by name."""
+        names = list(self.default_outputs if outputs is None else outputs)
+        return dict(zip(names, self._run(dict(feeds), names)))
+
+    def check_outputs(self, outputs: Sequence[str]) -> None:
+        """A one-line error for an output the export does not have (one made before it was
+        added, e.g.), naming what to do."""
+        missing = [name for name in outputs if name not in self.output_names]
+        if missing:
+            raise UsageError(f"--model: {self.path} has no {', '.join(missing)} output (its "
+                             f"outputs: {', '.join(self.output_names)}); export the checkpoint "
+                             "again with this version of popbert")
 
     def text(self, key: str) -> str:
         """Metadata `popbert.<key>`; a one-line error naming the model if it is missing."""
@@ -278,9 +293,11 @@ class ExportedModel:
 
     def run(self, arrays: Mapping[str, np.ndarray], batch_size: int = 16,
             per_token: Mapping[str, float] | None = None, stats: PredictStats | None = None,
-            bucket: bool = True) -> dict[str, np.ndarray]:
-        """All outputs for the rows of `arrays` ([N, S] inputs), `batch_size` rows per run (a
-        fixed-batch export runs its own batch, the last one padded).
+            bucket: bool = True, outputs: Sequence[str] | None = None
+            ) -> dict[str, np.ndarray]:
+        """The outputs named in `outputs` (default: `default_outputs`) for the rows of `arrays`
+        ([N, S] inputs), `batch_size` rows per run (a fixed-batch export runs its own batch,
+        the last one padded).
 
         With a symbolic sequence axis rows run longest first (by `input_mask`, stable; with
         `bucket=False` in input order) and each batch is cut to its longest row; the outputs
@@ -292,12 +309,15 @@ class ExportedModel:
         time added.
         """
         per_token = self.per_token if per_token is None else per_token
+        if outputs is not None:
+            self.check_outputs(outputs)
         if self.batcher is not None:
-            return self.batcher.run(arrays, batch_size, per_token, stats, bucket)
+            return self.batcher.run(arrays, batch_size, per_token, stats, bucket, outputs)
         if batch_size < 1:
             raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
         bucketed = self.dynamic_sequence and bucket
-        result, done = run_by_length(self.forward, arrays, batch_size, inputs=self.input_names,
+        result, done = run_by_length(lambda feeds: self.forward(feeds, outputs), arrays,
+                                     batch_size, inputs=self.input_names,
                                      per_token=per_token, bucket=bucketed,
                                      cut=self.dynamic_sequence, fixed_batch=self.batch_size)
         if stats is not None:

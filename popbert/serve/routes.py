@@ -31,6 +31,7 @@ from popbert.serve.predict import (
 )
 from popbert.serve.rerank import pair_scores
 from popbert.serve.tag import tag_texts
+from popbert.tasks.embedding import TOKEN_STATES
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,9 @@ class Served:
     def routes(self) -> tuple[str, ...]:
         """The task routes this model answers."""
         if self.task == "embedding":
-            return ("/v1/embeddings", "/embed", "/similarity", "/score", "/v1/score")
+            token_states = TOKEN_STATES in self.predictor.output_names  # exports since 2026-11
+            return ("/v1/embeddings", "/embed", *(("/embed_all",) if token_states else ()),
+                    "/similarity", "/score", "/v1/score")
         if self.task != "classification":
             return ("/predict",)
         return (("/predict", "/classify", "/rerank", "/v1/rerank", "/v2/rerank", "/score",
@@ -187,16 +190,33 @@ class Served:
         """[N, H] vectors of `texts`, as `popbert predict embed` makes them; a text too long
         loses its end, or its start (`truncation_side="left"`)."""
         stats = PredictStats()
-        if prompt_name is not None and prompt_name not in self.predictor.prompts:
-            raise RequestError(422, f"prompt_name {prompt_name!r}: the model has "
-                               + (f"the prompts {', '.join(sorted(self.predictor.prompts))}"
-                                  if self.predictor.prompts else "no prompts"), "prompt_name")
-        if prompt_name is not None:
-            texts = [self.predictor.prompts[prompt_name] + text for text in texts]
+        texts = self._prompted(texts, prompt_name)
         self.check_length(texts, truncate, field)
         vectors = self.predictor.embed(list(texts), stats=stats,
                                        truncation_side=truncation_side)
         return vectors, Usage.of(stats, _characters(texts))
+
+    def token_states(self, texts: Sequence[str], prompt_name: str | None = None,
+                     truncate: bool = True, field: str = "inputs",
+                     truncation_side: str = "right") -> tuple[list[np.ndarray], Usage]:
+        """Each text's final hidden state at every token, [CLS] and [SEP] included ([tokens,
+        H], not pooled, not normalised: TEI's `/embed_all`); cut as `embed` cuts."""
+        stats = PredictStats()
+        texts = self._prompted(texts, prompt_name)
+        self.check_length(texts, truncate, field)
+        states = self.predictor.token_states(list(texts), stats=stats,
+                                             truncation_side=truncation_side)
+        return states, Usage.of(stats, _characters(texts))
+
+    def _prompted(self, texts: Sequence[str], prompt_name: str | None) -> Sequence[str]:
+        """`texts` with the model's prompt `prompt_name` put first (a 422 for one it lacks)."""
+        if prompt_name is None:
+            return texts
+        if prompt_name not in self.predictor.prompts:
+            raise RequestError(422, f"prompt_name {prompt_name!r}: the model has "
+                               + (f"the prompts {', '.join(sorted(self.predictor.prompts))}"
+                                  if self.predictor.prompts else "no prompts"), "prompt_name")
+        return [self.predictor.prompts[prompt_name] + text for text in texts]
 
     def embed_ids(self, rows: Sequence[Sequence[int]], truncate: bool = True,
                   field: str = "input") -> tuple[np.ndarray, Usage]:

@@ -46,6 +46,7 @@ from popbert.tasks.task import Flag, Infer, Setting, Task
 log = logging.getLogger(__name__)
 
 NAME = "embedding"
+TOKEN_STATES = "token_embeddings"  # sentence-transformers' name for them
 DEFAULT_SCALE = 20.0  # sentence-transformers' MultipleNegativesRankingLoss and CoSENTLoss
 
 
@@ -181,6 +182,9 @@ def embedding_head(b: Builder, config: BertConfig, init: layers.WeightInit, grap
         vectors = pooled_vectors(b, config, encoded.hidden, encoded.input_mask)
     graph.outputs["embedding"] = vectors  # training too: gradient caching cuts the graph here
     if not with_loss:
+        # Each token's final state as well (TEI's `/embed_all`, late interaction): computed
+        # for the pooling anyway, fetched only by a caller that asks (`Task.on_request_outputs`).
+        graph.outputs[TOKEN_STATES] = encoded.hidden
         return
     task = config.task
     if task.texts is None or task.loss is None:
@@ -390,9 +394,10 @@ TASK = Task(
     # TrainingArguments: 5e-5, 3 epochs); a small model a faster rate (not measured here).
     size_defaults=((2e-4, 3), (5e-5, 3)),
     hf_architectures={"bert": "BertModel", "modernbert": "ModernBertModel"},
-    outputs=("embedding",), metadata_keys=(),
+    outputs=("embedding", TOKEN_STATES), metadata_keys=(),
+    per_token_outputs={TOKEN_STATES: 0.0}, on_request_outputs=(TOKEN_STATES,),
     always_print_metrics=True,
 )
 
-__all__ = ["DEFAULT_SCALE", "NAME", "TASK", "cosent_loss", "embedding_head", "l2_normalize",
-           "logsumexp", "pooled_vectors", "ranking_loss", "read"]
+__all__ = ["DEFAULT_SCALE", "NAME", "TASK", "TOKEN_STATES", "cosent_loss", "embedding_head",
+           "l2_normalize", "logsumexp", "pooled_vectors", "ranking_loss", "read"]

@@ -91,6 +91,9 @@ class Task:
     # of them holds when rows run cut to their batch's longest (`popbert.runtime.buckets`):
     # a value no decoding picks.
     per_token_outputs: Mapping[str, float] = field(default_factory=dict)
+    # Inference outputs a run fetches only when its caller names them: large per-token states
+    # that most requests do not read ([N, S, H] where the task's answer is [N, H]).
+    on_request_outputs: tuple[str, ...] = ()
 
     @property
     def preset(self) -> str:

@@ -578,9 +578,13 @@ def infer(model: BertConfig, task: str, weights: Mapping[str, torch.Tensor],
     session = InferenceSession(graph.model(), SessionOptions(device=device))
     session.load_weights(weights, strict=False)
 
+    # Outputs fetched only on request (an embedding's per-token states) would hold [rows,
+    # length, hidden] for a whole evaluation corpus; no score reads them.
+    skipped = set(task_named(task).on_request_outputs)
+
     def run_batch(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         outputs = session.run({k: torch.from_numpy(v) for k, v in feeds.items()})
-        return {k: v.float().cpu().numpy() for k, v in outputs.items()}
+        return {k: v.float().cpu().numpy() for k, v in outputs.items() if k not in skipped}
 
     outputs, _ = run_by_length(run_batch, arrays, batch_size,
                                inputs=("input_ids", "segment_ids", "input_mask"),

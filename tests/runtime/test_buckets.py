@@ -57,10 +57,13 @@ def test_evaluation_cut_to_each_batch_gives_the_padded_batchs_outputs(task: str,
 
     ours = infer(config, task, weights, arrays, batch_size=3, device="cpu")
 
-    assert set(ours) == set(reference)
+    # evaluation leaves out what is fetched only on request (an embedding's token states)
+    assert set(ours) == set(reference) - set(task_named(task).on_request_outputs)
     masked = arrays["input_mask"] == 0
     fills = task_named(task).per_token_outputs
     for name, value in reference.items():
+        if name not in ours:
+            continue
         assert ours[name].shape == value.shape, name
         if name in fills:  # the masked positions were never a row's own
             assert np.all(ours[name][masked] == fills[name]), name

@@ -23,6 +23,7 @@ class Model:
     runtime = "stand-in"
     input_names = {"input_ids", "input_mask", "segment_ids"}
     output_names = ["embedding", "logits"]
+    default_outputs = output_names
 
     def __init__(self, sequence_length: int = 16, batch_size: int | None = None,
                  dynamic: bool = True) -> None:
@@ -30,21 +31,24 @@ class Model:
         self.batch_size = batch_size
         self.dynamic_sequence = dynamic
         self.calls: list[tuple[int, int]] = []  # (rows, width) of each run
+        self.fetched: list[list[str]] = []  # the outputs each run was asked for
         self.hold = threading.Event()
         self.held = threading.Event()
         self.hold.set()
         self.fail_next = False
 
-    def forward(self, feeds):
+    def forward(self, feeds, outputs=None):
         ids, mask = feeds["input_ids"], feeds["input_mask"]
         self.calls.append(ids.shape)
+        self.fetched.append(list(outputs))
         self.held.set()
         self.hold.wait(30)
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("the runtime failed")
-        return {"embedding": np.stack([(ids * mask).sum(1), mask.sum(1)], 1).astype(np.float32),
-                "logits": (ids + 0.5).astype(np.float32)[..., None]}
+        every = {"embedding": np.stack([(ids * mask).sum(1), mask.sum(1)], 1).astype(np.float32),
+                 "logits": (ids + 0.5).astype(np.float32)[..., None]}
+        return {name: every[name] for name in outputs}
 
 
 def rows(lengths: list[int], width: int = 16, first_id: int = 1) -> dict[str, np.ndarray]:
@@ -90,6 +94,41 @@ def test_rows_queued_behind_a_run_go_together_and_get_their_own_outputs() -> Non
         embedding, logits = expected(arrays)
         np.testing.assert_array_equal(results[i]["embedding"], embedding)
         np.testing.assert_array_equal(results[i]["logits"], logits)  # padded back to 16
+
+
+def test_a_run_fetches_what_its_rows_callers_asked_for_and_each_gets_only_that() -> None:
+    """An output fetched on request (an embedding export's token states) is fetched for a
+    batch only when one of its callers named it, and reaches only the callers that did."""
+    model = Model()
+    batcher = RowBatcher(model, max_batch_tokens=1000, max_wait_ms=0, max_padding=1.0)
+    model.hold.clear()
+    asked = {0: ["embedding"], 1: ["embedding"], 2: ["logits"], 3: None}
+    requests = {i: rows([3 + i, 4], first_id=10 * i) for i in asked}
+    results: dict[int, dict[str, np.ndarray]] = {}
+
+    def ask(i: int) -> None:
+        results[i] = batcher.run(requests[i], per_token={"logits": -7.0}, outputs=asked[i])
+
+    first = threading.Thread(target=ask, args=(0,))
+    first.start()
+    model.held.wait(30)
+    others = [threading.Thread(target=ask, args=(i,)) for i in (1, 2, 3)]
+    for thread in others:
+        thread.start()
+    while batcher.queued_rows < 6:
+        threading.Event().wait(0.01)
+    model.hold.set()
+    for thread in [first, *others]:
+        thread.join(30)
+    batcher.close()
+    assert model.fetched == [["embedding"], ["embedding", "logits"]]
+    assert {i: sorted(result) for i, result in results.items()} == {
+        0: ["embedding"], 1: ["embedding"], 2: ["logits"], 3: ["embedding", "logits"]}
+    for i, result in results.items():
+        embedding, logits = expected(requests[i])
+        for name, value in (("embedding", embedding), ("logits", logits)):
+            if name in result:
+                np.testing.assert_array_equal(result[name], value)
 
 
 def test_the_token_budget_bounds_every_run_and_similar_lengths_go_together() -> None:

@@ -21,6 +21,8 @@ import torch
 
 from popbert.cli.main import main
 from popbert.data.retrieval import read_beir
+from popbert.errors import UsageError
+from popbert.serve.embed import EmbedPredictor
 
 BEIR = Path(__file__).parent.parent / "fixtures" / "retrieval"
 
@@ -271,6 +273,35 @@ def test_a_modernbert_sentence_transformer_embeds_as_sentence_transformers(
              " ".join(["the"] * 80)]  # over the 64-token length: cut as sentence-transformers
     data = tmp_path / "texts.txt"
     data.write_text("\n".join(lines) + "\n")
+    reference = SentenceTransformer(str(folder), device="cpu")
     np.testing.assert_allclose(embed(model, data, tmp_path / "vectors.npy"),
-                               SentenceTransformer(str(folder), device="cpu").encode(lines),
-                               atol=1e-5, rtol=0)
+                               reference.encode(lines), atol=1e-5, rtol=0)
+    # each token's state (`popbert serve`'s /embed_all), after ModernBERT's final norm
+    states = EmbedPredictor(model).token_states(lines)
+    expected = reference.encode(lines, output_value="token_embeddings")
+    assert [len(rows) for rows in states] == [len(rows) for rows in expected]
+    for ours, theirs in zip(states, expected):
+        np.testing.assert_allclose(ours, theirs.numpy(), atol=2e-5, rtol=0)
+
+
+def test_an_export_made_before_token_states_serves_all_but_embed_all(
+        minilm_embedding: Path, tmp_path: Path) -> None:
+    """Exports written before the token states were an output still serve every other route;
+    asking one for the states is one line saying to export again."""
+    import onnx
+
+    from popbert.serve.routes import Served
+
+    old = onnx.load(str(minilm_embedding))
+    kept = [output for output in old.graph.output if output.name != "token_embeddings"]
+    del old.graph.output[:]
+    old.graph.output.extend(kept)
+    onnx.save(old, str(tmp_path / "old.onnx"))
+    served = Served(tmp_path / "old.onnx")
+    assert "/embed_all" not in served.routes() and "/embed" in served.routes()
+    assert "/embed_all" in Served(minilm_embedding).routes()
+    np.testing.assert_allclose(served.embed(["a text"])[0],
+                               Served(minilm_embedding).embed(["a text"])[0], atol=1e-6)
+    with pytest.raises(UsageError, match="has no token_embeddings output .*export the "
+                                         "checkpoint again"):
+        served.predictor.token_states(["a text"])

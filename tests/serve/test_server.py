@@ -237,6 +237,44 @@ def test_similarity_and_score_are_sentence_transformers_cosine(
     assert "inputs.sentences" in empty.json()["error"]
 
 
+def test_embed_all_is_sentence_transformers_token_embeddings(server: Server,
+                                                             sentence_transformer) -> None:
+    """TEI's `/embed_all`: each text's final state at every token, [CLS] and [SEP] included,
+    against sentence-transformers' `encode(output_value="token_embeddings")` on the same
+    folder. The states are not normalised (|x| up to about 6 here), so 2e-5 (measured 2.6e-6).
+    Asked for together with `/embed` requests, whose batches then fetch the states too: each
+    answer equals the text's answer alone."""
+    long_text = " ".join(texts()[:6])  # past the export's 256 tokens: cut as /embed cuts
+    chosen = [texts()[0], "short", long_text]
+    expected = [rows.numpy() for rows in sentence_transformer.encode(
+        chosen, output_value="token_embeddings")]
+    assert [len(rows) for rows in expected][1:] == [3, 256]
+
+    async def run() -> tuple[list, list]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            states = client.post("/embed_all", json={"inputs": chosen})
+            vectors = [client.post("/embed", json={"inputs": text}) for text in texts()[:8]]
+            answers = await asyncio.gather(states, *vectors)
+            assert all(answer.status_code == 200 for answer in answers)
+            alone = (await client.post("/embed", json={"inputs": texts()[:8]})).json()
+            return answers[0].json(), [[answers[1 + i].json()[0], alone[i]] for i in range(8)]
+
+    states, vectors = asyncio.run(run())
+    for got, want in zip(states, expected):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    for together, alone in vectors:
+        np.testing.assert_allclose(together, alone, atol=1e-5, rtol=0)
+    with server.client() as client:
+        whole = client.post("/embed_all", json={"inputs": long_text, "truncate": False})
+        left = client.post("/embed_all", json={"inputs": long_text,
+                                               "truncation_direction": "Left"})
+        no_prompt = client.post("/embed_all", json={"inputs": "a", "prompt_name": "query"})
+    assert whole.status_code == 413 and "inputs[0]" in whole.json()["error"]
+    assert left.status_code == 200 and left.headers["x-truncated-inputs"] == "1"
+    assert np.abs(np.asarray(left.json()[0]) - expected[2]).max() > 0.1  # the other end
+    assert no_prompt.status_code == 422 and "prompt_name" in no_prompt.json()["error"]
+
+
 def test_concurrent_clients_get_what_each_text_gets_alone(server: Server) -> None:
     """32 async clients at once, each text its own request: the answers equal the one-at-a-time
     answers, whatever batches the server made of them."""

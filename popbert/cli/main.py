@@ -637,6 +637,11 @@ def _add_serve_command(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--max-input-tokens", type=int, default=None, metavar="N",
                    help="longest input; longer ones are truncated (\"truncate\": false: 413) "
                         "(default: the export's length)")
+    p.add_argument("--default-prompt-name", default=None, metavar="NAME",
+                   help="an embedding export's prompt put before every text whose request "
+                        "names no prompt_name (OpenAI's clients cannot name one)")
+    p.add_argument("--default-prompt", default=None, metavar="TEXT",
+                   help="the same, as the prompt's text (e.g. \"query: \")")
     p.add_argument("--max-client-batch-size", type=int, default=None, metavar="N",
                    help="inputs in one request; more: 413 (default 256)")
     p.add_argument("--max-concurrent-requests", type=int, default=None, metavar="N",

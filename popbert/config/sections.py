@@ -376,6 +376,12 @@ class ServeConfig:
     # there 1, so a text's vector never depends on who shared its batch.
     max_batch_rows: int | None = setting(None, at_least(1).or_null())
     max_input_tokens: int | None = setting(None, at_least(3).or_null())  # None: the model's
+    # What an embedding route puts before each text whose request names no `prompt_name`, as
+    # TEI's --default-prompt-name and --default-prompt: for a model trained with prompts
+    # (E5's "query: ", nomic's "search_query: ") behind clients that cannot name one (OpenAI's).
+    # One of the export's prompts by name, or the prompt's text; not both. null: none.
+    default_prompt_name: str | None = None
+    default_prompt: str | None = None
     max_client_batch_size: int = setting(256, at_least(1))  # inputs in one request
     max_concurrent_requests: int = setting(512, at_least(1))  # beyond it: 503, Retry-After
     payload_limit: int = setting(2_000_000, at_least(1))  # request body bytes; beyond it: 413
@@ -401,6 +407,10 @@ class ServeConfig:
 
     def validate(self) -> None:
         check_fields(self, "serve")
+        if self.default_prompt_name is not None and self.default_prompt is not None:
+            raise Invalid("serve.default_prompt_name and serve.default_prompt: give one (a "
+                          "prompt of the export by name, or the text itself), not both",
+                          "serve.default_prompt_name", "serve.default_prompt")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise Invalid("serve.ssl_certfile and serve.ssl_keyfile go together: give both "
                           "for TLS, or neither", "serve.ssl_certfile", "serve.ssl_keyfile")

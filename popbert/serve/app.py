@@ -106,6 +106,9 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
                  config.max_batch_tokens, config.max_wait_ms, served.max_input_tokens,
                  config.max_client_batch_size, config.max_concurrent_requests,
                  config.payload_limit, os.getpid())
+        if served.default_prompt is not None:
+            log.info("texts whose request names no prompt_name get the prompt %r first",
+                     served.default_prompt)
         try:
             yield
         finally:
@@ -371,7 +374,8 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
         texts = _listed(body.inputs)
         check_inputs("inputs", texts)
         too_many("inputs", len(texts))
-        return _json(await work(served.tokenize, texts, body.add_special_tokens))
+        return _json(await work(served.tokenize, texts, body.add_special_tokens,
+                                body.prompt_name))
 
     @app.post("/decode", summary="TEI-compatible decoding of token ids")
     async def decode(body: DecodeRequest) -> Response:

@@ -166,6 +166,7 @@ class ClassifyRequest(_Request):
 class TokenizeRequest(_Request):
     inputs: Texts
     add_special_tokens: bool = True
+    prompt_name: StrictStr | None = None
 
 
 class DecodeRequest(_Request):

@@ -109,6 +109,26 @@ class Served:
                                 and f"{METADATA_PREFIX}quantized" in self.predictor.meta)
         self.reranker = self.task == "classification" and (
             self.predictor.regression or len(self.predictor.labels or []) == 2)
+        self.prompts: dict[str, str] = getattr(self.predictor, "prompts", {})
+        self.default_prompt: str | None = None  # `use_default_prompt`
+
+    def use_default_prompt(self, name: str | None = None, text: str | None = None) -> None:
+        """Put the export's prompt `name`, or `text`, before every text whose request names no
+        `prompt_name` (TEI's --default-prompt-name and --default-prompt)."""
+        if name is None and text is None:
+            return
+        flag = "--default-prompt-name" if name is not None else "--default-prompt"
+        if self.task != "embedding":
+            raise UsageError(f"{flag}: {self.path} is a {self.task} export; a prompt is put "
+                             "before an embedding model's texts")
+        if name is not None:
+            if name not in self.prompts:
+                raise UsageError(f"{flag} {name}: {self.path} has "
+                                 + (f"the prompts {', '.join(sorted(self.prompts))}"
+                                    if self.prompts else "no prompts; give the prompt's text "
+                                                         "with --default-prompt"))
+            text = self.prompts[name]
+        self.default_prompt = text
 
     # --- what describes the model ---------------------------------------------------------
 
@@ -128,7 +148,7 @@ class Served:
             out["precision"] = json_or_text(precision)
         if self.task == "embedding":
             out.update(pooling=self.predictor.pooling, normalize=self.predictor.normalize,
-                       prompts=sorted(self.predictor.prompts))
+                       prompts=sorted(self.prompts), default_prompt=self.default_prompt)
         labels = getattr(self.predictor, "labels", None)
         if labels is not None:
             out["labels"] = labels
@@ -209,14 +229,17 @@ class Served:
         return states, Usage.of(stats, _characters(texts))
 
     def _prompted(self, texts: Sequence[str], prompt_name: str | None) -> Sequence[str]:
-        """`texts` with the model's prompt `prompt_name` put first (a 422 for one it lacks)."""
+        """`texts` with the model's prompt `prompt_name` put first (a 422 for one it lacks);
+        without one, the server's default prompt, if it has one."""
         if prompt_name is None:
-            return texts
-        if prompt_name not in self.predictor.prompts:
+            prompt = self.default_prompt
+        elif prompt_name in self.prompts:
+            prompt = self.prompts[prompt_name]
+        else:
             raise RequestError(422, f"prompt_name {prompt_name!r}: the model has "
-                               + (f"the prompts {', '.join(sorted(self.predictor.prompts))}"
-                                  if self.predictor.prompts else "no prompts"), "prompt_name")
-        return [self.predictor.prompts[prompt_name] + text for text in texts]
+                               + (f"the prompts {', '.join(sorted(self.prompts))}"
+                                  if self.prompts else "no prompts"), "prompt_name")
+        return texts if prompt is None else [prompt + text for text in texts]
 
     def embed_ids(self, rows: Sequence[Sequence[int]], truncate: bool = True,
                   field: str = "input") -> tuple[np.ndarray, Usage]:
@@ -384,13 +407,14 @@ class Served:
         characters = sum(len(item["question"]) + len(item["context"]) for item in inputs)
         return out, Usage.of(stats, characters)
 
-    def tokenize(self, texts: Sequence[str], add_special_tokens: bool = True
-                 ) -> list[list[dict[str, Any]]]:
-        """Each text's tokens: id, text, whether special, and character span (TEI's form)."""
+    def tokenize(self, texts: Sequence[str], add_special_tokens: bool = True,
+                 prompt_name: str | None = None) -> list[list[dict[str, Any]]]:
+        """Each text's tokens: id, text, whether special, and character span (TEI's form), of
+        the text as the model gets it (its prompt first, as the embedding routes put it)."""
         backend = self.tokenizer.backend
         special_ids = self.tokenizer.special_ids
         out = []
-        for text in texts:
+        for text in self._prompted(texts, prompt_name):
             encoding = backend.encode(text, add_special_tokens=False)
             tokens = [{"id": int(i), "text": token, "special": False, "start": int(a),
                        "stop": int(b)}

@@ -64,6 +64,7 @@ def load(model: Path, config: ServeConfig) -> Any:
     from popbert.serve.routes import Served
 
     served = Served(model, config.threads, config.served_model_name, config.max_input_tokens)
+    served.use_default_prompt(config.default_prompt_name, config.default_prompt)
     if config.max_batch_tokens < served.max_input_tokens:
         raise UsageError(f"--max-batch-tokens {config.max_batch_tokens}: a batch must hold one "
                          f"input of the model's length ({served.max_input_tokens} tokens)")

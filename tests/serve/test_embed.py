@@ -140,6 +140,16 @@ def test_every_pooling_and_prompts_as_sentence_transformers(pooling: str, normal
     np.testing.assert_allclose(embed(model, data, tmp_path / "query.npy", "--prompt", "query"),
                                reference.encode(texts(), prompt_name="query"), atol=1e-5,
                                rtol=0)
+    # `popbert serve --default-prompt-name query`: for requests that name no prompt
+    from popbert.serve.routes import Served
+
+    served = Served(model)
+    served.use_default_prompt("query")
+    np.testing.assert_allclose(served.embed(texts())[0],
+                               reference.encode(texts(), prompt_name="query"), atol=1e-5, rtol=0)
+    with pytest.raises(UsageError, match="--default-prompt-name passage: .* has the prompts .*"
+                                         "query"):
+        served.use_default_prompt("passage")
 
 
 def test_a_pooling_popbert_has_no_node_for_is_one_line(tmp_path: Path,

@@ -732,6 +732,10 @@ def test_bad_settings_are_one_line_and_exit_2(minilm_export: Path, tmp_path: Pat
         (["--model", str(minilm_export), "--cors-allow-origin", "https://a.b/"],
          "--cors-allow-origin"),
         (["--model", str(minilm_export), "--client-timeout-s", "0"], "--client-timeout-s 0"),
+        (["--model", str(minilm_export), "--default-prompt-name", "query"],
+         "--default-prompt-name query: " + str(minilm_export) + " has no prompts"),
+        (["--model", str(minilm_export), "--default-prompt-name", "query", "--default-prompt",
+          "query: "], "default_prompt_name and serve.default_prompt: give one"),
     ]
     with taken:
         cases.append((["--model", str(minilm_export), "--port", str(taken.port)],
@@ -753,21 +757,33 @@ def test_bad_settings_are_one_line_and_exit_2(minilm_export: Path, tmp_path: Pat
 
 
 def test_settings_come_from_the_config_files_serve_section(minilm_export: Path,
-                                                           tmp_path: Path) -> None:
+                                                           tmp_path: Path,
+                                                           sentence_transformer) -> None:
     """A `serve:` section sets what the flags set; --set overrides a key; a flag wins over
-    both."""
+    both. Its default prompt goes before the texts of requests that name none, as
+    sentence-transformers' `encode(prompt=...)` puts it (1e-5)."""
     config = tmp_path / "serve.yaml"
     config.write_text("serve:\n  served_model_name: from-config\n  max_client_batch_size: 3\n"
-                      "  max_padding: 0.2\n  port: 1\n")
+                      "  max_padding: 0.2\n  port: 1\n  default_prompt: 'query: '\n")
     with Server(minilm_export, "--config", str(config), "--set",
                 "serve.max_client_batch_size=4", log_path=tmp_path / "log") as server:
         with server.client() as client:
             info = client.get("/info").json()
             models = client.get("/v1/models").json()
             too_many = client.post("/embed", json={"inputs": ["x"] * 5})
+            # the default prompt, where a request names none: OpenAI's clients cannot
+            openai = client.post("/v1/embeddings", json={"model": "from-config",
+                                                         "input": ["a cat", "a dog"]})
+            tokens = client.post("/tokenize", json={"inputs": "a cat"}).json()[0]
     assert models["data"][0]["id"] == info["model_id"] == "from-config"
     assert info["max_client_batch_size"] == 4 and info["max_padding"] == 0.2
     assert too_many.status_code == 413
+    assert info["default_prompt"] == "query: "
+    assert [token["text"] for token in tokens] == ["[CLS]", "query", ":", "a", "cat", "[SEP]"]
+    np.testing.assert_allclose([item["embedding"] for item in openai.json()["data"]],
+                               sentence_transformer.encode(["a cat", "a dog"], prompt="query: "),
+                               atol=1e-5, rtol=0)
+    assert openai.json()["usage"]["prompt_tokens"] == 2 * 6
 
 
 def test_the_server_never_imports_torch() -> None:

@@ -210,10 +210,18 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
         texts = _listed(body.inputs)
         check_inputs("inputs", texts)
         too_many("inputs", len(texts))
-        states, usage = await work(served.token_states, texts, body.prompt_name, body.truncate,
-                                   "inputs", body.truncation_direction.lower())
+        def states_as_json() -> tuple[str, Usage]:
+            # off the event loop (an answer of megabytes), and text by text: Python floats
+            # for one text's states at a time, not for all of them
+            states, usage = served.token_states(texts, body.prompt_name, body.truncate,
+                                                "inputs", body.truncation_direction.lower(),
+                                                config.max_batch_tokens)
+            return "[" + ",".join(json.dumps(rows.tolist(), allow_nan=False)
+                                  for rows in states) + "]", usage
+
+        text, usage = await work(states_as_json)
         counted(usage)
-        return _json([rows.tolist() for rows in states], usage)
+        return _json_text(text, usage)
 
     @app.post("/similarity", summary="TEI-compatible sentence similarity")
     async def similarity(body: SimilarityRequest) -> Response:
@@ -440,7 +448,11 @@ def _json(value: Any, usage: Usage | None = None) -> Response:
     with the request's tokens, characters and times in headers as TEI sends them: the time
     encoding its inputs, waiting in the batcher and in model runs, and all of it (from the
     encoding to the answer written here)."""
-    body = json.dumps(value, allow_nan=False)
+    return _json_text(json.dumps(value, allow_nan=False), usage)
+
+
+def _json_text(body: str, usage: Usage | None = None) -> Response:
+    """`_json` of a body already written as JSON."""
     headers = {}
     if usage is not None:
         total = _ms(time.monotonic() - usage.began)

@@ -218,12 +218,21 @@ class Served:
 
     def token_states(self, texts: Sequence[str], prompt_name: str | None = None,
                      truncate: bool = True, field: str = "inputs",
-                     truncation_side: str = "right") -> tuple[list[np.ndarray], Usage]:
+                     truncation_side: str = "right", max_tokens: int | None = None
+                     ) -> tuple[list[np.ndarray], Usage]:
         """Each text's final hidden state at every token, [CLS] and [SEP] included ([tokens,
-        H], not pooled, not normalised: TEI's `/embed_all`); cut as `embed` cuts."""
+        H], not pooled, not normalised: TEI's `/embed_all`); cut as `embed` cuts. The answer
+        holds a vector per token, so more than `max_tokens` tokens in all is a 413."""
         stats = PredictStats()
         texts = self._prompted(texts, prompt_name)
         self.check_length(texts, truncate, field)
+        if max_tokens is not None:
+            tokens = sum(min(len(ids) + 2, self.max_input_tokens)
+                         for ids in self.tokenizer.encode_batch(list(texts)))
+            if tokens > max_tokens:
+                raise RequestError(413, f"{field}: {tokens} tokens in all, more than the "
+                                   f"{max_tokens} whose states one answer may carry "
+                                   "(max_batch_tokens); send fewer inputs per request", field)
         states = self.predictor.token_states(list(texts), stats=stats,
                                              truncation_side=truncation_side)
         return states, Usage.of(stats, _characters(texts))

@@ -300,7 +300,7 @@ def test_an_export_made_before_token_states_serves_all_but_embed_all(
     asking one for the states is one line saying to export again."""
     import onnx
 
-    from popbert.serve.routes import Served
+    from popbert.serve.routes import RequestError, Served
 
     old = onnx.load(str(minilm_embedding))
     kept = [output for output in old.graph.output if output.name != "token_embeddings"]
@@ -315,3 +315,6 @@ def test_an_export_made_before_token_states_serves_all_but_embed_all(
     with pytest.raises(UsageError, match="has no token_embeddings output .*export the "
                                          "checkpoint again"):
         served.predictor.token_states(["a text"])
+    # an answer holds a vector per token: bounded by the tokens one batch may hold
+    with pytest.raises(RequestError, match=r"inputs: 10 tokens in all, more than the 9 "):
+        Served(minilm_embedding).token_states(["a b c", "d e f"], max_tokens=9)

@@ -67,28 +67,39 @@ def expected(arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return embedding, logits
 
 
-def test_rows_queued_behind_a_run_go_together_and_get_their_own_outputs() -> None:
+def queued_behind_a_run(requests: dict[int, dict[str, np.ndarray]],
+                        outputs: dict[int, list[str] | None] | None = None
+                        ) -> tuple[Model, dict[int, dict[str, np.ndarray]]]:
+    """Each request's answer (and the model's runs) when request 0 is running as all the
+    others queue (`outputs`: what each caller asks for; default: the model's)."""
     model = Model()
     batcher = RowBatcher(model, max_batch_tokens=1000, max_wait_ms=0, max_padding=1.0)
     model.hold.clear()
     results: dict[int, dict[str, np.ndarray]] = {}
-    requests = {i: rows([1 + (i * 5) % 13, 2 + i % 3], first_id=10 * i) for i in range(6)}
 
     def ask(i: int) -> None:
-        results[i] = batcher.run(requests[i], per_token={"logits": -7.0})
+        results[i] = batcher.run(requests[i], per_token={"logits": -7.0},
+                                 outputs=(outputs or {}).get(i))
 
     first = threading.Thread(target=ask, args=(0,))
     first.start()
     model.held.wait(30)  # request 0 is running; the others queue behind it
-    others = [threading.Thread(target=ask, args=(i,)) for i in range(1, 6)]
+    others = [threading.Thread(target=ask, args=(i,)) for i in requests if i != 0]
     for thread in others:
         thread.start()
-    while batcher.queued_rows < 10:
+    waiting = sum(len(arrays["input_mask"]) for i, arrays in requests.items() if i != 0)
+    while batcher.queued_rows < waiting:
         threading.Event().wait(0.01)
     model.hold.set()
     for thread in [first, *others]:
         thread.join(30)
     batcher.close()
+    return model, results
+
+
+def test_rows_queued_behind_a_run_go_together_and_get_their_own_outputs() -> None:
+    requests = {i: rows([1 + (i * 5) % 13, 2 + i % 3], first_id=10 * i) for i in range(6)}
+    model, results = queued_behind_a_run(requests)
     assert [rows_ for rows_, _ in model.calls] == [2, 10]  # one run for all that queued
     for i, arrays in requests.items():
         embedding, logits = expected(arrays)
@@ -99,28 +110,9 @@ def test_rows_queued_behind_a_run_go_together_and_get_their_own_outputs() -> Non
 def test_a_run_fetches_what_its_rows_callers_asked_for_and_each_gets_only_that() -> None:
     """An output fetched on request (an embedding export's token states) is fetched for a
     batch only when one of its callers named it, and reaches only the callers that did."""
-    model = Model()
-    batcher = RowBatcher(model, max_batch_tokens=1000, max_wait_ms=0, max_padding=1.0)
-    model.hold.clear()
     asked = {0: ["embedding"], 1: ["embedding"], 2: ["logits"], 3: None}
     requests = {i: rows([3 + i, 4], first_id=10 * i) for i in asked}
-    results: dict[int, dict[str, np.ndarray]] = {}
-
-    def ask(i: int) -> None:
-        results[i] = batcher.run(requests[i], per_token={"logits": -7.0}, outputs=asked[i])
-
-    first = threading.Thread(target=ask, args=(0,))
-    first.start()
-    model.held.wait(30)
-    others = [threading.Thread(target=ask, args=(i,)) for i in (1, 2, 3)]
-    for thread in others:
-        thread.start()
-    while batcher.queued_rows < 6:
-        threading.Event().wait(0.01)
-    model.hold.set()
-    for thread in [first, *others]:
-        thread.join(30)
-    batcher.close()
+    model, results = queued_behind_a_run(requests, asked)
     assert model.fetched == [["embedding"], ["embedding", "logits"]]
     assert {i: sorted(result) for i, result in results.items()} == {
         0: ["embedding"], 1: ["embedding"], 2: ["logits"], 3: ["embedding", "logits"]}

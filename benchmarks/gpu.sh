@@ -2,7 +2,8 @@
 # Every GPU check and measurement in one command, in about 10 minutes on one GPU (results:
 # RESULTS.md): first each model family's short pre-training run with BF16, compile, a kill and
 # resume, and the export (benchmarks/gpu_check.py); then phase-1 sequences/s and MFU for
-# BERT-Base and BERT-Large (popbert and the fair HF peer), packed vs padded at 512, the optimizer steps, trimmed padding and the sequence-length curriculum.
+# BERT-Base and BERT-Large (popbert and the fair HF peer), packed vs padded at 512, the optimizer steps, trimmed padding and the sequence-length curriculum;
+# last, `popbert serve --device cuda` under 1, 32 and 128 clients (benchmarks/serve.py).
 #   benchmarks/gpu.sh              # on a CUDA machine
 #   benchmarks/gpu.sh --dry-run    # anywhere: toy shapes on the CPU, checks the scripts only
 set -euo pipefail
@@ -21,4 +22,9 @@ else
     $python benchmarks/trim_padding.py --device cuda --compute bfloat16
     $python benchmarks/curriculum_step.py --device cuda --sequence-length 128 --lengths 64 32
     $python benchmarks/curriculum_step.py --device cuda --sequence-length 512 --lengths 256 128
+    # popbert serve on the GPU (--device cuda): 1 client against 32 and 128, and the
+    # hand-written sentence-transformers server on the same GPU
+    $python benchmarks/serve.py --sides popbert-fp32-cuda popbert-fp16-cuda st-server-cuda \
+        --levels 1 32 128 --requests 300 1500 2500 --seconds 15 --work /tmp/popbert-serve-gpu \
+        --out benchmarks/serve_results_gpu.json || echo "serve.py on the GPU failed"
 fi

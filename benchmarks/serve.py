@@ -76,6 +76,9 @@ LEVELS = (1, 8, 32, 128)
 SIDES = ("popbert-fp32", "infinity-optimum", "popbert-int8", "infinity-optimum-int8",
          "st-server", "infinity-torch", "popbert-fp32-2w", "popbert-int8-2w",
          "popbert-openvino-int8", "popbert-openvino-int8-2w", "popbert-int8-2w-all")
+# On a GPU (`--sides` these; not among the defaults): popbert's torch backend on the FP32 and
+# FP16 exports, and the hand-written sentence-transformers server on the same GPU.
+GPU_SIDES = ("popbert-fp32-cuda", "popbert-fp16-cuda", "st-server-cuda")
 
 
 def read_texts() -> list[str]:
@@ -103,11 +106,13 @@ def free_port() -> int:
 
 # --- preparing the models ------------------------------------------------------------------
 
-def popbert_exports(folder: Path, work: Path) -> dict[str, Path]:
-    """FP32 and INT8 `popbert export --task embedding` ONNX files, as benchmarks/embed.py builds
-    them (reused when already in `work`)."""
+def popbert_exports(folder: Path, work: Path, precisions: tuple[str, ...] = ("fp32", "int8")
+                    ) -> dict[str, Path]:
+    """FP32, INT8 (and FP16) `popbert export --task embedding` ONNX files, as
+    benchmarks/embed.py builds them (reused when already in `work`)."""
     popbert = [sys.executable, "-m", "popbert"]
-    exports = {"fp32": work / "minilm-fp32.onnx", "int8": work / "minilm-int8.onnx"}
+    flags = {"fp32": [], "int8": ["--quantize", "int8"], "fp16": ["--dtype", "float16"]}
+    exports = {precision: work / f"minilm-{precision}.onnx" for precision in precisions}
     checkpoint = work / "ckpt"
     if not checkpoint.exists():
         subprocess.run(popbert + ["import-hf", "--model", str(folder), "--output-dir",
@@ -115,8 +120,8 @@ def popbert_exports(folder: Path, work: Path) -> dict[str, Path]:
     for precision, path in exports.items():
         if not path.exists():
             subprocess.run(popbert + ["export", "--checkpoint", str(checkpoint), "--task",
-                                      "embedding", "--output", str(path)]
-                           + (["--quantize", "int8"] if precision == "int8" else []), check=True)
+                                      "embedding", "--output", str(path)] + flags[precision],
+                           check=True)
     return exports
 
 
@@ -233,10 +238,19 @@ def build_sides(args, folder: Path, work: Path) -> dict[str, Side]:
             sides[f"popbert-{precision}-2w-all"] = Side(
                 f"popbert-{precision}-2w-all", base + ["--threads", threads, "--workers", "2"],
                 "/v1/embeddings", "/v1/models", workers=2)
-    sides["st-server"] = Side(
-        "st-server", [sys.executable, str(HERE / "st_server.py"), "--model", str(folder),
-                      "--host", "127.0.0.1", "--threads", threads],
-        "/v1/embeddings", "/v1/models")
+    if wanted & {"popbert-fp32-cuda", "popbert-fp16-cuda"}:
+        for precision, path in popbert_exports(folder, work, ("fp32", "fp16")).items():
+            sides[f"popbert-{precision}-cuda"] = Side(
+                f"popbert-{precision}-cuda", [sys.executable, "-m", "popbert", "serve",
+                                              "--model", str(path), "--host", "127.0.0.1",
+                                              "--device", "cuda"],
+                "/v1/embeddings", "/v1/models")
+    for suffix, device in (("", "cpu"), ("-cuda", "cuda")):
+        sides[f"st-server{suffix}"] = Side(
+            f"st-server{suffix}", [sys.executable, str(HERE / "st_server.py"), "--model",
+                                   str(folder), "--host", "127.0.0.1", "--threads", threads,
+                                   "--device", device],
+            "/v1/embeddings", "/v1/models")
     infinity_env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                     "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1",
                     "INFINITY_ANONYMOUS_USAGE_STATS": "0"}
@@ -553,7 +567,7 @@ def print_table(results: dict[str, dict], levels) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads on every side")
-    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
+    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES + GPU_SIDES)
     parser.add_argument("--levels", nargs="+", type=int, default=list(LEVELS))
     parser.add_argument("--requests", nargs="+", type=int, default=[300, 800, 1500, 2500],
                         help="the most requests at each level, in --levels' order")

@@ -23,10 +23,10 @@ class EmbeddingRequest(BaseModel):
     input: str | list[str]
 
 
-def build_app(model_path: str, name: str) -> FastAPI:
+def build_app(model_path: str, name: str, device: str = "cpu") -> FastAPI:
     from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(model_path, device="cpu")
+    model = SentenceTransformer(model_path, device=device)
     app = FastAPI()
 
     @app.get("/health")
@@ -55,13 +55,14 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for a GPU")
     args = parser.parse_args()
 
     import torch
     import uvicorn
 
     torch.set_num_threads(args.threads)
-    app = build_app(args.model, Path(args.model).name)
+    app = build_app(args.model, Path(args.model).name, args.device)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

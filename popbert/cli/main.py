@@ -660,6 +660,10 @@ def _add_serve_command(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="the runtime's intra-op threads per worker (default: the runtime's "
                         "with one worker; with more, each worker's share of the CPUs)")
+    p.add_argument("--device", default=None, metavar="DEVICE",
+                   help="cpu (ONNX Runtime, or OpenVINO for an IR; the default), or cuda or "
+                        "cuda:N: a GPU, through popbert's torch backend, for an FP32 or FP16 "
+                        "ONNX export")
     p.add_argument("--ssl-certfile", type=paths.PEM, default=None, metavar="FILE.pem",
                    help="TLS certificate (PEM)")
     p.add_argument("--ssl-keyfile", type=paths.PEM, default=None, metavar="FILE.pem",

@@ -401,6 +401,10 @@ class ServeConfig:
     # the runtime's intra-op threads per worker; null: the runtime's default with one worker,
     # each worker's share of the CPUs with more (each runtime would take them all)
     threads: int | None = setting(None, PER_MACHINE.or_null())
+    # Where the model runs: the CPU (ONNX Runtime, or OpenVINO for an IR), or a GPU, where
+    # popbert's torch backend runs the export's ONNX graph at the export's own precision.
+    device: str = setting("cpu", Rule(lambda value: re.fullmatch(r"cpu|cuda(:\d+)?", value)
+                                      is not None, "cpu, cuda or cuda:N"))
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     access_log: bool = False

@@ -31,8 +31,9 @@ class EmbedPredictor(ExportedModel):
     """An exported `embedding` model: texts in, vectors out (its pooling, normalisation and
     prompts from its metadata)."""
 
-    def __init__(self, model: Path, threads: int | None = None, spinning: bool = True) -> None:
-        super().__init__(model, "embedding", threads, spinning)
+    def __init__(self, model: Path, threads: int | None = None, spinning: bool = True,
+                 device: str | None = None) -> None:
+        super().__init__(model, "embedding", threads, spinning, device)
         self.pooling = json.loads(self.meta.get(f"{METADATA_PREFIX}pooling", '"mean"'))
         self.normalize = bool(json.loads(self.meta.get(f"{METADATA_PREFIX}normalize", "false")))
         self.prompts: dict[str, str] = json.loads(self.meta.get(f"{METADATA_PREFIX}prompts",

@@ -170,7 +170,8 @@ def predictor_class(task: str) -> type[ExportedModel] | None:
 
 class ExportedModel:
     """A popbert `task` export in ONNX Runtime's CPU provider (an OpenVINO IR in OpenVINO's CPU
-    plugin, at the precision it was verified at), with its metadata.
+    plugin, at the precision it was verified at; with a torch `device`, e.g. a GPU, popbert's
+    torch backend on the ONNX graph), with its metadata.
 
     `batch_size` is the export's fixed batch (None: symbolic); `sequence_length` its fixed
     length, or for a symbolic sequence axis the length it was trained at (metadata
@@ -178,14 +179,16 @@ class ExportedModel:
     """
 
     def __init__(self, model: Path, task: str, threads: int | None = None,
-                 spinning: bool = True) -> None:
+                 spinning: bool = True, device: str | None = None) -> None:
         model = Path(model)
         if threads is not None and not PER_MACHINE.allows(threads):
             raise UsageError(f"--threads must be {PER_MACHINE.expected}, got {threads}")
         if not model.exists():
             raise UsageError(f"--model: file not found: {model}")
         self.path = model
-        if is_ir(model):  # an OpenVINO IR directory (popbert export --runtime openvino)
+        if device is not None:  # a GPU: popbert's torch backend runs the ONNX graph
+            self._load_torch(model, device)
+        elif is_ir(model):  # an OpenVINO IR directory (popbert export --runtime openvino)
             self._load_openvino(model, threads)
         else:
             self._load_onnxruntime(model, threads, spinning)
@@ -257,6 +260,53 @@ class ExportedModel:
         self.input_shape = [d.get_length() if d.is_static else None for d in dims]
         self.output_names = [o.get_any_name() for o in network.outputs]
         self._run = lambda feeds, names: [run(compiled, feeds)[name] for name in names]
+
+    def _load_torch(self, model: Path, device: str) -> None:
+        """The export's ONNX graph lowered by popbert's torch backend onto `device` (`popbert
+        serve --device cuda`): the graph ONNX Runtime runs, op for op, at the export's own
+        precision. Imports torch, which the CPU runtimes never do."""
+        import onnx
+        import torch
+
+        from popbert.errors import ConfigError
+        from popbert.runtime.devices import available_devices, resolve_device
+        from popbert.runtime.options import SessionOptions
+        from popbert.runtime.session import InferenceSession
+
+        flag = f"--device {device}"
+        if is_ir(model):
+            raise UsageError(f"{flag}: {model} is an OpenVINO IR, which runs on the CPU; serve "
+                             "an ONNX export (`popbert export` without --runtime) on a GPU")
+        try:
+            proto = onnx.load(str(model))
+        except Exception as error:  # a protobuf DecodeError, an OSError: not an ONNX file
+            raise UsageError(f"--model: {model}: not an ONNX model ({one_line(error, 200)})"
+                             ) from None
+        contrib = sorted({node.op_type for node in proto.graph.node
+                          if node.domain == "com.microsoft"})
+        if contrib:
+            raise UsageError(f"{flag}: {model} has ONNX Runtime's own CPU operators "
+                             f"({', '.join(contrib)}: an --optimize or --quantize int8 "
+                             "export); serve a plain FP32 or FP16 export on a GPU")
+        try:
+            resolve_device(device)
+        except ConfigError:
+            raise UsageError(f"{flag}: not a device of this machine, which has "
+                             f"{available_devices()}; expected cuda or cuda:N") from None
+        session = InferenceSession(proto, SessionOptions(device=device))
+        self.runtime = f"torch ({session.device})"
+        self.meta = {prop.key: prop.value for prop in proto.metadata_props}
+        self.input_names = set(session.input_names)
+        self.input_shape = [dim.dim_value if dim.HasField("dim_value") else None
+                            for dim in proto.graph.input[0].type.tensor_type.shape.dim]
+        self.output_names = list(session.output_names)
+
+        def run(feeds: Mapping[str, np.ndarray], names: Sequence[str]) -> list[np.ndarray]:
+            outputs = session.run({name: torch.from_numpy(value)
+                                   for name, value in feeds.items()})
+            return [outputs[name].float().cpu().numpy() for name in names]
+
+        self._run = run
 
     # `popbert serve` sets a `popbert.serve.batcher.RowBatcher` here: `run` then hands the rows
     # to it, batched with other requests' rows, instead of running them itself.
@@ -336,8 +386,9 @@ class ExportedModel:
 class SquadPredictor(ExportedModel):
     """An exported `squad` model in ONNX Runtime, with the tokenizer its metadata describes."""
 
-    def __init__(self, model: Path, threads: int | None = None, spinning: bool = True) -> None:
-        super().__init__(model, "squad", threads, spinning)
+    def __init__(self, model: Path, threads: int | None = None, spinning: bool = True,
+                 device: str | None = None) -> None:
+        super().__init__(model, "squad", threads, spinning, device)
         self.tokenizer = self.text_tokenizer.backend
         self.options = WindowOptions(self.sequence_length,
                                      int(json.loads(self.text("doc_stride"))),
@@ -429,8 +480,9 @@ class ClassifyPredictor(ExportedModel):
     through the activation its metadata records (an imported CrossEncoder's), as
     `CrossEncoder.predict` does."""
 
-    def __init__(self, model: Path, threads: int | None = None, spinning: bool = True) -> None:
-        super().__init__(model, "classification", threads, spinning)
+    def __init__(self, model: Path, threads: int | None = None, spinning: bool = True,
+                 device: str | None = None) -> None:
+        super().__init__(model, "classification", threads, spinning, device)
         outputs = json.loads(self.meta.get(f"{METADATA_PREFIX}num_labels", "null"))
         self.regression = outputs == 1
         self.labels = None if self.regression else [str(x) for x in

@@ -78,7 +78,7 @@ class Served:
 
     def __init__(self, model: Path, threads: int | None = None,
                  served_model_name: str | None = None,
-                 max_input_tokens: int | None = None) -> None:
+                 max_input_tokens: int | None = None, device: str = "cpu") -> None:
         model = Path(model)
         self.task = export_task(model)
         predictor = predictor_class(self.task)
@@ -89,7 +89,8 @@ class Served:
                              f"`popbert serve` does not serve (it serves "
                              f"{', '.join(t for t in TASKS if predictor_class(t))})")
         self.path = model
-        self.predictor: Any = predictor(model, threads, spinning=False)
+        self.predictor: Any = predictor(model, threads, spinning=False,
+                                        device=None if device == "cpu" else device)
         self.name = served_model_name or (model.stem if model.is_file() else model.name)
         if max_input_tokens is not None:  # only lowers the export's length, or it does nothing
             length = self.predictor.sequence_length

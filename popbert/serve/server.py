@@ -63,7 +63,8 @@ def load(model: Path, config: ServeConfig) -> Any:
     """The export, loaded and checked against the limits (`popbert.serve.routes.Served`)."""
     from popbert.serve.routes import Served
 
-    served = Served(model, config.threads, config.served_model_name, config.max_input_tokens)
+    served = Served(model, config.threads, config.served_model_name, config.max_input_tokens,
+                    config.device)
     served.use_default_prompt(config.default_prompt_name, config.default_prompt)
     if config.max_batch_tokens < served.max_input_tokens:
         raise UsageError(f"--max-batch-tokens {config.max_batch_tokens}: a batch must hold one "

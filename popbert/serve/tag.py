@@ -38,8 +38,9 @@ TASK = "token-classification"
 class TagPredictor(ExportedModel):
     """An exported `token-classification` model: words in, IOB2 tags out."""
 
-    def __init__(self, model: Path, threads: int | None = None, spinning: bool = True) -> None:
-        super().__init__(model, TASK, threads, spinning)
+    def __init__(self, model: Path, threads: int | None = None, spinning: bool = True,
+                 device: str | None = None) -> None:
+        super().__init__(model, TASK, threads, spinning, device)
         self.labels = [str(x) for x in json.loads(self.text("labels"))]
 
     def calibration_arrays(self, data: Path) -> dict[str, np.ndarray]:

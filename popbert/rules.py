@@ -10,6 +10,7 @@ an :class:`Invalid` carrying the keys it involves, so the config loader can blam
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -89,6 +90,10 @@ PER_MACHINE = Rule(lambda v: 1 <= v <= MAX_PER_MACHINE, f"from 1 to {MAX_PER_MAC
 INT_LIMIT = 2**31 - 1
 #: A random seed: what NumPy, torch and Python's `random` all take.
 SEED = Rule(lambda v: 0 <= v <= INT_LIMIT, f"from 0 to {INT_LIMIT} (2**31 - 1)")
+#: Where an export runs (`serve`, `predict`, `evaluate`): the CPU's runtimes (ONNX Runtime,
+#: OpenVINO), or a GPU through popbert's torch backend.
+EXPORT_DEVICE = Rule(lambda v: re.fullmatch(r"cpu|cuda(:\d+)?", v) is not None,
+                     "cpu, cuda or cuda:N")
 
 
 def setting(default: Any = dataclasses.MISSING, rule: Rule | None = None, *,
@@ -111,6 +116,6 @@ def check_fields(obj: Any, prefix: str) -> None:
             rule.check(f"{prefix}.{f.name}", getattr(obj, f.name))
 
 
-__all__ = ["EXPECTED", "INT_LIMIT", "MAX_PER_MACHINE", "MUST_BE", "PER_MACHINE", "POSITIVE_INT",
-           "SEED", "Invalid", "Rule", "above", "at_least", "check_fields", "one_of", "rule_of",
-           "setting", "within"]
+__all__ = ["EXPECTED", "EXPORT_DEVICE", "INT_LIMIT", "MAX_PER_MACHINE", "MUST_BE", "PER_MACHINE",
+           "POSITIVE_INT", "SEED", "Invalid", "Rule", "above", "at_least", "check_fields",
+           "one_of", "rule_of", "setting", "within"]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from popbert import __version__
 from popbert.errors import PopbertError, UsageError, one_line
 from popbert.io import paths
-from popbert.rules import PER_MACHINE, SEED
+from popbert.rules import EXPORT_DEVICE, PER_MACHINE, SEED
 
 if TYPE_CHECKING:
     from popbert.config import RunConfig
@@ -224,7 +224,7 @@ def _cmd_evaluate_retrieval(args: argparse.Namespace) -> int:
     _print_json(evaluate_retrieval(args.model, args.beir, args.split,
                                    batch_size=args.batch_size, threads=args.threads,
                                    query_prompt=args.query_prompt,
-                                   document_prompt=args.document_prompt))
+                                   document_prompt=args.document_prompt, device=args.device))
     return 0
 
 
@@ -232,7 +232,8 @@ def _cmd_evaluate_rerank(args: argparse.Namespace) -> int:
     from popbert.serve.rerank import evaluate_rerank  # ONNX Runtime only: no torch
 
     _print_json(evaluate_rerank(args.model, args.beir, args.split, args.run,
-                                batch_size=args.batch_size, threads=args.threads))
+                                batch_size=args.batch_size, threads=args.threads,
+                                device=args.device))
     return 0
 
 
@@ -240,7 +241,7 @@ def _cmd_predict_ner(args: argparse.Namespace) -> int:
     from popbert.serve.tag import predict_ner  # ONNX Runtime only: no torch
 
     metrics = predict_ner(args.model, args.data, args.output, batch_size=args.batch_size,
-                          threads=args.threads, scheme=args.tag_scheme)
+                          threads=args.threads, scheme=args.tag_scheme, device=args.device)
     logger.info("wrote %s", args.output)
     if metrics is not None:
         _print_json(metrics)
@@ -252,7 +253,7 @@ def _cmd_predict_embed(args: argparse.Namespace) -> int:
 
     predict_embed(args.model, args.data, args.output, batch_size=args.batch_size,
                   threads=args.threads, fmt=args.format, prompt=args.prompt,
-                  text_column=args.text_column)
+                  text_column=args.text_column, device=args.device)
     logger.info("wrote %s", args.output)
     return 0
 
@@ -261,7 +262,7 @@ def _cmd_predict_rerank(args: argparse.Namespace) -> int:
     from popbert.serve.rerank import predict_rerank  # ONNX Runtime only: no torch
 
     predict_rerank(args.model, args.data, args.output, batch_size=args.batch_size,
-                   threads=args.threads)
+                   threads=args.threads, device=args.device)
     logger.info("wrote %s", args.output)
     return 0
 
@@ -273,10 +274,24 @@ def _add_rerank_options(p: argparse.ArgumentParser) -> None:
     _add_runtime_options(p, 32, "pairs per run")
 
 
+EXPORT_DEVICE_HELP = ("cpu (ONNX Runtime, or OpenVINO for an IR; the default), or cuda or "
+                      "cuda:N: a GPU, through popbert's torch backend, for an FP32 or FP16 "
+                      "ONNX export")
+
+
 def _add_runtime_options(p: argparse.ArgumentParser, batch_size: int, per_run: str) -> None:
     """How an export is run by the commands that serve it (predict, evaluate)."""
     p.add_argument("--batch-size", type=int, default=batch_size, help=per_run)
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    p.add_argument("--device", type=_export_device, default=None, metavar="DEVICE",
+                   help=EXPORT_DEVICE_HELP)
+
+
+def _export_device(text: str) -> str | None:
+    """--device of the commands that run an export: None for the CPU's runtimes."""
+    if not EXPORT_DEVICE.allows(text):
+        raise argparse.ArgumentTypeError(f"expected {EXPORT_DEVICE.expected}, got {text!r}")
+    return None if text == "cpu" else text
 
 
 def _cmd_evaluate_squad(args: argparse.Namespace) -> int:
@@ -291,7 +306,7 @@ def _cmd_predict_squad(args: argparse.Namespace) -> int:
 
     predict_squad(args.model, args.data, args.output, n_best_size=args.n_best_size,
                   max_answer_length=args.max_answer_length, batch_size=args.batch_size,
-                  threads=args.threads)
+                  threads=args.threads, device=args.device)
     logger.info("wrote %s", args.output)
     return 0
 
@@ -302,7 +317,7 @@ def _cmd_predict_classify(args: argparse.Namespace) -> int:
     metrics = predict_classify(args.model, args.data, args.output, batch_size=args.batch_size,
                                threads=args.threads, text_column=args.text_column,
                                pair_column=args.text_pair_column,
-                               label_column=args.label_column)
+                               label_column=args.label_column, device=args.device)
     logger.info("wrote %s", args.output)
     if metrics is not None:
         _print_json(metrics)
@@ -661,9 +676,7 @@ def _add_serve_command(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="the runtime's intra-op threads per worker (default: the runtime's "
                         "with one worker; with more, each worker's share of the CPUs)")
     p.add_argument("--device", default=None, metavar="DEVICE",
-                   help="cpu (ONNX Runtime, or OpenVINO for an IR; the default), or cuda or "
-                        "cuda:N: a GPU, through popbert's torch backend, for an FP32 or FP16 "
-                        "ONNX export")
+                   help=EXPORT_DEVICE_HELP)
     p.add_argument("--ssl-certfile", type=paths.PEM, default=None, metavar="FILE.pem",
                    help="TLS certificate (PEM)")
     p.add_argument("--ssl-keyfile", type=paths.PEM, default=None, metavar="FILE.pem",

@@ -23,6 +23,7 @@ from popbert.dtypes import FLOAT_FORMATS, rounds_stochastically
 from popbert.errors import ConfigError
 from popbert.rules import (
     EXPECTED,
+    EXPORT_DEVICE,
     PER_MACHINE,
     SEED,
     Invalid,
@@ -403,8 +404,7 @@ class ServeConfig:
     threads: int | None = setting(None, PER_MACHINE.or_null())
     # Where the model runs: the CPU (ONNX Runtime, or OpenVINO for an IR), or a GPU, where
     # popbert's torch backend runs the export's ONNX graph at the export's own precision.
-    device: str = setting("cpu", Rule(lambda value: re.fullmatch(r"cpu|cuda(:\d+)?", value)
-                                      is not None, "cpu, cuda or cuda:N"))
+    device: str = setting("cpu", EXPORT_DEVICE)
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     access_log: bool = False

@@ -90,14 +90,15 @@ class EmbedPredictor(ExportedModel):
 
 def predict_embed(model: Path, data: Path, output: Path, batch_size: int = 32,
                   threads: int | None = None, fmt: str | None = None,
-                  prompt: str | None = None, text_column: str | None = None) -> int:
+                  prompt: str | None = None, text_column: str | None = None,
+                  device: str | None = None) -> int:
     """`popbert predict embed`: the vector of every text of `data` (a .txt file, a text a line,
     or rows as `predict classify` reads them), written as JSON lines (`line`, `embedding`) or,
     `fmt="npy"` (default for a .npy output), one [N, H] float32 array. Returns the texts."""
     fmt = fmt or ("npy" if Path(output).suffix.lower() == ".npy" else "jsonl")
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
-    predictor = EmbedPredictor(model, threads)
+    predictor = EmbedPredictor(model, threads, device=device)
     rows = read_texts(data, text_column)
     stats = PredictStats()
     started = time.perf_counter()
@@ -121,13 +122,14 @@ def predict_embed(model: Path, data: Path, output: Path, batch_size: int = 32,
 def evaluate_retrieval(model: Path, directory: Path, split: str = "test",
                        batch_size: int = 32, threads: int | None = None,
                        query_prompt: str | None = None,
-                       document_prompt: str | None = None) -> dict[str, float]:
+                       document_prompt: str | None = None,
+                       device: str | None = None) -> dict[str, float]:
     """`popbert evaluate retrieval`: embed a BEIR directory's judged queries and its whole
     corpus, rank every document for each query by cosine similarity (exact search) and return
     nDCG@10, MRR@10 and Recall@100 (`popbert.data.retrieval.ranking_metrics`)."""
     from popbert.data.retrieval import exact_search_metrics, read_beir
 
-    predictor = EmbedPredictor(model, threads)
+    predictor = EmbedPredictor(model, threads, device=device)
     beir = read_beir(directory, split)
     stats = PredictStats()
     started = time.perf_counter()

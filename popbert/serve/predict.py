@@ -542,11 +542,11 @@ class ClassifyPredictor(ExportedModel):
 
 def predict_squad(model: Path, data: Path, output: Path, n_best_size: int = 20,
                   max_answer_length: int = 30, batch_size: int = 16,
-                  threads: int | None = None, stats: PredictStats | None = None
-                  ) -> dict[str, str]:
+                  threads: int | None = None, stats: PredictStats | None = None,
+                  device: str | None = None) -> dict[str, str]:
     """`popbert predict squad`: answer every question of `data`, write `output` (+ n-best)
     and log `stats` (filled in if given): throughput, padding and what windowing cut."""
-    predictor = SquadPredictor(model, threads)
+    predictor = SquadPredictor(model, threads, device=device)
     stats = stats if stats is not None else PredictStats()
     started = time.perf_counter()
     questions, _ = read_squad(data)
@@ -562,12 +562,13 @@ def predict_squad(model: Path, data: Path, output: Path, n_best_size: int = 20,
 def predict_classify(model: Path, data: Path, output: Path, batch_size: int = 16,
                      threads: int | None = None, text_column: str | None = None,
                      pair_column: str | None = None, label_column: str | None = None,
-                     stats: PredictStats | None = None) -> dict[str, float] | None:
+                     stats: PredictStats | None = None,
+                     device: str | None = None) -> dict[str, float] | None:
     """`popbert predict classify`: label every row of `data` and write `output` as JSON lines
     (`line`, `label`, `probabilities` by label, `gold` where the file has labels), and log
     `stats` (filled in if given). Returns accuracy and F1 when the file is labelled (with the
     model's labels) and `stats.summary()`'s figures beside them, else None."""
-    predictor = ClassifyPredictor(model, threads)
+    predictor = ClassifyPredictor(model, threads, device=device)
     stats = stats if stats is not None else PredictStats()
     started = time.perf_counter()
     rows = read_texts(data, text_column, pair_column, label_column)

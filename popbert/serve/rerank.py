@@ -83,11 +83,11 @@ def read_candidates(path: Path) -> list[tuple[int, str, list[tuple[Any, str]]]]:
 
 
 def predict_rerank(model: Path, data: Path, output: Path, batch_size: int = 32,
-                   threads: int | None = None) -> int:
+                   threads: int | None = None, device: str | None = None) -> int:
     """`popbert predict rerank`: each row's candidates sorted by the model's score, highest
     first, written as JSON lines (`line`, `query`, `ranked`: [{`id`, `text`, `score`}]).
     Returns the rows written."""
-    predictor = ClassifyPredictor(model, threads)
+    predictor = ClassifyPredictor(model, threads, device=device)
     rows = read_candidates(Path(data))  # read whole before any work: a bad row writes nothing
     stats = PredictStats()
     started = time.perf_counter()
@@ -113,11 +113,11 @@ def predict_rerank(model: Path, data: Path, output: Path, batch_size: int = 32,
 
 def evaluate_rerank(model: Path, directory: Path, split: str = "test",
                     run_output: Path | None = None, batch_size: int = 32,
-                    threads: int | None = None) -> dict[str, float]:
+                    threads: int | None = None, device: str | None = None) -> dict[str, float]:
     """`popbert evaluate rerank`: score every (judged query, document) pair of a BEIR
     directory, rank each query's documents by score and return nDCG@10, MRR@10 and
     Recall@100; with `run_output`, write the ranking in TREC's run format (top 1000)."""
-    predictor = ClassifyPredictor(model, threads)
+    predictor = ClassifyPredictor(model, threads, device=device)
     beir = read_beir(directory, split)
     documents = sorted(beir.corpus)
     queries = sorted(beir.qrels)

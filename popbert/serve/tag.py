@@ -140,13 +140,13 @@ def tag_texts(predictor: TagPredictor, texts: list[str], batch_size: int = 16,
 
 
 def predict_ner(model: Path, data: Path, output: Path, batch_size: int = 16,
-                threads: int | None = None, scheme: str | None = None
-                ) -> dict[str, Any] | None:
+                threads: int | None = None, scheme: str | None = None,
+                device: str | None = None) -> dict[str, Any] | None:
     """`popbert predict ner`: tag every word of `data` (CoNLL: the word first; or JSON lines of
     "tokens"), write `output` in the same format (CoNLL with the predicted tag as the last
     column, one line per input word; JSON lines with "tags"), and return entity precision,
     recall and F1 when the file has tags (else None)."""
-    predictor = TagPredictor(model, threads)
+    predictor = TagPredictor(model, threads, device=device)
     if Path(data).suffix.lower() == ".txt" and not _looks_tagged(Path(data)):
         return _predict_texts(predictor, Path(data), Path(output), batch_size)
     tagged = read_tagged(Path(data), scheme, require_tags=False)

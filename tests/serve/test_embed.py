@@ -166,6 +166,24 @@ def test_a_pooling_popbert_has_no_node_for_is_one_line(tmp_path: Path,
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_a_device_the_machine_lacks_is_one_line(minilm_embedding: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """`predict`/`evaluate --device`: a GPU this machine lacks, or a name that is no device,
+    is one line naming the flag, and nothing is written."""
+    data = tmp_path / "texts.txt"
+    data.write_text("a text\n")
+    output = tmp_path / "out.npy"
+    capsys.readouterr()
+    assert main(["predict", "embed", "--model", str(minilm_embedding), "--data", str(data),
+                 "-o", str(output), "--device", "cuda:7"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "--device cuda:7: not a device of this machine" in errors[0]
+    assert main(["predict", "embed", "--model", str(minilm_embedding), "--data", str(data),
+                 "-o", str(output), "--device", "gpu"]) == 2
+    assert "--device: expected cpu, cuda or cuda:N, got 'gpu'" in capsys.readouterr().err
+    assert not output.exists()
+
+
 @pytest.mark.e2e
 def test_export_hf_writes_a_sentence_transformers_folder_back(
         minilm_dir: Path, tmp_path: Path) -> None:

@@ -8,7 +8,10 @@ weights and stochastic rounding) a short `popbert pretrain` on CUDA with BF16 co
   verifies itself against the torch backend and says so in its log line);
 * the same run again (GPU kernels such as the embedding's backward add in any order, so two
   straight runs need not agree to the bit: their difference is the yardstick);
-* the same run SIGKILLed once its half-way checkpoint is on disk, then `--resume`d.
+* the same run SIGKILLed once its half-way checkpoint is on disk, then `--resume`d;
+* the straight run's weights exported for sentence embeddings and served as `popbert serve
+  --device cuda` serves them (popbert's torch backend on the ONNX graph), against ONNX Runtime
+  on the CPU on the same file.
 
 It prints one table (wall time, steady steps/s, first and last loss, the resumed run's and the
 rerun's largest weight difference from the straight run, the export's verification) and writes
@@ -88,6 +91,22 @@ def largest_difference(a: Path, b: Path) -> float:
     return max(float(np.abs(wa[k] - wb[k]).max()) for k in wa)
 
 
+def served_on_device(run_dir: Path, work: Path, device: str, timeout: float) -> float:
+    """The largest difference between the vectors and token states of an embedding export of
+    `run_dir`, run as `popbert serve --device` runs it and in ONNX Runtime on the CPU."""
+    from popbert.serve.embed import EmbedPredictor
+
+    model = work / "embedding.onnx"
+    run(["export", "--checkpoint", str(run_dir), "--task", "embedding", "--output", str(model)],
+        work / "export-embedding.log", timeout)
+    texts = ["a short text", "the cat sat on the mat while the dog slept by the door " * 3]
+    on_device, on_cpu = EmbedPredictor(model, device=device), EmbedPredictor(model)
+    differences = [np.abs(on_device.embed(texts) - on_cpu.embed(texts)).max()]
+    differences += [np.abs(a - b).max() for a, b in zip(on_device.token_states(texts),
+                                                        on_cpu.token_states(texts))]
+    return float(max(differences))
+
+
 def records(directory: Path) -> list[dict]:
     return [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
 
@@ -115,8 +134,11 @@ def check_family(family: str, work: Path, device: str, compile_: bool, steps: in
         run(["pretrain", "--resume", str(root / "killed")], root / "resume.log", timeout)
         row["resume_max_dweight"] = largest_difference(root / "straight", root / "killed")
         row["resume_last_loss"] = records(root / "killed")[-1]["loss"]
+        # FP32 on both sides, so rounding only: 1e-3 would still pass TF32 matmuls
+        row["served_max_diff"] = served_on_device(root / "straight", root, device, timeout)
         row["ok"] = (verified is not None and row["last_loss"] < row["first_loss"]
-                     and row["resume_max_dweight"] <= max(10 * row["rerun_max_dweight"], 1e-6))
+                     and row["resume_max_dweight"] <= max(10 * row["rerun_max_dweight"], 1e-6)
+                     and row["served_max_diff"] <= 1e-3)
     except Exception as error:  # one family's failure must not hide the others' results
         row["ok"], row["error"] = False, str(error)
     return row
@@ -146,15 +168,16 @@ def main() -> int:
             rows.append(future.result())
             print(json.dumps(rows[-1]), flush=True)
     print(f"| family | wall s | steady seq/s | loss first → last | resumed: last loss, "
-          f"max Δweight | rerun max Δweight | export | ok |\n{'| --- ' * 8}|")
+          f"max Δweight | rerun max Δweight | export | served on {device} vs ORT | ok |\n"
+          f"{'| --- ' * 9}|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['family']} | failed: {r['error']} |||||| no |")
+            print(f"| {r['family']} | failed: {r['error']} ||||||| no |")
             continue
         print(f"| {r['family']} | {r['wall_s']} | {r['steady_seq_per_s']:.0f} | "
               f"{r['first_loss']:.3f} → {r['last_loss']:.3f} | {r['resume_last_loss']:.3f}, "
               f"{r['resume_max_dweight']:.2g} | {r['rerun_max_dweight']:.2g} | {r['export']} | "
-              f"{'yes' if r['ok'] else 'NO'} |")
+              f"{r['served_max_diff']:.2g} | {'yes' if r['ok'] else 'NO'} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0 if all(r["ok"] for r in rows) else 1

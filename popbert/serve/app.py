@@ -210,6 +210,7 @@ def create_app(served: Served, config: ServeConfig, api_key: str | None = None,
         texts = _listed(body.inputs)
         check_inputs("inputs", texts)
         too_many("inputs", len(texts))
+
         def states_as_json() -> tuple[str, Usage]:
             # off the event loop (an answer of megabytes), and text by text: Python floats
             # for one text's states at a time, not for all of them

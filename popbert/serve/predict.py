@@ -126,6 +126,17 @@ class PredictStats:
         return text
 
 
+def read_onnx(model: Path, load_external_data: bool = True) -> Any:
+    """The ONNX model at `model`; a one-line error naming it if it is not one."""
+    import onnx
+
+    try:
+        return onnx.load(str(model), load_external_data=load_external_data)
+    except Exception as error:  # a protobuf DecodeError, an OSError: not an ONNX file
+        raise UsageError(f"--model: {model}: not an ONNX model ({one_line(error, 200)})"
+                         ) from None
+
+
 def export_task(model: Path) -> str:
     """The task a popbert export was made for (its `popbert.task` metadata), read without
     loading it into a runtime; a one-line error for anything else."""
@@ -141,13 +152,7 @@ def export_task(model: Path) -> str:
             raise UsageError(f"--model: {model}: OpenVINO cannot read it "
                              f"({one_line(error, 200)})") from None
     else:
-        import onnx
-
-        try:
-            proto = onnx.load(str(model), load_external_data=False)
-        except Exception as error:  # a protobuf DecodeError, an OSError: not an ONNX file
-            raise UsageError(f"--model: {model}: not an ONNX model ({one_line(error, 200)})"
-                             ) from None
+        proto = read_onnx(model, load_external_data=False)
         meta = {prop.key: prop.value for prop in proto.metadata_props}
     task = meta.get(f"{METADATA_PREFIX}task")
     if task is None:
@@ -259,13 +264,17 @@ class ExportedModel:
         dims = network.inputs[0].get_partial_shape()
         self.input_shape = [d.get_length() if d.is_static else None for d in dims]
         self.output_names = [o.get_any_name() for o in network.outputs]
-        self._run = lambda feeds, names: [run(compiled, feeds)[name] for name in names]
+
+        def run_once(feeds: Mapping[str, np.ndarray], names: Sequence[str]) -> list[np.ndarray]:
+            outputs = run(compiled, feeds)  # one inference, whatever outputs are read
+            return [outputs[name] for name in names]
+
+        self._run = run_once
 
     def _load_torch(self, model: Path, device: str) -> None:
         """The export's ONNX graph lowered by popbert's torch backend onto `device` (`popbert
         serve --device cuda`): the graph ONNX Runtime runs, op for op, at the export's own
         precision. Imports torch, which the CPU runtimes never do."""
-        import onnx
         import torch
 
         from popbert.errors import ConfigError
@@ -277,11 +286,7 @@ class ExportedModel:
         if is_ir(model):
             raise UsageError(f"{flag}: {model} is an OpenVINO IR, which runs on the CPU; serve "
                              "an ONNX export (`popbert export` without --runtime) on a GPU")
-        try:
-            proto = onnx.load(str(model))
-        except Exception as error:  # a protobuf DecodeError, an OSError: not an ONNX file
-            raise UsageError(f"--model: {model}: not an ONNX model ({one_line(error, 200)})"
-                             ) from None
+        proto = read_onnx(model)
         contrib = sorted({node.op_type for node in proto.graph.node
                           if node.domain == "com.microsoft"})
         if contrib:
@@ -629,5 +634,5 @@ def _predict_scores(predictor: ClassifyPredictor, rows: ClassificationData, outp
 
 
 __all__ = ["ClassifyPredictor", "ExportedModel", "PredictStats", "SquadPredictor",
-           "export_task", "predict_classify", "predict_squad", "predictor_class", "read_texts",
-           "window_cuts"]
+           "export_task", "predict_classify", "predict_squad", "predictor_class", "read_onnx",
+           "read_texts", "window_cuts"]
